@@ -1,0 +1,179 @@
+"""The stage DAG: built from `pipeline.stages` config and validated on the
+driver before any Dask work; `run` pushes one batch through it."""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.base import Batch, BatchContext, Role, Spec, Stage, StageError
+from stages.read import ImageFolder
+
+CONFIG_ROOT = "pipeline.stages"
+RESERVED = ("_target_", "inputs")
+
+
+class GraphError(ValueError):
+    """The stage graph in the config is invalid; the message names the key and the fix."""
+
+
+@dataclass
+class StageTiming:
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    items: int = 0
+
+
+@dataclass
+class BatchOutput:
+    """What one batch task returns: a batch per sink, stage timings, bad files."""
+
+    streams: dict[str, Batch]
+    timings: dict[str, StageTiming]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    converted: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class StageGraph:
+    stages: dict[str, Stage]  # in topological order
+    inputs: dict[str, str | None]  # each stage's input stage (None for the source)
+    specs: dict[str, Spec]  # each stage's output spec
+
+    @property
+    def source(self) -> ImageFolder:
+        return next(stage for stage in self.stages.values() if isinstance(stage, ImageFolder))
+
+    @property
+    def sinks(self) -> dict[str, Spec]:
+        return {name: self.specs[name] for name, stage in self.stages.items() if stage.role is Role.SINK}
+
+    def run(self, ctx: BatchContext) -> BatchOutput:
+        """One batch through every stage, fused in this thread, each stage timed."""
+        outputs: dict[str, Batch] = {}
+        timings: dict[str, StageTiming] = {}
+        for name, stage in self.stages.items():
+            ctx.stage = name
+            upstream = self.inputs[name]
+            wall, cpu = time.perf_counter(), time.thread_time()
+            outputs[name] = stage(outputs[upstream] if upstream else None, ctx)
+            timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu, len(outputs[name].labels))
+        streams = {name: outputs[name] for name in self.sinks}
+        return BatchOutput(streams, timings, ctx.skipped, ctx.converted)
+
+
+def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> StageGraph:
+    """Instantiate and check the DAG. `consumed`: the sinks some model reads."""
+    if not stages_cfg:
+        raise GraphError(f"{CONFIG_ROOT} is empty; declare at least a source, a decode, an augment and a sink stage")
+    stages = {name: _instantiate(name, entry) for name, entry in stages_cfg.items()}
+    inputs = {name: _single_input(name, stages_cfg[name], stages) for name in stages}
+    order = _topological_order(inputs)
+    specs: dict[str, Spec] = {}
+    for name in order:
+        stage, upstream = stages[name], inputs[name]
+        if upstream is not None and stage.accepts is not specs[upstream].kind:
+            raise GraphError(
+                f"{CONFIG_ROOT}.{name}.inputs: '{upstream}' produces {specs[upstream]} but "
+                f"{type(stage).__name__} accepts {stage.accepts.value}; "
+                f"feed it from a stage that produces {stage.accepts.value}")
+        specs[name] = stage.output_spec(specs[upstream] if upstream else None)
+    _check_ends(stages, inputs, consumed)
+    _tell_consumer_needs(stages, inputs)
+    return StageGraph({name: stages[name] for name in order}, inputs, specs)
+
+
+def _instantiate(name: str, entry: dict[str, Any]) -> Stage:
+    key = f"{CONFIG_ROOT}.{name}"
+    if not isinstance(entry, dict) or "_target_" not in entry:
+        raise GraphError(f"{key} has no _target_; set it to a stage class, e.g. stages.decode.Decode")
+    cls = _stage_class(entry["_target_"], key)
+    given = {k: v for k, v in entry.items() if k not in RESERVED}
+    allowed = cls.config_fields()
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise GraphError(f"{key}.{unknown[0]}: {cls.__name__} has no field '{unknown[0]}'; "
+                         f"its fields are: {', '.join(allowed) or '(none)'}")
+    try:
+        return cls(**given)
+    except TypeError as err:  # a required field is missing
+        raise GraphError(f"{key}: {err}; {cls.__name__}'s fields are: {', '.join(allowed)}") from None
+    except StageError as err:
+        raise GraphError(f"{key}: {err}") from None
+
+
+def _stage_class(target: str, key: str) -> type[Stage]:
+    module_name, _, class_name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        raise GraphError(f"{key}._target_: cannot import '{target}'; built-in stages are "
+                         "stages.read.ImageFolder, stages.decode.Decode, "
+                         "stages.augment.RandomResizedCropFlip, stages.sink.Deliver") from None
+    if not (isinstance(cls, type) and issubclass(cls, Stage)):
+        raise GraphError(f"{key}._target_: '{target}' is not a Stage (subclass stages.base.Stage)")
+    return cls
+
+
+def _single_input(name: str, entry: dict[str, Any], stages: dict[str, Stage]) -> str | None:
+    key = f"{CONFIG_ROOT}.{name}.inputs"
+    inputs = list(entry.get("inputs") or [])
+    stage = stages[name]
+    if stage.role is Role.SOURCE:
+        if inputs:
+            raise GraphError(f"{key}: {type(stage).__name__} is a source and takes no inputs; remove {inputs}")
+        return None
+    if len(inputs) != 1:
+        raise GraphError(f"{key}: {type(stage).__name__} takes exactly one input, got {inputs or 'none'}; "
+                         f"name the stage it reads from, e.g. inputs: [{next(iter(stages))}]")
+    if inputs[0] not in stages:
+        raise GraphError(f"{key}: no stage named '{inputs[0]}'; stages are: {', '.join(stages)}")
+    return inputs[0]
+
+
+def _topological_order(inputs: dict[str, str | None]) -> list[str]:
+    order: list[str] = []
+    placed: set[str] = set()
+    pending = dict(inputs)
+    while pending:
+        ready = [name for name, upstream in pending.items() if upstream is None or upstream in placed]
+        if not ready:
+            cycle = " -> ".join(sorted(pending))
+            raise GraphError(f"{CONFIG_ROOT}: the inputs of {cycle} form a cycle; "
+                             "every branch must start at the source stage")
+        for name in ready:
+            order.append(name)
+            placed.add(name)
+            del pending[name]
+    return order
+
+
+def _check_ends(stages: dict[str, Stage], inputs: dict[str, str | None], consumed: set[str]) -> None:
+    sources = [name for name, stage in stages.items() if stage.role is Role.SOURCE]
+    if len(sources) != 1 or not isinstance(stages[sources[0]], ImageFolder):
+        raise GraphError(f"{CONFIG_ROOT}: need exactly one source stage (stages.read.ImageFolder), found "
+                         f"{sources or 'none'}")
+    fed = {upstream for upstream in inputs.values() if upstream}
+    for name, stage in stages.items():
+        if stage.role is Role.SINK:
+            if name not in consumed:
+                raise GraphError(f"{CONFIG_ROOT}.{name} is a sink no model reads; set some model's "
+                                 f"input to '{name}' or remove the stage")
+            if name in fed:
+                raise GraphError(f"{CONFIG_ROOT}.{name} is a sink and cannot feed other stages")
+        elif name not in fed:
+            raise GraphError(f"{CONFIG_ROOT}.{name}: its output goes nowhere; end the branch with a sink "
+                             "(_target_: stages.sink.Deliver, inputs: [" + name + "])")
+    sinks = {name for name, stage in stages.items() if stage.role is Role.SINK}
+    unknown = sorted(consumed - sinks)
+    if unknown:
+        raise GraphError(f"a model's input is '{unknown[0]}', which is not a sink in {CONFIG_ROOT}; "
+                         f"sinks are: {', '.join(sorted(sinks)) or '(none)'}")
+
+
+def _tell_consumer_needs(stages: dict[str, Stage], inputs: dict[str, str | None]) -> None:
+    """Let each stage know the detail its consumers need (decode may shrink to it)."""
+    for name, stage in stages.items():
+        needs = [stages[c].min_input_side() for c, upstream in inputs.items() if upstream == name]
+        stage.set_consumer_need(None if not needs or None in needs else max(needs))

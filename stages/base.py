@@ -1,0 +1,119 @@
+"""The stage contract.
+
+A stage is a dataclass whose fields are its configuration (the dataclass is
+also the config schema: Hydra entries are checked against it) and whose
+`output_spec` says what it produces before any data flows, so that a graph
+can be validated on the driver. Stages know nothing of Dask, trainers or
+the scheduler: they turn one batch into the next, given a `BatchContext`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import zlib
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+
+class Role(str, enum.Enum):
+    SOURCE = "source"  # no inputs: makes a batch from a batch index
+    MAP = "map"  # one input batch in, one out
+    SINK = "sink"  # end of a branch: its output is a stream handed to trainers
+
+
+class DataKind(str, enum.Enum):
+    ENCODED = "encoded"  # file bytes, as read
+    IMAGES = "images"  # decoded HWC uint8 RGB images of any size
+    TENSOR = "tensor"  # one NHWC uint8 array, every image the same shape
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What flows out of a stage: the kind of data and, for tensors, the item shape."""
+
+    kind: DataKind
+    item_shape: tuple[int, ...] | None = None
+
+    def __str__(self) -> str:
+        return self.kind.value + (f"{list(self.item_shape)}" if self.item_shape else "")
+
+
+class Split(str, enum.Enum):
+    TRAIN = "train"
+    VAL = "val"
+
+
+@dataclass
+class Batch:
+    """Data of one batch between stages; `data` changes kind stage by stage."""
+
+    data: list | np.ndarray
+    labels: np.ndarray  # int64 class indices, one per item of `data`
+    paths: list[str]  # source file of every item, for error reports
+
+    def keep(self, mask: list[bool]) -> Batch:
+        """The batch without the items whose mask is False (skipped files)."""
+        kept = [i for i, ok in enumerate(mask) if ok]
+        data = self.data[kept] if isinstance(self.data, np.ndarray) else [self.data[i] for i in kept]
+        return Batch(data, self.labels[kept], [self.paths[i] for i in kept])
+
+
+@dataclass
+class BatchContext:
+    """Everything a stage may know about the batch it is working on."""
+
+    seed: int
+    split: Split
+    epoch: int
+    index: int
+    stage: str = ""  # name of the stage now running, set by the executor
+    on_error: str = "skip"  # what a bad data file does: "skip" (recorded) or "fail"
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    converted: list[tuple[str, str]] = field(default_factory=list)  # (path, what was done)
+
+    def reject(self, path: str, reason: str) -> None:
+        """A data file cannot be used: record it, or stop the run naming it."""
+        if self.on_error == "fail":
+            raise BadFileError(f"{path}: {reason} (on_error=fail; set on_error=skip to skip such files "
+                               "and list them in results.json)")
+        self.skipped.append((path, reason))
+
+    def rng(self) -> np.random.Generator:
+        """A generator fixed by (seed, split, epoch, batch index, stage): the same
+        augmentations whichever worker runs the batch, and however often."""
+        split = list(Split).index(self.split)
+        return np.random.default_rng([self.seed, split, self.epoch, self.index, zlib.crc32(self.stage.encode())])
+
+
+class StageError(ValueError):
+    """Bad stage configuration."""
+
+
+class BadFileError(ValueError):
+    """A data file that cannot be used, under on_error=fail."""
+
+
+class Stage:
+    """Base of all stages. Subclasses are dataclasses; set `role` and `accepts`."""
+
+    role: ClassVar[Role]
+    accepts: ClassVar[DataKind | None]  # kind of input it takes; None for sources
+
+    def output_spec(self, input_spec: Spec | None) -> Spec:
+        raise NotImplementedError
+
+    def min_input_side(self) -> int | None:
+        """Shorter image side this stage needs to lose no detail; None: full size."""
+        return None
+
+    def set_consumer_need(self, side: int | None) -> None:
+        """Told by the graph what its consumers need (see `min_input_side`)."""
+
+    def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
+        raise NotImplementedError
+
+    @classmethod
+    def config_fields(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.init]

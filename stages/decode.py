@@ -1,0 +1,138 @@
+"""Decode stage: file bytes to RGB images, with simplejpeg, Pillow or DALI (CPU)."""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import simplejpeg
+from PIL import Image, UnidentifiedImageError
+
+from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage, StageError
+
+BACKENDS = ("simplejpeg", "pillow", "dali")
+JPEG_MAGIC = b"\xff\xd8"
+PNG_MAGIC = b"\x89PNG"
+
+
+@dataclass
+class Decode(Stage):
+    """JPEGs go through libjpeg-turbo (simplejpeg), at a reduced DCT size when
+    every consumer is content with less; other formats through Pillow."""
+
+    backend: str = "simplejpeg"  # simplejpeg | pillow | dali (CPU, device_id=None)
+    min_size: int | None = None  # shorter side to keep when decoding at reduced size; None: what consumers need
+    dali_threads: int = 1  # DALI's own threads per Dask worker thread
+
+    role: ClassVar[Role] = Role.MAP
+    accepts: ClassVar[DataKind | None] = DataKind.ENCODED
+
+    consumer_side: int | None = field(init=False, default=None)  # set by the graph from the consumers
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise StageError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.min_size is not None and self.min_size < 1:
+            raise StageError(f"min_size must be a positive pixel count or null, got {self.min_size}")
+
+    def output_spec(self, input_spec: Spec | None) -> Spec:
+        return Spec(DataKind.IMAGES)
+
+    def set_consumer_need(self, side: int | None) -> None:
+        self.consumer_side = side
+
+    @property
+    def keep_side(self) -> int:
+        """Shorter side below which decoding must not reduce the image (0: full size)."""
+        side = self.min_size if self.min_size is not None else self.consumer_side
+        return 0 if self.backend != "simplejpeg" or side is None else side
+
+    def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
+        assert batch is not None
+        if self.backend == "dali" and batch.data:
+            images = _decode_with_dali(batch.data, self.dali_threads)
+            if images is not None:
+                return Batch(images, batch.labels, batch.paths)
+            # DALI rejects whole batches; the per-file path below names the bad file.
+        images: list[np.ndarray | None] = [self._decode_one(data, path, ctx) for data, path in zip(batch.data, batch.paths)]
+        good = [img is not None for img in images]
+        kept = batch.keep(good)
+        kept.data = [img for img in images if img is not None]
+        return kept
+
+    def _decode_one(self, data: bytes, path: str, ctx: BatchContext) -> np.ndarray | None:
+        if not data:
+            ctx.reject(path, "empty file")
+            return None
+        if data.startswith(JPEG_MAGIC) and self.backend != "pillow":
+            try:
+                colorspace = simplejpeg.decode_jpeg_header(data)[2]
+                if colorspace in ("YCbCr", "Gray"):
+                    if colorspace == "Gray":
+                        ctx.converted.append((path, "grayscale JPEG expanded to RGB"))
+                    return self._decode_jpeg(data)
+            except ValueError as err:
+                ctx.reject(path, f"corrupt or truncated JPEG: {err}")
+                return None
+        return _decode_with_pillow(data, path, ctx)
+
+    def _decode_jpeg(self, data: bytes) -> np.ndarray:
+        side = self.keep_side
+        if side:
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+            # min_height/min_width let libjpeg-turbo scale in the DCT (1/8 steps):
+            # the shorter side stays >= side, the longer keeps the aspect ratio.
+            scale = side / min(height, width)
+            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=int(np.ceil(height * scale)),
+                                          min_width=int(np.ceil(width * scale)))
+        return simplejpeg.decode_jpeg(data, colorspace="RGB")
+
+
+def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray | None:
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            notes = []
+            if data.startswith(PNG_MAGIC) and path.lower().endswith((".jpg", ".jpeg")):
+                notes.append("PNG data in a .jpg file, decoded as PNG")
+            if image.mode != "RGB":
+                notes.append(f"{image.format} {image.mode} converted to RGB")
+                image = image.convert("RGB")
+            if notes:
+                ctx.converted.append((path, "; ".join(notes)))
+            return np.asarray(image)
+    except UnidentifiedImageError:
+        ctx.reject(path, "not an image (unrecognised format)")
+    except (OSError, ValueError, SyntaxError) as err:
+        ctx.reject(path, f"corrupt or truncated image: {err}")
+    return None
+
+
+# One DALI pipeline per worker process and batch capacity: building one costs ~100 ms.
+_dali_pipelines: dict[tuple[int, int], object] = {}
+
+
+def _decode_with_dali(encoded: list[bytes], threads: int) -> list[np.ndarray] | None:
+    """Decode a batch with DALI's CPU decoder; None when DALI rejects any file."""
+    from nvidia.dali import fn, pipeline_def, types  # imported lazily: DALI is large
+
+    capacity = 1 << (len(encoded) - 1).bit_length()  # reuse pipelines across batch sizes
+    key = (capacity, threads)
+    if key not in _dali_pipelines:
+        @pipeline_def(batch_size=capacity, num_threads=threads, device_id=None, prefetch_queue_depth=1)
+        def decode_pipeline():
+            files = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            return fn.decoders.image(files, device="cpu", output_type=types.RGB)
+
+        pipe = decode_pipeline()
+        pipe.build()
+        _dali_pipelines[key] = pipe
+    pipe = _dali_pipelines[key]
+    try:
+        pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
+        (decoded,) = pipe.run()
+    except RuntimeError:
+        _dali_pipelines.pop(key)  # a pipeline that raised is not reused
+        return None
+    return [np.array(decoded[i]) for i in range(len(encoded))]
