@@ -1,0 +1,45 @@
+"""Finds the dataset a run trains on, generating the synthetic stand-in when
+the configured root holds nothing (dataset.synthetic=auto)."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.utils import to_absolute_path
+
+from pipeline.synthetic import generate_imagefolder, read_marker
+
+
+class DatasetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    root: Path
+    synthetic: bool  # a generated stand-in, not real photos
+    generated_now: bool
+
+
+def prepare_dataset(root: str, synthetic: str, classes: int, images_per_class: int, seed: int) -> DatasetInfo:
+    path = Path(to_absolute_path(root))
+    if synthetic not in ("auto", "never"):
+        raise DatasetError(f"dataset.synthetic must be 'auto' or 'never', got {synthetic!r}")
+    empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+    marker = read_marker(path) if path.is_dir() else None
+    if synthetic == "never":
+        if empty:
+            raise DatasetError(f"dataset.root {path} is missing or empty; point dataset.root at an ImageFolder "
+                               "tree (one sub-folder per class, e.g. 256_ObjectCategories) or set "
+                               "dataset.synthetic=auto to generate a stand-in there")
+        return DatasetInfo(path, marker is not None, False)
+    if not empty and marker is None:
+        return DatasetInfo(path, False, False)  # real data
+    wanted = {"num_classes": classes, "images_per_class": images_per_class, "seed": seed}
+    if marker is not None and all(marker.get(k) == v for k, v in wanted.items()):
+        return DatasetInfo(path, True, False)
+    if marker is not None:
+        shutil.rmtree(path)  # our own stand-in, made with other parameters
+    generate_imagefolder(path, classes, images_per_class, seed)
+    return DatasetInfo(path, True, True)

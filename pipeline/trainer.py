@@ -1,0 +1,190 @@
+"""A trainer: one process per device slot, fed by a transport stream.
+
+It knows torch, the consumer end of the transport and checkpoints; never
+Dask. A model on g slots runs g trainers under DDP, each taking its 1/g
+share of every batch. Reports go to the driver through a queue.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+import traceback
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# ImageNet statistics: batches arrive as uint8 and are normalised on the device.
+MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str
+    depth: int
+    width: int
+    growth_rate: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    slots: int
+    input: str  # stream name
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    model: ModelSpec
+    num_classes: int
+    epochs: int
+    steps_per_epoch: int  # for the learning-rate schedule
+    rank: int  # within the model's data-parallel group
+    rendezvous: str  # init_method of the model's process group (used when slots > 1)
+    device: str  # "cpu" or "cuda:<i>"
+    threads: int
+    checkpoint_dir: str
+    record_checksums: bool
+
+
+def trainer_main(spec: TrainerSpec, reader, reports) -> None:
+    """Process entry point: train until the stream says STOP."""
+    try:
+        Trainer(spec, reports).consume(reader)
+    except BaseException:  # the driver names the model and shows the traceback
+        reports.put({"event": "error", "model": spec.model.name, "rank": spec.rank, "traceback": traceback.format_exc()})
+        raise
+
+
+class Trainer:
+    def __init__(self, spec: TrainerSpec, reports):
+        import torch
+        import torch.distributed as dist
+
+        from pipeline.models import build_model
+
+        self.torch, self.spec, self.reports = torch, spec, reports
+        torch.set_num_threads(spec.threads)
+        torch.manual_seed(0)  # members differ by architecture and hyper-parameters, not by luck of the init
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # we only read
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        m = spec.model
+        self.model = build_model(m.arch, m.depth, m.width, m.growth_rate, spec.num_classes).to(self.device)
+        self.model = self.model.to(memory_format=torch.channels_last)
+        self.world = m.slots
+        self.net = self.model
+        if self.world > 1:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=spec.rendezvous,
+                                    rank=spec.rank, world_size=self.world)
+            self.net = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=m.lr, momentum=m.momentum,
+                                         weight_decay=m.weight_decay, nesterov=True)
+        total_steps = max(1, spec.epochs * spec.steps_per_epoch)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
+        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
+        self.checksums: list[tuple[int, int, int, int, int]] = []
+        self._reset_epoch()
+
+    def _reset_epoch(self) -> None:
+        self.loss_sum, self.seen, self.step_time, self.wait_time = 0.0, 0, 0.0, 0.0
+        self.val_probs: list[np.ndarray] = []
+        self.val_labels: list[np.ndarray] = []
+
+    def _to_device(self, images: np.ndarray):
+        """uint8 NHWC view -> normalised float NCHW (channels-last) on the device."""
+        x = self.torch.from_numpy(images).to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
+        return (x - self.mean) / self.std
+
+    def consume(self, reader) -> None:
+        from pipeline.transport.base import MessageKind
+
+        waited = time.perf_counter()
+        for message in reader.messages():
+            self.wait_time += time.perf_counter() - waited
+            if self.spec.record_checksums:
+                self.checksums.append((int(message.kind), message.split, message.epoch, message.index,
+                                       zlib.crc32(message.labels.tobytes(), zlib.crc32(message.images.tobytes()))))
+            if message.kind == MessageKind.BATCH:
+                started = time.perf_counter()
+                if message.split == 0:
+                    self._train_step(message)
+                else:
+                    self._validate(message)
+                self.step_time += time.perf_counter() - started
+            else:
+                message.release()
+                if message.kind == MessageKind.END and message.split == 0:
+                    self._report_train(message.epoch)
+                elif message.kind == MessageKind.END:
+                    self._finish_validation(message.epoch)
+            waited = time.perf_counter()
+        self.reports.put({"event": "done", "model": self.spec.model.name, "rank": self.spec.rank,
+                          "checksums": self.checksums})
+
+    def _train_step(self, message) -> None:
+        torch = self.torch
+        count = len(message.labels)
+        # Every rank sees every batch and takes rows rank, rank+g, ...; a batch
+        # too small for all ranks is skipped by all of them alike.
+        rows = slice(self.spec.rank, None, self.world)
+        if count < self.world:
+            message.release()
+            return
+        x = self._to_device(message.images[rows])
+        y = torch.from_numpy(message.labels[rows].copy()).to(self.device)
+        message.release()  # x and y are copies on the device: the slot may be reused
+        self.net.train()
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.schedule.step()
+        self.loss_sum += float(loss.detach()) * len(y)
+        self.seen += len(y)
+
+    def _validate(self, message) -> None:
+        if self.spec.rank != 0:  # one rank per model evaluates; the others only keep pace
+            message.release()
+            return
+        torch = self.torch
+        x = self._to_device(message.images)
+        labels = message.labels.copy()
+        message.release()
+        self.model.eval()
+        with torch.no_grad():
+            self.val_probs.append(torch.softmax(self.model(x).float(), dim=1).cpu().numpy())
+        self.val_labels.append(labels)
+
+    def _report_train(self, epoch: int) -> None:
+        self.reports.put({"event": "train", "model": self.spec.model.name, "rank": self.spec.rank, "epoch": epoch,
+                          "loss": self.loss_sum / max(self.seen, 1), "images": self.seen,
+                          "step_s": self.step_time, "wait_s": self.wait_time})
+        self._reset_epoch()
+
+    def _finish_validation(self, epoch: int) -> None:
+        if self.spec.rank != 0:
+            return
+        probs = np.concatenate(self.val_probs) if self.val_probs else np.zeros((0, self.spec.num_classes), np.float32)
+        labels = np.concatenate(self.val_labels) if self.val_labels else np.zeros(0, np.int64)
+        accuracy = float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")
+        self._checkpoint(epoch, accuracy)
+        self.reports.put({"event": "val", "model": self.spec.model.name, "epoch": epoch, "accuracy": accuracy,
+                          "probs": probs, "labels": labels})
+        self.val_probs, self.val_labels = [], []
+
+    def _checkpoint(self, epoch: int, accuracy: float) -> None:
+        path = Path(self.spec.checkpoint_dir) / f"{self.spec.model.name}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        self.torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                         "schedule": self.schedule.state_dict(), "epoch": epoch, "val_accuracy": accuracy,
+                         "spec": self.spec.model.__dict__}, tmp)
+        os.replace(tmp, path)  # never a half-written checkpoint
