@@ -1,0 +1,296 @@
+"""The ensemble's model families, in plain torch: ResNet and DenseNet-BC.
+
+Both take normalised float NCHW images (channels_last works too) and return
+logits of shape [N, num_classes].
+
+Stem: images under 64 px (CIFAR's 32 px) keep their full resolution through
+a 3x3 stride-1 conv, as in the CIFAR variants of both papers. From 64 px on,
+the ImageNet stem (7x7 stride-2 conv + 3x3 stride-2 max pool) reduces them 4x
+at once: at 64 px a full-resolution stem would cost 10-16x the compute (a
+DenseNet-40 step on a batch of 32 takes 2-4 s on one core instead of
+0.2-0.3 s).
+The default, ``image_size=224``, selects the ImageNet stem, which runs on
+inputs down to 32 px (stage 1 then sees 8x8), so a model built without an
+image size still works at any size the pipeline produces.
+"""
+
+import itertools
+
+import torch
+from torch import nn
+
+ARCHS = ("resnet", "densenet")
+LARGE_IMAGE_PX = 64  # from this size on, the ImageNet stem
+
+# ResNet depth -> BasicBlocks per stage (He et al. 2016, table 1);
+# depth = 2 + 2 * sum(blocks): the stem conv, two convs per block, the classifier.
+RESNET_BLOCKS = {10: (1, 1, 1, 1), 18: (2, 2, 2, 2), 34: (3, 4, 6, 3)}
+
+# DenseNet-BC depth -> bottleneck layers per dense block (Huang et al. 2017).
+# The ImageNet configurations are fixed; any other depth with
+# (depth - 4) % 6 == 0 gives the CIFAR layout: 3 blocks of (depth - 4) / 6
+# layers of two convs each, plus stem conv, 2 transitions and classifier.
+DENSENET_IMAGENET_BLOCKS = {
+    121: (6, 12, 24, 16),
+    169: (6, 12, 32, 32),
+    201: (6, 12, 48, 32),
+    264: (6, 12, 64, 48),
+}
+BOTTLENECK_FACTOR = 4  # the 1x1 conv of a dense layer makes 4k channels
+COMPRESSION = 0.5  # transitions halve the number of channels
+
+
+def build_model(
+    arch: str,
+    depth: int,
+    width: int,
+    growth_rate: int,
+    num_classes: int,
+    *,
+    image_size: int = 224,
+) -> nn.Module:
+    """Build an untrained model of the ensemble.
+
+    arch: "resnet" or "densenet".
+    depth: layers, as in the model's name (resnet 10/18/34; densenet 121/169/
+        201/264, or 4 + 6n for the CIFAR layout, e.g. 40, 64, 100).
+    width: resnet: channels of stage 1 (stages have w, 2w, 4w, 8w);
+        densenet: channels of the stem (the papers use 2 * growth_rate).
+    growth_rate: densenet's k, channels each dense layer adds; resnet ignores it.
+    image_size: side of the input images in px; picks the stem (module doc).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
+    for name, value in [("width", width), ("num_classes", num_classes), ("image_size", image_size)]:
+        _require_positive_int(name, value)
+    if arch == "resnet":
+        return ResNet(_resnet_blocks(depth), width, num_classes, image_size)
+    _require_positive_int("growth_rate", growth_rate)
+    return DenseNet(_densenet_blocks(depth), growth_rate, width, num_classes, image_size)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(model: nn.Module) -> str:
+    """One line for logs and reports, e.g. "resnet10 w16: 0.31M params"."""
+    name = getattr(model, "name", type(model).__name__)
+    return f"{name}: {count_parameters(model) / 1e6:.2f}M params"
+
+
+def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) -> int:
+    """Estimate the memory one SGD-with-momentum training step holds.
+
+    Counts parameters, their gradients and momentum buffers, the model's
+    other buffers, and the activations autograd saves for backward. Those are
+    measured exactly for one image, by a forward pass that records every
+    tensor saved for backward (each storage once), and scaled by batch_size.
+    It is an estimate of the retained memory, so a lower bound of the peak:
+    it leaves out the transient gradients and buffers of the backward pass,
+    workspaces (cuDNN, oneDNN) and allocator slack: on CPU, the peak resident
+    memory of a step measured 1.2-2.8x the estimate. Plan with headroom.
+    The pass runs where the model's parameters are, in eval mode (batch-norm
+    cannot train on one value per channel, and must not update its running
+    statistics here), and leaves every module's mode as it found it.
+    """
+    _require_positive_int("image_size", image_size)
+    _require_positive_int("batch_size", batch_size)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    state_bytes = 3 * _nbytes(trained) + _nbytes(frozen) + _nbytes(model.buffers())
+    return state_bytes + batch_size * _saved_activation_bytes_per_image(model, image_size)
+
+
+def _saved_activation_bytes_per_image(model: nn.Module, image_size: int) -> int:
+    first_parameter = next(model.parameters())
+    image = torch.zeros(
+        1, 3, image_size, image_size, dtype=first_parameter.dtype, device=first_parameter.device
+    )
+    state = itertools.chain(model.parameters(), model.buffers())
+    state_storages = {tensor.untyped_storage().data_ptr() for tensor in state}
+    # By address, so that a tensor saved by several ops counts once; holding
+    # the storages keeps their addresses from being reused while we count.
+    saved_storages = {}
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in state_storages:
+            saved_storages[storage.data_ptr()] = storage
+        return tensor
+
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.eval()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+            model(image)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return sum(storage.nbytes() for storage in saved_storages.values())
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _require_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def _resnet_blocks(depth: int) -> tuple[int, ...]:
+    if depth not in RESNET_BLOCKS:
+        valid = ", ".join(map(str, RESNET_BLOCKS))
+        raise ValueError(f"resnet depth must be one of {valid}; got {depth!r}")
+    return RESNET_BLOCKS[depth]
+
+
+def _densenet_blocks(depth: int) -> tuple[int, ...]:
+    if depth in DENSENET_IMAGENET_BLOCKS:
+        return DENSENET_IMAGENET_BLOCKS[depth]
+    if isinstance(depth, int) and depth >= 10 and (depth - 4) % 6 == 0:
+        return ((depth - 4) // 6,) * 3
+    imagenet = ", ".join(map(str, DENSENET_IMAGENET_BLOCKS))
+    raise ValueError(
+        f"densenet depth must be {imagenet}, or 4 + 6n with n >= 1 for the "
+        f"CIFAR layout (10, 16, 22, 28, 34, 40, ..., 100, ..., 190); got {depth!r}"
+    )
+
+
+def _stem(out_channels: int, image_size: int) -> nn.Sequential:
+    if image_size < LARGE_IMAGE_PX:
+        return nn.Sequential(_conv(3, out_channels, 3), nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        _conv(3, out_channels, 7, stride=2),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, stride=2, padding=1),
+    )
+
+
+def _conv(in_channels: int, out_channels: int, kernel_size: int, stride: int = 1) -> nn.Conv2d:
+    # No bias: every conv here feeds a batch-norm, whose shift replaces it.
+    return nn.Conv2d(
+        in_channels, out_channels, kernel_size, stride=stride, padding=kernel_size // 2, bias=False
+    )
+
+
+def _init_weights(model: nn.Module) -> None:
+    # He init, as both papers use: PyTorch's default conv init starts ReLU nets too small.
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, nn.BatchNorm2d):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Linear):
+            nn.init.zeros_(module.bias)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs and a shortcut, projected by a 1x1 conv where the shape changes."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.residual = nn.Sequential(
+            _conv(in_channels, out_channels, 3, stride),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+            _conv(out_channels, out_channels, 3),
+            nn.BatchNorm2d(out_channels),
+        )
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                _conv(in_channels, out_channels, 1, stride), nn.BatchNorm2d(out_channels)
+            )
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.residual(x) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    def __init__(self, blocks_per_stage: tuple[int, ...], width: int, num_classes: int, image_size: int):
+        super().__init__()
+        self.name = f"resnet{2 + 2 * sum(blocks_per_stage)} w{width}"
+        layers = [_stem(width, image_size)]
+        in_channels = width
+        for stage, num_blocks in enumerate(blocks_per_stage):
+            out_channels = width * 2**stage
+            for block in range(num_blocks):
+                stride = 2 if stage > 0 and block == 0 else 1
+                layers.append(BasicBlock(in_channels, out_channels, stride))
+                in_channels = out_channels
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(in_channels, num_classes)
+        _init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))
+
+
+class DenseLayer(nn.Module):
+    """BN-ReLU-1x1 conv (4k) - BN-ReLU-3x3 conv (k); its k channels join the block's input."""
+
+    def __init__(self, in_channels: int, growth_rate: int):
+        super().__init__()
+        bottleneck = BOTTLENECK_FACTOR * growth_rate
+        self.new_features = nn.Sequential(
+            nn.BatchNorm2d(in_channels),
+            nn.ReLU(inplace=True),
+            _conv(in_channels, bottleneck, 1),
+            nn.BatchNorm2d(bottleneck),
+            nn.ReLU(inplace=True),
+            _conv(bottleneck, growth_rate, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, self.new_features(x)], dim=1)
+
+
+class Transition(nn.Sequential):
+    """BN-ReLU-1x1 conv that compresses the channels, then 2x2 average pooling."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__(
+            nn.BatchNorm2d(in_channels),
+            nn.ReLU(inplace=True),
+            _conv(in_channels, out_channels, 1),
+            nn.AvgPool2d(2),
+        )
+
+
+class DenseNet(nn.Module):
+    def __init__(
+        self,
+        layers_per_block: tuple[int, ...],
+        growth_rate: int,
+        stem_channels: int,
+        num_classes: int,
+        image_size: int,
+    ):
+        super().__init__()
+        # stem conv + two convs per dense layer + transitions + classifier
+        depth = 1 + 2 * sum(layers_per_block) + (len(layers_per_block) - 1) + 1
+        self.name = f"densenet{depth} k{growth_rate} w{stem_channels}"
+        layers = [_stem(stem_channels, image_size)]
+        channels = stem_channels
+        for block, num_layers in enumerate(layers_per_block):
+            for _ in range(num_layers):
+                layers.append(DenseLayer(channels, growth_rate))
+                channels += growth_rate
+            if block < len(layers_per_block) - 1:
+                compressed = int(channels * COMPRESSION)
+                layers.append(Transition(channels, compressed))
+                channels = compressed
+        layers += [nn.BatchNorm2d(channels), nn.ReLU(inplace=True)]
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Linear(channels, num_classes)
+        _init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.pool(self.features(x)), 1))

@@ -1,0 +1,175 @@
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.models import build_model, count_parameters, describe, estimate_training_bytes
+
+torch.set_num_threads(1)
+
+# The small variants of each family, as (arch, depth, width, growth_rate).
+SMALL_RESNET = ("resnet", 10, 16, 12)
+SMALL_DENSENET = ("densenet", 40, 24, 12)
+SMALL_MODELS = pytest.mark.parametrize("config", [SMALL_RESNET, SMALL_DENSENET], ids=["resnet", "densenet"])
+
+
+def small_model(config, image_size=32, num_classes=10, **overrides):
+    arch, depth, width, growth_rate = config
+    arguments = dict(depth=depth, width=width, growth_rate=growth_rate) | overrides
+    return build_model(arch, num_classes=num_classes, image_size=image_size, **arguments)
+
+
+@SMALL_MODELS
+@pytest.mark.parametrize("image_size", [32, 64, 224])
+def test_logits_have_one_row_per_image_and_one_column_per_class(config, image_size):
+    model = small_model(config, image_size, num_classes=7)
+    logits = model(torch.randn(2, 3, image_size, image_size))
+    assert logits.shape == (2, 7)
+    assert torch.isfinite(logits).all()
+
+
+@SMALL_MODELS
+def test_channels_last_gives_the_same_logits(config):
+    model = small_model(config).eval()
+    images = torch.randn(2, 3, 32, 32)
+    expected = model(images)
+    model = model.to(memory_format=torch.channels_last)
+    logits = model(images.contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@SMALL_MODELS
+def test_default_stem_runs_on_every_image_size(config):
+    arch, depth, width, growth_rate = config
+    model = build_model(arch, depth, width, growth_rate, num_classes=3)
+    for image_size in (32, 299):
+        assert model(torch.randn(2, 3, image_size, image_size)).shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "arch, depth, width, growth_rate, expected",
+    [
+        # torchvision's resnet18, resnet34 and densenet121, 1000 classes
+        ("resnet", 18, 64, 0, 11_689_512),
+        ("resnet", 34, 64, 0, 21_797_672),
+        ("densenet", 121, 64, 32, 7_978_856),
+    ],
+)
+def test_imagenet_models_have_the_published_parameter_counts(arch, depth, width, growth_rate, expected):
+    model = build_model(arch, depth, width, growth_rate, num_classes=1000, image_size=224)
+    assert count_parameters(model) == expected
+
+
+def test_cifar_densenet_bc_100_has_the_papers_parameter_count():
+    model = build_model("densenet", 100, 24, 12, num_classes=10, image_size=32)
+    assert round(count_parameters(model) / 1e6, 1) == 0.8  # Huang et al., table 2
+
+
+@pytest.mark.parametrize(
+    "config, knob, values",
+    [
+        (SMALL_RESNET, "depth", [10, 18, 34]),
+        (SMALL_RESNET, "width", [8, 16, 32]),
+        (SMALL_DENSENET, "depth", [22, 40, 100, 121]),
+        (SMALL_DENSENET, "width", [16, 24, 32]),
+        (SMALL_DENSENET, "growth_rate", [6, 12, 24]),
+    ],
+)
+def test_parameter_count_grows_with_each_size_knob(config, knob, values):
+    counts = [count_parameters(small_model(config, **{knob: value})) for value in values]
+    assert counts == sorted(set(counts))
+
+
+def test_describe_names_the_model_and_its_size():
+    assert describe(small_model(SMALL_RESNET)) == "resnet10 w16: 0.31M params"
+    assert describe(small_model(SMALL_DENSENET)) == "densenet40 k12 w24: 0.18M params"
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (("vgg", 16, 64, 0, 10), r"arch must be one of resnet, densenet; got 'vgg'"),
+        (("resnet", 50, 64, 0, 10), r"resnet depth must be one of 10, 18, 34; got 50"),
+        (("densenet", 41, 24, 12, 10), r"densenet depth must be 121, 169, 201, 264, or 4 \+ 6n"),
+        (("densenet", 4, 24, 12, 10), r"densenet depth .* got 4"),
+        (("resnet", 18, 0, 0, 10), r"width must be a positive integer; got 0"),
+        (("resnet", 18, 2.5, 0, 10), r"width must be a positive integer; got 2.5"),
+        (("densenet", 40, 24, -1, 10), r"growth_rate must be a positive integer; got -1"),
+        (("resnet", 18, 64, 0, 0), r"num_classes must be a positive integer; got 0"),
+    ],
+)
+def test_invalid_arguments_raise_a_value_error_that_says_what_is_valid(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        build_model(*arguments)
+
+
+def test_resnet_ignores_growth_rate():
+    assert count_parameters(build_model("resnet", 10, 16, 0, 10)) == count_parameters(
+        build_model("resnet", 10, 16, 32, 10)
+    )
+
+
+@SMALL_MODELS
+def test_a_few_sgd_steps_fit_a_small_batch(config):
+    torch.manual_seed(0)
+    model = small_model(config, image_size=16, num_classes=4)
+    images, labels = torch.randn(8, 3, 16, 16), torch.randint(0, 4, (8,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(8):
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@SMALL_MODELS
+def test_training_estimate_grows_with_batch_size_and_width(config):
+    model = small_model(config)
+    by_batch = [estimate_training_bytes(model, 32, batch) for batch in (1, 8, 64)]
+    assert by_batch == sorted(set(by_batch))
+    wider = small_model(config, width=2 * config[2])
+    assert estimate_training_bytes(wider, 32, 8) > by_batch[1]
+
+
+@SMALL_MODELS
+def test_training_estimate_is_dominated_by_activations_at_large_batch(config):
+    model = small_model(config)
+    weights_gradients_and_momentum = 3 * 4 * count_parameters(model)
+    assert estimate_training_bytes(model, 32, 256) > 10 * weights_gradients_and_momentum
+
+
+@SMALL_MODELS
+@pytest.mark.parametrize("image_size", [32, 64])
+def test_training_estimate_scales_the_activations_autograd_saves_in_training(config, image_size):
+    """The estimate's per-image pass (eval mode, batch 1) predicts what a
+    training-mode forward at batch 8 actually keeps for backward."""
+    model = small_model(config, image_size).train()
+    activations_of_8 = estimate_training_bytes(model, image_size, 9) - estimate_training_bytes(
+        model, image_size, 1
+    )
+    state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    saved = {}
+
+    def record(tensor):
+        if tensor.untyped_storage().data_ptr() not in state:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        model(torch.randn(8, 3, image_size, image_size))
+    measured = sum(storage.nbytes() for storage in saved.values())
+    assert measured == pytest.approx(activations_of_8, rel=0.02)
+
+
+def test_training_estimate_leaves_modes_and_statistics_alone():
+    model = small_model(SMALL_DENSENET).train()
+    frozen_norm = model.features[1].new_features[0].eval()
+    statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    estimate_training_bytes(model, 32, 4)
+    assert model.training and not frozen_norm.training
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, statistics[name]), name
