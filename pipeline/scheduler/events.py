@@ -1,0 +1,121 @@
+"""Messages between the scheduler and whoever drives it (simulator or real run).
+
+Events go in (`Scheduler.handle`), decisions come out. Every event carries
+the driver's clock in seconds: the scheduler never reads a clock itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.scheduler.profile import Slot
+
+# ---------------------------------------------------------------- events in
+
+
+@dataclass(frozen=True)
+class ProfileMeasured:
+    """Images/s of `model` on 1, 2, ... slots. Planning starts once every model has one."""
+
+    time: float
+    model: str
+    rates: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class EpochFinished:
+    """`model` completed epoch number `epoch` (1-based) and validated."""
+
+    time: float
+    model: str
+    epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConverged:
+    """The driver's convergence test (e.g. early stopping on `metrics`) fired for `model`."""
+
+    time: float
+    model: str
+
+
+@dataclass(frozen=True)
+class SlotFreed:
+    """The trainer on `slot` has exited (after a `Stop`); the slot may be reused."""
+
+    time: float
+    slot: Slot
+
+
+@dataclass(frozen=True)
+class TrainerFailed:
+    """A trainer of `model` crashed on `slot`; the model resumes from its last checkpoint."""
+
+    time: float
+    model: str
+    slot: Slot
+    error: str = ""
+
+
+Event = ProfileMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed
+
+# ------------------------------------------------------------- decisions out
+
+
+@dataclass(frozen=True)
+class FormFlotilla:
+    """Create one shared preprocessing pipeline feeding these models.
+
+    `members` maps model -> slot count; `rate` is the expected images/s (the
+    slowest member's profiled rate).
+    """
+
+    flotilla: int
+    members: dict[str, int]
+    rate: float
+
+
+@dataclass(frozen=True)
+class AssignSlots:
+    """`model` trains data-parallel on `slots` (all on one node)."""
+
+    flotilla: int
+    model: str
+    slots: tuple[Slot, ...]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start the trainers of `model`; resume from the checkpoint after `resume_epoch` epochs if > 0."""
+
+    flotilla: int
+    model: str
+    resume_epoch: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Save `model` after `epoch` completed epochs (`final` when it has converged)."""
+
+    flotilla: int
+    model: str
+    epoch: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the trainers of `model` and release its slots (send `SlotFreed` for each).
+
+    `reason` is "converged", "flotilla stopped" or "failed". `flotilla_ends`
+    is set on the last member: the flotilla's pipeline can be torn down.
+    """
+
+    flotilla: int
+    model: str
+    reason: str
+    flotilla_ends: bool
+
+
+Decision = FormFlotilla | AssignSlots | Start | Checkpoint | Stop

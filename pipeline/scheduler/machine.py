@@ -1,0 +1,197 @@
+"""The scheduler state machine: events in, decisions out, no I/O.
+
+A driver (the simulator, or the runner of a real run) sends every event to
+`Scheduler.handle` and carries out the returned decisions in order.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
+                                       ModelConverged, ProfileMeasured, SlotFreed, Start, Stop, TrainerFailed)
+from pipeline.scheduler.planner import assign_slots, flotilla_rate
+from pipeline.scheduler.policies import Policy
+from pipeline.scheduler.profile import Cluster, Profile, Slot
+
+WAITING, RUNNING, CONVERGED, FAILED = "waiting", "running", "converged", "failed"
+FREE, BUSY, RELEASING = "free", "busy", "releasing"
+
+
+@dataclass
+class ModelState:
+    status: str = WAITING
+    epochs_done: int = 0
+    checkpoint_epoch: int = 0  # where the model resumes after a stop or a failure
+    failures: int = 0
+    flotilla: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # of the last epoch
+
+
+@dataclass
+class Flotilla:
+    members: dict[str, tuple[Slot, ...]]
+    active: set[str]
+
+    @property
+    def slots(self) -> int:
+        return sum(len(s) for s in self.members.values())
+
+    @property
+    def active_slots(self) -> int:
+        return sum(len(self.members[m]) for m in self.active)
+
+
+class Scheduler:
+    """Plans flotillas for `models` on `cluster` with `policy`.
+
+    Planning starts when every model has a profile. A model whose trainers
+    fail more than `max_failures` times is given up (status "failed").
+    """
+
+    def __init__(self, models: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
+                 checkpoint_every: int = 1, max_failures: int = 2):
+        if len(set(models)) != len(models) or not models:
+            raise ValueError(f"models must be a non-empty list of distinct names, got {models}")
+        self.cluster, self.policy = cluster, policy
+        self.checkpoint_every, self.max_failures = checkpoint_every, max_failures
+        self.profile = Profile()
+        self.models = {m: ModelState() for m in models}
+        self.slots = {s: FREE for s in cluster.slots}
+        self.flotillas: dict[int, Flotilla] = {}
+        self.next_flotilla = 0
+        self.now = 0.0
+        self.rng = random.Random(seed)
+
+    @property
+    def done(self) -> bool:
+        """Every model converged or was given up, and every slot is free."""
+        return (all(s.status in (CONVERGED, FAILED) for s in self.models.values())
+                and all(state == FREE for state in self.slots.values()))
+
+    def handle(self, event: Event) -> list[Decision]:
+        if event.time < self.now:
+            raise ValueError(f"event {event} is older than the scheduler's clock {self.now}; send events in time order")
+        self.now = event.time
+        if isinstance(event, ProfileMeasured):
+            decisions = self._profile_measured(event)
+        elif isinstance(event, EpochFinished):
+            decisions = self._epoch_finished(event)
+        elif isinstance(event, ModelConverged):
+            decisions = self._converged(event)
+        elif isinstance(event, SlotFreed):
+            decisions = self._slot_freed(event)
+        elif isinstance(event, TrainerFailed):
+            decisions = self._failed(event)
+        else:
+            raise TypeError(f"unknown event {event!r}; send one of the events in pipeline.scheduler.events")
+        return decisions + self._plan()
+
+    # ------------------------------------------------------------ events
+
+    def _model(self, name: str) -> ModelState:
+        if name not in self.models:
+            raise ValueError(f"unknown model {name!r}; the scheduler was built for {sorted(self.models)}")
+        return self.models[name]
+
+    def _profile_measured(self, event: ProfileMeasured) -> list[Decision]:
+        self._model(event.model)
+        self.profile.add(event.model, event.rates)
+        self.profile.check_fits(self.cluster)
+        return []
+
+    def _epoch_finished(self, event: EpochFinished) -> list[Decision]:
+        state = self._model(event.model)
+        if state.status != RUNNING:  # a late report from trainers already stopped
+            return []
+        state.epochs_done, state.metrics = event.epoch, dict(event.metrics)
+        if self.checkpoint_every and event.epoch % self.checkpoint_every == 0:
+            state.checkpoint_epoch = event.epoch
+            return [Checkpoint(state.flotilla, event.model, event.epoch)]
+        return []
+
+    def _converged(self, event: ModelConverged) -> list[Decision]:
+        state = self._model(event.model)
+        if state.status == WAITING:  # its flotilla stopped first; that checkpoint is final
+            state.status = CONVERGED
+        if state.status != RUNNING:
+            return []
+        state.status, state.checkpoint_epoch = CONVERGED, state.epochs_done
+        checkpoint = Checkpoint(state.flotilla, event.model, state.epochs_done, final=True)
+        return [checkpoint, *self._leave(event.model, "converged")]
+
+    def _failed(self, event: TrainerFailed) -> list[Decision]:
+        state = self._model(event.model)
+        if state.status != RUNNING:
+            return []
+        state.failures += 1
+        state.status = FAILED if state.failures > self.max_failures else WAITING
+        state.epochs_done = state.checkpoint_epoch
+        return self._leave(event.model, "failed")
+
+    def _slot_freed(self, event: SlotFreed) -> list[Decision]:
+        if self.slots.get(event.slot) != RELEASING:
+            raise ValueError(
+                f"slot {event.slot} was freed but is {self.slots.get(event.slot, 'not in the cluster')}; "
+                f"send SlotFreed only for slots of a model the scheduler stopped")
+        self.slots[event.slot] = FREE
+        return []
+
+    # ---------------------------------------------------------- transitions
+
+    def _leave(self, model: str, reason: str) -> list[Decision]:
+        """`model` leaves its flotilla; the flotilla stops if too few of its
+        slots stay active (sublinear scaling no longer pays for the sharing)."""
+        flotilla_id = self.models[model].flotilla
+        flotilla = self.flotillas[flotilla_id]
+        flotilla.active.discard(model)
+        leaving = [(model, reason)]
+        too_few = flotilla.active_slots < self.policy.min_active_fraction * flotilla.slots - 1e-9
+        if flotilla.active and too_few:
+            leaving += [(m, "flotilla stopped") for m in sorted(flotilla.active)]
+        decisions: list[Decision] = []
+        for m, why in leaving:
+            state = self.models[m]
+            if why == "flotilla stopped":
+                state.status, state.checkpoint_epoch = WAITING, state.epochs_done
+                decisions.append(Checkpoint(flotilla_id, m, state.epochs_done))
+            flotilla.active.discard(m)
+            state.flotilla = None
+            for slot in flotilla.members[m]:
+                self.slots[slot] = RELEASING
+            decisions.append(Stop(flotilla_id, m, why, flotilla_ends=not flotilla.active and m == leaving[-1][0]))
+        if not flotilla.active:
+            del self.flotillas[flotilla_id]
+        return decisions
+
+    def _plan(self) -> list[Decision]:
+        """Form flotillas on the free slots when the policy wants them: never
+        while slots are being released (they come back together), and for
+        FLEET-G and homogeneous only once the cluster is idle."""
+        waiting = [m for m, s in self.models.items() if s.status == WAITING]
+        free = [s for s, state in self.slots.items() if state == FREE]
+        if (not waiting or not free or len(self.profile.rates) < len(self.models)
+                or RELEASING in self.slots.values()
+                or (self.policy.waits_for_idle_cluster and self.flotillas)):
+            return []
+        groups = self.policy.form(waiting, self.profile, self.cluster, free, self.rng)
+        placement = assign_slots({m: g for group in groups for m, g in group.items()}, free)
+        decisions: list[Decision] = []
+        for group in groups:
+            flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
+            self.flotillas[flotilla_id] = Flotilla({m: placement[m] for m in group}, set(group))
+            rate = flotilla_rate(group, self.profile, self.cluster.prep_rate_per_slot)
+            decisions.append(FormFlotilla(flotilla_id, dict(group), rate))
+            decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in group]
+            for m in group:
+                state = self.models[m]
+                state.status, state.flotilla = RUNNING, flotilla_id
+                for slot in placement[m]:
+                    self.slots[slot] = BUSY
+                decisions.append(Start(flotilla_id, m, resume_epoch=state.checkpoint_epoch))
+        if not self.flotillas:
+            raise RuntimeError(
+                f"no flotilla can start: waiting models {waiting} do not fit the free slots "
+                f"{sorted(map(str, free))}; check the profile against the cluster's slots per node")
+        return decisions

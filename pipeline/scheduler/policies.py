@@ -1,0 +1,98 @@
+"""Scheduling policies: which flotillas to form on the free slots, and when.
+
+Selected by name (Hydra: `scheduler=fleet_g|fleet_l|baseline|homogeneous`).
+A policy only chooses flotillas; the state machine (`machine.py`) applies the
+rules every policy shares (convergence releases slots, stop below
+`min_active_fraction` active slots, resume from checkpoints).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.scheduler.planner import TOLERANCE, fits, free_per_node, greedy_flotilla
+from pipeline.scheduler.profile import Cluster, Profile, Slot
+
+
+@dataclass
+class FleetG:
+    """FLEET-G: one flotilla over the whole cluster at a time; when it stops,
+    re-plan globally from all unconverged models."""
+
+    min_active_fraction: float = 0.8
+    tolerance: float = TOLERANCE  # a member may be this much slower than the flotilla's target rate
+    refined: bool = True  # False: the slides' greedy rule alone (planner.greedy_flotilla)
+    waits_for_idle_cluster: ClassVar[bool] = True
+
+    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+             rng: random.Random) -> list[dict[str, int]]:
+        flotilla = greedy_flotilla(pending, profile, cluster, free_per_node(free_slots), self.tolerance, self.refined)
+        return [flotilla] if flotilla else []
+
+
+@dataclass
+class FleetL(FleetG):
+    """FLEET-L: same greedy, but released slots are refilled at once with a
+    new flotilla of unconverged models, next to the flotillas still running."""
+
+    waits_for_idle_cluster: ClassVar[bool] = False
+
+
+@dataclass
+class Baseline:
+    """Each model alone on one slot with its own pipeline; a random waiting
+    model takes each free slot."""
+
+    min_active_fraction: float = 0.0  # a one-model flotilla ends with its model
+    waits_for_idle_cluster: ClassVar[bool] = False
+
+    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+             rng: random.Random) -> list[dict[str, int]]:
+        return [{model: slots} for model, slots in _random_fill(pending, profile, cluster, free_slots, rng)]
+
+
+@dataclass
+class Homogeneous:
+    """Data sharing without FLEET (Pittman et al.): a random subset of models,
+    one slot each, shares one pipeline; the next subset starts when the whole
+    previous one has converged."""
+
+    min_active_fraction: float = 0.0
+    waits_for_idle_cluster: ClassVar[bool] = True
+
+    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+             rng: random.Random) -> list[dict[str, int]]:
+        flotilla = dict(_random_fill(pending, profile, cluster, free_slots, rng))
+        return [flotilla] if flotilla else []
+
+
+def _random_fill(pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+                 rng: random.Random) -> list[tuple[str, int]]:
+    """Random waiting models, each on its smallest runnable slot count (1 for
+    most), while they fit the free slots."""
+    order = list(pending)
+    rng.shuffle(order)
+    nodes, chosen = free_per_node(free_slots), []
+    for model in order:
+        slots = profile.slot_counts(model, cluster.slots_per_node)[0]
+        if fits([*(g for _, g in chosen), slots], nodes):
+            chosen.append((model, slots))
+    return chosen
+
+
+Policy = FleetG | FleetL | Baseline | Homogeneous
+
+POLICIES = {"fleet_g": FleetG, "fleet_l": FleetL, "baseline": Baseline, "homogeneous": Homogeneous}
+
+
+def make_policy(name: str, min_active_fraction: float = 0.8) -> Policy:
+    """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l only."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduler {name!r} (config key `scheduler`); choose one of {sorted(POLICIES)}")
+    if not 0 <= min_active_fraction <= 1:
+        raise ValueError(f"min_active_fraction must be in [0, 1], got {min_active_fraction}; FLEET uses 0.8")
+    if name in ("fleet_g", "fleet_l"):
+        return POLICIES[name](min_active_fraction=min_active_fraction)
+    return POLICIES[name]()

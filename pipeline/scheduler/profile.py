@@ -1,0 +1,95 @@
+"""What the scheduler knows about the hardware and the models: the cluster and
+the profile table (training rate of each model on 1..k slots)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class Slot:
+    """One GPU (or CPU device slot): slot `index` of node `node`."""
+
+    node: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"n{self.node}s{self.index}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` nodes of `slots_per_node` slots and `cores_per_node` CPU cores.
+
+    `prep_seconds_per_image` is the CPU cost of preprocessing one image
+    (core-seconds); 0 means the CPUs are never the bottleneck. The cores of a
+    node are shared by the pipelines on it in proportion to the slots they
+    hold, so each busy slot brings `prep_rate_per_slot` images/s of
+    preprocessing to its pipeline.
+    """
+
+    nodes: int
+    slots_per_node: int
+    cores_per_node: int = 0
+    prep_seconds_per_image: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.slots_per_node < 1:
+            raise ValueError(
+                f"cluster needs at least one node and one slot per node, got "
+                f"nodes={self.nodes}, slots_per_node={self.slots_per_node}; set both >= 1")
+        if self.prep_seconds_per_image < 0 or (self.prep_seconds_per_image > 0 and self.cores_per_node < 1):
+            raise ValueError(
+                f"preprocessing cost {self.prep_seconds_per_image} core-s/image needs cores_per_node >= 1 "
+                f"(got {self.cores_per_node}); set cores_per_node, or prep_seconds_per_image=0 for unlimited CPUs")
+
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        return tuple(Slot(n, i) for n in range(self.nodes) for i in range(self.slots_per_node))
+
+    @property
+    def total_slots(self) -> int:
+        return self.nodes * self.slots_per_node
+
+    @property
+    def prep_rate_per_slot(self) -> float:
+        """Images/s that the cores belonging to one slot can preprocess."""
+        if self.prep_seconds_per_image == 0:
+            return float("inf")
+        return self.cores_per_node / self.slots_per_node / self.prep_seconds_per_image
+
+
+@dataclass
+class Profile:
+    """Training rate (images/s) of each model on 1, 2, ..., k slots.
+
+    A rate of 0 marks a slot count the model cannot run on (e.g. it does not
+    fit in one slot's memory). Rates beyond the slots of one node are ignored:
+    a multi-slot model always stays within one node.
+    """
+
+    rates: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def add(self, model: str, rates: tuple[float, ...] | list[float]) -> None:
+        rates = tuple(float(r) for r in rates)
+        if not rates or any(r < 0 for r in rates) or max(rates) == 0:
+            raise ValueError(
+                f"profile of model {model!r} must list its images/s on 1, 2, ... slots with at least "
+                f"one positive rate, got {rates}")
+        self.rates[model] = rates
+
+    def rate(self, model: str, slots: int) -> float:
+        table = self.rates[model]
+        return table[slots - 1] if 1 <= slots <= len(table) else 0.0
+
+    def slot_counts(self, model: str, slots_per_node: int) -> list[int]:
+        """Slot counts the model can run on within one node."""
+        return [g for g in range(1, slots_per_node + 1) if self.rate(model, g) > 0]
+
+    def check_fits(self, cluster: Cluster) -> None:
+        for model in self.rates:
+            if not self.slot_counts(model, cluster.slots_per_node):
+                raise ValueError(
+                    f"model {model!r} has no positive training rate on 1..{cluster.slots_per_node} slots "
+                    f"(profile {self.rates[model]}), but a model must fit in one node of "
+                    f"{cluster.slots_per_node} slots; profile it on fewer slots or use nodes with more slots")

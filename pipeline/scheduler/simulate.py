@@ -1,0 +1,213 @@
+"""Event-driven simulator: drives the real `Scheduler` from a profile table and
+per-model convergence epochs, with a CPU model, and draws Gantt charts.
+
+Execution model (the exact solver in `exact.py` uses the same one):
+* a flotilla's members consume one shared stream in lockstep, at the flotilla
+  rate: its slowest active member's profiled rate, capped by the preprocessing
+  its pipeline gets (cores of its busy slots / cost per image);
+* a model converges at the end of its `epochs[model]`-th epoch;
+* a stopped model's slots come back `checkpoint_seconds` later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+
+from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, ModelConverged,
+                                       ProfileMeasured, SlotFreed, Start, Stop)
+from pipeline.scheduler.machine import Scheduler
+from pipeline.scheduler.planner import flotilla_rate
+from pipeline.scheduler.policies import Policy
+from pipeline.scheduler.profile import Cluster, Profile, Slot
+
+
+@dataclass
+class Instance:
+    """An ensemble to train: profiles, epochs until each model converges, and the cluster."""
+
+    profile: Profile
+    epochs: dict[str, int]
+    cluster: Cluster
+    images_per_epoch: int
+    checkpoint_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Bar:
+    """`model` of `flotilla` held `slot` from `start` to `end` (seconds)."""
+
+    slot: Slot
+    model: str
+    flotilla: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    end_time: float  # seconds until every model converged and its slots were freed
+    utilisation: float  # busy slot-seconds / (slots * end_time)
+    decision_seconds: float  # wall-clock time spent inside Scheduler.handle
+    bars: list[Bar]
+    flotillas: int
+
+
+@dataclass
+class _Flotilla:
+    members: dict[str, tuple[Slot, ...]] = field(default_factory=dict)
+    progress: float = 0.0  # images of the current epoch already consumed
+    rate: float = 0.0
+    since: float = 0.0  # when progress was last brought up to date
+    version: int = 0  # bumps on every rate change; older epoch-end events are stale
+
+
+class _Simulation:
+    def __init__(self, instance: Instance, policy: Policy, seed: int):
+        self.instance = instance
+        self.scheduler = Scheduler(list(instance.epochs), instance.cluster, policy, seed=seed)
+        self.flotillas: dict[int, _Flotilla] = {}
+        self.slots_of: dict[str, tuple[Slot, ...]] = {}
+        self.epochs_done: dict[str, int] = {}
+        self.open_bars: dict[str, tuple[int, float]] = {}
+        self.bars: list[Bar] = []
+        self.queue: list[tuple[float, int, str, object]] = []
+        self.sequence = 0
+        self.decision_seconds = 0.0
+        self.now = 0.0
+
+    def run(self) -> SimResult:
+        for model, rates in self.instance.profile.rates.items():
+            self.send(ProfileMeasured(0.0, model, rates))
+        while self.queue:
+            self.now, _, kind, payload = heapq.heappop(self.queue)
+            if kind == "free":
+                self.send(SlotFreed(self.now, payload))
+            elif kind == "epoch":
+                self.end_epoch(*payload)
+        if not self.scheduler.done:
+            raise RuntimeError("simulation ran out of events before every model converged")
+        cluster = self.instance.cluster
+        busy = sum(bar.end - bar.start for bar in self.bars)
+        return SimResult(self.now, busy / (cluster.total_slots * self.now), self.decision_seconds,
+                         self.bars, self.scheduler.next_flotilla)
+
+    def send(self, event) -> None:
+        started = time.perf_counter()
+        decisions = self.scheduler.handle(event)
+        self.decision_seconds += time.perf_counter() - started
+        changed = {self.apply(d) for d in decisions} - {None}
+        for flotilla_id in changed:
+            self.reschedule(flotilla_id)
+
+    def apply(self, decision: Decision) -> int | None:
+        """Carry out one decision; return the flotilla whose rate may change."""
+        if isinstance(decision, FormFlotilla):
+            self.flotillas[decision.flotilla] = _Flotilla(since=self.now)
+        elif isinstance(decision, AssignSlots):
+            self.slots_of[decision.model] = decision.slots
+        elif isinstance(decision, Start):
+            self.flotillas[decision.flotilla].members[decision.model] = self.slots_of[decision.model]
+            self.epochs_done[decision.model] = decision.resume_epoch
+            self.open_bars[decision.model] = (decision.flotilla, self.now)
+        elif isinstance(decision, Stop):
+            flotilla = self.flotillas[decision.flotilla]
+            self.settle(flotilla)
+            slots = flotilla.members.pop(decision.model)
+            flotilla_id, start = self.open_bars.pop(decision.model)
+            self.bars += [Bar(s, decision.model, flotilla_id, start, self.now) for s in slots]
+            for slot in slots:
+                self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
+            if decision.flotilla_ends:
+                del self.flotillas[decision.flotilla]
+                return None
+        else:  # Checkpoint: its cost is modelled by the delay before slots come back
+            return None
+        return decision.flotilla
+
+    def settle(self, flotilla: _Flotilla) -> None:
+        flotilla.progress += flotilla.rate * (self.now - flotilla.since)
+        flotilla.since = self.now
+
+    def reschedule(self, flotilla_id: int) -> None:
+        flotilla = self.flotillas.get(flotilla_id)
+        if flotilla is None:
+            return
+        self.settle(flotilla)
+        members = {m: len(s) for m, s in flotilla.members.items()}
+        flotilla.rate = flotilla_rate(members, self.instance.profile, self.instance.cluster.prep_rate_per_slot)
+        flotilla.version += 1
+        left = max(self.instance.images_per_epoch - flotilla.progress, 0.0)
+        self.push(self.now + left / flotilla.rate, "epoch", (flotilla_id, flotilla.version))
+
+    def end_epoch(self, flotilla_id: int, version: int) -> None:
+        flotilla = self.flotillas.get(flotilla_id)
+        if flotilla is None or flotilla.version != version:
+            return
+        flotilla.progress, flotilla.since = 0.0, self.now
+        members = list(flotilla.members)
+        for model in members:
+            self.epochs_done[model] += 1
+            epoch, target = self.epochs_done[model], self.instance.epochs[model]
+            self.send(EpochFinished(self.now, model, epoch, {"val_accuracy": min(epoch / target, 1.0)}))
+        for model in members:
+            if self.epochs_done[model] >= self.instance.epochs[model]:
+                self.send(ModelConverged(self.now, model))
+        if flotilla_id in self.flotillas and self.flotillas[flotilla_id] is flotilla:
+            self.reschedule(flotilla_id)
+
+    def push(self, at: float, kind: str, payload: object) -> None:
+        self.sequence += 1
+        heapq.heappush(self.queue, (at, self.sequence, kind, payload))
+
+
+def simulate(instance: Instance, policy: Policy, seed: int = 0) -> SimResult:
+    """Train `instance` to convergence under `policy`; `seed` drives the random baselines."""
+    return _Simulation(instance, policy, seed).run()
+
+
+def random_instance(rng: random.Random, models: int, cluster: Cluster, single_slot_rates=(21.0, 176.0),
+                    epochs=(10, 60), images_per_epoch: int = 30_000, checkpoint_seconds: float = 0.0) -> Instance:
+    """Random heterogeneous ensemble: single-slot rates uniform in
+    `single_slot_rates`, sublinear data-parallel scaling
+    rate(g) = rate(1) * g / (1 + s * (g - 1)) with s uniform in [0.05, 0.35],
+    convergence epochs uniform in `epochs`."""
+    profile, converge = Profile(), {}
+    for i in range(models):
+        name = f"dnn{i + 1:03d}" if models > 9 else f"dnn{i + 1}"
+        rate, slowdown = rng.uniform(*single_slot_rates), rng.uniform(0.05, 0.35)
+        profile.add(name, [rate * g / (1 + slowdown * (g - 1)) for g in range(1, cluster.slots_per_node + 1)])
+        converge[name] = rng.randint(*epochs)
+    return Instance(profile, converge, cluster, images_per_epoch, checkpoint_seconds)
+
+
+def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
+    """One row per slot, one bar per model on it, coloured by flotilla."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {slot: i for i, slot in enumerate(cluster.slots)}
+    height = min(2 + 0.12 * len(rows), 12)
+    fig, ax = plt.subplots(figsize=(8, height), dpi=80)
+    colours = plt.get_cmap("tab20").colors
+    hours = 3600.0
+    for bar in result.bars:
+        ax.barh(rows[bar.slot], (bar.end - bar.start) / hours, left=bar.start / hours, height=0.85,
+                color=colours[bar.flotilla % len(colours)], edgecolor="black", linewidth=0.2)
+        if len(rows) <= 16:
+            ax.text((bar.start + bar.end) / 2 / hours, rows[bar.slot], bar.model, ha="center", va="center",
+                    fontsize=6)
+    ax.set_yticks(range(len(rows)) if len(rows) <= 32 else [])
+    if len(rows) <= 32:
+        ax.set_yticklabels([str(s) for s in rows], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("hours")
+    ax.set_ylabel("slot")
+    ax.set_title(f"{title}: {result.end_time / hours:.2f} h, utilisation {result.utilisation:.0%}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,237 @@
+"""Scheduler state machine, planner, policies, simulator and exact solver (no devices)."""
+
+import random
+
+import pytest
+
+from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetG, FleetL,
+                                FormFlotilla, Homogeneous, ModelConverged, Profile, ProfileMeasured, Scheduler, Slot,
+                                SlotFreed, Start, Stop, TrainerFailed, assign_slots, greedy_flotilla, make_policy)
+from pipeline.scheduler.exact import optimal_time, run_round
+from pipeline.scheduler.simulate import Instance, random_instance, simulate
+
+SEED_RATES = {"DNN1": (100, 190, 270, 350), "DNN2": (80, 150, 220, 280),
+              "DNN3": (80, 150, 200, 240), "DNN4": (40, 75, 105, 120)}
+
+
+def seed_profile() -> Profile:
+    profile = Profile()
+    for model, rates in SEED_RATES.items():
+        profile.add(model, rates)
+    return profile
+
+
+def started(scheduler: Scheduler, rates: dict[str, tuple]) -> list:
+    decisions = []
+    for model, r in rates.items():
+        decisions += scheduler.handle(ProfileMeasured(0.0, model, r))
+    return decisions
+
+
+def of(kind, decisions):
+    return [d for d in decisions if isinstance(d, kind)]
+
+
+# ------------------------------------------------------------------ planner
+
+@pytest.mark.parametrize("refined", [True, False])
+def test_worked_example_of_the_slides(refined):
+    flotilla = greedy_flotilla(list(SEED_RATES), seed_profile(), Cluster(1, 4), [4], refined=refined)
+    assert flotilla == {"DNN1": 1, "DNN4": 3}
+
+
+def test_worked_example_through_the_state_machine():
+    scheduler = Scheduler(list(SEED_RATES), Cluster(1, 4), FleetG())
+    decisions = started(scheduler, SEED_RATES)
+    assert [type(d) for d in decisions] == [FormFlotilla, AssignSlots, AssignSlots, Start, Start]
+    form = decisions[0]
+    assert form.members == {"DNN1": 1, "DNN4": 3} and form.rate == 100
+    assert {d.model: len(d.slots) for d in of(AssignSlots, decisions)} == {"DNN1": 1, "DNN4": 3}
+    assert all(d.resume_epoch == 0 for d in of(Start, decisions))
+
+
+def test_slot_assignment_keeps_multi_slot_models_on_one_node_and_packs_small_ones():
+    free = list(Cluster(3, 4).slots)
+    placement = assign_slots({"a": 3, "b": 1, "c": 2, "d": 2, "e": 4}, free)
+    for slots in placement.values():
+        assert len({s.node for s in slots}) == 1
+    assert placement["b"][0].node == placement["a"][0].node  # the 1-slot model fills the 3-slot node
+    used = [s for slots in placement.values() for s in slots]
+    assert len(used) == len(set(used)) == 12
+
+
+def test_impossible_requests_say_what_and_how_to_fix():
+    with pytest.raises(ValueError, match="needs 3 slots on one node"):
+        assign_slots({"a": 3}, [Slot(0, 0), Slot(0, 1), Slot(1, 0)])
+    scheduler = Scheduler(["big"], Cluster(2, 2), FleetG())
+    with pytest.raises(ValueError, match="must fit in one node of 2 slots"):
+        scheduler.handle(ProfileMeasured(0.0, "big", (0, 0, 0, 300)))
+    with pytest.raises(ValueError, match="unknown scheduler 'fleet'.*fleet_g"):
+        make_policy("fleet")
+    with pytest.raises(ValueError, match="unknown model 'x'"):
+        scheduler.handle(EpochFinished(0.0, "x", 1))
+
+
+def test_policies_are_selectable_by_name():
+    assert isinstance(make_policy("fleet_g"), FleetG) and isinstance(make_policy("fleet_l"), FleetL)
+    assert isinstance(make_policy("baseline"), Baseline) and isinstance(make_policy("homogeneous"), Homogeneous)
+    assert make_policy("fleet_l", min_active_fraction=0.5).min_active_fraction == 0.5
+
+
+# ------------------------------------------------------------ state machine
+
+FIVE = {"a": (100, 190), "b": (100, 190), "c": (100, 190), "d": (100, 190), "e": (100, 190)}
+
+
+def five_on_five(policy) -> Scheduler:
+    scheduler = Scheduler(list(FIVE), Cluster(5, 1), policy)
+    form = of(FormFlotilla, started(scheduler, FIVE))
+    assert len(form) == 1 and form[0].members == dict.fromkeys(FIVE, 1)
+    return scheduler
+
+
+def test_converged_model_is_checkpointed_and_released_and_flotilla_stops_below_80_percent():
+    scheduler = five_on_five(FleetG())
+    for model in FIVE:
+        scheduler.handle(EpochFinished(10.0, model, 1))
+    first = scheduler.handle(ModelConverged(10.0, "a"))
+    assert first == [Checkpoint(0, "a", 1, final=True), Stop(0, "a", "converged", flotilla_ends=False)]
+    second = scheduler.handle(ModelConverged(11.0, "b"))  # 3 of 5 slots active: 60% < 80%
+    assert of(Stop, second) == [Stop(0, "b", "converged", False), Stop(0, "c", "flotilla stopped", False),
+                                Stop(0, "d", "flotilla stopped", False), Stop(0, "e", "flotilla stopped", True)]
+    assert {d.model for d in of(Checkpoint, second)} == {"b", "c", "d", "e"}
+    replan = []
+    for slot in Cluster(5, 1).slots:
+        replan += scheduler.handle(SlotFreed(12.0, slot))
+    assert of(FormFlotilla, replan)[0].members.keys() == {"c", "d", "e"}
+    assert {d.model: d.resume_epoch for d in of(Start, replan)} == {"c": 1, "d": 1, "e": 1}
+
+
+def test_fleet_g_waits_for_the_flotilla_to_stop_while_fleet_l_refills_at_once():
+    rates = {**FIVE, "f": (100, 190)}  # one model more than slots
+    decisions = {}
+    for policy in (FleetG(), FleetL()):
+        scheduler = Scheduler(list(rates), Cluster(5, 1), policy)
+        started(scheduler, rates)
+        scheduler.handle(EpochFinished(1.0, "a", 1))
+        scheduler.handle(ModelConverged(1.0, "a"))
+        decisions[type(policy)] = scheduler.handle(SlotFreed(2.0, Slot(0, 0)))
+    assert decisions[FleetG] == []
+    refill = decisions[FleetL]
+    assert refill[0] == FormFlotilla(1, {"f": 1}, 100.0) and of(Start, refill) == [Start(1, "f", 0)]
+
+
+def test_failed_trainer_resumes_from_last_checkpoint_and_is_given_up_after_max_failures():
+    scheduler = Scheduler(["m"], Cluster(1, 1), FleetG(), checkpoint_every=2, max_failures=1)
+    started(scheduler, {"m": (50,)})
+    scheduler.handle(EpochFinished(1.0, "m", 1))
+    assert scheduler.handle(EpochFinished(2.0, "m", 2)) == [Checkpoint(0, "m", 2)]
+    scheduler.handle(EpochFinished(3.0, "m", 3))
+    assert scheduler.handle(TrainerFailed(3.5, "m", Slot(0, 0), "CUDA error")) == [Stop(0, "m", "failed", True)]
+    assert of(Start, scheduler.handle(SlotFreed(4.0, Slot(0, 0)))) == [Start(1, "m", 2)]
+    scheduler.handle(TrainerFailed(5.0, "m", Slot(0, 0)))
+    assert scheduler.handle(SlotFreed(6.0, Slot(0, 0))) == [] and scheduler.done
+    assert scheduler.models["m"].status == "failed"
+
+
+def test_driver_mistakes_are_refused():
+    scheduler = Scheduler(["m"], Cluster(1, 1), FleetG())
+    started(scheduler, {"m": (50,)})
+    with pytest.raises(ValueError, match="was freed but is busy"):
+        scheduler.handle(SlotFreed(1.0, Slot(0, 0)))
+    with pytest.raises(ValueError, match="older than the scheduler's clock"):
+        scheduler.handle(EpochFinished(0.5, "m", 1))
+
+
+def test_late_convergence_of_a_stopped_model_counts():
+    scheduler = five_on_five(FleetG(min_active_fraction=1.0))
+    scheduler.handle(ModelConverged(1.0, "a"))  # stops the whole flotilla
+    assert scheduler.handle(ModelConverged(1.0, "b")) == []
+    assert scheduler.models["b"].status == "converged"
+
+
+# --------------------------------------------------------------- simulation
+
+POLICIES = [FleetG(), FleetL(), Baseline(), Homogeneous(), FleetG(refined=False)]
+
+
+def small_instance(seed: int, nodes: int = 2) -> Instance:
+    cluster = Cluster(nodes, 4, cores_per_node=8, prep_seconds_per_image=0.02)
+    return random_instance(random.Random(seed), 9, cluster, epochs=(2, 12), images_per_epoch=3000,
+                           checkpoint_seconds=5.0)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{type(p).__name__}{'' if getattr(p, 'refined', 1) else '-plain'}")
+def test_simulation_invariants(policy):
+    instance = small_instance(3)
+    result = simulate(instance, policy, seed=1)
+    by_slot = {}
+    for bar in result.bars:
+        by_slot.setdefault(bar.slot, []).append(bar)
+    for bars in by_slot.values():  # no slot double-booked
+        bars.sort(key=lambda b: b.start)
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(bars, bars[1:]))
+    runs = {}
+    for bar in result.bars:
+        runs.setdefault((bar.model, bar.flotilla), []).append(bar)
+    for bars in runs.values():  # a multi-slot model stays within one node
+        assert len({b.slot.node for b in bars}) == 1
+    # simulate() raises unless every model converged; each one did train
+    assert {model for model, _ in runs} == instance.epochs.keys()
+    assert 0 < result.utilisation <= 1
+    again = simulate(instance, policy, seed=1)
+    assert (again.end_time, again.bars) == (result.end_time, result.bars)  # deterministic
+
+
+def test_baseline_and_homogeneous_use_one_slot_per_model():
+    instance = small_instance(4)
+    for policy in (Baseline(), Homogeneous()):
+        result = simulate(instance, policy)
+        slots_per_run = {}
+        for bar in result.bars:
+            slots_per_run[(bar.model, bar.flotilla)] = slots_per_run.get((bar.model, bar.flotilla), 0) + 1
+        assert set(slots_per_run.values()) == {1}
+    baseline = simulate(instance, Baseline())
+    assert baseline.flotillas == len(instance.epochs)  # one pipeline per model
+    homogeneous = simulate(instance, Homogeneous())
+    spans = {}
+    for bar in homogeneous.bars:
+        start, end = spans.get(bar.flotilla, (bar.start, bar.end))
+        spans[bar.flotilla] = (min(start, bar.start), max(end, bar.end))
+    ordered = sorted(spans.values())
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(ordered, ordered[1:]))  # next subset after the previous
+
+
+def test_cpu_model_caps_rates_and_sharing_preprocesses_once():
+    profile = Profile()
+    profile.add("fast", (200,))
+    profile.add("slow", (150,))
+    cluster = Cluster(1, 2, cores_per_node=2, prep_seconds_per_image=0.01)  # 100 images/s per slot
+    instance = Instance(profile, {"fast": 1, "slow": 1}, cluster, images_per_epoch=1000)
+    assert simulate(instance, Baseline()).end_time == pytest.approx(10.0)  # each capped at 100 images/s
+    assert simulate(instance, FleetG()).end_time == pytest.approx(1000 / 150)  # one pipeline, 200 images/s
+
+
+def test_exact_solver_is_a_lower_bound_of_fleet_g_and_matches_the_simulator():
+    for seed in range(4):
+        rng = random.Random(seed)
+        instance = random_instance(rng, 4, Cluster(rng.choice([1, 2]), 4), epochs=(1, 6), images_per_epoch=3000)
+        optimum = optimal_time(instance)
+        assert optimum <= simulate(instance, FleetG()).end_time * (1 + 1e-9)
+        assert optimum <= simulate(instance, FleetG(refined=False)).end_time * (1 + 1e-9)
+    profile = Profile()
+    profile.add("m", (100, 150))
+    alone = Instance(profile, {"m": 3}, Cluster(1, 2), images_per_epoch=300, checkpoint_seconds=1.0)
+    assert optimal_time(alone) == pytest.approx(3 * 300 / 150 + 1.0)
+    assert simulate(alone, FleetG()).end_time == pytest.approx(optimal_time(alone))
+
+
+def test_round_model_stops_below_min_active_fraction():
+    profile = Profile()
+    for model, rate in {"a": 100, "b": 50, "c": 100, "d": 100, "e": 100}.items():
+        profile.add(model, (rate,))
+    instance = Instance(profile, {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}, Cluster(1, 5), images_per_epoch=100)
+    duration, left = run_round(dict.fromkeys("abcde", 1), instance.epochs, instance, 0.8)
+    # epoch 1 at 50/s (b slows all), a leaves (4/5 active), epoch 2 at 50/s, b leaves (3/5): stop
+    assert duration == pytest.approx(4.0)
+    assert left == {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1}
