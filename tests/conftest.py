@@ -1,0 +1,37 @@
+"""Shared fixtures: small datasets the tests make themselves, and config
+composition the way Hydra does it for a run."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeline.config import register
+from pipeline.synthetic import generate_imagefolder, write_bad_files
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+register()
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """4 classes x 16 photo-sized synthetic JPEGs."""
+    root = tmp_path_factory.mktemp("data") / "tiny"
+    generate_imagefolder(root, num_classes=4, images_per_class=16, seed=3, image_size=(120, 160))
+    return root
+
+
+@pytest.fixture(scope="session")
+def bad_dataset(tiny_dataset, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """The tiny dataset plus one troublesome file of each kind in class 1."""
+    root = tmp_path_factory.mktemp("data") / "bad"
+    shutil.copytree(tiny_dataset, root)
+    bad = write_bad_files(sorted(p for p in root.iterdir() if p.is_dir())[0])
+    return root, bad
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)

@@ -1,0 +1,160 @@
+"""Stage behaviour, and a suite every stage must pass: the output matches the
+declared spec, the same seed gives the same bytes, the stage pickles."""
+import pickle
+
+import numpy as np
+import pytest
+import simplejpeg
+
+from stages.augment import RandomResizedCropFlip
+from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split
+from stages.decode import Decode
+from stages.read import ImageFolder
+from stages.sink import Deliver
+
+
+def ctx(split=Split.TRAIN, epoch=0, index=0, seed=0, on_error="skip", stage="s"):
+    return BatchContext(seed=seed, split=split, epoch=epoch, index=index, on_error=on_error, stage=stage)
+
+
+@pytest.fixture
+def source(tiny_dataset):
+    return ImageFolder(root=str(tiny_dataset), batch_size=8, val_per_class=0.25)
+
+
+def chain(source, decode=None, augment=None):
+    """(stage, input batch factory) for each built-in stage."""
+    decode = decode or Decode()
+    augment = augment or RandomResizedCropFlip(size=32)
+    encoded = lambda c: source(None, c)
+    decoded = lambda c: decode(encoded(c), c)
+    cropped = lambda c: augment(decoded(c), c)
+    return [(source, lambda c: None, None), (decode, encoded, Spec(DataKind.ENCODED)),
+            (augment, decoded, Spec(DataKind.IMAGES)), (Deliver(), cropped, Spec(DataKind.TENSOR, (32, 32, 3)))]
+
+
+def conforms(batch: Batch, spec: Spec) -> bool:
+    if spec.kind is DataKind.ENCODED:
+        return all(isinstance(d, bytes) for d in batch.data)
+    if spec.kind is DataKind.IMAGES:
+        return all(d.dtype == np.uint8 and d.ndim == 3 and d.shape[2] == 3 for d in batch.data)
+    return batch.data.dtype == np.uint8 and batch.data.shape[1:] == spec.item_shape
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_every_stage_matches_its_spec_is_deterministic_and_pickles(source, position):
+    stage, make_input, input_spec = chain(source)[position]
+    spec = stage.output_spec(input_spec)
+    first = stage(make_input(ctx()), ctx())
+    again = pickle.loads(pickle.dumps(stage))(make_input(ctx()), ctx())
+    assert conforms(first, spec)
+    assert len(first.labels) == len(first.paths) == len(first.data) == 8
+    for a, b in zip(first.data, again.data):
+        assert np.array_equal(np.asarray(a if not isinstance(a, bytes) else np.frombuffer(a, np.uint8)),
+                              np.asarray(b if not isinstance(b, bytes) else np.frombuffer(b, np.uint8)))
+
+
+def test_split_is_fixed_per_class_by_fraction_and_count(tiny_dataset):
+    by_fraction = ImageFolder(root=str(tiny_dataset), batch_size=8, val_per_class=0.25)
+    by_count = ImageFolder(root=str(tiny_dataset), batch_size=8, val_per_class=4)
+    assert by_fraction.num_items(Split.VAL) == by_count.num_items(Split.VAL) == 4 * 4
+    assert by_fraction.files == by_count.files
+    train = {p for p, _ in by_fraction.files[Split.TRAIN]}
+    assert train.isdisjoint(p for p, _ in by_fraction.files[Split.VAL])
+    assert len(train) == 4 * 12
+
+
+def test_training_order_changes_with_epoch_and_seed_but_not_otherwise(source):
+    order = lambda epoch, seed: source.order(Split.TRAIN, epoch, seed).tolist()
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(1, 0) and order(0, 0) != order(0, 1)
+    assert sorted(order(1, 0)) == list(range(source.num_items(Split.TRAIN)))
+    assert source.order(Split.VAL, 3, 5).tolist() == list(range(source.num_items(Split.VAL)))
+
+
+def test_an_epoch_covers_every_training_file_once(source):
+    paths = [p for i in range(source.num_batches(Split.TRAIN)) for p in source(None, ctx(index=i)).paths]
+    assert sorted(paths) == sorted(p for p, _ in source.files[Split.TRAIN])
+
+
+def test_augmentations_follow_seed_epoch_and_index(source):
+    stage, make_input, _ = chain(source)[2]
+    run = lambda **k: stage(make_input(ctx(**k)), ctx(**k)).data
+    assert not np.array_equal(run(seed=0), run(seed=1))
+    assert not np.array_equal(run(epoch=0), run(epoch=1))
+
+
+def test_validation_is_center_crop_without_randomness():
+    image = np.arange(100 * 200 * 3, dtype=np.uint8).reshape(100, 200, 3)
+    batch = Batch([image], np.zeros(1, np.int64), ["x.jpg"])
+    crop = RandomResizedCropFlip(size=100, crop_fraction=1.0)
+    out = crop(batch, ctx(split=Split.VAL, seed=1)).data[0]
+    assert np.array_equal(out, crop(batch, ctx(split=Split.VAL, seed=2)).data[0])
+    assert np.array_equal(out, image[:, 50:150])  # the centred square, same size: copied as is
+
+
+def test_random_crop_flips_about_half_the_time(source):
+    image = np.tile(np.arange(64, dtype=np.uint8)[None, :, None], (64, 1, 3))
+    batch = Batch([image] * 400, np.zeros(400, np.int64), ["x"] * 400)
+    out = RandomResizedCropFlip(size=16, scale=(1.0, 1.0), ratio=(1.0, 1.0))(batch, ctx()).data
+    flipped = out[:, 0, 0, 0] > out[:, 0, -1, 0]
+    assert 150 < flipped.sum() < 250
+
+
+def test_reduced_dct_decode_keeps_the_side_consumers_need(source):
+    data = source(None, ctx()).data[0]
+    full = simplejpeg.decode_jpeg(data)
+    decode = Decode()
+    decode.set_consumer_need(50)
+    reduced = decode(Batch([data], np.zeros(1, np.int64), ["x"]), ctx()).data[0]
+    assert min(reduced.shape[:2]) >= 50 and reduced.shape[0] < full.shape[0]
+    assert Decode(min_size=None).keep_side == 0  # no consumer told: full size
+
+
+def test_dali_and_simplejpeg_decode_alike_and_give_the_same_crops(source):
+    encoded = source(None, ctx())
+    by_turbo = Decode(backend="simplejpeg")(encoded, ctx())
+    by_dali = Decode(backend="dali")(encoded, ctx())
+    for a, b in zip(by_turbo.data, by_dali.data):
+        assert a.shape == b.shape
+        assert np.abs(a.astype(int) - b.astype(int)).mean() < 1.0
+    crop = RandomResizedCropFlip(size=32)
+    a, b = crop(by_turbo, ctx(stage="crop")).data, crop(by_dali, ctx(stage="crop")).data
+    assert np.abs(a.astype(int) - b.astype(int)).mean() < 1.0
+
+
+def decode_all(root, backend, on_error="skip"):
+    source = ImageFolder(root=str(root), batch_size=1000, val_per_class=0)
+    c = ctx(on_error=on_error)
+    return Decode(backend=backend)(source(None, c), c), c
+
+
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
+def test_bad_files_are_skipped_and_listed_or_converted(bad_dataset, backend):
+    root, bad = bad_dataset
+    batch, c = decode_all(root, backend)
+    skipped = dict(c.skipped)
+    for kind in ("corrupt", "truncated", "empty", "non_image"):
+        assert str(bad[kind]) in skipped, kind
+    converted = dict(c.converted)
+    for kind in ("grayscale", "cmyk", "png_named_jpg"):
+        assert str(bad[kind]) in batch.paths, kind  # readable images are kept, in RGB
+    assert "PNG data in a .jpg file" in converted[str(bad["png_named_jpg"])]
+    assert "empty" in skipped[str(bad["empty"])] and "not an image" in skipped[str(bad["non_image"])]
+    assert all(image.shape[2] == 3 for image in batch.data)
+    assert len(batch.data) == 4 * 16 + 3
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "truncated", "empty", "non_image"])
+def test_on_error_fail_stops_naming_the_file(bad_dataset, kind):
+    path = bad_dataset[1][kind]
+    batch = Batch([path.read_bytes()], np.zeros(1, np.int64), [str(path)])
+    with pytest.raises(BadFileError, match=rf"{path.name}: .*on_error=fail"):
+        Decode()(batch, ctx(on_error="fail"))
+
+
+def test_missing_root_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; set dataset.root"):
+        ImageFolder(root=str(tmp_path / "nope"), batch_size=4)
+    with pytest.raises(ValueError, match="no class folders"):
+        ImageFolder(root=str(tmp_path), batch_size=4)
