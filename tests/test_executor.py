@@ -1,0 +1,71 @@
+"""Batch tasks on Dask: deterministic whatever the worker count, bounded in
+flight, and a worker killed mid-epoch costs a recomputation, never a batch."""
+import os
+import signal
+import zlib
+
+import pytest
+
+from pipeline.executor import Executor, dask_client
+from pipeline.graph import build_graph
+from stages.base import Split
+
+pytestmark = pytest.mark.slow
+
+
+def stages(root, slow=0.0):
+    graph = {
+        "read": {"_target_": "stages.read.ImageFolder", "root": str(root), "batch_size": 4, "val_per_class": 0.25},
+        "decode": {"_target_": "stages.decode.Decode", "inputs": ["read"]},
+        "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["slow" if slow else "decode"],
+                 "size": 32},
+        "out": {"_target_": "stages.sink.Deliver", "inputs": ["crop"]},
+    }
+    if slow:
+        graph["slow"] = {"_target_": "tests.slow_stage.SlowDown", "inputs": ["decode"], "seconds": slow}
+    return graph
+
+
+def epoch_checksums(executor, epoch=0):
+    return [(i, zlib.crc32(out.streams["out"].data.tobytes()), out.streams["out"].labels.tolist())
+            for i, out in executor.batches(Split.TRAIN, epoch)]
+
+
+def test_same_seed_same_batches_whatever_the_worker_count(tiny_dataset):
+    graph = build_graph(stages(tiny_dataset), {"out"})
+    runs = []
+    for workers in (1, 2):
+        with dask_client(None, workers, 1) as client:
+            runs.append(epoch_checksums(Executor(client, graph, seed=5, on_error="skip", in_flight=3)))
+    assert runs[0] == runs[1]
+    assert [i for i, _, _ in runs[0]] == list(range(graph.source.num_batches(Split.TRAIN)))
+
+
+def test_in_flight_tasks_are_bounded(tiny_dataset):
+    graph = build_graph(stages(tiny_dataset), {"out"})
+    with dask_client(None, 2, 1) as client:
+        executor = Executor(client, graph, seed=0, on_error="skip", in_flight=2)
+        submitted = []
+        real_submit = client.submit
+        client.submit = lambda *a, **k: submitted.append(k["key"]) or real_submit(*a, **k)
+        ahead = [len(submitted) - index for index, _ in executor.batches(Split.TRAIN, 0)]
+        client.submit = real_submit
+    assert max(ahead) == 2
+
+
+def test_killed_worker_costs_a_recomputation_not_a_batch(tiny_dataset):
+    graph = build_graph(stages(tiny_dataset, slow=0.4), {"out"})
+    with dask_client(None, 1, 1) as client:
+        expected = epoch_checksums(Executor(client, graph, seed=1, on_error="skip", in_flight=4))
+    with dask_client(None, 2, 1) as client:
+        executor = Executor(client, graph, seed=1, on_error="skip", in_flight=4)
+        pids = client.run(os.getpid)
+        received, killed = [], None
+        for index, out in executor.batches(Split.TRAIN, 0):
+            received.append((index, zlib.crc32(out.streams["out"].data.tobytes()), out.streams["out"].labels.tolist()))
+            if killed is None:
+                busy = [addr for addr, keys in client.processing().items() if keys]
+                killed = busy[0]
+                os.kill(pids[killed], signal.SIGKILL)
+    assert killed is not None
+    assert received == expected

@@ -1,0 +1,102 @@
+"""Shared-memory delivery: every reader gets every message once, in order,
+bit-identical; a slow reader holds the writer back; nothing is left behind."""
+import multiprocessing as mp
+import os
+import time
+import zlib
+
+import numpy as np
+import pytest
+
+from pipeline.transport.base import MessageKind, StreamLayout
+from pipeline.transport.shm import ConsumerGone, SharedMemoryTransport
+
+LAYOUT = StreamLayout(batch_capacity=4, item_shape=(8, 8, 3))
+CTX = mp.get_context("spawn")
+
+
+def read_all(reader, results, delay):
+    """Consumer process: checksum every message, optionally slowly."""
+    seen = []
+    for message in reader.messages():
+        seen.append((int(message.kind), message.index, zlib.crc32(message.images.tobytes()),
+                     message.labels.tolist(), time.monotonic()))
+        time.sleep(delay)
+        message.release()
+    results.put((delay, seen))
+
+
+def batches(count):
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        n = 3 if index == count - 1 else 4  # a short last batch
+        yield index, rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8), np.arange(n) + index
+
+
+def segments():
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{os.getpid()}-")}
+
+
+def test_every_reader_gets_every_message_in_order_and_bit_identical():
+    transport = SharedMemoryTransport(slots=3, context=CTX)
+    writer = transport.open_stream("s", LAYOUT, consumers=3)
+    results = CTX.Queue()
+    readers = [CTX.Process(target=read_all, args=(writer.reader(i), results, 0.0)) for i in range(3)]
+    for process in readers:
+        process.start()
+    sent = []
+    for index, images, labels in batches(25):
+        writer.publish(MessageKind.BATCH, 0, 0, index, images, labels)
+        sent.append((int(MessageKind.BATCH), index, zlib.crc32(images.tobytes()), labels.tolist()))
+    writer.publish(MessageKind.STOP, 0, 0, 0)
+    received = [results.get(timeout=30)[1] for _ in readers]
+    for process in readers:
+        process.join(10)
+    transport.close()
+    for seen in received:
+        assert [s[:4] for s in seen[:-1]] == sent
+        assert seen[-1][0] == MessageKind.STOP
+    assert segments() == set()
+
+
+def test_slow_reader_holds_the_writer_to_the_ring_size():
+    slots = 2
+    transport = SharedMemoryTransport(slots=slots, context=CTX)
+    writer = transport.open_stream("s", LAYOUT, consumers=2)
+    results = CTX.Queue()
+    readers = [CTX.Process(target=read_all, args=(writer.reader(i), results, delay)) for i, delay in
+               enumerate((0.0, 0.05))]
+    for process in readers:
+        process.start()
+    published_at = []
+    for index, images, labels in batches(20):
+        writer.publish(MessageKind.BATCH, 0, 0, index, images, labels)
+        published_at.append(time.monotonic())
+    writer.publish(MessageKind.STOP, 0, 0, 0)
+    slow = dict(results.get(timeout=30) for _ in readers)[0.05]
+    for process in readers:
+        process.join(10)
+    transport.close()
+    # Message i + slots can only be written once the slow reader released message i.
+    for i in range(len(published_at) - slots):
+        assert published_at[i + slots] >= slow[i][4]
+    assert [s[1] for s in slow[:-1]] == list(range(20))
+
+
+def test_a_dead_reader_is_reported_not_waited_for():
+    transport = SharedMemoryTransport(slots=2, context=CTX, alive=lambda: False)
+    writer = transport.open_stream("s", LAYOUT, consumers=1)
+    writer.publish(MessageKind.END, 0, 0, 0)
+    writer.publish(MessageKind.END, 0, 0, 0)
+    with pytest.raises(ConsumerGone, match="reader 0"):
+        writer.publish(MessageKind.END, 0, 0, 0)  # ring full, reader gone
+    transport.close()
+    assert segments() == set()
+
+
+def test_oversized_batch_is_refused():
+    transport = SharedMemoryTransport(slots=2, context=CTX)
+    writer = transport.open_stream("s", LAYOUT, consumers=1)
+    with pytest.raises(ValueError, match="exceeds its capacity 4"):
+        writer.publish(MessageKind.BATCH, 0, 0, 0, np.zeros((5, 8, 8, 3), np.uint8), np.zeros(5, np.int64))
+    transport.close()
