@@ -161,7 +161,11 @@ def small_instance(seed: int, nodes: int = 2) -> Instance:
                            checkpoint_seconds=5.0)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: f"{type(p).__name__}{'' if getattr(p, 'refined', 1) else '-plain'}")
+def policy_id(policy) -> str:
+    return type(policy).__name__ + ("" if getattr(policy, "refined", True) else "-slides-rule")
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
 def test_simulation_invariants(policy):
     instance = small_instance(3)
     result = simulate(instance, policy, seed=1)

@@ -160,7 +160,7 @@ class Scheduler:
             state.flotilla = None
             for slot in flotilla.members[m]:
                 self.slots[slot] = RELEASING
-            decisions.append(Stop(flotilla_id, m, why, flotilla_ends=not flotilla.active and m == leaving[-1][0]))
+            decisions.append(Stop(flotilla_id, m, why, flotilla_ends=not flotilla.active))
         if not flotilla.active:
             del self.flotillas[flotilla_id]
         return decisions

@@ -168,8 +168,9 @@ def simulate(instance: Instance, policy: Policy, seed: int = 0) -> SimResult:
     return _Simulation(instance, policy, seed).run()
 
 
-def random_instance(rng: random.Random, models: int, cluster: Cluster, single_slot_rates=(21.0, 176.0),
-                    epochs=(10, 60), images_per_epoch: int = 30_000, checkpoint_seconds: float = 0.0) -> Instance:
+def random_instance(rng: random.Random, models: int, cluster: Cluster,
+                    single_slot_rates: tuple[float, float] = (21.0, 176.0), epochs: tuple[int, int] = (10, 60),
+                    images_per_epoch: int = 30_000, checkpoint_seconds: float = 0.0) -> Instance:
     """Random heterogeneous ensemble: single-slot rates uniform in
     `single_slot_rates`, sublinear data-parallel scaling
     rate(g) = rate(1) * g / (1 + s * (g - 1)) with s uniform in [0.05, 0.35],
