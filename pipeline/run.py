@@ -58,9 +58,9 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     check_output_dir(output_dir)
     if cfg.on_error not in ("skip", "fail"):
         raise ConfigError(f"on_error must be 'skip' or 'fail', got {cfg.on_error!r}")
+    models = expand_ensemble(cfg.ensemble)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
-    models = expand_ensemble(cfg.ensemble)
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
     plan, params, image_sizes = _plan(cfg, models, graph)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)

@@ -133,9 +133,10 @@ class Trainer:
         torch = self.torch
         count = len(message.labels)
         # Every rank sees every batch and takes rows rank, rank+g, ...; a batch
-        # too small for all ranks is skipped by all of them alike.
+        # too small to give each rank two rows (batch norm needs two) is
+        # skipped by all ranks alike, like a DataLoader's drop_last remainder.
         rows = slice(self.spec.rank, None, self.world)
-        if count < self.world:
+        if count < 2 * self.world:
             message.release()
             return
         x = self._to_device(message.images[rows])

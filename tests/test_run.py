@@ -1,0 +1,138 @@
+"""The main job end to end on CPU slots: Dask workers, trainer processes,
+shared-memory streams, DDP over gloo, results; and its errors."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.dataset import DatasetError, prepare_dataset
+from pipeline.planner import PlanError
+from pipeline.run import ConfigError, run
+from stages.base import BadFileError
+from tests.conftest import compose_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def small(root, *extra):
+    return ["+ensemble=caltech256", f"dataset.root={root}", "dataset.synthetic=never", "pipeline.batch_size=16",
+            "pipeline.image_size=32", "pipeline.alt_image_size=24", "cluster.workers=2", *extra]
+
+
+def shm_segments():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-")}
+
+
+@pytest.fixture(scope="module")
+def full_run(bad_dataset, tmp_path_factory):
+    """Two epochs over a dataset with bad files; one model on 2 slots (DDP)."""
+    before = shm_segments()
+    out = tmp_path_factory.mktemp("run")
+    cfg = compose_config(small(bad_dataset[0], "trainer.epochs=2", "trainer.record_checksums=true",
+                               "ensemble.models.0.slots=2"))
+    results = run(cfg, out)
+    return results, out, bad_dataset[1], before
+
+
+def test_every_trainer_received_every_batch_once_in_order_bit_identical(full_run):
+    results, *_ = full_run
+    delivery = results["delivery"]
+    trainers = {m["name"]: (m["input"], m["slots"]) for m in results["models"]}
+    assert len(delivery["received"]) == sum(slots for _, slots in trainers.values()) == 5
+    for trainer, received in delivery["received"].items():
+        stream = trainers[trainer.split("/")[0]][0]
+        assert [tuple(r) for r in received] == [tuple(s) for s in delivery["sent"][stream]], trainer
+    batches = [s for s in delivery["sent"]["main"] if s[0] == 0]
+    per_epoch = sum(math.ceil(results["dataset"][f"{split}_images"] / 16) for split in ("train", "val"))
+    assert len(batches) == 2 * per_epoch == len({(s[1], s[2], s[3]) for s in batches})
+
+
+def test_results_report_models_ensemble_stages_and_bad_files(full_run):
+    results, out, bad, _ = full_run
+    assert json.loads((out / "results.json").read_text())["epochs"] == 2
+    for model in results["models"]:
+        assert len(model["val_accuracy"]) == 2 and model["images_per_s"] > 0
+        assert (out / "checkpoints" / f"{model['name']}.pt").is_file()
+    assert [m["slots"] for m in results["models"]] == [2, 1, 1, 1]
+    assert len(results["ensemble"]["val_accuracy"]) == 2
+    assert set(results["pipeline"]["stages"]) == {"read", "decode", "crop_main", "crop_alt", "main", "alt"}
+    assert results["pipeline"]["stages"]["decode"]["cpu_s"] > 0
+    skipped = {s["path"] for s in results["skipped"]}
+    assert skipped == {str(bad[k]) for k in ("corrupt", "truncated", "empty", "non_image")}
+    converted = {c["path"] for c in results["converted"]}
+    assert converted == {str(bad[k]) for k in ("grayscale", "cmyk", "png_named_jpg")}
+
+
+def test_nothing_is_left_behind(full_run):
+    *_, before = full_run
+    assert shm_segments() <= before
+    import multiprocessing
+    assert multiprocessing.active_children() == []
+
+
+def test_on_error_fail_stops_naming_the_file(bad_dataset, tmp_path):
+    cfg = compose_config(small(bad_dataset[0], "trainer.epochs=1", "on_error=fail"))
+    with pytest.raises(BadFileError, match=r"001_900\d\.jpg: .*on_error=fail"):
+        run(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (["trainer.slot_memory_gb=0.0001"], PlanError, r"model resnet10_w16 needs about .* GiB per slot"),
+    (["ensemble.models.1.slots=3", "trainer.slots=2"], PlanError, r"ensemble.models\[1\].slots=3"),
+    (["trainer.device=cuda"], PlanError, "no CUDA device"),
+    (["on_error=ignore"], ConfigError, "on_error must be"),
+    (["pipeline.stages.crop_alt.inputs=[read]"], ValueError, "pipeline.stages.crop_alt.inputs"),
+])
+def test_bad_config_is_a_clear_error_before_any_work(tiny_dataset, tmp_path, overrides, error, message):
+    if overrides == ["trainer.device=cuda"]:
+        pytest.importorskip("torch").cuda.is_available() and pytest.skip("a GPU is present")
+    with pytest.raises(error, match=message):
+        run(compose_config(small(tiny_dataset, *overrides)), tmp_path)
+
+
+def test_no_ensemble_chosen(tiny_dataset, tmp_path):
+    cfg = compose_config([f"dataset.root={tiny_dataset}"])
+    with pytest.raises(ConfigError, match=r"\+ensemble=caltech256"):
+        run(cfg, tmp_path)
+
+
+def test_unwritable_output_directory(tiny_dataset, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot write the run's output directory"):
+        run(compose_config(small(tiny_dataset)), blocker / "out")
+
+
+def test_missing_or_empty_root_without_synthetic_is_an_error(tmp_path):
+    for root in (tmp_path / "missing", tmp_path):
+        with pytest.raises(DatasetError, match="missing or empty; point dataset.root"):
+            prepare_dataset(str(root), "never", 3, 4, 0)
+
+
+def test_synthetic_stand_in_is_generated_once_and_labelled(tmp_path):
+    first = prepare_dataset(str(tmp_path / "c256"), "auto", 3, 4, 0)
+    again = prepare_dataset(str(tmp_path / "c256"), "auto", 3, 4, 0)
+    assert first.synthetic and first.generated_now and again.synthetic and not again.generated_now
+    assert len(list((tmp_path / "c256").glob("*/*.jpg"))) == 12
+
+
+def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
+    """What a user types: two jobs, synthetic data generated, results written."""
+    before = shm_segments()
+    command = [sys.executable, "-m", "pipeline", "-m", "+ensemble=caltech256", f"dataset.root={tmp_path / 'data'}",
+               "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",
+               "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1", "seed=0,1",
+               f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "SYNTHETIC stand-in" in done.stdout and "dataset.root=" in done.stdout
+    assert "trainer.device=cuda" in done.stdout and "+ensemble=caltech256_paper" in done.stdout
+    jobs = sorted((tmp_path / "multirun").glob("*/results.json"))
+    assert len(jobs) == 2
+    assert [json.loads(j.read_text())["config"]["seed"] for j in jobs] == [0, 1]
+    assert shm_segments() <= before
