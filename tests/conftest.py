@@ -35,3 +35,15 @@ def bad_dataset(tiny_dataset, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where CUDA is visible."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
