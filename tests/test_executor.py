@@ -69,3 +69,36 @@ def test_killed_worker_costs_a_recomputation_not_a_batch(tiny_dataset):
                 os.kill(pids[killed], signal.SIGKILL)
     assert killed is not None
     assert received == expected
+
+
+def test_runs_on_an_existing_scheduler_given_its_address(tiny_dataset, tmp_path):
+    """cluster.address: the `dask scheduler` / `dask worker` a user started."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    scheduler_file = tmp_path / "scheduler.json"
+    dask = [sys.executable, "-m", "distributed.cli.dask_scheduler"]
+    processes = [subprocess.Popen(dask + ["--scheduler-file", str(scheduler_file), "--port", "0",
+                                          "--dashboard-address", ":0", "--no-dashboard"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker = [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file),
+                  "--nthreads", "1", "--no-dashboard"]
+        processes.append(subprocess.Popen(worker, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        address = json.loads(scheduler_file.read_text())["address"]
+        graph = build_graph(stages(tiny_dataset), {"out"})
+        with dask_client(address, "auto", 1) as client:
+            client.wait_for_workers(1, timeout=60)
+            remote = epoch_checksums(Executor(client, graph, seed=2, on_error="skip", in_flight=2))
+        with dask_client(None, 1, 1) as client:
+            local = epoch_checksums(Executor(client, graph, seed=2, on_error="skip", in_flight=2))
+        assert remote == local
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(30)

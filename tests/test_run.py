@@ -136,3 +136,13 @@ def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
     assert len(jobs) == 2
     assert [json.loads(j.read_text())["config"]["seed"] for j in jobs] == [0, 1]
     assert shm_segments() <= before
+
+
+def test_cli_unwritable_output_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    command = [sys.executable, "-m", "pipeline", "+ensemble=caltech256", f"hydra.run.dir={blocker / 'out'}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"cannot write the run's output directory {blocker / 'out'}" in done.stderr
+    assert "set hydra.run.dir" in done.stderr

@@ -1,0 +1,27 @@
+"""Hydra callbacks: checks that must run before Hydra itself touches the disk."""
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from pipeline.run import ConfigError, check_output_dir
+
+
+class CheckOutputDir(Callback):
+    """Hydra creates the run's folder before our code runs: check it first so
+    that an unwritable place gets our error (the path and the fix)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(Path(config.hydra.run.dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _exit_on_error(Path(config.hydra.sweep.dir))
+
+
+def _exit_on_error(path: Path) -> None:
+    try:
+        check_output_dir(path)
+    except ConfigError as err:
+        # Hydra turns a callback's exceptions into warnings and carries on; exit.
+        raise SystemExit(f"error: {err}") from None
