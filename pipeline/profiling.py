@@ -1,0 +1,296 @@
+"""Profiles for the FLEET scheduler: each model's training rate (images/s) on
+1..k device slots, measured by short real runs and cached on disk.
+
+A run on k slots starts k trainer processes (spawned) that train the model
+data-parallel (DDP over NCCL on CUDA, gloo on CPU), each rank taking its 1/k
+share of every batch, exactly as `pipeline.trainer` does: uint8 NHWC batches
+copied to the device and normalised there, forward, backward, SGD step. The
+batches are synthetic and already in memory, so the profile measures training,
+never input. Rate = images per batch / median step time, where a step's time
+is that of its slowest rank (the allreduce makes every rank wait for it); the
+median ignores the odd step stalled by the OS or a collective's first use.
+
+The cache is a JSON file of entries keyed by what decides the rate: the
+model's shape (arch, depth, width, growth rate, classes), image size, batch
+size, and the hardware (device kind and name, cores, threads per trainer,
+torch version). Learning rate and friends do not change the speed and are
+left out, so a hyper-parameter sweep is profiled once.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.scheduler.profile import Profile
+from pipeline.trainer import MEAN, STD, ModelSpec
+
+
+class ProfilingError(RuntimeError):
+    pass
+
+
+def measure_rates(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, slot_counts: list[int],
+                  device_kind: str, devices: list[str], steps: int, warmup: int, threads: int) -> dict[int, float]:
+    """Images/s of `model` trained on each of `slot_counts` slots.
+
+    batch_size: images per step, split over the slots (as a flotilla's batch is).
+    devices: the slots to use, in rank order ("cuda:<i>", or "cpu" repeated);
+        a run on k slots uses the first k.
+    steps: timed steps per run, after `warmup` untimed ones.
+    threads: torch threads per trainer process.
+    """
+    _check_request(slot_counts, device_kind, devices, batch_size, steps, warmup, threads)
+    return {slots: batch_size / _median_step_seconds(model, num_classes, image_size, batch_size,
+                                                     devices[:slots], steps, warmup, threads)
+            for slots in slot_counts}
+
+
+def profile_ensemble(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int], batch_size: int,
+                     max_slots: int, device_kind: str, devices: list[str], steps: int, warmup: int, threads: int,
+                     cache_path: Path) -> Profile:
+    """The scheduler's profile table: each model's rate on 1..max_slots slots.
+
+    image_sizes: input side in px of each model, by name. Rates already in the
+    cache at `cache_path` are read from it; the rest are measured and added.
+    """
+    _check_request(list(range(1, max_slots + 1)), device_kind, devices, batch_size, steps, warmup, threads)
+    hardware = describe_hardware(device_kind, devices, threads)
+    cache = _read_cache(Path(cache_path))
+    profile = Profile()
+    for model in models:
+        if model.name not in image_sizes:
+            raise ProfilingError(f"no image size for model {model.name!r}; image_sizes has "
+                                 f"{sorted(image_sizes)}: add the side in px of the images it trains on")
+        key = cache_key(model, num_classes, image_sizes[model.name], batch_size, hardware)
+        entry = next((e for e in cache if e["key"] == key), None)
+        if entry is None:
+            entry = {"key": key, "images_per_s": {}}
+            cache.append(entry)
+        missing = [k for k in range(1, max_slots + 1) if str(k) not in entry["images_per_s"]]
+        if missing:
+            measured = measure_rates(model, num_classes, image_sizes[model.name], batch_size, missing,
+                                     device_kind, devices, steps, warmup, threads)
+            entry["images_per_s"].update({str(k): rate for k, rate in measured.items()})
+            _write_json(Path(cache_path), cache)  # after each model: an interrupted profile keeps its work
+        profile.add(model.name, [entry["images_per_s"][str(k)] for k in range(1, max_slots + 1)])
+    return profile
+
+
+def cache_key(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, hardware: dict) -> dict:
+    return {"arch": model.arch, "depth": model.depth, "width": model.width, "growth_rate": model.growth_rate,
+            "num_classes": num_classes, "image_size": image_size, "batch_size": batch_size, **hardware}
+
+
+def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dict:
+    import torch
+
+    if device_kind == "cuda":
+        device_name = torch.cuda.get_device_name(devices[0])
+    else:
+        device_name = _cpu_model()
+    return {"device_kind": device_kind, "device_name": device_name, "cores": len(os.sched_getaffinity(0)),
+            "threads": threads, "torch": torch.__version__}
+
+
+def format_table(profile: Profile) -> str:
+    """Model x slots: images/s, and the speedup over 1 slot."""
+    most_slots = max((len(rates) for rates in profile.rates.values()), default=0)
+    header = ["model"] + [f"{k} slot{'s' if k > 1 else ''}" for k in range(1, most_slots + 1)]
+    rows = [header]
+    for model in profile.rates:
+        one_slot = profile.rate(model, 1)
+        cells = [model]
+        for k in range(1, most_slots + 1):
+            rate = profile.rate(model, k)
+            if rate == 0:  # the model cannot run on k slots
+                cells.append("-")
+            elif k == 1 or one_slot == 0:
+                cells.append(f"{rate:.1f}")
+            else:
+                cells.append(f"{rate:.1f} ({rate / one_slot:.2f}x)")
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    return "\n".join(["training images/s on k slots (speedup vs 1 slot)", *lines])
+
+
+def save_table(profile: Profile, path: Path) -> None:
+    _write_json(Path(path), {model: {str(k): rate for k, rate in enumerate(rates, 1)}
+                             for model, rates in profile.rates.items()})
+
+
+def _check_request(slot_counts: list[int], device_kind: str, devices: list[str], batch_size: int, steps: int,
+                   warmup: int, threads: int) -> None:
+    if device_kind not in ("cpu", "cuda"):
+        raise ProfilingError(f"device_kind must be 'cpu' or 'cuda', got {device_kind!r}")
+    if device_kind == "cuda":
+        _check_gpus(devices)
+    elif any(d != "cpu" for d in devices):
+        raise ProfilingError(f"devices {devices} are not all CPU slots; with device_kind='cpu' list each as 'cpu'")
+    if not slot_counts or any(not isinstance(k, int) or k < 1 for k in slot_counts):
+        raise ProfilingError(f"slot counts must be positive integers, got {slot_counts}; e.g. [1, 2]")
+    if max(slot_counts) > len(devices):
+        raise ProfilingError(f"cannot profile on {max(slot_counts)} slots: only {len(devices)} device(s) given "
+                             f"({devices}); profile on at most {len(devices)} slots or pass more devices")
+    for name, value, least in [("steps", steps, 1), ("warmup", warmup, 0), ("threads", threads, 1)]:
+        if not isinstance(value, int) or value < least:
+            raise ProfilingError(f"{name} must be an integer >= {least}, got {value!r}")
+    if not isinstance(batch_size, int) or batch_size < 2 * max(slot_counts):
+        # batch norm needs two images per rank, as in the trainer
+        raise ProfilingError(f"batch_size={batch_size!r} is too small for {max(slot_counts)} slots: each slot "
+                             f"needs at least 2 images; use batch_size >= {2 * max(slot_counts)}")
+
+
+def _check_gpus(devices: list[str]) -> None:
+    import torch
+
+    visible = torch.cuda.device_count()
+    valid = {f"cuda:{i}" for i in range(visible)}
+    if any(d not in valid for d in devices):
+        raise ProfilingError(f"devices {devices} are not all visible GPUs: this machine has {visible} "
+                             f"({sorted(valid) or 'none'}); list those, or use device_kind='cpu'")
+    if len(set(devices)) < len(devices):
+        raise ProfilingError(f"devices {devices} repeat a GPU, but NCCL needs one GPU per rank; list each once")
+
+
+def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, devices: list[str],
+                         steps: int, warmup: int, threads: int) -> float:
+    context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
+    reports = context.Queue()
+    rendezvous = f"tcp://127.0.0.1:{_free_port()}"
+    processes = [context.Process(target=_train_steps, name=f"profile-{model.name}-{rank}",
+                                 args=(model, num_classes, image_size, batch_size, rank, devices, rendezvous,
+                                       steps, warmup, threads, reports), daemon=True)
+                 for rank in range(len(devices))]
+    try:
+        for process in processes:
+            process.start()
+        step_seconds = [_next_report(reports, processes, model, len(devices)) for _ in processes]
+    finally:
+        for process in filter(lambda p: p.pid is not None, processes):  # those started
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        reports.close()
+        reports.join_thread()
+    return statistics.median(max(ranks) for ranks in zip(*step_seconds))
+
+
+def _next_report(reports, processes, model: ModelSpec, slots: int) -> list[float]:
+    while True:
+        try:
+            report = reports.get(timeout=1)
+        except queue.Empty:
+            dead = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise ProfilingError(f"profiling {model.name} on {slots} slot(s): {', '.join(dead)} died "
+                                     "without a report (out of memory?)") from None
+            continue
+        if "error" in report:
+            raise ProfilingError(f"profiling {model.name} on {slots} slot(s) failed in rank {report['rank']}:\n"
+                                 f"{report['error']}")
+        return report["step_seconds"]
+
+
+def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, rank: int,
+                 devices: list[str], rendezvous: str, steps: int, warmup: int, threads: int, reports) -> None:
+    """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
+    try:
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        from pipeline.models import build_model
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(0)
+        device, world = torch.device(devices[rank]), len(devices)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        net = build_model(model.arch, model.depth, model.width, model.growth_rate, num_classes,
+                          image_size=image_size).to(device, memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
+                                    weight_decay=model.weight_decay, nesterov=True)
+        if world > 1:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous,
+                                    rank=rank, world_size=world)
+            net = torch.nn.parallel.DistributedDataParallel(
+                net, device_ids=[device.index] if device.type == "cuda" else None)
+        # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.
+        random = np.random.default_rng(rank)
+        images = random.integers(0, 256, (batch_size, image_size, image_size, 3), dtype=np.uint8)[rank::world]
+        labels = torch.from_numpy(random.integers(0, num_classes, batch_size)[rank::world].copy())
+        mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        net.train()
+        step_seconds = []
+        for step in range(warmup + steps):
+            _synchronize(torch, device)
+            started = time.perf_counter()
+            x = (torch.from_numpy(images).to(device, non_blocking=True).permute(0, 3, 1, 2).float() - mean) / std
+            loss = torch.nn.functional.cross_entropy(net(x), labels.to(device, non_blocking=True))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
+            if step >= warmup:
+                step_seconds.append(time.perf_counter() - started)
+        if world > 1:
+            dist.destroy_process_group()
+        reports.put({"rank": rank, "step_seconds": step_seconds})
+    except BaseException:
+        reports.put({"rank": rank, "error": traceback.format_exc()})
+        raise
+
+
+def _synchronize(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _read_cache(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    try:
+        entries = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ProfilingError(f"profile cache {path} is not valid JSON ({error}); delete it to profile again") \
+            from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and {"key", "images_per_s"} <= e.keys()
+                                                for e in entries):
+        raise ProfilingError(f"profile cache {path} is not a list of {{key, images_per_s}} entries; "
+                             "delete it to profile again")
+    return entries
+
+
+def _write_json(path: Path, content) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(content, indent=1))
+    os.replace(tmp, path)  # never a half-written file
