@@ -1,0 +1,470 @@
+"""Benchmark of the preprocessing pipeline (docs/benchmarks.md says how to read it).
+
+1. Rate: images/s of one training epoch (decode, random resized crop, random
+   horizontal flip, uint8 HWC batches of 64) for our Dask pipeline, a DALI CPU
+   pipeline and a PyTorch DataLoader with Pillow, all on the same files with
+   two workers/threads, measured in alternation and reported as ratios.
+2. Sharing: preprocessing CPU-seconds of an epoch delivered through shared
+   memory to 1 model, to 8 models sharing one pipeline, and to 8 models with a
+   pipeline each.
+
+    python scripts/bench_pipeline.py --out bench_results/pipeline
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import random
+import statistics
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import numpy as np
+import psutil
+from PIL import Image
+
+from pipeline.graph import StageGraph, build_graph
+from pipeline.synthetic import generate_imagefolder
+from pipeline.transport.base import MessageKind, StreamLayout
+from pipeline.transport.shm import SharedMemoryTransport
+from stages.base import Split
+
+# Dask, torch and DALI are imported where they are used: spawned processes
+# (consumers, DataLoader workers) re-import this script and need none of them.
+
+SCALE = (0.25, 1.0)  # area fraction of the random crop, as in conf/pipeline/two_branches.yaml
+RATIO = (3 / 4, 4 / 3)  # aspect ratio range of the crop (the stage's default)
+BATCH_SIZE = 64
+WORKERS = 2  # Dask workers (1 thread each), DALI threads, DataLoader workers
+SINK = "main"
+TRAIN = list(Split).index(Split.TRAIN)  # split id carried in transport messages
+RATE_TARGETS = {"ours/DALI": 1.0, "ours/DataLoader": 1.5}  # at least (DESIGN.md section 6)
+SHARING_TARGET = 1.15  # at most: CPU of an N-model epoch over a 1-model epoch
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/pipeline"), help="folder for the JSON")
+    parser.add_argument("--root", type=Path, help="a real ImageFolder tree to use instead of the synthetic one")
+    parser.add_argument("--cache", type=Path, default=Path("data/bench_synthetic"),
+                        help="where the synthetic dataset is generated (once) and kept")
+    parser.add_argument("--classes", type=int, default=10, help="synthetic classes")
+    parser.add_argument("--per-class", type=int, default=128,
+                        help="synthetic images per class (10 x 128 = 20 full batches of 64)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 224], help="crop sizes, one rate row each")
+    parser.add_argument("--repeats", type=int, default=3, help="timed epochs per contender and size")
+    parser.add_argument("--models", type=int, default=8, help="models in the sharing measurement")
+    parser.add_argument("--sharing-repeats", type=int, default=1, help="timed epochs per sharing setup")
+    return parser.parse_args()
+
+
+def stage_config(root: Path, size: int) -> dict:
+    """conf/pipeline/two_branches.yaml with one augment branch and one sink;
+    every file is a training file so that all contenders read the same ones."""
+    return {
+        "read": {"_target_": "stages.read.ImageFolder", "root": str(root), "batch_size": BATCH_SIZE,
+                 "val_per_class": 0},
+        "decode": {"_target_": "stages.decode.Decode", "inputs": ["read"], "backend": "simplejpeg"},
+        "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["decode"], "size": size,
+                 "scale": list(SCALE), "ratio": list(RATIO)},
+        SINK: {"_target_": "stages.sink.Deliver", "inputs": ["crop"]},
+    }
+
+
+def make_graph(root: Path, size: int) -> StageGraph:
+    return build_graph(stage_config(root, size), {SINK})
+
+
+def check_batch(images, size: int) -> None:
+    """Every contender must hand out the same thing: uint8 NHWC batches of the crop size."""
+    shape, dtype = tuple(images.shape), str(images.dtype).replace("torch.", "")
+    if shape[1:] != (size, size, 3) or dtype != "uint8":
+        raise AssertionError(f"expected uint8 batches of [n, {size}, {size}, 3], got {dtype} {list(shape)}")
+
+
+# --- CPU accounting ----------------------------------------------------------
+
+def process_tree_cpu_seconds(exclude: set[int] = frozenset()) -> float:
+    """User + system CPU of this process and its descendants (Dask nannies and
+    workers, DataLoader workers), less the processes in `exclude`."""
+    total = 0.0
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        if process.pid in exclude:
+            continue
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+# --- The three contenders of the rate measurement -----------------------------
+
+class Ours:
+    """The project's pipeline: ImageFolder -> Decode -> RandomResizedCropFlip -> Deliver on Dask."""
+
+    name = "ours"
+
+    def __init__(self, client, root: Path, size: int):
+        from pipeline.executor import Executor
+
+        self.size = size
+        # As pipeline/run.py sizes it: two batch tasks in flight per worker thread.
+        self.executor = Executor(client, make_graph(root, size), seed=0, on_error="fail",
+                                 in_flight=2 * sum(client.nthreads().values()))
+        self.epochs = 0
+        self.stage_cpu_s: dict[str, float] = {}  # of the last epoch, summed over its batch tasks
+
+    def epoch(self) -> int:
+        self.epochs += 1
+        self.stage_cpu_s = {}
+        images = 0
+        for _, output in self.executor.batches(Split.TRAIN, self.epochs):
+            batch = output.streams[SINK]
+            check_batch(batch.data, self.size)
+            images += len(batch.labels)
+            for stage, timing in output.timings.items():
+                self.stage_cpu_s[stage] = self.stage_cpu_s.get(stage, 0.0) + timing.cpu_s
+        return images
+
+    def close(self) -> None:
+        pass
+
+
+class Dali:
+    """DALI CPU pipeline (device_id=None) doing the same work on the same files."""
+
+    name = "DALI"
+
+    def __init__(self, files: list[tuple[str, int]], size: int):
+        from nvidia.dali import fn, pipeline_def, types
+
+        # Synchronous execution: a prefetching pipeline would go on working
+        # after its timed epoch, inside the window of the next contender.
+        @pipeline_def(batch_size=BATCH_SIZE, num_threads=WORKERS, device_id=None, seed=0,
+                      exec_async=False, exec_pipelined=False)
+        def crop_flip():
+            jpegs, labels = fn.readers.file(files=[path for path, _ in files], labels=[label for _, label in files],
+                                            random_shuffle=True, name="reader")
+            images = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
+            images = fn.random_resized_crop(images, size=[size, size], random_area=list(SCALE),
+                                            random_aspect_ratio=list(RATIO))
+            return fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5)), labels
+
+        self.size = size
+        self.pipe = crop_flip()
+        self.pipe.build()
+        self.batches = math.ceil(self.pipe.epoch_size("reader") / BATCH_SIZE)
+
+    def epoch(self) -> int:
+        images = 0
+        for _ in range(self.batches):
+            batch, labels = self.pipe.run()
+            array = batch.as_array()  # the NHWC uint8 batch, as the others hand out
+            check_batch(array, self.size)
+            images += len(array)
+        return images
+
+    def close(self) -> None:
+        del self.pipe
+
+
+class PillowCropFlip:
+    """Map-style dataset for torch's DataLoader: what a user would write with
+    Pillow alone (torchvision's RandomResizedCrop + RandomHorizontalFlip)."""
+
+    def __init__(self, files: list[tuple[str, int]], size: int):
+        self.files, self.size = files, size
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        path, label = self.files[i]
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+        # DataLoader seeds `random` in each worker, differently per worker and epoch.
+        crop = image.resize((self.size, self.size), Image.BILINEAR, box=random_crop_box(image.height, image.width))
+        if random.random() < 0.5:
+            crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
+        return np.array(crop), label  # writable, as torch's collate wants
+
+
+def random_crop_box(height: int, width: int) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params: area in SCALE, aspect in RATIO, 10 tries, then centre."""
+    area = height * width
+    for _ in range(10):
+        target = area * random.uniform(*SCALE)
+        aspect = math.exp(random.uniform(math.log(RATIO[0]), math.log(RATIO[1])))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            x, y = random.randint(0, width - w), random.randint(0, height - h)
+            return x, y, x + w, y + h
+    side = min(height, width)
+    x, y = (width - side) // 2, (height - side) // 2
+    return x, y, x + side, y + side
+
+
+class DataLoaderPillow:
+    """PyTorch DataLoader, 2 worker processes, default collate to uint8 tensors."""
+
+    name = "DataLoader"
+
+    def __init__(self, files: list[tuple[str, int]], size: int):
+        import torch
+
+        self.size = size
+        # Persistent workers: process start-up is paid in the warm-up epoch only,
+        # as for the others. Spawn: the Dask client's threads make fork unsafe.
+        self.loader = torch.utils.data.DataLoader(
+            PillowCropFlip(files, size), batch_size=BATCH_SIZE, shuffle=True, num_workers=WORKERS,
+            persistent_workers=True, multiprocessing_context="spawn", generator=torch.Generator().manual_seed(0))
+
+    def epoch(self) -> int:
+        images = 0
+        for batch, labels in self.loader:
+            check_batch(batch, self.size)
+            images += len(labels)
+        return images
+
+    def close(self) -> None:
+        del self.loader  # stops its worker processes
+
+
+def timed_epoch(contender, exclude: set[int] = frozenset()) -> dict:
+    """Wall time and CPU of one epoch; driver_cpu_s: this process alone (for
+    ours: the Dask scheduler, the client and unpickling results; for DALI: all)."""
+    cpu, driver_cpu, wall = process_tree_cpu_seconds(exclude), time.process_time(), time.perf_counter()
+    images = contender.epoch()
+    wall, driver_cpu = time.perf_counter() - wall, time.process_time() - driver_cpu
+    cpu = process_tree_cpu_seconds(exclude) - cpu
+    return {"images": images, "wall_s": wall, "cpu_s": cpu, "driver_cpu_s": driver_cpu, "images_per_s": images / wall}
+
+
+def measure_rates(client, root: Path, size: int, repeats: int) -> dict:
+    """Each contender: a warm-up epoch, then `repeats` timed epochs, taken in turns
+    (rotating who goes first) so that load from elsewhere hits all of them alike."""
+    files = make_graph(root, size).source.files[Split.TRAIN]
+    contenders = [Ours(client, root, size), Dali(files, size), DataLoaderPillow(files, size)]
+    runs: dict[str, list[dict]] = {c.name: [] for c in contenders}
+    ours_profile = []
+    try:
+        for contender in contenders:
+            contender.epoch()  # warm-up: imports, process start-up, first file reads
+        for repeat in range(repeats):
+            for contender in contenders[repeat % 3:] + contenders[:repeat % 3]:
+                runs[contender.name].append(timed_epoch(contender))
+                if isinstance(contender, Ours):
+                    ours_profile.append(contender.stage_cpu_s)
+    finally:
+        for contender in contenders:
+            contender.close()
+    medians = {name: statistics.median(r["images_per_s"] for r in rs) for name, rs in runs.items()}
+    cpu_ms = {name: 1e3 * sum(r["cpu_s"] for r in rs) / sum(r["images"] for r in rs) for name, rs in runs.items()}
+    return {
+        "size": size,
+        "runs": runs,
+        "median_images_per_s": medians,
+        "cpu_ms_per_image": cpu_ms,
+        "ratios": {"ours/DALI": medians["ours"] / medians["DALI"],
+                   "ours/DataLoader": medians["ours"] / medians["DataLoader"]},
+        # Images per CPU-second: the speed per core, which load from other users skews less than the rate.
+        "per_cpu_ratios": {"ours/DALI": cpu_ms["DALI"] / cpu_ms["ours"],
+                           "ours/DataLoader": cpu_ms["DataLoader"] / cpu_ms["ours"]},
+        "ours_cpu_ms_per_image": ours_cpu_breakdown(runs["ours"], ours_profile),
+        "decode_keep_side": make_graph(root, size).stages["decode"].keep_side,
+    }
+
+
+def ours_cpu_breakdown(runs: list[dict], stage_cpu: list[dict[str, float]]) -> dict[str, float]:
+    """Where our CPU goes, per image: each stage (timed inside the batch task);
+    the workers' CPU outside the stages (Dask's worker machinery, pickling and
+    sending results); the driver (scheduler, client, receiving results)."""
+    images = sum(r["images"] for r in runs)
+    per_stage = {stage: 1e3 * sum(epoch[stage] for epoch in stage_cpu) / images for stage in stage_cpu[0]}
+    total = 1e3 * sum(r["cpu_s"] for r in runs) / images
+    driver = 1e3 * sum(r["driver_cpu_s"] for r in runs) / images
+    return {**per_stage, "workers outside stages": total - driver - sum(per_stage.values()), "driver": driver,
+            "total": total}
+
+
+# --- Sharing: CPU of delivering an epoch to N models ---------------------------
+
+def consume_stream(reader, ready) -> None:
+    """A stand-in trainer: takes every message of its stream and hands its slot straight back."""
+    ready.put(os.getpid())
+    for message in reader.messages():
+        message.release()
+
+
+@contextmanager
+def streams_with_consumers(streams: int, readers_per_stream: int, layout: StreamLayout):
+    """`streams` shared-memory streams, each read by its own consumer processes;
+    yields the writers and the consumers' pids, stops everything on exit."""
+    context = mp.get_context("spawn")
+    processes: list = []
+    transport = SharedMemoryTransport(slots=4, context=context,
+                                      alive=lambda: all(p.exitcode is None for p in processes))
+    ready = context.Queue()
+    try:
+        writers = [transport.open_stream(f"bench{i}", layout, readers_per_stream) for i in range(streams)]
+        for writer in writers:
+            for consumer in range(readers_per_stream):
+                process = context.Process(target=consume_stream, args=(writer.reader(consumer), ready), daemon=True)
+                process.start()
+                processes.append(process)
+        pids = {ready.get(timeout=120) for _ in processes}  # started and imported: not counted later
+        yield writers, pids
+        for writer in writers:
+            writer.publish(MessageKind.STOP, 0, 0, 0)
+        for process in processes:
+            process.join(30)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        transport.close()
+
+
+class Delivery:
+    """Some pipelines, each publishing its batches once to its own stream."""
+
+    def __init__(self, name: str, executors: list, writers: list, consumer_pids: set[int]):
+        self.name, self.executors, self.writers, self.consumer_pids = name, executors, writers, consumer_pids
+        self.epochs = 0
+
+    def epoch(self) -> int:
+        """One epoch of every pipeline; several pipelines run concurrently on the
+        cluster (their batch tasks interleave), as models training side by side."""
+        self.epochs += 1
+        images = 0
+        for outputs in zip(*(executor.batches(Split.TRAIN, self.epochs) for executor in self.executors)):
+            for writer, (index, output) in zip(self.writers, outputs):
+                batch = output.streams[SINK]
+                writer.publish(MessageKind.BATCH, TRAIN, self.epochs, index, batch.data, batch.labels)
+                images += len(batch.labels)
+        for writer in self.writers:
+            writer.publish(MessageKind.END, TRAIN, self.epochs, 0)
+        return images
+
+
+def measure_sharing(client, root: Path, size: int, models: int, repeats: int) -> dict:
+    """CPU-seconds (Dask workers and nannies + the driver, which holds the
+    scheduler and publishes; consumers excluded) of one epoch for: one model,
+    `models` models on one shared pipeline, `models` duplicated pipelines."""
+    from pipeline.executor import Executor
+
+    in_flight = 2 * sum(client.nthreads().values())
+    layout = StreamLayout(BATCH_SIZE, (size, size, 3))
+    setups = {"shared-1": (1, 1), f"shared-{models}": (1, models), f"duplicated-{models}": (models, 1)}
+    with ExitStack() as stack:
+        deliveries = []
+        for name, (pipelines, readers) in setups.items():
+            writers, pids = stack.enter_context(streams_with_consumers(pipelines, readers, layout))
+            # Duplicated pipelines are independent: their own graph and seed.
+            executors = [Executor(client, make_graph(root, size), seed=i, on_error="fail", in_flight=in_flight)
+                         for i in range(pipelines)]
+            deliveries.append(Delivery(name, executors, writers, pids))
+        every_consumer = set().union(*(d.consumer_pids for d in deliveries))
+        deliveries[0].epoch()  # warm-up (the rate measurement warmed the workers already)
+        runs: dict[str, list[dict]] = {d.name: [] for d in deliveries}
+        for _ in range(repeats):
+            for delivery in deliveries:
+                runs[delivery.name].append(timed_epoch(delivery, exclude=every_consumer))
+    cpu = {name: statistics.median(r["cpu_s"] for r in rs) for name, rs in runs.items()}
+    return {
+        "size": size,
+        "models": models,
+        "duplicated_run": "concurrently on the same cluster, batch tasks interleaved",
+        "runs": runs,
+        "median_cpu_s": cpu,
+        "ratios": {f"shared-{models}/shared-1": cpu[f"shared-{models}"] / cpu["shared-1"],
+                   f"duplicated-{models}/shared-1": cpu[f"duplicated-{models}"] / cpu["shared-1"]},
+    }
+
+
+# --- Report ------------------------------------------------------------------
+
+def machine_info() -> dict:
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor())
+    versions = {package: importlib.metadata.version(package) for package in
+                ("dask", "distributed", "nvidia-dali-cuda120", "torch", "simplejpeg", "Pillow", "numpy")}
+    return {"cores": len(os.sched_getaffinity(0)), "cpu_model": cpu_model, "platform": platform.platform(),
+            "python": platform.python_version(), "versions": versions}
+
+
+def verdict(ratio: float, target: float, at_most: bool = False) -> str:
+    passed = ratio <= target if at_most else ratio >= target
+    return f"{'PASS' if passed else 'MISS'} ({'<=' if at_most else '>='} {target}x)"
+
+
+def print_rates(rates: dict) -> None:
+    medians, ratios = rates["median_images_per_s"], rates["ratios"]
+    print(f"\nRate, {rates['size']} px crops, images/s (median of {len(rates['runs']['ours'])} epochs; "
+          f"all runs: JSON)")
+    print(f"  {'contender':<12}{'images/s':>10}{'CPU ms/img':>12}")
+    for name, rate in medians.items():
+        print(f"  {name:<12}{rate:>10.0f}{rates['cpu_ms_per_image'][name]:>12.2f}")
+    print(f"  {'':<18}{'rate':>7}{'per CPU-s':>11}")
+    for name, ratio in ratios.items():
+        per_cpu, target = rates["per_cpu_ratios"][name], RATE_TARGETS[name]
+        print(f"  {name:<18}{ratio:>6.2f}x{per_cpu:>10.2f}x   rate {verdict(ratio, target)}, "
+              f"per CPU-s {verdict(per_cpu, target)}")
+    breakdown = ", ".join(f"{stage} {ms:.2f}" for stage, ms in rates["ours_cpu_ms_per_image"].items())
+    print(f"  ours, CPU ms per image: {breakdown} (decode keeps shorter side >= {rates['decode_keep_side']} px)")
+
+
+def print_sharing(sharing: dict) -> None:
+    print(f"\nSharing, {sharing['size']} px, preprocessing CPU-seconds per epoch "
+          f"(median of {len(sharing['runs']['shared-1'])})")
+    for name, cpu in sharing["median_cpu_s"].items():
+        wall = statistics.median(r["wall_s"] for r in sharing["runs"][name])
+        print(f"  {name:<16}{cpu:>8.2f} CPU-s {wall:>8.2f} s wall")
+    for name, ratio in sharing["ratios"].items():
+        shared = name.startswith("shared-")
+        note = verdict(ratio, SHARING_TARGET, at_most=True) if shared else f"(expected ~{sharing['models']}x)"
+        print(f"  {name:<24}{ratio:>6.2f}x  {note}")
+
+
+def main() -> None:
+    from pipeline.executor import dask_client
+
+    args = parse_args()
+    root = args.root
+    if root is None:
+        root = args.cache
+        generate_imagefolder(root, args.classes, args.per_class, seed=0)  # returns at once when cached
+    machine = machine_info()
+    load_before = os.getloadavg()  # other users' load skews rates: keep it with the figures
+    print(f"{machine['cpu_model']}, {machine['cores']} cores; dataset {root} "
+          f"({len(make_graph(root, args.sizes[0]).source.files[Split.TRAIN])} images); "
+          f"load average before: {load_before[0]:.1f}")
+    started = time.perf_counter()
+    with dask_client(None, WORKERS, 1) as client:
+        rates = []
+        for size in args.sizes:
+            rates.append(measure_rates(client, root, size, args.repeats))
+            print_rates(rates[-1])
+        sharing = measure_sharing(client, root, args.sizes[0], args.models, args.sharing_repeats)
+        print_sharing(sharing)
+    results = {"command_args": vars(args), "dataset": str(root), "machine": machine, "rates": rates,
+               "sharing": sharing, "load_average_before": load_before,
+               "load_average_after": os.getloadavg(), "wall_s": time.perf_counter() - started}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench_pipeline.json"
+    path.write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nwrote {path} ({results['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
