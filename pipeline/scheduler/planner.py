@@ -60,14 +60,14 @@ def free_per_node(free_slots: list[Slot]) -> list[int]:
 
 
 def greedy_flotilla(pending: list[str], profile: Profile, cluster: Cluster, free_nodes: list[int],
-                    tolerance: float = TOLERANCE, refined: bool = True) -> dict[str, int]:
+                    tolerance: float = TOLERANCE, reference: tuple[str, int] | None = None) -> dict[str, int]:
     """FLEET's greedy flotilla creation on the free slots (`free_nodes`: free
     slots per node). See docs/scheduler.md for the worked example.
 
-    1. Reference: the pending model with the highest rate on its smallest
-       runnable slot count (usually 1 slot) -- unless a *critical* model
-       exists (`critical_model`), which then joins first on its fastest slot
-       count. The reference's rate is the target.
+    1. Reference: `reference` (model, slot count) if given; else the critical
+       model (`critical_model`) on its fastest slot count if there is one;
+       else the pending model with the highest rate on its smallest runnable
+       slot count (usually 1 slot). The reference's rate is the target.
     2. Every (model, slot count) pair of the other pending models is ranked by
        the distance of its rate to the target, |rate - target| / target, then
        by fewer slots, then by `pending` order. Walking that ranking, a pair
@@ -78,28 +78,83 @@ def greedy_flotilla(pending: list[str], profile: Profile, cluster: Cluster, free
     Ranking by distance keeps member rates similar (rule a); walking until the
     ranking or the slots run out packs as many models as fit (rule b).
     Faster pairs may always join: they cost the flotilla no speed.
-    `refined=False` is the slides' rule alone (no critical model, no
-    tolerance, no upgrade), kept to measure what the refinements gain.
     """
     k = cluster.slots_per_node
-    startable = [(profile.rate(m, g), -i, m, g) for i, m in enumerate(pending)
-                 for g in profile.slot_counts(m, k)[:1] if fits([g], free_nodes)]
-    if not startable:
-        return {}
-    _, _, reference, reference_slots = max(startable)
-    if refined:
-        reference, reference_slots = (critical_model(pending, profile, cluster, free_nodes)
-                                      or (reference, reference_slots))
-    target = profile.rate(reference, reference_slots)
-    members = {reference: reference_slots}
+    if reference is None:
+        startable = [(profile.rate(m, g), -i, m, g) for i, m in enumerate(pending)
+                     for g in profile.slot_counts(m, k)[:1] if fits([g], free_nodes)]
+        if not startable:
+            return {}
+        _, _, *fastest = max(startable)
+        reference = critical_model(pending, profile, cluster, free_nodes) or tuple(fastest)
+    reference_model, reference_slots = reference
+    target = profile.rate(reference_model, reference_slots)
+    members = {reference_model: reference_slots}
     ranking = sorted((abs(profile.rate(m, g) - target) / target, g, i, m)
-                     for i, m in enumerate(pending) if m != reference
+                     for i, m in enumerate(pending) if m != reference_model
                      for g in profile.slot_counts(m, k))
     for _, g, _, model in ranking:
-        if (model not in members and (not refined or profile.rate(model, g) >= (1 - tolerance) * target)
+        if (model not in members and profile.rate(model, g) >= (1 - tolerance) * target
                 and fits([*members.values(), g], free_nodes)):
             members[model] = g
-    return upgrade_bottleneck(members, profile, cluster, free_nodes) if refined else members
+    return upgrade_bottleneck(members, profile, cluster, free_nodes)
+
+
+def lookahead_flotilla(pending: list[str], profile: Profile, cluster: Cluster, free_nodes: list[int],
+                       tolerance: float = TOLERANCE) -> dict[str, int]:
+    """The best of the greedy's flotillas, one per possible reference (every
+    pending model on every slot count that fits), scored by the completion
+    time of the whole remaining schedule rather than by rate.
+
+    Convergence is not known ahead, so every pending model is assumed to have
+    the same work left (one unit of images): a flotilla then takes
+    1 / rate, and its score is that plus `remaining_time` of the models it
+    leaves out. Cost: (models x slot counts)^2 x models greedy walks, so the
+    policies use it only for small pending sets (`FleetG.lookahead`).
+    """
+    k = cluster.slots_per_node
+    candidates = [greedy_flotilla(pending, profile, cluster, free_nodes, tolerance, (m, g))
+                  for m in pending for g in profile.slot_counts(m, k) if fits([g], free_nodes)]
+    if not candidates:
+        return {}
+    prep = cluster.prep_rate_per_slot
+
+    def score(flotilla: dict[str, int]) -> float:
+        rest = [m for m in pending if m not in flotilla]
+        return 1 / flotilla_rate(flotilla, profile, prep) + remaining_time(rest, profile, cluster, tolerance)
+
+    return min(candidates, key=score)
+
+
+def remaining_time(pending: list[str], profile: Profile, cluster: Cluster, tolerance: float = TOLERANCE) -> float:
+    """Time (per unit of work left in every model) to train `pending` from an
+    idle cluster, round after round: each round takes the greedy flotilla,
+    over all references, that minimises its own time plus `lower_bound` of
+    the models left after it."""
+    k, whole = cluster.slots_per_node, [cluster.slots_per_node] * cluster.nodes
+    prep, total = cluster.prep_rate_per_slot, 0.0
+    while pending:
+        candidates = [greedy_flotilla(pending, profile, cluster, whole, tolerance, (m, g))
+                      for m in pending for g in profile.slot_counts(m, k)]
+        options = []
+        for flotilla in candidates:
+            rest = [m for m in pending if m not in flotilla]
+            time = 1 / flotilla_rate(flotilla, profile, prep)
+            options.append((time + lower_bound(rest, profile, cluster), time, rest))
+        _, time, pending = min(options, key=lambda o: o[:2])
+        total += time
+    return total
+
+
+def lower_bound(pending: list[str], profile: Profile, cluster: Cluster) -> float:
+    """No model beats its fastest rate, and the slot-seconds cannot beat every
+    model on its most slot-efficient count (per unit of work per model)."""
+    if not pending:
+        return 0.0
+    k = cluster.slots_per_node
+    alone = max(1 / max(profile.rates[m][:k]) for m in pending)
+    packed = sum(1 / max(profile.rate(m, g) / g for g in profile.slot_counts(m, k)) for m in pending)
+    return max(alone, packed / cluster.total_slots)
 
 
 def critical_model(pending: list[str], profile: Profile, cluster: Cluster,

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.scheduler.planner import TOLERANCE, fits, free_per_node, greedy_flotilla
+from pipeline.scheduler.planner import TOLERANCE, fits, free_per_node, greedy_flotilla, lookahead_flotilla
 from pipeline.scheduler.profile import Cluster, Profile, Slot
 
 
@@ -23,20 +23,23 @@ class FleetG:
 
     min_active_fraction: float = 0.8
     tolerance: float = TOLERANCE  # a member may be this much slower than the flotilla's target rate
-    refined: bool = True  # False: the slides' greedy rule alone (planner.greedy_flotilla)
+    lookahead: int = 8  # up to this many waiting models, pick the flotilla by lookahead (0: greedy alone)
     waits_for_idle_cluster: ClassVar[bool] = True
 
     def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
-        flotilla = greedy_flotilla(pending, profile, cluster, free_per_node(free_slots), self.tolerance, self.refined)
+        plan = lookahead_flotilla if len(pending) <= self.lookahead else greedy_flotilla
+        flotilla = plan(pending, profile, cluster, free_per_node(free_slots), self.tolerance)
         return [flotilla] if flotilla else []
 
 
 @dataclass
 class FleetL(FleetG):
     """FLEET-L: same greedy, but released slots are refilled at once with a
-    new flotilla of unconverged models, next to the flotillas still running."""
+    new flotilla of unconverged models, next to the flotillas still running.
+    No lookahead: it scores whole-cluster rounds, which is FLEET-G's execution."""
 
+    lookahead: int = 0
     waits_for_idle_cluster: ClassVar[bool] = False
 
 
