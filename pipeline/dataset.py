@@ -36,10 +36,9 @@ def prepare_dataset(root: str, synthetic: str, classes: int, images_per_class: i
         return DatasetInfo(path, marker is not None, False)
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data
-    wanted = {"num_classes": classes, "images_per_class": images_per_class, "seed": seed}
-    if marker is not None and all(marker.get(k) == v for k, v in wanted.items()):
-        return DatasetInfo(path, True, False)
-    if marker is not None:
-        shutil.rmtree(path)  # our own stand-in, made with other parameters
-    generate_imagefolder(path, classes, images_per_class, seed)
-    return DatasetInfo(path, True, True)
+    try:  # returns at once when this exact stand-in is already there
+        generate_imagefolder(path, classes, images_per_class, seed)
+    except FileExistsError:  # our own stand-in, made with other parameters
+        shutil.rmtree(path)
+        generate_imagefolder(path, classes, images_per_class, seed)
+    return DatasetInfo(path, True, generated_now=read_marker(path) != marker)

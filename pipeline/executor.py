@@ -9,21 +9,34 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dask.distributed import Client, LocalCluster
+import dask
+from dask.distributed import Client, LocalCluster, wait
 
 from pipeline.graph import BatchOutput, StageGraph
+from pipeline.transport.handoff import SharedArray, remove_all
 from stages.base import BatchContext, Split
 
 
-def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int, on_error: str) -> BatchOutput:
-    return graph.run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, on_error=on_error))
+def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int, on_error: str,
+              share_as: str | None) -> BatchOutput:
+    """One batch through the graph; with `share_as`, the streams' arrays are
+    left in this node's shared memory under that name prefix."""
+    output = graph.run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, on_error=on_error))
+    if share_as:
+        for stream, batch in output.streams.items():
+            batch.data = SharedArray.write(f"{share_as}-{stream}", batch.data)
+    return output
 
 
 class Executor:
+    """Use as a context manager: on exit it waits for tasks still running and
+    removes whatever they left in shared memory."""
+
     def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: str, in_flight: int):
         if in_flight < 1:
             raise ValueError(f"cluster.in_flight must be >= 1 batch, got {in_flight}")
@@ -31,23 +44,40 @@ class Executor:
         # Every worker gets the graph once (it holds the file list), not with every task.
         self.graph_future = client.scatter(graph, broadcast=True, hash=False)
         self.run_id = uuid.uuid4().hex[:8]
+        here = socket.gethostname()
+        same_node = all(host == here for host in client.run(socket.gethostname).values())
+        self.share_prefix = f"ensemble-out-{os.getpid()}-{self.run_id}" if same_node else None
+        self.pending: dict = {}
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:  # a run stopped early: let tasks already running finish writing
+            wait(list(self.pending.values()), timeout=60)
+        except TimeoutError:
+            pass
+        self.pending.clear()
+        if self.share_prefix:
+            remove_all(self.share_prefix)
 
     def batches(self, split: Split, epoch: int) -> Iterator[tuple[int, BatchOutput]]:
         """(index, output) for every batch of the split's epoch, in index order."""
         total = self.graph.source.num_batches(split)
-        pending = {}
         submitted = 0
-        try:
-            for index in range(total):
-                while submitted < min(total, index + self.in_flight):
-                    pending[submitted] = self.client.submit(
-                        run_batch, self.graph_future, self.seed, split, epoch, submitted, self.on_error,
-                        key=f"batch-{self.run_id}-{split.value}-{epoch}-{submitted}", pure=False)
-                    submitted += 1
-                yield index, pending.pop(index).result()
-        finally:
-            for future in pending.values():  # stopped early (an error): drop the rest
-                future.cancel()
+        for index in range(total):
+            while submitted < min(total, index + self.in_flight):
+                key = f"batch-{self.run_id}-{split.value}-{epoch}-{submitted}"
+                share_as = f"{self.share_prefix}-{split.value}-{epoch}-{submitted}" if self.share_prefix else None
+                self.pending[submitted] = self.client.submit(
+                    run_batch, self.graph_future, self.seed, split, epoch, submitted, self.on_error, share_as,
+                    key=key, pure=False)
+                submitted += 1
+            output = self.pending.pop(index).result()
+            for batch in output.streams.values():
+                if isinstance(batch.data, SharedArray):
+                    batch.data = batch.data.take()
+            yield index, output
 
 
 def worker_count(workers: int | str) -> int:
@@ -66,6 +96,8 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
         with Client(address, timeout="20s") as client:
             yield client
         return
-    with LocalCluster(n_workers=worker_count(workers), threads_per_worker=threads_per_worker, processes=True,
-                      dashboard_address=None, silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+    # Workers inherit this config: their sampling profiler would cost CPU for nothing.
+    with dask.config.set({"distributed.worker.profile.enabled": False}), \
+            LocalCluster(n_workers=worker_count(workers), threads_per_worker=threads_per_worker, processes=True,
+                         dashboard_address=":0", silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
         yield client

@@ -33,7 +33,7 @@ class Flotilla:
     def __init__(self, placements: list[Placement], sinks: dict[str, Spec], batch_size: int, num_classes: int,
                  epochs: int, steps_per_epoch: int, ring_slots: int, threads: int, checkpoint_dir: Path,
                  record_checksums: bool):
-        self.placements = placements
+        self.placements, self.sinks = placements, sinks
         self.record_checksums = record_checksums
         self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
         self.reports = self.context.Queue()
@@ -59,8 +59,9 @@ class Flotilla:
             model = placement.model
             rendezvous = f"tcp://127.0.0.1:{_free_port()}"
             for rank, device in enumerate(placement.devices):
-                spec = TrainerSpec(model, num_classes, epochs, steps_per_epoch, rank, rendezvous, device, threads,
-                                   str(checkpoint_dir), record_checksums)
+                spec = TrainerSpec(model, num_classes, self.sinks[model.input].item_shape[0], epochs,
+                                   steps_per_epoch, rank, rendezvous, device, threads, str(checkpoint_dir),
+                                   record_checksums)
                 reader = self.writers[model.input].reader(next_reader[model.input])
                 next_reader[model.input] += 1
                 process = self.context.Process(target=trainer_main, args=(spec, reader, self.reports),

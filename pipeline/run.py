@@ -75,8 +75,8 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
                      cfg.trainer.record_checksums) as flotilla:
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
-        executor = Executor(client, graph, cfg.seed, cfg.on_error, in_flight)
-        _train(console, executor, flotilla, recorder, graph, epochs)
+        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight) as executor:
+            _train(console, executor, flotilla, recorder, graph, epochs)
         checksums = _finish(console, flotilla, recorder)
 
     results = {

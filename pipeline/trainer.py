@@ -40,6 +40,7 @@ class ModelSpec:
 class TrainerSpec:
     model: ModelSpec
     num_classes: int
+    image_size: int  # side of the stream's images; picks the model's stem
     epochs: int
     steps_per_epoch: int  # for the learning-rate schedule
     rank: int  # within the model's data-parallel group
@@ -74,7 +75,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         m = spec.model
-        self.model = build_model(m.arch, m.depth, m.width, m.growth_rate, spec.num_classes).to(self.device)
+        self.model = build_model(m.arch, m.depth, m.width, m.growth_rate, spec.num_classes,
+                                 image_size=spec.image_size).to(self.device)
         self.model = self.model.to(memory_format=torch.channels_last)
         self.world = m.slots
         self.net = self.model

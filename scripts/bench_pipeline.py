@@ -371,8 +371,8 @@ def measure_sharing(client, root: Path, size: int, models: int, repeats: int) ->
         for name, (pipelines, readers) in setups.items():
             writers, pids = stack.enter_context(streams_with_consumers(pipelines, readers, layout))
             # Duplicated pipelines are independent: their own graph and seed.
-            executors = [Executor(client, make_graph(root, size), seed=i, on_error="fail", in_flight=in_flight)
-                         for i in range(pipelines)]
+            executors = [stack.enter_context(Executor(client, make_graph(root, size), seed=i, on_error="fail",
+                                                      in_flight=in_flight)) for i in range(pipelines)]
             deliveries.append(Delivery(name, executors, writers, pids))
         every_consumer = set().union(*(d.consumer_pids for d in deliveries))
         deliveries[0].epoch()  # warm-up (the rate measurement warmed the workers already)

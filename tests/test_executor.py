@@ -26,9 +26,17 @@ def stages(root, slow=0.0):
     return graph
 
 
-def epoch_checksums(executor, epoch=0):
-    return [(i, zlib.crc32(out.streams["out"].data.tobytes()), out.streams["out"].labels.tolist())
-            for i, out in executor.batches(Split.TRAIN, epoch)]
+def checksum(index, output):
+    return index, zlib.crc32(output.streams["out"].data.tobytes()), output.streams["out"].labels.tolist()
+
+
+def epoch_checksums(client, graph, seed, in_flight):
+    with Executor(client, graph, seed=seed, on_error="skip", in_flight=in_flight) as executor:
+        return [checksum(i, out) for i, out in executor.batches(Split.TRAIN, 0)]
+
+
+def leftovers():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-out-")}
 
 
 def test_same_seed_same_batches_whatever_the_worker_count(tiny_dataset):
@@ -36,7 +44,7 @@ def test_same_seed_same_batches_whatever_the_worker_count(tiny_dataset):
     runs = []
     for workers in (1, 2):
         with dask_client(None, workers, 1) as client:
-            runs.append(epoch_checksums(Executor(client, graph, seed=5, on_error="skip", in_flight=3)))
+            runs.append(epoch_checksums(client, graph, seed=5, in_flight=3))
     assert runs[0] == runs[1]
     assert [i for i, _, _ in runs[0]] == list(range(graph.source.num_batches(Split.TRAIN)))
 
@@ -44,11 +52,11 @@ def test_same_seed_same_batches_whatever_the_worker_count(tiny_dataset):
 def test_in_flight_tasks_are_bounded(tiny_dataset):
     graph = build_graph(stages(tiny_dataset), {"out"})
     with dask_client(None, 2, 1) as client:
-        executor = Executor(client, graph, seed=0, on_error="skip", in_flight=2)
         submitted = []
         real_submit = client.submit
         client.submit = lambda *a, **k: submitted.append(k["key"]) or real_submit(*a, **k)
-        ahead = [len(submitted) - index for index, _ in executor.batches(Split.TRAIN, 0)]
+        with Executor(client, graph, seed=0, on_error="skip", in_flight=2) as executor:
+            ahead = [len(submitted) - index for index, _ in executor.batches(Split.TRAIN, 0)]
         client.submit = real_submit
     assert max(ahead) == 2
 
@@ -56,19 +64,20 @@ def test_in_flight_tasks_are_bounded(tiny_dataset):
 def test_killed_worker_costs_a_recomputation_not_a_batch(tiny_dataset):
     graph = build_graph(stages(tiny_dataset, slow=0.4), {"out"})
     with dask_client(None, 1, 1) as client:
-        expected = epoch_checksums(Executor(client, graph, seed=1, on_error="skip", in_flight=4))
-    with dask_client(None, 2, 1) as client:
-        executor = Executor(client, graph, seed=1, on_error="skip", in_flight=4)
+        expected = epoch_checksums(client, graph, seed=1, in_flight=4)
+    before = leftovers()
+    with dask_client(None, 2, 1) as client, Executor(client, graph, seed=1, on_error="skip", in_flight=4) as executor:
         pids = client.run(os.getpid)
         received, killed = [], None
         for index, out in executor.batches(Split.TRAIN, 0):
-            received.append((index, zlib.crc32(out.streams["out"].data.tobytes()), out.streams["out"].labels.tolist()))
+            received.append(checksum(index, out))
             if killed is None:
                 busy = [addr for addr, keys in client.processing().items() if keys]
                 killed = busy[0]
                 os.kill(pids[killed], signal.SIGKILL)
     assert killed is not None
     assert received == expected
+    assert leftovers() <= before  # hand-off files of the killed worker's tasks are gone too
 
 
 def test_runs_on_an_existing_scheduler_given_its_address(tiny_dataset, tmp_path):
@@ -94,9 +103,9 @@ def test_runs_on_an_existing_scheduler_given_its_address(tiny_dataset, tmp_path)
         graph = build_graph(stages(tiny_dataset), {"out"})
         with dask_client(address, "auto", 1) as client:
             client.wait_for_workers(1, timeout=60)
-            remote = epoch_checksums(Executor(client, graph, seed=2, on_error="skip", in_flight=2))
+            remote = epoch_checksums(client, graph, seed=2, in_flight=2)
         with dask_client(None, 1, 1) as client:
-            local = epoch_checksums(Executor(client, graph, seed=2, on_error="skip", in_flight=2))
+            local = epoch_checksums(client, graph, seed=2, in_flight=2)
         assert remote == local
     finally:
         for process in processes:
