@@ -1,0 +1,106 @@
+"""Plots for the reports, rendered off-screen (Agg) to base64 PNG so that the
+HTML embeds them and opens offline."""
+from __future__ import annotations
+
+import base64
+import io
+
+from matplotlib.figure import Figure  # a bare Figure renders with Agg and keeps no pyplot state
+from matplotlib.ticker import MaxNLocator
+
+from pipeline.report.analysis import STALL_THRESHOLD_PCT, ModelRow, StageRow
+
+PACE_COLOUR, OTHER_COLOUR, WALL_COLOUR = "#c0392b", "#2e86c1", "#aed6f1"
+
+
+def to_base64_png(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=96, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def stage_chart(stages: list[StageRow]) -> str:
+    names = [s.name for s in stages][::-1]  # barh draws bottom-up: keep the pipeline's order top-down
+    fig = Figure(figsize=(10, 0.45 * len(names) + 1.6))
+    seconds, rates = fig.subplots(1, 2)
+    seconds.barh(names, [s.wall_s for s in stages][::-1], color=WALL_COLOUR, label="wall s")
+    seconds.barh(names, [s.cpu_s for s in stages][::-1], color=OTHER_COLOUR, height=0.5, label="CPU s")
+    seconds.set_title("batch-task time per stage (all epochs)")
+    seconds.set_xlabel("seconds")
+    seconds.legend(loc="lower right")
+    rates.barh(names, [s.items_per_s_per_core or 0 for s in stages][::-1], color=OTHER_COLOUR)
+    rates.set_title("items/s per core (items / CPU s)")
+    rates.set_xlabel("items/s")
+    rates.set_yticklabels([])
+    return to_base64_png(fig)
+
+
+def stall_chart(models: list[ModelRow]) -> str:
+    fig = Figure(figsize=(10, 0.45 * len(models) + 1.6))
+    ax = fig.subplots()
+    names = [m.name for m in models][::-1]
+    ax.barh(names, [m.data_stall_pct or 0 for m in models][::-1],
+            color=[PACE_COLOUR if m.sets_pace else OTHER_COLOUR for m in models][::-1])
+    ax.axvline(STALL_THRESHOLD_PCT, color="grey", linestyle="--", label=f"{STALL_THRESHOLD_PCT:.0f}% threshold")
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("data stall % (waiting for the next batch / (wait + step))")
+    ax.set_title("data stall per trainer (red: sets its flotilla's pace)")
+    ax.legend(loc="lower right")
+    return to_base64_png(fig)
+
+
+def accuracy_chart(models: list[ModelRow], ensemble: list[float]) -> str:
+    fig = Figure(figsize=(10, 4))
+    ax = fig.subplots()
+    for m in models:
+        ax.plot(range(1, len(m.val_accuracy) + 1), [100 * a for a in m.val_accuracy], marker="o", label=m.name)
+    ax.plot(range(1, len(ensemble) + 1), [100 * a for a in ensemble], marker="s", color="black", linewidth=2.5,
+            label="ensemble")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation accuracy %")
+    ax.set_ylim(0, 100)
+    ax.set_title("accuracy per epoch")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    return to_base64_png(fig)
+
+
+def occupancy_chart(occupancy: dict[str, dict]) -> str:
+    fig = Figure(figsize=(10, 3.5))
+    ax = fig.subplots()
+    for name, queue in occupancy.items():
+        ax.step(queue["t_s"], [100 * f / queue["capacity"] for f in queue["filled"]], where="post", label=name)
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("% full")
+    ax.set_title("queue occupancy over time")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    return to_base64_png(fig)
+
+
+def timeline_chart(events: list[dict]) -> str:
+    lanes = sorted({e["lane"] for e in events})
+    colours = {"task": OTHER_COLOUR, "step": "#27ae60", "wait": PACE_COLOUR}
+    fig = Figure(figsize=(12, 0.35 * len(lanes) + 1.6))
+    ax = fig.subplots()
+    for row, lane in enumerate(lanes):
+        for what, colour in colours.items():
+            spans = [(e["start_s"], e["end_s"] - e["start_s"]) for e in events if e["lane"] == lane and e["what"] == what]
+            ax.broken_barh(spans, (row - 0.4, 0.8), color=colour, label=what if row == 0 else None)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("seconds since the run started")
+    ax.set_title("timeline: batch tasks per worker, steps and waits per trainer")
+    ax.legend(loc="upper right", fontsize="small")
+    return to_base64_png(fig)
+
+
+def sweep_bar(labels: list[str], values: list[float | None], title: str, unit: str) -> str:
+    fig = Figure(figsize=(4.2, 0.4 * len(labels) + 1.6))
+    ax = fig.subplots()
+    ax.barh(labels[::-1], [v or 0 for v in values][::-1], color=OTHER_COLOUR)
+    for row, value in enumerate(values[::-1]):
+        ax.annotate("n/a" if value is None else f"{value:,.3g}", (0, row), xytext=(3, 0),
+                    textcoords="offset points", va="center", fontsize="small")
+    ax.set_title(title)
+    ax.set_xlabel(unit)
+    return to_base64_png(fig)
