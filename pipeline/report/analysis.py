@@ -167,9 +167,8 @@ def _stage_rows(results: dict, workers: Workers) -> list[StageRow]:
 
 def _model_rows(models: list[dict]) -> list[ModelRow]:
     rows = []
-    flotillas = {m.get("flotilla", 0) for m in models}  # one flotilla today unless the run records more
-    for flotilla in sorted(flotillas):
-        members = [m for m in models if m.get("flotilla", 0) == flotilla]
+    for flotilla in sorted({_flotilla_of(m) for m in models}):
+        members = [m for m in models if _flotilla_of(m) == flotilla]
         rates = [m["images_per_s"] for m in members if m["images_per_s"]]
         slowest, fastest = (min(rates), max(rates)) if rates else (None, None)
         for m in members:
@@ -182,6 +181,12 @@ def _model_rows(models: list[dict]) -> list[ModelRow]:
                 val_accuracy=list(m.get("val_accuracy", [])),
                 sets_pace=bool(rate) and rate == slowest))
     return rows
+
+
+def _flotilla_of(model: dict) -> int:
+    """The flotilla a model trained in last (its "flotillas" stints); one flotilla when not recorded."""
+    stints = model.get("flotillas")
+    return stints[-1]["flotilla"] if stints else 0
 
 
 def _verdict_and_actions(results: dict, rate: float | None, stages: list[StageRow], models: list[ModelRow],

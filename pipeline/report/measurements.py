@@ -15,7 +15,7 @@ OPTIONAL = {
     "transport.streams": "bytes moved and delivery latency per stream",
     "timeline": "batch tasks per worker and steps per trainer over time",
     "differential": "stall split into fetch, preprocessing and transport",
-    "models.<i>.flotilla": "flotilla of each model (all in one flotilla otherwise)",
+    "models.<i>.flotillas": "the flotillas each model trained in (all in one flotilla otherwise)",
 }
 
 
@@ -31,7 +31,7 @@ def recorded(results: dict) -> list[str]:
         "transport.streams": bool(results.get("transport", {}).get("streams")),
         "timeline": bool(results.get("timeline")),
         "differential": bool(results.get("differential")),
-        "models.<i>.flotilla": any("flotilla" in m for m in results.get("models", [])),
+        "models.<i>.flotillas": any(m.get("flotillas") for m in results.get("models", [])),
     }
     return [key for key in OPTIONAL if present[key]]
 

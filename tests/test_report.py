@@ -1,0 +1,276 @@
+"""Bottleneck reports: verdicts and predicted effects from hand-made results,
+the optional measurements, the sweep summary, one real run, and the page as
+a person sees it in headless Chromium."""
+import csv
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.report import analyse, write_report
+from pipeline.report.measurements import OPTIONAL, occupancy_stats
+from pipeline.report.sweep import SweepSummary
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def make_results(rate: float, stage_wall: dict[str, float], models: list[tuple[str, float, float]],
+                 workers: int = 2, images: int = 1000) -> dict:
+    """A results.json as run.py writes it. stage_wall: seconds per stage (CPU = 80% of it);
+    models: (name, compute images/s, data stall %)."""
+    return {
+        "dataset": {"name": "handmade", "train_images": images, "val_images": 0},
+        "cluster": {"address": "local", "workers": workers},
+        "epochs": 1,
+        "wall_s": 30.0,
+        "models": [{"name": name, "input": "main", "slots": 1, "images_per_s": speed, "data_stall_pct": stall,
+                    "val_accuracy": [0.4, 0.6]} for name, speed, stall in models],
+        "ensemble": {"val_accuracy": [0.5, 0.7], "final_val_accuracy": 0.7},
+        "pipeline": {"train_images": images, "images_per_s": rate, "cpu_s_per_epoch": 0.8 * sum(stage_wall.values()),
+                     "stages": {name: {"wall_s": wall, "cpu_s": 0.8 * wall, "items": images}
+                                for name, wall in stage_wall.items()}},
+        "skipped": [{"path": "/data/001/bad.jpg", "reason": "truncated JPEG"}],
+        "converted": [{"path": "/data/002/gray.jpg", "what": "grayscale -> RGB"}],
+        "config": {"cluster": {"threads_per_worker": 1, "in_flight": "auto"}, "transport": {"slots": 4},
+                   "ensemble": {"models": [{"name": name} for name, _, _ in models]},
+                   "pipeline": {"stages": {"read": {"_target_": "stages.read.ImageFolder"},
+                                           "decode": {"_target_": "stages.decode.Decode"},
+                                           "crop": {"_target_": "stages.augment.RandomResizedCropFlip"}}}},
+    }
+
+
+# 10 ms of batch-task time per image on 2 threads: the workers can give 200 images/s.
+STAGES = {"read": 1.0, "decode": 6.0, "crop": 3.0}
+
+
+def input_bound() -> dict:
+    """190 img/s reach trainers that could take 400: the workers are 95% busy."""
+    return make_results(190, STAGES, [("resnet", 400, 50.0), ("densenet", 600, 65.0)])
+
+
+def test_input_bound_names_the_stage_and_predicts_with_amdahl():
+    analysis = analyse(input_bound())
+    assert analysis.verdict.bound == "input" and analysis.verdict.stage == "decode"
+    assert analysis.verdict.model == "resnet"  # the slowest model sets the pace
+    assert analysis.workers.busy_pct == pytest.approx(95)  # 190 img/s x 10 ms / 2 threads
+    assert analysis.workers.capacity_images_per_s == pytest.approx(200)
+    workers, stage = analysis.actions
+    assert workers.change == "cluster.workers=4"
+    assert workers.predicted_factor == pytest.approx(1 / (0.05 + 0.95 / 2))  # 1.90x
+    assert "1.9x" in workers.text and "95% busy" in workers.text
+    assert stage.change == "cheaper decode"
+    assert stage.predicted_factor == pytest.approx(1 / (1 - 0.95 * 0.6 / 2))  # decode: 60% of the busy time
+    assert "decode takes 60% of batch-task time" in stage.text and "simplejpeg" in stage.text
+
+
+def test_predictions_never_pass_the_slowest_trainer():
+    results = make_results(190, STAGES, [("resnet", 250, 20.0), ("densenet", 600, 65.0)])
+    workers = analyse(results).actions[0]
+    assert workers.predicted_images_per_s == pytest.approx(250)
+    assert "capped by the slowest trainer" in workers.text
+
+
+def test_compute_bound_despite_fast_models_waiting_for_the_slow_one():
+    # The fast model waits 60% of its time, for its slow peer (back-pressure), not for the input.
+    results = make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 120, 60.0)])
+    analysis = analyse(results)
+    assert analysis.mean_stall_pct == pytest.approx(31)
+    assert analysis.verdict.bound == "compute" and analysis.verdict.model == "slow"
+    [action] = analysis.actions
+    assert action.change == "ensemble.models.0.slots=2"
+    assert action.predicted_images_per_s == pytest.approx(100)  # twice the slots, at best twice the rate
+    assert action.predicted_factor == pytest.approx(2.0)
+
+
+def test_compute_bound_prediction_is_capped_by_the_next_slowest_model():
+    results = make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 70, 30.0)])
+    action = analyse(results).actions[0]
+    assert action.predicted_images_per_s == pytest.approx(70)
+    assert "next slowest model" in action.text
+
+
+def test_idle_workers_and_waiting_trainers_is_transport_bound():
+    results = make_results(40, STAGES, [("resnet", 400, 60.0)])
+    analysis = analyse(results)
+    assert analysis.workers.busy_pct == pytest.approx(20)
+    assert analysis.verdict.bound == "transport"
+    in_flight, slots = analysis.actions
+    assert in_flight.change == "cluster.in_flight=8"  # auto: 2 x 2 threads
+    assert in_flight.predicted_images_per_s == pytest.approx(200)  # the workers' capacity
+    assert in_flight.predicted_factor == pytest.approx(5.0)
+    assert slots.change == "transport.slots=8"
+
+
+def test_measured_worker_utilisation_replaces_the_derived_one():
+    results = input_bound()
+    results["cluster"]["worker_busy_pct"] = {"tcp://a:1": 30.0, "tcp://b:2": 40.0}
+    analysis = analyse(results)
+    assert analysis.workers.busy_source == "measured" and analysis.workers.busy_pct == pytest.approx(35)
+    assert analysis.verdict.bound == "transport"
+
+
+def test_remote_cluster_without_thread_count_does_not_guess():
+    results = input_bound()
+    results["cluster"]["workers"] = "remote"
+    analysis = analyse(results)
+    assert analysis.verdict.bound == "input-or-transport" and analysis.actions == []
+    assert "record cluster.threads" in analysis.verdict.line
+
+
+def test_report_files_are_self_contained_and_versioned(tmp_path):
+    paths = write_report(input_bound(), tmp_path)
+    report = json.loads(paths.json.read_text())
+    assert report["schema_version"] == 1
+    assert report["verdict"]["bound"] == "input" and len(report["actions"]) == 2
+    assert [s["name"] for s in report["stages"]] == ["read", "decode", "crop"]
+    assert report["models"][1]["vs_slowest"] == pytest.approx(1.5)
+    assert report["measurements_missing"] == list(OPTIONAL)
+    assert paths.trace is None
+    html = paths.html.read_text()
+    assert "http://" not in html and "https://" not in html
+    sources = re.findall(r'(?:src|href)="([^"]*)"', html)
+    assert len(sources) == 3 and all(s.startswith("data:image/png;base64,") for s in sources)
+    assert "truncated JPEG" in html and "grayscale -&gt; RGB" in html
+    lines = paths.summary.splitlines()
+    assert lines[0].startswith("bottleneck: INPUT-BOUND by stage decode") and len(lines) <= 6
+
+
+def with_optional_measurements() -> dict:
+    results = input_bound()
+    for name, stage in results["pipeline"]["stages"].items():
+        stage.update(latency_ms={"p50": 4.0, "p95": 9.0}, bytes_in=10_000_000, bytes_out=20_000_000)
+    results["cluster"]["threads"] = 2
+    results["cluster"]["worker_busy_pct"] = {"tcp://a:1": 94.0, "tcp://b:2": 96.0}
+    results["pipeline"]["occupancy"] = {"prefetch": {"capacity": 4, "t_s": [0, 1, 3, 4], "filled": [0, 2, 4, 4]}}
+    results["transport"] = {"streams": {"main": {"bytes": 5_000_000, "latency_ms": {"p50": 0.5, "p95": 2.0}}}}
+    results["timeline"] = [
+        {"lane": "worker a/0", "what": "task", "start_s": 0.0, "end_s": 0.5, "split": "train", "epoch": 0,
+         "batch": 0},
+        {"lane": "trainer resnet/0", "what": "wait", "start_s": 0.0, "end_s": 0.5},
+        {"lane": "trainer resnet/0", "what": "step", "start_s": 0.5, "end_s": 0.8, "split": "train", "epoch": 0,
+         "batch": 0}]
+    results["differential"] = {"resnet": {"files_images_per_s": 100, "cached_images_per_s": 125,
+                                          "synthetic_images_per_s": 200}}
+    results["models"][0]["images_per_s"] = 250
+    for index, model in enumerate(results["models"]):
+        model["flotillas"] = [{"flotilla": index, "devices": ["cpu"], "start_epoch": 0}]
+    return results
+
+
+def test_optional_measurements_are_shown_when_recorded(tmp_path):
+    paths = write_report(with_optional_measurements(), tmp_path)
+    report = json.loads(paths.json.read_text())
+    assert report["measurements_missing"] == []
+    # time-weighted over [0,1): 0, [1,3): 2, [3,4): 4 of 4 slots
+    assert report["occupancy"]["prefetch"] == {"capacity": 4, "mean_pct": 50.0, "p95_pct": 100.0,
+                                               "full_pct": 25.0, "empty_pct": 25.0}
+    split = report["differential"]["resnet"]  # 10 ms from files, 8 cached, 5 synthetic, 4 computing
+    assert split["fetch_ms"] == pytest.approx(2) and split["fetch_pct"] == pytest.approx(20)
+    assert split["preprocessing_ms"] == pytest.approx(3) and split["transport_ms"] == pytest.approx(1)
+    assert [m["flotilla"] for m in report["models"]] == [0, 1]
+    trace = json.loads(paths.trace.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == 3 and spans[2]["dur"] == pytest.approx(300_000)
+    html = paths.html.read_text()
+    for heading in ("Queue occupancy", "Dask workers", "Delivery", "Stall split", "Timeline"):
+        assert heading in html
+    assert html.count("data:image/png;base64,") == 5
+    assert "Not recorded by this run" not in html
+
+
+def test_occupancy_of_a_queue_never_sampled_twice_is_unknown():
+    assert occupancy_stats({"capacity": 2, "t_s": [0.0], "filled": [1]})["mean_pct"] is None
+
+
+def fake_job(sweep: Path, number: int, overrides: list[str], results: dict | None) -> None:
+    job = sweep / str(number)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if results is not None:
+        (job / "results.json").write_text(json.dumps(results))
+
+
+def test_sweep_callback_compares_jobs_side_by_side(tmp_path):
+    fake_job(tmp_path, 0, ["+ensemble=caltech256", "cluster.workers=2"], input_bound())
+    fake_job(tmp_path, 1, ["+ensemble=caltech256", "cluster.workers=4"],
+             make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 120, 60.0)]))
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    with (tmp_path / "sweep.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert [r["job"] for r in rows] == ["0", "1"]
+    assert rows[0]["overrides"] == "+ensemble=caltech256 cluster.workers=2"
+    assert float(rows[0]["images_per_s"]) == 190 and float(rows[1]["mean_stall_pct"]) == 31
+    assert float(rows[0]["ensemble_accuracy"]) == 70 and float(rows[1]["wall_s"]) == 30
+    assert [r["verdict"] for r in rows] == ["input", "compute"]
+    html = (tmp_path / "sweep.html").read_text()
+    assert html.count("data:image/png;base64,") == 5 and "http" not in html
+    assert "cluster.workers=4" in html and "<code>+ensemble=caltech256</code>" in html
+
+
+def test_sweep_lists_a_job_without_results(tmp_path):
+    fake_job(tmp_path, 0, ["topology=a"], input_bound())
+    fake_job(tmp_path, 1, ["topology=b"], None)
+    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
+    assert rows[1]["images_per_s"] == "" and rows[1]["verdict"].startswith("no results.json")
+
+
+@pytest.mark.slow
+def test_report_of_a_real_run(tiny_dataset, tmp_path):
+    from pipeline.run import run
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
+                          "pipeline.batch_size=16", "pipeline.image_size=32", "pipeline.alt_image_size=24",
+                          "cluster.workers=2", "trainer.epochs=1"])
+    results = json.loads(json.dumps(run(cfg, tmp_path), default=str))  # as read back from results.json
+    paths = write_report(results, tmp_path)
+    report = json.loads(paths.json.read_text())
+    assert report["verdict"]["bound"] in ("input", "transport", "compute")
+    assert {s["name"] for s in report["stages"]} == {"read", "decode", "crop_main", "crop_alt", "main", "alt"}
+    assert report["workers"]["threads"] == 2 and report["workers"]["busy_source"] == "derived"
+    assert len(report["models"]) == 4 and sum(m["sets_pace"] for m in report["models"]) == 1
+    assert paths.html.read_text().count("data:image/png;base64,") == 3
+
+
+# Set by the page once loaded: how many images it has and how many decoded with a width.
+RENDER_CHECK = """<script>window.addEventListener("load", () => {
+  const marker = document.createElement("div");
+  marker.id = "render-check";
+  const images = [...document.images];
+  marker.textContent = `images=${images.length} rendered=${images.filter(i => i.complete && i.naturalWidth > 0).length}`;
+  document.body.appendChild(marker);
+});</script>"""
+
+
+def chromium(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000"]
+    return subprocess.run([CHROMIUM, *flags, *args, page.as_uri()], capture_output=True, text=True, timeout=120)
+
+
+def console_messages(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def test_report_renders_in_headless_chromium(tmp_path):
+    if not shutil.which(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium; .ci/run installs it)")
+    paths = write_report(with_optional_measurements(), tmp_path)
+    # The check script goes into a copy: the report itself carries no script.
+    probe = tmp_path / "report-probe.html"
+    probe.write_text(paths.html.read_text().replace("</body>", RENDER_CHECK + "</body>"))
+    dom = chromium(probe, tmp_path / "profile-dom", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert re.search(r'<div id="render-check">images=5 rendered=5</div>', dom.stdout), dom.stdout[-500:]
+    assert "INPUT-BOUND by stage decode" in dom.stdout
+    assert console_messages(dom.stderr) == []
+    screenshot = tmp_path / "report.png"
+    shot = chromium(paths.html, tmp_path / "profile-shot", f"--screenshot={screenshot}", "--window-size=1280,2000")
+    assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
+    assert console_messages(shot.stderr) == []
