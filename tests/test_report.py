@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,37 @@ def test_sweep_lists_a_job_without_results(tmp_path):
     assert rows[1]["images_per_s"] == "" and rows[1]["verdict"].startswith("no results.json")
 
 
+HYDRA_APP = """
+import json
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+
+@hydra.main(version_base="1.3", config_path=None, config_name=None)
+def main(cfg):
+    results = json.loads(Path(__file__).with_name("results.json").read_text())
+    results["pipeline"]["images_per_s"] = cfg.rate
+    (Path(HydraConfig.get().runtime.output_dir) / "results.json").write_text(json.dumps(results))
+
+
+main()
+"""
+
+
+def test_sweep_callback_runs_at_the_end_of_a_real_hydra_multirun(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(input_bound()))
+    (tmp_path / "app.py").write_text(HYDRA_APP)
+    sweep = tmp_path / "sweep"
+    subprocess.run([sys.executable, str(tmp_path / "app.py"), "-m", "+rate=100,150", f"hydra.sweep.dir={sweep}",
+                    "+hydra.callbacks.sweep_summary._target_=pipeline.report.sweep.SweepSummary"],
+                   check=True, capture_output=True, timeout=120)
+    rows = list(csv.DictReader((sweep / "sweep.csv").open()))
+    assert [(r["overrides"], float(r["images_per_s"])) for r in rows] == [("+rate=100", 100), ("+rate=150", 150)]
+    assert (sweep / "sweep.html").is_file()
+
+
 @pytest.mark.slow
 def test_report_of_a_real_run(tiny_dataset, tmp_path):
     from pipeline.run import run
@@ -242,7 +274,8 @@ RENDER_CHECK = """<script>window.addEventListener("load", () => {
   const marker = document.createElement("div");
   marker.id = "render-check";
   const images = [...document.images];
-  marker.textContent = `images=${images.length} rendered=${images.filter(i => i.complete && i.naturalWidth > 0).length}`;
+  const rendered = images.filter(i => i.complete && i.naturalWidth > 0);
+  marker.textContent = `images=${images.length} rendered=${rendered.length}`;
   document.body.appendChild(marker);
 });</script>"""
 

@@ -6,6 +6,7 @@ import base64
 import io
 
 from matplotlib.figure import Figure  # a bare Figure renders with Agg and keeps no pyplot state
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.report.analysis import STALL_THRESHOLD_PCT, ModelRow, StageRow
@@ -85,12 +86,14 @@ def timeline_chart(events: list[dict]) -> str:
     ax = fig.subplots()
     for row, lane in enumerate(lanes):
         for what, colour in colours.items():
-            spans = [(e["start_s"], e["end_s"] - e["start_s"]) for e in events if e["lane"] == lane and e["what"] == what]
-            ax.broken_barh(spans, (row - 0.4, 0.8), color=colour, label=what if row == 0 else None)
+            spans = [(e["start_s"], e["end_s"] - e["start_s"]) for e in events
+                     if e["lane"] == lane and e["what"] == what]
+            ax.broken_barh(spans, (row - 0.4, 0.8), color=colour)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_xlabel("seconds since the run started")
     ax.set_title("timeline: batch tasks per worker, steps and waits per trainer")
-    ax.legend(loc="upper right", fontsize="small")
+    ax.legend(handles=[Patch(color=colour, label=what) for what, colour in colours.items()], loc="upper right",
+              fontsize="small")
     return to_base64_png(fig)
 
 
