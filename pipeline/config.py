@@ -47,8 +47,21 @@ class TransportConf:
 
 
 @dataclass
+class SchedulerConf:
+    policy: str = "shared"  # shared (all models at once) | fleet_g | fleet_l | baseline | homogeneous
+    min_active_fraction: float = 0.8  # fleet_g/fleet_l: a flotilla stops when fewer of its slots are active
+    target_accuracy: Optional[float] = None  # a model converges on reaching this validation accuracy
+    patience: int = 0  # ...or after this many epochs without improving its best by min_delta (0: off)
+    min_delta: float = 0.005  # the smallest gain in validation accuracy that counts
+    profile_max_slots: int = 2  # profiling measures each model on 1..this many slots (one node at most)
+    profile_steps: int = 5  # timed training steps per profile measurement
+    profile_warmup: int = 2  # untimed steps first
+    profile_cache: str = "outputs/profile_cache.json"  # measured rates, keyed by model and hardware
+
+
+@dataclass
 class TrainerConf:
-    epochs: int = 4  # passes over the training split
+    epochs: int = 4  # the most epochs a model trains (it may converge earlier: scheduler.*)
     device: str = "auto"  # auto (CUDA if present) | cuda | cpu
     slots: Any = "auto"  # device slots: auto = every GPU, or on CPU one slot per model slot requested
     threads: int = 1  # torch threads per CPU trainer process
@@ -85,6 +98,7 @@ class Config:
     cluster: ClusterConf = field(default_factory=ClusterConf)
     transport: TransportConf = field(default_factory=TransportConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
+    scheduler: SchedulerConf = field(default_factory=SchedulerConf)
     ensemble: Optional[EnsembleConf] = None  # chosen with +ensemble=<name>
 
 

@@ -49,6 +49,18 @@ class StageGraph:
     def sinks(self) -> dict[str, Spec]:
         return {name: self.specs[name] for name, stage in self.stages.items() if stage.role is Role.SINK}
 
+    def feeding(self, sinks: set[str]) -> StageGraph:
+        """The part of the graph these sinks need: a flotilla whose models read
+        only some streams does not compute the others."""
+        needed: set[str] = set()
+        for name in sinks:
+            while name and name not in needed:
+                needed.add(name)
+                name = self.inputs[name]
+        return StageGraph({n: s for n, s in self.stages.items() if n in needed},
+                          {n: i for n, i in self.inputs.items() if n in needed},
+                          {n: spec for n, spec in self.specs.items() if n in needed})
+
     def run(self, ctx: BatchContext) -> BatchOutput:
         """One batch through every stage, fused in this thread, each stage timed."""
         outputs: dict[str, Batch] = {}

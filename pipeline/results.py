@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,27 +12,32 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.graph import BatchOutput, StageTiming
-from pipeline.planner import Placement
+from pipeline.trainer import ModelSpec
 
 
 @dataclass
 class ModelRecord:
-    placement: Placement
+    model: ModelSpec
     params: int
     image_size: int
-    val_accuracy: dict[int, float] = field(default_factory=dict)
+    val_accuracy: dict[int, float] = field(default_factory=dict)  # by the model's epoch
     train_loss: dict[int, float] = field(default_factory=dict)
+    stints: list[dict] = field(default_factory=list)  # one per flotilla it trained in
+    converged: str | None = None  # why it stopped training
+    last_probs: np.ndarray | None = None  # validation softmax of its latest epoch
     images: int = 0
     step_s: float = 0.0  # rank 0, summed over epochs
     wait_s: float = 0.0
 
     def as_dict(self) -> dict:
-        m = self.placement.model
+        m = self.model
         epochs = sorted(self.val_accuracy)
+        last = self.stints[-1] if self.stints else {"devices": []}
         return {
             "name": m.name, "arch": m.arch, "depth": m.depth, "width": m.width, "growth_rate": m.growth_rate,
             "lr": m.lr, "input": m.input, "image_size": self.image_size, "params": self.params,
-            "slots": len(self.placement.devices), "devices": list(self.placement.devices),
+            "slots": len(last["devices"]), "devices": list(last["devices"]), "flotillas": self.stints,
+            "epochs": len(epochs), "converged": self.converged,
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
             "train_loss": [self.train_loss[e] for e in sorted(self.train_loss)],
@@ -41,74 +47,99 @@ class ModelRecord:
 
 
 class RunRecorder:
-    def __init__(self, placements: list[Placement], params: dict[str, int], image_sizes: dict[str, int]):
-        self.models = {p.model.name: ModelRecord(p, params[p.model.name], image_sizes[p.model.name])
-                       for p in placements}
+    """Collects measurements from every flotilla thread (hence the lock)."""
+
+    def __init__(self, models: list[ModelSpec], params: dict[str, int], image_sizes: dict[str, int]):
+        self.models = {m.name: ModelRecord(m, params[m.name], image_sizes[m.name]) for m in models}
+        self.lock = threading.Lock()
         self.stages: dict[str, StageTiming] = defaultdict(StageTiming)
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
         self.val_probs: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
-        self.val_labels: dict[int, np.ndarray] = {}
+        self.val_labels: np.ndarray | None = None
         self.ensemble_accuracy: dict[int, float] = {}
+        self.checksums: dict[str, list] = {}
         self.train_images = 0
-        self.train_wall_s = 0.0
-        self.new_skips: list[tuple[str, str]] = []
 
-    def add_batch(self, output: BatchOutput, train: bool) -> None:
-        for name, timing in output.timings.items():
-            total = self.stages[name]
-            total.wall_s += timing.wall_s
-            total.cpu_s += timing.cpu_s
-            total.items += timing.items
-        if train:
-            self.train_images += len(next(iter(output.streams.values())).labels)
-        for path, reason in output.skipped:
-            if path not in self.skipped:
-                self.skipped[path] = reason
-                self.new_skips.append((path, reason))
-        self.converted.update(dict(output.converted))
+    def add_batch(self, output: BatchOutput, train: bool) -> list[tuple[str, str]]:
+        """Folds a batch's timings in; returns the files it skipped for the first time."""
+        with self.lock:
+            for name, timing in output.timings.items():
+                total = self.stages[name]
+                total.wall_s += timing.wall_s
+                total.cpu_s += timing.cpu_s
+                total.items += timing.items
+            if train:
+                self.train_images += len(next(iter(output.streams.values())).labels)
+            new = [(p, r) for p, r in output.skipped if p not in self.skipped]
+            self.skipped.update(new)
+            self.converted.update(dict(output.converted))
+            return new
 
-    def take_new_skips(self) -> list[tuple[str, str]]:
-        skips, self.new_skips = self.new_skips, []
-        return skips
+    def joined(self, model: str, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
+        with self.lock:
+            self.models[model].stints.append({"flotilla": flotilla, "devices": list(devices),
+                                              "start_epoch": start_epoch})
 
-    def add_report(self, event: dict) -> int | None:
-        """Folds a trainer report in; returns the epoch whose ensemble accuracy it completed."""
-        record = self.models.get(event.get("model"))
-        if event["event"] == "train" and event["rank"] == 0:  # rank 0 speaks for its model's ranks
-            record.train_loss[event["epoch"]] = event["loss"]
-            record.images += event["images"] * len(record.placement.devices)
-            record.step_s += event["step_s"]
-            record.wait_s += event["wait_s"]
-        elif event["event"] == "val":
-            epoch = event["epoch"]
-            record.val_accuracy[epoch] = event["accuracy"]
-            self.val_probs[epoch][event["model"]] = event["probs"]
-            self.val_labels.setdefault(epoch, event["labels"])
-            if not np.array_equal(self.val_labels[epoch], event["labels"]):
-                raise RuntimeError(f"model {event['model']} saw validation labels in another order: "
-                                   "streams are out of step")
-            if len(self.val_probs[epoch]) == len(self.models):
-                probs = np.mean(list(self.val_probs.pop(epoch).values()), axis=0)
-                labels = self.val_labels[epoch]
-                self.ensemble_accuracy[epoch] = float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")
-                return epoch
-        return None
+    def converged(self, model: str, reason: str) -> None:
+        with self.lock:
+            self.models[model].converged = reason
 
-    def as_dict(self, epochs: int) -> dict:
+    def accuracies(self, model: str) -> list[float]:
+        with self.lock:
+            record = self.models[model]
+            return [record.val_accuracy[e] for e in sorted(record.val_accuracy)]
+
+    def add_checksums(self, flotilla: int, event: dict) -> None:
+        with self.lock:
+            self.checksums[f"{flotilla}/{event['model']}/{event['rank']}"] = event["checksums"]
+
+    def add_report(self, event: dict) -> None:
+        with self.lock:
+            record = self.models[event["model"]]
+            if event["event"] == "train" and event["rank"] == 0:  # rank 0 speaks for its model's ranks
+                record.train_loss[event["epoch"]] = event["loss"]
+                record.images += event["images"] * len(record.stints[-1]["devices"])
+                record.step_s += event["step_s"]
+                record.wait_s += event["wait_s"]
+            elif event["event"] == "val":
+                self._add_validation(record, event)
+
+    def _add_validation(self, record: ModelRecord, event: dict) -> None:
+        epoch = event["epoch"]
+        record.val_accuracy[epoch] = event["accuracy"]
+        record.last_probs = event["probs"]
+        if self.val_labels is None:
+            self.val_labels = event["labels"]
+        if not np.array_equal(self.val_labels, event["labels"]):
+            raise RuntimeError(f"model {event['model']} saw validation labels in another order: "
+                               "streams are out of step")
+        # The ensemble's accuracy at an epoch, once every model has reached it.
+        self.val_probs[epoch][event["model"]] = event["probs"]
+        if len(self.val_probs[epoch]) == len(self.models):
+            self.ensemble_accuracy[epoch] = self._accuracy(list(self.val_probs.pop(epoch).values()))
+
+    def _accuracy(self, probs: list[np.ndarray]) -> float:
+        labels = self.val_labels
+        return float((np.mean(probs, axis=0).argmax(1) == labels).mean()) if labels is not None and len(labels) \
+            else float("nan")
+
+    def as_dict(self, wall_s: float) -> dict:
         models = [record.as_dict() for record in self.models.values()]
         finals = [m["final_val_accuracy"] for m in models if m["final_val_accuracy"] is not None]
+        last = [r.last_probs for r in self.models.values() if r.last_probs is not None]
+        epochs = max((m["epochs"] for m in models), default=0)
         busy = sum(t.cpu_s for t in self.stages.values())
         return {
             "models": models,
             "ensemble": {
                 "val_accuracy": [self.ensemble_accuracy[e] for e in sorted(self.ensemble_accuracy)],
-                "final_val_accuracy": self.ensemble_accuracy.get(epochs - 1),
+                "final_val_accuracy": self._accuracy(last) if len(last) == len(self.models) else None,
                 "best_model_val_accuracy": max(finals) if finals else None,
             },
             "pipeline": {
                 "train_images": self.train_images,
-                "images_per_s": self.train_images / self.train_wall_s if self.train_wall_s else None,
+                "images_per_s": self.train_images / wall_s if wall_s else None,
                 "cpu_s_per_epoch": busy / epochs if epochs else None,
                 "stages": {name: {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "items": t.items,
                                   "cpu_share_pct": 100 * t.cpu_s / busy if busy else None}

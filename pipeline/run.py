@@ -1,21 +1,26 @@
 """One run, from composed config to results.json: wires the parts together
-and owns their lifecycle (cluster, trainer processes, shared memory)."""
+(dataset, stage graph, device slots, scheduler, Dask, driver) and owns their
+lifecycle (cluster, trainer processes, shared memory)."""
 from __future__ import annotations
 
 import math
 import time
 from pathlib import Path
 
+from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.dataset import DatasetInfo, prepare_dataset
-from pipeline.executor import Executor, dask_client, worker_count
-from pipeline.flotilla import Flotilla
+from pipeline.devices import check_memory, resolve_device, slot_devices, slot_memory_bytes
+from pipeline.driver import Convergence, Driver, RunContext
+from pipeline.executor import dask_client, worker_count
+from pipeline.flotilla import TrainingSetup
 from pipeline.graph import StageGraph, build_graph
-from pipeline.planner import Plan, check_memory, plan_single_flotilla, resolve_device, slot_memory_bytes
+from pipeline.profiling import format_table, profile_ensemble, save_table
 from pipeline.results import RunRecorder, print_summary, write_json
+from pipeline.scheduler import Cluster, ProfileMeasured, Scheduler, make_policy
 from pipeline.trainer import ModelSpec
 from stages.base import Split
 
@@ -62,64 +67,91 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
-    plan, params, image_sizes = _plan(cfg, models, graph)
+    policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {m.name: m.slots for m in models})
+    device_kind, slots, params, image_sizes = _place(cfg, models, graph, policy.needs_profile)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    _print_header(console, cfg, dataset, graph, plan, workers)
+    _print_header(console, cfg, dataset, graph, device_kind, len(slots), len(models), workers)
 
-    recorder = RunRecorder(plan.flotillas[0], params, image_sizes)
-    epochs = cfg.trainer.epochs
-    train_batches = graph.source.num_batches(Split.TRAIN)
+    scheduler = Scheduler([m.name for m in models], Cluster(nodes=1, slots_per_node=len(slots)), policy, cfg.seed)
+    recorder = RunRecorder(models, params, image_sizes)
+    results: dict = {}
+    if policy.needs_profile:
+        profile = _profile(cfg, models, graph, device_kind, list(slots.values()), image_sizes, output_dir)
+        console.print(format_table(profile))
+        first = [decision for name, rates in profile.rates.items()
+                 for decision in scheduler.handle(ProfileMeasured(0.0, name, rates))]
+        results["profile"] = {name: list(rates) for name, rates in profile.rates.items()}
+    else:
+        first = scheduler.start(0.0)
+    s = cfg.scheduler
+    convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
+    setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
+                          cfg.trainer.threads, output_dir / "checkpoints", cfg.trainer.record_checksums)
+    training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
-            Flotilla(plan.flotillas[0], graph.sinks, graph.source.batch_size, len(graph.source.class_names),
-                     epochs, train_batches, cfg.transport.slots, cfg.trainer.threads, output_dir / "checkpoints",
-                     cfg.trainer.record_checksums) as flotilla:
+            Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                     console=console) as progress:
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
-        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight) as executor:
-            _train(console, executor, flotilla, recorder, graph, epochs)
-        checksums = _finish(console, flotilla, recorder)
-
-    results = {
+        context = RunContext(client, graph, cfg.seed, cfg.on_error, in_flight, cfg.transport.slots, setup,
+                             recorder, progress)
+        driver = Driver(scheduler, {m.name: m for m in models}, slots, convergence, context, console)
+        driver.run(first)
+    results.update({
         "dataset": {"name": d.name, "root": str(dataset.root), "synthetic": dataset.synthetic,
                     "classes": len(graph.source.class_names), "train_images": graph.source.num_items(Split.TRAIN),
                     "val_images": graph.source.num_items(Split.VAL)},
-        "devices": {"kind": plan.device_kind, "slots": plan.slots, "trainers": plan.trainers},
+        "devices": {"kind": device_kind, "slots": len(slots)},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers},
-        "epochs": epochs,
-        **recorder.as_dict(epochs),
+        "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
+                      "flotillas": sorted({stint["flotilla"] for r in recorder.models.values() for stint in r.stints})},
+        **recorder.as_dict(time.perf_counter() - training_started),
         "wall_s": time.perf_counter() - started,
         "config": OmegaConf.to_container(cfg, resolve=True),
-    }
+    })
     if cfg.trainer.record_checksums:
-        results["delivery"] = {"sent": dict(flotilla.sent_checksums), "received": checksums}
+        results["delivery"] = {"sent": driver.sent_checksums, "received": recorder.checksums}
     write_json(output_dir / "results.json", results)
     print_summary(console, results)
     console.print(f"results: {output_dir / 'results.json'}   checkpoints: {output_dir / 'checkpoints'}")
     return results
 
 
-def _plan(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph) -> tuple[Plan, dict, dict]:
+def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot_count: bool):
+    """Device slots, and each model's size; checks every model fits a slot at
+    the smallest slot count it may get (1 when the scheduler chooses)."""
     import torch
 
     from pipeline.models import build_model, count_parameters, estimate_training_bytes
 
     device_kind = resolve_device(cfg.trainer.device, torch.cuda.is_available())
-    plan = plan_single_flotilla(models, device_kind, torch.cuda.device_count(), cfg.trainer.slots)
+    slots = slot_devices(device_kind, torch.cuda.device_count(), cfg.trainer.slots, models)
     classes = len(graph.source.class_names)
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     params, needs = {}, {}
     for m in models:
         model = build_model(m.arch, m.depth, m.width, m.growth_rate, classes, image_size=image_sizes[m.name])
         params[m.name] = count_parameters(model)
-        per_slot_batch = math.ceil(cfg.pipeline.batch_size / m.slots)
-        needs[m.name] = estimate_training_bytes(model, image_sizes[m.name], per_slot_batch)
+        fewest_slots = 1 if any_slot_count else m.slots
+        needs[m.name] = estimate_training_bytes(model, image_sizes[m.name],
+                                                math.ceil(cfg.pipeline.batch_size / fewest_slots))
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device_kind == "cuda" else None
-    check_memory(plan, needs, slot_memory_bytes(plan, cfg.trainer.slot_memory_gb, gpu_memory))
-    return plan, params, image_sizes
+    check_memory(needs, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory))
+    return device_kind, slots, params, image_sizes
 
 
-def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph: StageGraph, plan: Plan,
-                  workers) -> None:
+def _profile(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_kind: str, devices: list[str],
+             image_sizes: dict[str, int], output_dir: Path):
+    s = cfg.scheduler
+    profile = profile_ensemble(models, len(graph.source.class_names), image_sizes, cfg.pipeline.batch_size,
+                               min(s.profile_max_slots, len(devices)), device_kind, devices, s.profile_steps,
+                               s.profile_warmup, cfg.trainer.threads, Path(to_absolute_path(s.profile_cache)))
+    save_table(profile, output_dir / "profile.json")
+    return profile
+
+
+def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph: StageGraph, device_kind: str,
+                  slots: int, models: int, workers) -> None:
     source = graph.source
     size = (f"{len(source.class_names)} classes, {source.num_items(Split.TRAIN)} train / "
             f"{source.num_items(Split.VAL)} val images")
@@ -131,61 +163,12 @@ def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph
     else:
         console.print(f"[bold]dataset[/]  {cfg.dataset.name} at {dataset.root}: {size}")
     streams = ", ".join(f"{name} {spec.item_shape[0]}px" for name, spec in graph.sinks.items())
-    console.print(f"[bold]scale[/]    {sum(len(f) for f in plan.flotillas)} models on streams {streams}, "
-                  f"batch {cfg.pipeline.batch_size}, {cfg.trainer.epochs} epochs; paper scale (100 models, "
-                  "224/299 px, GPUs): +ensemble=caltech256_paper")
+    console.print(f"[bold]scale[/]    {models} models on streams {streams}, batch {cfg.pipeline.batch_size}, "
+                  f"up to {cfg.trainer.epochs} epochs, scheduler={cfg.scheduler.policy}; paper scale "
+                  "(100 models, 224/299 px, GPUs): +ensemble=caltech256_paper scheduler=fleet_g")
     where = f"Dask scheduler {cfg.cluster.address}" if cfg.cluster.address else \
         f"Dask LocalCluster {workers} workers x {cfg.cluster.threads_per_worker} thread"
-    console.print(f"[bold]devices[/]  {plan.trainers} trainer(s) on {plan.slots} {plan.device_kind.upper()} slot(s) "
-                  f"({'GPUs' if plan.device_kind == 'cuda' else 'no CUDA device in use'}); preprocessing on {where}. "
+    console.print(f"[bold]devices[/]  {slots} {device_kind.upper()} slot(s) "
+                  f"({'GPUs' if device_kind == 'cuda' else 'no CUDA device in use'}); preprocessing on {where}. "
                   "Change with trainer.device=cuda|cpu, trainer.slots=N, cluster.workers=N, "
                   "cluster.address=tcp://host:8786")
-
-
-def _train(console: Console, executor: Executor, flotilla: Flotilla, recorder: RunRecorder, graph: StageGraph,
-           epochs: int) -> None:
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        for epoch in range(epochs):
-            for split in (Split.TRAIN, Split.VAL):
-                task = progress.add_task(f"epoch {epoch + 1}/{epochs} {split.value}",
-                                         total=graph.source.num_batches(split))
-                split_started = time.perf_counter()
-                for index, output in executor.batches(split, epoch):
-                    flotilla.publish(split, epoch, index, output.streams)
-                    recorder.add_batch(output, train=split is Split.TRAIN)
-                    progress.advance(task)
-                    _log_reports(console, flotilla.poll(), recorder)
-                    for path, reason in recorder.take_new_skips():
-                        console.print(f"[yellow]warning[/] skipped {path}: {reason}")
-                if split is Split.TRAIN:
-                    recorder.train_wall_s += time.perf_counter() - split_started
-                flotilla.end(split, epoch)
-        flotilla.stop()
-
-
-def _log_reports(console: Console, events: list[dict], recorder: RunRecorder) -> None:
-    for event in events:
-        epoch = recorder.add_report(event)
-        if epoch is not None:
-            accuracies = ", ".join(f"{r.placement.model.name} {r.val_accuracy[epoch]:.1%}"
-                                   for r in recorder.models.values())
-            console.print(f"epoch {epoch + 1}: val accuracy {accuracies}; "
-                          f"[bold]ensemble {recorder.ensemble_accuracy[epoch]:.1%}")
-
-
-def _finish(console: Console, flotilla: Flotilla, recorder: RunRecorder) -> dict[str, list]:
-    """Waits for every trainer's final reports; returns their checksums."""
-    checksums: dict[str, list] = {}
-    expected = sum(len(p.devices) for p in flotilla.placements)
-    deadline = time.monotonic() + 600
-    while len(checksums) < expected:
-        if time.monotonic() > deadline or flotilla.dead_trainers():
-            raise RuntimeError(f"trainers did not finish: {', '.join(flotilla.dead_trainers()) or 'timed out'}")
-        for event in flotilla.poll(timeout=1.0):
-            if event["event"] == "done":
-                checksums[f"{event['model']}/{event['rank']}"] = event["checksums"]
-            else:
-                _log_reports(console, [event], recorder)
-    flotilla.join(timeout=30)
-    return checksums

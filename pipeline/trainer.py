@@ -41,7 +41,8 @@ class TrainerSpec:
     model: ModelSpec
     num_classes: int
     image_size: int  # side of the stream's images; picks the model's stem
-    epochs: int
+    epochs: int  # the most epochs the model trains (the learning-rate schedule's length)
+    start_epoch: int  # epochs trained before; > 0 resumes from the model's checkpoint
     steps_per_epoch: int  # for the learning-rate schedule
     rank: int  # within the model's data-parallel group
     rendezvous: str  # init_method of the model's process group (used when slots > 1)
@@ -93,7 +94,23 @@ class Trainer:
         self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
         self.checksums: list[tuple[int, int, int, int, int]] = []
+        self.epoch = spec.start_epoch  # the model's own epoch count, whichever flotilla it is in
+        if spec.start_epoch:
+            self._resume()
         self._reset_epoch()
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.spec.checkpoint_dir) / f"{self.spec.model.name}.pt"
+
+    def _resume(self) -> None:
+        state = self.torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        if state["epochs_done"] != self.spec.start_epoch:
+            raise RuntimeError(f"{self.checkpoint_path} holds {state['epochs_done']} epochs, the scheduler asked "
+                               f"to resume after {self.spec.start_epoch}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
 
     def _reset_epoch(self) -> None:
         self.loss_sum, self.seen, self.step_time, self.wait_time = 0.0, 0, 0.0, 0.0
@@ -124,9 +141,10 @@ class Trainer:
             else:
                 message.release()
                 if message.kind == MessageKind.END and message.split == 0:
-                    self._report_train(message.epoch)
+                    self._report_train()
                 elif message.kind == MessageKind.END:
-                    self._finish_validation(message.epoch)
+                    self._finish_validation()
+                    self.epoch += 1
             waited = time.perf_counter()
         self.reports.put({"event": "done", "model": self.spec.model.name, "rank": self.spec.rank,
                           "checksums": self.checksums})
@@ -166,28 +184,28 @@ class Trainer:
             self.val_probs.append(torch.softmax(self.model(x).float(), dim=1).cpu().numpy())
         self.val_labels.append(labels)
 
-    def _report_train(self, epoch: int) -> None:
-        self.reports.put({"event": "train", "model": self.spec.model.name, "rank": self.spec.rank, "epoch": epoch,
+    def _report_train(self) -> None:
+        self.reports.put({"event": "train", "model": self.spec.model.name, "rank": self.spec.rank, "epoch": self.epoch,
                           "loss": self.loss_sum / max(self.seen, 1), "images": self.seen,
                           "step_s": self.step_time, "wait_s": self.wait_time})
         self._reset_epoch()
 
-    def _finish_validation(self, epoch: int) -> None:
+    def _finish_validation(self) -> None:
         if self.spec.rank != 0:
             return
         probs = np.concatenate(self.val_probs) if self.val_probs else np.zeros((0, self.spec.num_classes), np.float32)
         labels = np.concatenate(self.val_labels) if self.val_labels else np.zeros(0, np.int64)
         accuracy = float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")
-        self._checkpoint(epoch, accuracy)
-        self.reports.put({"event": "val", "model": self.spec.model.name, "epoch": epoch, "accuracy": accuracy,
+        self._checkpoint(accuracy)  # before the report: the driver may stop this process once it has it
+        self.reports.put({"event": "val", "model": self.spec.model.name, "epoch": self.epoch, "accuracy": accuracy,
                           "probs": probs, "labels": labels})
         self.val_probs, self.val_labels = [], []
 
-    def _checkpoint(self, epoch: int, accuracy: float) -> None:
-        path = Path(self.spec.checkpoint_dir) / f"{self.spec.model.name}.pt"
+    def _checkpoint(self, accuracy: float) -> None:
+        path = self.checkpoint_path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         self.torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                         "schedule": self.schedule.state_dict(), "epoch": epoch, "val_accuracy": accuracy,
-                         "spec": self.spec.model.__dict__}, tmp)
+                         "schedule": self.schedule.state_dict(), "epochs_done": self.epoch + 1,
+                         "val_accuracy": accuracy, "spec": self.spec.model.__dict__}, tmp)
         os.replace(tmp, path)  # never a half-written checkpoint

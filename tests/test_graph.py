@@ -110,3 +110,9 @@ def test_second_source_is_refused(stages):
     stages["read2"] = copy.deepcopy(stages["read"])
     stages["decode2"] = {"_target_": "stages.decode.Decode", "inputs": ["read2"]}
     assert "exactly one source" in errors_for(stages)
+
+
+def test_a_flotilla_reading_one_stream_computes_only_its_branch(stages):
+    graph = build_graph(stages, {"main", "alt"}).feeding({"alt"})
+    assert list(graph.stages) == ["read", "decode", "crop_alt", "alt"]
+    assert set(graph.sinks) == {"alt"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.dataset import DatasetError, prepare_dataset
-from pipeline.planner import PlanError
+from pipeline.devices import SlotError
 from pipeline.run import ConfigError, run
 from stages.base import BadFileError
 from tests.conftest import compose_config
@@ -45,21 +45,24 @@ def test_every_trainer_received_every_batch_once_in_order_bit_identical(full_run
     trainers = {m["name"]: (m["input"], m["slots"]) for m in results["models"]}
     assert len(delivery["received"]) == sum(slots for _, slots in trainers.values()) == 5
     for trainer, received in delivery["received"].items():
-        stream = trainers[trainer.split("/")[0]][0]
-        assert [tuple(r) for r in received] == [tuple(s) for s in delivery["sent"][stream]], trainer
-    batches = [s for s in delivery["sent"]["main"] if s[0] == 0]
+        flotilla, model, _ = trainer.split("/")
+        sent = delivery["sent"][f"{flotilla}/{trainers[model][0]}"]
+        assert [tuple(r) for r in received] == [tuple(s) for s in sent], trainer
+    batches = [s for s in delivery["sent"]["0/main"] if s[0] == 0]
     per_epoch = sum(math.ceil(results["dataset"][f"{split}_images"] / 16) for split in ("train", "val"))
     assert len(batches) == 2 * per_epoch == len({(s[1], s[2], s[3]) for s in batches})
 
 
 def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     results, out, bad, _ = full_run
-    assert json.loads((out / "results.json").read_text())["epochs"] == 2
+    assert json.loads((out / "results.json").read_text())["scheduler"]["flotillas"] == [0]
     for model in results["models"]:
-        assert len(model["val_accuracy"]) == 2 and model["images_per_s"] > 0
+        assert model["epochs"] == len(model["val_accuracy"]) == 2 and model["images_per_s"] > 0
+        assert model["converged"] == "reached trainer.epochs=2"
         assert (out / "checkpoints" / f"{model['name']}.pt").is_file()
     assert [m["slots"] for m in results["models"]] == [2, 1, 1, 1]
     assert len(results["ensemble"]["val_accuracy"]) == 2
+    assert results["ensemble"]["final_val_accuracy"] == results["ensemble"]["val_accuracy"][-1]
     assert set(results["pipeline"]["stages"]) == {"read", "decode", "crop_main", "crop_alt", "main", "alt"}
     assert results["pipeline"]["stages"]["decode"]["cpu_s"] > 0
     skipped = {s["path"] for s in results["skipped"]}
@@ -82,9 +85,9 @@ def test_on_error_fail_stops_naming_the_file(bad_dataset, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, error, message", [
-    (["trainer.slot_memory_gb=0.0001"], PlanError, r"model resnet10_w16 needs about .* GiB per slot"),
-    (["ensemble.models.1.slots=3", "trainer.slots=2"], PlanError, r"ensemble.models\[1\].slots=3"),
-    (["trainer.device=cuda"], PlanError, "no CUDA device"),
+    (["trainer.slot_memory_gb=0.0001"], SlotError, r"model resnet10_w16 needs about .* GiB per slot"),
+    (["ensemble.models.1.slots=3", "trainer.slots=2"], SlotError, r"ensemble.models\[1\].slots=3"),
+    (["trainer.device=cuda"], SlotError, "no CUDA device"),
     (["on_error=ignore"], ConfigError, "on_error must be"),
     (["pipeline.stages.crop_alt.inputs=[read]"], ValueError, "pipeline.stages.crop_alt.inputs"),
 ])

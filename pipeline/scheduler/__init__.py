@@ -10,12 +10,12 @@ from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochF
                                        ModelConverged, ProfileMeasured, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import assign_slots, greedy_flotilla
-from pipeline.scheduler.policies import POLICIES, Baseline, FleetG, FleetL, Homogeneous, Policy, make_policy
+from pipeline.scheduler.policies import POLICIES, Baseline, FleetG, FleetL, Homogeneous, Policy, Shared, make_policy
 from pipeline.scheduler.profile import Cluster, Profile, Slot
 
 __all__ = [
     "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetG", "FleetL",
     "FormFlotilla", "Homogeneous", "ModelConverged", "POLICIES", "Policy", "Profile", "ProfileMeasured",
-    "Scheduler", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed", "assign_slots", "greedy_flotilla",
+    "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed", "assign_slots", "greedy_flotilla",
     "make_policy",
 ]

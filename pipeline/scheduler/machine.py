@@ -46,7 +46,8 @@ class Flotilla:
 class Scheduler:
     """Plans flotillas for `models` on `cluster` with `policy`.
 
-    Planning starts when every model has a profile. A model whose trainers
+    Planning starts when every model has a profile (for the policies that
+    need one). A model whose trainers
     fail more than `max_failures` times is given up (status "failed").
     """
 
@@ -69,6 +70,12 @@ class Scheduler:
         """Every model converged or was given up, and every slot is free."""
         return (all(s.status in (CONVERGED, FAILED) for s in self.models.values())
                 and all(state == FREE for state in self.slots.values()))
+
+    def start(self, time: float) -> list[Decision]:
+        """The driver is ready: the first plan, for policies that need no
+        profile (the others plan once the last profile has come in)."""
+        self.now = max(self.now, time)
+        return self._plan()
 
     def handle(self, event: Event) -> list[Decision]:
         if event.time < self.now:
@@ -171,7 +178,8 @@ class Scheduler:
         FLEET-G and homogeneous only once the cluster is idle."""
         waiting = [m for m, s in self.models.items() if s.status == WAITING]
         free = [s for s, state in self.slots.items() if state == FREE]
-        if (not waiting or not free or len(self.profile.rates) < len(self.models)
+        profiled = len(self.profile.rates) == len(self.models)
+        if (not waiting or not free or (self.policy.needs_profile and not profiled)
                 or RELEASING in self.slots.values()
                 or (self.policy.waits_for_idle_cluster and self.flotillas)):
             return []
@@ -181,7 +189,7 @@ class Scheduler:
         for group in groups:
             flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
             self.flotillas[flotilla_id] = Flotilla({m: placement[m] for m in group}, set(group))
-            rate = flotilla_rate(group, self.profile, self.cluster.prep_rate_per_slot)
+            rate = flotilla_rate(group, self.profile, self.cluster.prep_rate_per_slot) if profiled else float("nan")
             decisions.append(FormFlotilla(flotilla_id, dict(group), rate))
             decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in group]
             for m in group:

@@ -1,6 +1,6 @@
 """Scheduling policies: which flotillas to form on the free slots, and when.
 
-Selected by name (Hydra: `scheduler=fleet_g|fleet_l|baseline|homogeneous`).
+Selected by name (Hydra: `scheduler=shared|fleet_g|fleet_l|baseline|homogeneous`).
 A policy only chooses flotillas; the state machine (`machine.py`) applies the
 rules every policy shares (convergence releases slots, stop below
 `min_active_fraction` active slots, resume from checkpoints).
@@ -17,6 +17,28 @@ from pipeline.scheduler.profile import Cluster, Profile, Slot
 
 
 @dataclass
+class Shared:
+    """Data sharing without scheduling (the SC18 setting): every model at once
+    in one flotilla, on the slots its config asks for, until each converges.
+    Needs no profile."""
+
+    slots: dict[str, int]  # model -> slots it asks for (ensemble.models[].slots)
+    min_active_fraction: float = 0.0  # the flotilla runs until its last model converges
+    waits_for_idle_cluster: ClassVar[bool] = True
+    needs_profile: ClassVar[bool] = False
+
+    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+             rng: random.Random) -> list[dict[str, int]]:
+        group = {model: self.slots[model] for model in pending}
+        if not fits(list(group.values()), free_per_node(free_slots)):
+            raise ValueError(
+                f"scheduler=shared puts every model on its own slots at once: {sum(group.values())} slots "
+                f"asked, {len(free_slots)} free; raise trainer.slots, lower the models' slots, or use "
+                "scheduler=fleet_g to train them in turns")
+        return [group]
+
+
+@dataclass
 class FleetG:
     """FLEET-G: one flotilla over the whole cluster at a time; when it stops,
     re-plan globally from all unconverged models."""
@@ -25,6 +47,7 @@ class FleetG:
     tolerance: float = TOLERANCE  # a member may be this much slower than the flotilla's target rate
     lookahead: int = 8  # up to this many waiting models, pick the flotilla by lookahead (0: greedy alone)
     waits_for_idle_cluster: ClassVar[bool] = True
+    needs_profile: ClassVar[bool] = True
 
     def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -50,6 +73,7 @@ class Baseline:
 
     min_active_fraction: float = 0.0  # a one-model flotilla ends with its model
     waits_for_idle_cluster: ClassVar[bool] = False
+    needs_profile: ClassVar[bool] = True
 
     def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -64,6 +88,7 @@ class Homogeneous:
 
     min_active_fraction: float = 0.0
     waits_for_idle_cluster: ClassVar[bool] = True
+    needs_profile: ClassVar[bool] = True
 
     def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -85,17 +110,21 @@ def _random_fill(pending: list[str], profile: Profile, cluster: Cluster, free_sl
     return chosen
 
 
-Policy = FleetG | FleetL | Baseline | Homogeneous
+Policy = Shared | FleetG | FleetL | Baseline | Homogeneous
 
-POLICIES = {"fleet_g": FleetG, "fleet_l": FleetL, "baseline": Baseline, "homogeneous": Homogeneous}
+POLICIES = {"shared": Shared, "fleet_g": FleetG, "fleet_l": FleetL, "baseline": Baseline,
+            "homogeneous": Homogeneous}
 
 
-def make_policy(name: str, min_active_fraction: float = 0.8) -> Policy:
-    """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l only."""
+def make_policy(name: str, min_active_fraction: float = 0.8, requested_slots: dict[str, int] | None = None) -> Policy:
+    """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l
+    only, `requested_slots` (model -> slots) to shared only."""
     if name not in POLICIES:
         raise ValueError(f"unknown scheduler {name!r} (config key `scheduler`); choose one of {sorted(POLICIES)}")
     if not 0 <= min_active_fraction <= 1:
         raise ValueError(f"min_active_fraction must be in [0, 1], got {min_active_fraction}; FLEET uses 0.8")
+    if name == "shared":
+        return Shared(dict(requested_slots or {}))
     if name in ("fleet_g", "fleet_l"):
         return POLICIES[name](min_active_fraction=min_active_fraction)
     return POLICIES[name]()

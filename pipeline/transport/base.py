@@ -58,6 +58,10 @@ class StreamWriter(ABC):
         """The end for consumer number `consumer` (0 .. consumers-1)."""
 
     @abstractmethod
+    def detach(self, consumer: int) -> None:
+        """Stop delivering to `consumer` (its trainer was stopped); the others go on."""
+
+    @abstractmethod
     def publish(self, kind: MessageKind, split: int, epoch: int, index: int,
                 images: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
         """Blocks while the slowest reader is a full buffer behind (back-pressure)."""

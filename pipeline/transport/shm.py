@@ -74,6 +74,7 @@ class ShmWriter(StreamWriter):
         self.filled = [context.Semaphore(0) for _ in range(consumers)]
         self.free = [context.Semaphore(slots) for _ in range(consumers)]
         self.alive = alive
+        self.attached = set(range(consumers))
         self.seq = 0
 
     def reader(self, consumer: int) -> ShmReader:
@@ -84,8 +85,8 @@ class ShmWriter(StreamWriter):
         count = 0 if images is None else len(images)
         if count > self.layout.batch_capacity:
             raise ValueError(f"stream {self.name}: batch of {count} exceeds its capacity {self.layout.batch_capacity}")
-        for consumer, free in enumerate(self.free):
-            while not free.acquire(timeout=1.0):
+        for consumer in sorted(self.attached):
+            while not self.free[consumer].acquire(timeout=1.0):
                 if not self.alive():
                     raise ConsumerGone(f"stream {self.name}: reader {consumer} stopped taking messages")
         header, slot_labels, slot_images = _slot_views(self.segment.buf, self.layout, self.seq % self.slots, True)
@@ -94,9 +95,12 @@ class ShmWriter(StreamWriter):
             slot_labels[:count] = labels
         header[:] = (int(kind), split, epoch, index, count)
         del header, slot_labels, slot_images
-        for filled in self.filled:
-            filled.release()
+        for consumer in self.attached:
+            self.filled[consumer].release()
         self.seq += 1
+
+    def detach(self, consumer: int) -> None:
+        self.attached.discard(consumer)
 
     def close(self) -> None:
         self.segment.close()

@@ -1,0 +1,62 @@
+"""The device slots of a run (GPUs, or CPU slots) and whether models fit them."""
+from __future__ import annotations
+
+import os
+
+from pipeline.scheduler.profile import Slot
+from pipeline.trainer import ModelSpec
+
+# The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x
+# higher (workspaces, allocator slack), so a model must fit with this margin.
+MEMORY_HEADROOM = 1.5
+
+
+class SlotError(ValueError):
+    pass
+
+
+def resolve_device(requested: str, cuda_available: bool) -> str:
+    if requested not in ("auto", "cpu", "cuda"):
+        raise SlotError(f"trainer.device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "cuda" and not cuda_available:
+        raise SlotError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
+    return "cuda" if requested == "cuda" or (requested == "auto" and cuda_available) else "cpu"
+
+
+def slot_devices(device_kind: str, gpu_count: int, slots: int | str, models: list[ModelSpec]) -> dict[Slot, str]:
+    """Slot -> device: every GPU, or on CPU `trainer.slots` CPU slots (auto: as
+    many as the models ask for together). One node: this machine."""
+    if slots == "auto":
+        count = gpu_count if device_kind == "cuda" else sum(m.slots for m in models)
+    elif isinstance(slots, int) and slots >= 1:
+        count = slots
+    else:
+        raise SlotError(f"trainer.slots must be a positive integer or 'auto', got {slots!r}")
+    if device_kind == "cuda" and count > gpu_count:
+        raise SlotError(f"trainer.slots={count} but this machine has {gpu_count} GPU(s); lower trainer.slots")
+    for index, model in enumerate(models):
+        if not 1 <= model.slots <= count:
+            raise SlotError(f"ensemble.models[{index}].slots={model.slots} ({model.name}) cannot be met: "
+                            f"{count} slot(s) available; set it between 1 and {count} or raise trainer.slots")
+    return {Slot(0, i): (f"cuda:{i}" if device_kind == "cuda" else "cpu") for i in range(count)}
+
+
+def slot_memory_bytes(device_kind: str, slots: int, configured_gb: float | None, gpu_memory: int | None) -> int:
+    """Memory one trainer may use: the configured amount, its GPU's, or on
+    CPU its share of this machine's RAM."""
+    if configured_gb is not None:
+        return int(configured_gb * 2**30)
+    if device_kind == "cuda":
+        return int(gpu_memory or 0)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // slots
+
+
+def check_memory(needs: dict[str, int], slot_bytes: int) -> None:
+    """`needs`: estimated training bytes of each model on one of its slots."""
+    for name, need in needs.items():
+        if need * MEMORY_HEADROOM > slot_bytes:
+            raise SlotError(
+                f"model {name} needs about {need * MEMORY_HEADROOM / 2**30:.2f} GiB per slot to train "
+                f"(estimate x{MEMORY_HEADROOM} headroom) but a slot has {slot_bytes / 2**30:.2f} GiB; lower "
+                "pipeline.batch_size, make the model smaller (depth/width), give it more slots (its slots key), "
+                "or set trainer.slot_memory_gb")

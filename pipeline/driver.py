@@ -1,0 +1,244 @@
+"""Carries out the scheduler's decisions on real trainers.
+
+The scheduler (pipeline/scheduler) decides and does no I/O; this driver acts.
+Each flotilla it forms gets a thread that feeds the flotilla's trainers from
+the shared pipeline on Dask. After each epoch the thread hands its members'
+validation results to the main thread and waits; the main thread turns them
+into scheduler events (epoch finished, converged), carries out the decisions
+(stop a member, form the next flotilla) and lets the thread go on.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from dask.distributed import Client
+from rich.console import Console
+from rich.progress import Progress
+
+from pipeline.executor import Executor
+from pipeline.flotilla import Flotilla, Member, TrainerFailed, TrainingSetup
+from pipeline.graph import StageGraph
+from pipeline.results import RunRecorder
+from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
+                                SlotFreed, Start, Stop)
+from pipeline.scheduler.profile import Slot
+from pipeline.trainer import ModelSpec
+from stages.base import Split
+
+REPORT_TIMEOUT_S = 1800  # a trainer silent this long during validation is taken as hung
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """When a model is done: any criterion met ends its training."""
+
+    max_epochs: int  # trainer.epochs
+    target_accuracy: float | None  # validation accuracy that is good enough
+    patience: int  # epochs without improving the best by min_delta (0: off)
+    min_delta: float
+
+    def reason(self, accuracies: list[float]) -> str | None:
+        if len(accuracies) >= self.max_epochs:
+            return f"reached trainer.epochs={self.max_epochs}"
+        if self.target_accuracy is not None and accuracies[-1] >= self.target_accuracy:
+            return f"reached target accuracy {self.target_accuracy:.1%}"
+        if self.patience and len(accuracies) > self.patience:
+            before = max(accuracies[:-self.patience])
+            if max(accuracies[-self.patience:]) < before + self.min_delta:
+                return f"no gain of {self.min_delta:.1%} in {self.patience} epochs"
+        return None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the flotilla threads share."""
+
+    client: Client
+    graph: StageGraph
+    seed: int
+    on_error: str
+    in_flight: int
+    ring_slots: int
+    setup: TrainingSetup
+    recorder: RunRecorder
+    progress: Progress
+
+
+class FlotillaThread(threading.Thread):
+    def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue):
+        super().__init__(name=f"flotilla-{flotilla_id}", daemon=True)
+        self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
+        self.commands: queue.Queue = queue.Queue()
+        self.stop_requested = threading.Event()
+        self.sent_checksums: dict[str, list] = {}  # stream -> what was published (trainer.record_checksums)
+
+    def run(self) -> None:
+        try:
+            self._train()
+        except BaseException as err:  # handed to the main thread, which stops the run
+            self.events.put(("error", self, err))
+        finally:
+            self.events.put(("ended", self, None))
+
+    def _train(self) -> None:
+        r = self.run_ctx
+        graph = r.graph.feeding({member.model.input for member in self.members})
+        with Flotilla(self.members, graph.sinks, graph.source.batch_size, r.ring_slots, r.setup) as flotilla, \
+                Executor(r.client, graph, r.seed, r.on_error, r.in_flight) as executor:
+            self.flotilla = flotilla
+            local_epoch = 0
+            while flotilla.members and not self.stop_requested.is_set():
+                # Each flotilla epoch gets its own shuffle: flotillas do not replay each other's order.
+                epoch = self.flotilla_id * 1000 + local_epoch
+                for split in (Split.TRAIN, Split.VAL):
+                    task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
+                                               total=graph.source.num_batches(split))
+                    for index, output in executor.batches(split, epoch):
+                        flotilla.publish(split, epoch, index, output.streams)
+                        for path, reason in r.recorder.add_batch(output, train=split is Split.TRAIN):
+                            r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
+                        r.progress.advance(task)
+                        self._forward(flotilla.poll())
+                    flotilla.end(split, epoch)
+                    r.progress.remove_task(task)
+                self.events.put(("epoch", self, self._validation_reports(flotilla)))
+                self._carry_out(flotilla)
+                local_epoch += 1
+            self.sent_checksums = dict(flotilla.sent_checksums)
+
+    def _forward(self, reports: list[dict]) -> list[dict]:
+        """Training reports go to the recorder; validation ones are returned."""
+        validation = []
+        for report in reports:
+            if report["event"] == "val":
+                validation.append(report)
+            elif report["event"] == "done":
+                self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
+            else:
+                self.run_ctx.recorder.add_report(report)
+        return validation
+
+    def _validation_reports(self, flotilla: Flotilla) -> list[dict]:
+        """Waits for the validation result of every member of this epoch."""
+        reports: dict[str, dict] = {}
+        deadline = time.monotonic() + REPORT_TIMEOUT_S
+        while set(reports) != set(flotilla.members):
+            dead = flotilla.dead_trainers()
+            if dead or time.monotonic() > deadline:
+                raise TrainerFailed(f"trainers did not report validation: {', '.join(dead) or 'timed out'}")
+            for report in self._forward(flotilla.poll(timeout=1.0)):
+                reports[report["model"]] = report
+        return list(reports.values())
+
+    def _carry_out(self, flotilla: Flotilla) -> None:
+        """Applies the main thread's decisions for this epoch: members to stop."""
+        leaving = []
+        for command, model in iter(self.commands.get, ("continue", None)):
+            leaving.append(model)
+        if set(leaving) == set(flotilla.members):  # everyone leaves: end the streams cleanly
+            flotilla.stop()
+            self._await_done(flotilla)
+        for model in leaving:
+            flotilla.remove(model)
+            self.events.put(("freed", self, model))
+
+    def _await_done(self, flotilla: Flotilla) -> None:
+        expected = sum(len(m.devices) for m in flotilla.members.values())
+        done, deadline = 0, time.monotonic() + REPORT_TIMEOUT_S
+        while done < expected:
+            if flotilla.dead_trainers() or time.monotonic() > deadline:
+                raise TrainerFailed(f"trainers did not finish: {', '.join(flotilla.dead_trainers()) or 'timed out'}")
+            reports = flotilla.poll(timeout=1.0)
+            done += sum(r["event"] == "done" for r in reports)
+            self._forward(reports)
+        flotilla.join(timeout=30)
+
+
+class Driver:
+    def __init__(self, scheduler: Scheduler, models: dict[str, ModelSpec], slot_devices: dict[Slot, str],
+                 convergence: Convergence, run: RunContext, console: Console):
+        self.scheduler, self.models, self.slot_devices = scheduler, models, slot_devices
+        self.convergence, self.run_ctx, self.console = convergence, run, console
+        self.events: queue.Queue = queue.Queue()
+        self.threads: dict[int, FlotillaThread] = {}  # running
+        self.all_threads: list[FlotillaThread] = []
+        self.assigned: dict[str, tuple[Slot, ...]] = {}
+        self.started = time.monotonic()
+        self.log: list[dict] = []  # every decision, for results.json
+
+    def now(self) -> float:
+        return time.monotonic() - self.started
+
+    def run(self, first_decisions: list) -> None:
+        try:
+            self._carry_out(first_decisions)
+            while not self.scheduler.done:
+                kind, thread, payload = self.events.get()
+                if kind == "error":
+                    raise payload
+                if kind == "epoch":
+                    self._epoch_finished(thread, payload)
+                elif kind == "freed":
+                    for slot in self.assigned.pop(payload):
+                        self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
+                elif kind == "ended":
+                    thread.join()
+                    self.threads.pop(thread.flotilla_id, None)
+        finally:
+            for thread in self.threads.values():
+                thread.stop_requested.set()
+                thread.commands.put(("continue", None))
+            for thread in self.threads.values():
+                thread.join(timeout=120)
+
+    @property
+    def sent_checksums(self) -> dict[str, list]:
+        """flotilla/stream -> what its thread published (trainer.record_checksums)."""
+        return {f"{t.flotilla_id}/{stream}": sent for t in self.all_threads for stream, sent in t.sent_checksums.items()}
+
+    def _epoch_finished(self, thread: FlotillaThread, reports: list[dict]) -> None:
+        decisions = []
+        converged = []
+        for report in sorted(reports, key=lambda r: r["model"]):
+            self.run_ctx.recorder.add_report(report)
+            epochs_done = report["epoch"] + 1
+            metrics = {"val_accuracy": report["accuracy"]}
+            decisions += self.scheduler.handle(EpochFinished(self.now(), report["model"], epochs_done, metrics))
+            reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report["model"]))
+            if reason:
+                converged.append((report["model"], reason))
+        for model, reason in converged:
+            self.run_ctx.recorder.converged(model, reason)
+            decisions += self.scheduler.handle(ModelConverged(self.now(), model))
+        self._carry_out(decisions)
+        thread.commands.put(("continue", None))
+
+    def _carry_out(self, decisions: list) -> None:
+        forming: dict[int, list[Member]] = {}
+        for decision in decisions:
+            self.log.append({"t": round(self.now(), 3), "decision": type(decision).__name__,
+                             **{k: str(v) for k, v in decision.__dict__.items()}})
+            if isinstance(decision, FormFlotilla):
+                forming[decision.flotilla] = []
+                self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
+                    f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()))
+            elif isinstance(decision, AssignSlots):
+                self.assigned[decision.model] = decision.slots
+            elif isinstance(decision, Start):
+                devices = tuple(self.slot_devices[s] for s in self.assigned[decision.model])
+                forming[decision.flotilla].append(Member(self.models[decision.model], devices, decision.resume_epoch))
+                self.run_ctx.recorder.joined(decision.model, decision.flotilla, devices, decision.resume_epoch)
+            elif isinstance(decision, Stop):
+                self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
+                self.threads[decision.flotilla].commands.put(("stop", decision.model))
+            elif not isinstance(decision, Checkpoint):  # trainers checkpoint every epoch themselves
+                raise TypeError(f"the driver cannot carry out {decision!r}")
+        for flotilla_id, members in forming.items():
+            thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events)
+            self.threads[flotilla_id] = thread
+            self.all_threads.append(thread)
+            thread.start()
+
