@@ -19,6 +19,7 @@ from pipeline.executor import dask_client, worker_count
 from pipeline.flotilla import TrainingSetup
 from pipeline.graph import StageGraph, build_graph
 from pipeline.profiling import format_table, profile_ensemble, save_table
+from pipeline.report import write_report
 from pipeline.results import RunRecorder, print_summary, write_json
 from pipeline.scheduler import Cluster, ProfileMeasured, Scheduler, make_policy
 from pipeline.trainer import ModelSpec
@@ -113,7 +114,10 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         results["delivery"] = {"sent": driver.sent_checksums, "received": recorder.checksums}
     write_json(output_dir / "results.json", results)
     print_summary(console, results)
-    console.print(f"results: {output_dir / 'results.json'}   checkpoints: {output_dir / 'checkpoints'}")
+    report = write_report(results, output_dir)
+    console.print(report.summary)
+    console.print(f"results: {output_dir / 'results.json'}   report: {report.html}   "
+                  f"checkpoints: {output_dir / 'checkpoints'}")
     return results
 
 

@@ -149,3 +149,46 @@ def test_cli_unwritable_output_directory_is_a_clear_error(tmp_path):
     assert done.returncode == 1
     assert f"cannot write the run's output directory {blocker / 'out'}" in done.stderr
     assert "set hydra.run.dir" in done.stderr
+
+
+def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_path):
+    """The FLEET scheduler in a real run: profile, then flotillas in turn on 2 CPU slots."""
+    cfg = compose_config(small(tiny_dataset, "scheduler=fleet_g", "trainer.slots=2", "trainer.epochs=2",
+                               "scheduler.profile_steps=2", "scheduler.profile_warmup=1",
+                               f"scheduler.profile_cache={tmp_path / 'profile_cache.json'}"))
+    results = run(cfg, tmp_path / "out")
+    assert set(results["profile"]) == {m["name"] for m in results["models"]}
+    assert all(len(rates) == 2 for rates in results["profile"].values())
+    assert (tmp_path / "out" / "profile.json").is_file()
+    decisions = results["scheduler"]["decisions"]
+    formed = [d for d in decisions if d["decision"] == "FormFlotilla"]
+    assert len(formed) >= 2 and len(results["scheduler"]["flotillas"]) == len(formed)
+    # fleet_g re-plans on an idle cluster: a flotilla forms only after the previous one's last member left
+    for earlier, later in zip(formed, formed[1:]):
+        stops = [d["t"] for d in decisions if d["decision"] == "Stop" and d["flotilla"] == earlier["flotilla"]]
+        assert stops and max(stops) <= later["t"]
+    for model in results["models"]:
+        assert model["epochs"] == 2 and model["converged"]
+        assert sum(len(stint["devices"]) for stint in model["flotillas"]) >= 1
+
+
+def test_trainer_resumes_from_its_checkpoint(tmp_path):
+    import queue
+
+    import torch
+
+    from pipeline.trainer import ModelSpec, Trainer, TrainerSpec
+
+    model = ModelSpec("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
+    spec = lambda start: TrainerSpec(model, 3, 32, 4, start, 10, 0, "", "cpu", 1, str(tmp_path), False)
+    first = Trainer(spec(0), queue.Queue())
+    with torch.no_grad():  # weights a fresh model would not have
+        for parameter in first.model.parameters():
+            parameter.add_(1.0)
+    first._checkpoint(accuracy=0.5)
+    resumed = Trainer(spec(1), queue.Queue())
+    assert resumed.epoch == 1
+    for a, b in zip(first.model.state_dict().values(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="holds 1 epochs, the scheduler asked to resume after 2"):
+        Trainer(spec(2), queue.Queue())
