@@ -3,12 +3,12 @@
 Both take normalised float NCHW images (channels_last works too) and return
 logits of shape [N, num_classes].
 
-Stem: images under 64 px (CIFAR's 32 px) keep their full resolution through
-a 3x3 stride-1 conv, as in the CIFAR variants of both papers. From 64 px on,
-the ImageNet stem (7x7 stride-2 conv + 3x3 stride-2 max pool) reduces them 4x
-at once: at 64 px a full-resolution stem would cost 10-16x the compute (a
-DenseNet-40 step on a batch of 32 takes 2-4 s on one core instead of
-0.2-0.3 s).
+Stem: images of CIFAR's size (up to 32 px) keep their full resolution
+through a 3x3 stride-1 conv, as in the CIFAR variants of both papers. Larger
+ones go through the ImageNet stem (7x7 stride-2 conv + 3x3 stride-2 max pool),
+which reduces them 4x at once: at 48-64 px a full-resolution stem would cost
+10-16x the compute (a DenseNet-40 step on a batch of 32 takes 2-4 s on one
+core instead of 0.2-0.3 s).
 The default, ``image_size=224``, selects the ImageNet stem, which runs on
 inputs down to 32 px (stage 1 then sees 8x8), so a model built without an
 image size still works at any size the pipeline produces.
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 ARCHS = ("resnet", "densenet")
-LARGE_IMAGE_PX = 64  # from this size on, the ImageNet stem
+SMALL_IMAGE_PX = 32  # up to this size (CIFAR's), the full-resolution stem
 
 # ResNet depth -> BasicBlocks per stage (He et al. 2016, table 1);
 # depth = 2 + 2 * sum(blocks): the stem conv, two convs per block, the classifier.
@@ -159,7 +159,7 @@ def _densenet_blocks(depth: int) -> tuple[int, ...]:
 
 
 def _stem(out_channels: int, image_size: int) -> nn.Sequential:
-    if image_size < LARGE_IMAGE_PX:
+    if image_size <= SMALL_IMAGE_PX:
         return nn.Sequential(_conv(3, out_channels, 3), nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True))
     return nn.Sequential(
         _conv(3, out_channels, 7, stride=2),

@@ -36,7 +36,8 @@ def epoch_checksums(client, graph, seed, in_flight):
 
 
 def leftovers():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-out-")}
+    """Hand-off files of this process's runs."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-out-{os.getpid()}-")}
 
 
 def test_same_seed_same_batches_whatever_the_worker_count(tiny_dataset):

@@ -24,14 +24,16 @@ def small(root, *extra):
             "pipeline.image_size=32", "pipeline.alt_image_size=24", "cluster.workers=2", *extra]
 
 
-def shm_segments():
-    return {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-")}
+def shm_segments(pid=None):
+    """Shared memory of the project's runs (of process `pid` only, if given)."""
+    prefixes = (f"ensemble-{pid}-", f"ensemble-out-{pid}-") if pid else ("ensemble-",)
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefixes)}
 
 
 @pytest.fixture(scope="module")
 def full_run(bad_dataset, tmp_path_factory):
     """Two epochs over a dataset with bad files; one model on 2 slots (DDP)."""
-    before = shm_segments()
+    before = shm_segments(os.getpid())
     out = tmp_path_factory.mktemp("run")
     cfg = compose_config(small(bad_dataset[0], "trainer.epochs=2", "trainer.record_checksums=true",
                                "ensemble.models.0.slots=2"))
@@ -73,7 +75,7 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
 
 def test_nothing_is_left_behind(full_run):
     *_, before = full_run
-    assert shm_segments() <= before
+    assert shm_segments(os.getpid()) <= before
     import multiprocessing
     assert multiprocessing.active_children() == []
 
