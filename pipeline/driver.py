@@ -210,6 +210,11 @@ class Driver:
             reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report["model"]))
             if reason:
                 converged.append((report["model"], reason))
+        epoch = max(report["epoch"] for report in reports)
+        ensemble = self.run_ctx.recorder.ensemble_accuracy.get(epoch)
+        self.console.print(f"flotilla {thread.flotilla_id}: val accuracy " + ", ".join(
+            f"{r['model']} {r['accuracy']:.1%} (epoch {r['epoch'] + 1})" for r in reports)
+            + (f"; [bold]ensemble {ensemble:.1%}[/] (epoch {epoch + 1})" if ensemble is not None else ""))
         for model, reason in converged:
             self.run_ctx.recorder.converged(model, reason)
             decisions += self.scheduler.handle(ModelConverged(self.now(), model))
