@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.progress import Progress
 
 from pipeline.executor import Executor
-from pipeline.flotilla import Flotilla, Member, TrainerFailed, TrainingSetup
+from pipeline.flotilla import Flotilla, Member, TrainingSetup
 from pipeline.graph import StageGraph
 from pipeline.results import RunRecorder
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
-                                SlotFreed, Start, Stop)
+                                SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.profile import Slot
 from pipeline.trainer import ModelSpec
 from stages.base import Split
@@ -102,6 +102,9 @@ class FlotillaThread(threading.Thread):
                             r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
                         r.progress.advance(task)
                         self._forward(flotilla.poll())
+                        self._drop_failed(flotilla)
+                        if not flotilla.members:
+                            break
                     flotilla.end(split, epoch)
                     r.progress.remove_task(task)
                 self.events.put(("epoch", self, self._validation_reports(flotilla)))
@@ -121,24 +124,31 @@ class FlotillaThread(threading.Thread):
                 self.run_ctx.recorder.add_report(report)
         return validation
 
+    def _drop_failed(self, flotilla: Flotilla) -> None:
+        """A member whose trainer failed leaves at once; the scheduler hears of it."""
+        for name, why in flotilla.failed_members().items():
+            flotilla.remove(name)
+            self.events.put(("failed", self, (name, why)))
+
     def _validation_reports(self, flotilla: Flotilla) -> list[dict]:
         """Waits for the validation result of every member of this epoch."""
         reports: dict[str, dict] = {}
         deadline = time.monotonic() + REPORT_TIMEOUT_S
-        while set(reports) != set(flotilla.members):
-            dead = flotilla.dead_trainers()
-            if dead or time.monotonic() > deadline:
-                raise TrainerFailed(f"trainers did not report validation: {', '.join(dead) or 'timed out'}")
+        while not set(flotilla.members) <= set(reports):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flotilla {self.flotilla_id}: no validation report from "
+                                   f"{sorted(set(flotilla.members) - set(reports))} in {REPORT_TIMEOUT_S} s")
             for report in self._forward(flotilla.poll(timeout=1.0)):
                 reports[report["model"]] = report
-        return list(reports.values())
+            self._drop_failed(flotilla)
+        return [reports[name] for name in flotilla.members]
 
     def _carry_out(self, flotilla: Flotilla) -> None:
         """Applies the main thread's decisions for this epoch: members to stop."""
         leaving = []
         for command, model in iter(self.commands.get, ("continue", None)):
             leaving.append(model)
-        if set(leaving) == set(flotilla.members):  # everyone leaves: end the streams cleanly
+        if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)
         for model in leaving:
@@ -146,13 +156,14 @@ class FlotillaThread(threading.Thread):
             self.events.put(("freed", self, model))
 
     def _await_done(self, flotilla: Flotilla) -> None:
-        expected = sum(len(m.devices) for m in flotilla.members.values())
-        done, deadline = 0, time.monotonic() + REPORT_TIMEOUT_S
-        while done < expected:
-            if flotilla.dead_trainers() or time.monotonic() > deadline:
-                raise TrainerFailed(f"trainers did not finish: {', '.join(flotilla.dead_trainers()) or 'timed out'}")
+        """After STOP: every trainer's last report (its checksums), then exit."""
+        waiting = {(name, rank) for name, m in flotilla.members.items() for rank in range(len(m.devices))}
+        deadline = time.monotonic() + REPORT_TIMEOUT_S
+        while waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} did not finish")
             reports = flotilla.poll(timeout=1.0)
-            done += sum(r["event"] == "done" for r in reports)
+            waiting -= {(r["model"], r["rank"]) for r in reports if r["event"] == "done"}
             self._forward(reports)
         flotilla.join(timeout=30)
 
@@ -181,6 +192,8 @@ class Driver:
                     raise payload
                 if kind == "epoch":
                     self._epoch_finished(thread, payload)
+                elif kind == "failed":
+                    self._trainer_failed(*payload)
                 elif kind == "freed":
                     for slot in self.assigned.pop(payload):
                         self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
@@ -199,7 +212,16 @@ class Driver:
         """flotilla/stream -> what its thread published (trainer.record_checksums)."""
         return {f"{t.flotilla_id}/{stream}": sent for t in self.all_threads for stream, sent in t.sent_checksums.items()}
 
+    def _trainer_failed(self, model: str, why: str) -> None:
+        self.console.print(f"[red]trainer of {model} failed[/] ({why.strip().splitlines()[-1]}); "
+                           "the scheduler resumes it from its last checkpoint")
+        self.run_ctx.recorder.failed(model, why)
+        self._carry_out(self.scheduler.handle(TrainerFailed(self.now(), model, self.assigned[model][0], why)))
+
     def _epoch_finished(self, thread: FlotillaThread, reports: list[dict]) -> None:
+        if not reports:  # its members all failed during the epoch
+            thread.commands.put(("continue", None))
+            return
         decisions = []
         converged = []
         for report in sorted(reports, key=lambda r: r["model"]):

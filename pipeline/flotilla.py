@@ -21,10 +21,6 @@ from pipeline.transport.shm import SharedMemoryTransport
 from stages.base import Batch, Spec, Split
 
 
-class TrainerFailed(RuntimeError):
-    pass
-
-
 @dataclass(frozen=True)
 class Member:
     model: ModelSpec
@@ -59,7 +55,8 @@ class Flotilla:
         self.reports = self.context.Queue()
         self.processes: dict[str, list[mp.Process]] = defaultdict(list)
         self.readers: dict[str, list[int]] = defaultdict(list)  # model -> its reader numbers on its stream
-        self.transport = SharedMemoryTransport(ring_slots, self.context, alive=self._all_alive)
+        self.errors: dict[str, str] = {}  # model -> traceback of a trainer that failed
+        self.transport = SharedMemoryTransport(ring_slots, self.context, alive=self._reader_alive)
         self.writers: dict[str, StreamWriter] = {}
         self.sent_checksums: dict[str, list] = defaultdict(list)
         readers_per_stream: dict[str, int] = defaultdict(int)
@@ -92,8 +89,20 @@ class Flotilla:
                 self.processes[model.name].append(process)
                 self.readers[model.name].append(reader)
 
-    def _all_alive(self) -> bool:
-        return all(p.exitcode is None for name in self.members for p in self.processes[name])
+    def _reader_alive(self, stream: str, reader: int) -> bool:
+        for name, member in self.members.items():
+            if member.model.input == stream and reader in self.readers[name]:
+                return name not in self.failed_members()
+        return False
+
+    def failed_members(self) -> dict[str, str]:
+        """Members with a trainer that reported an error or died: name -> why."""
+        failed = {name: self.errors[name] for name in self.members if name in self.errors}
+        for name in self.members:
+            dead = [p for p in self.processes[name] if p.exitcode is not None]
+            if dead and name not in failed:
+                failed[name] = f"{dead[0].name} exited with code {dead[0].exitcode}"
+        return failed
 
     def __enter__(self) -> Flotilla:
         return self
@@ -130,7 +139,9 @@ class Flotilla:
 
     def remove(self, name: str) -> None:
         """Stop a member's trainers now; its last checkpoint is its state."""
-        member = self.members.pop(name)
+        member = self.members.pop(name, None)
+        if member is None:  # already gone (it failed)
+            return
         for reader in self.readers[name]:
             self.writers[member.model.input].detach(reader)
         _stop_processes(self.processes[name])
@@ -145,14 +156,9 @@ class Flotilla:
         except queue.Empty:
             pass
         for event in events:
-            if event["event"] == "error" and event["model"] in self.members:
-                raise TrainerFailed(f"trainer of model {event['model']} (rank {event['rank']}) failed:\n"
-                                    f"{event['traceback']}")
-        return events
-
-    def dead_trainers(self) -> list[str]:
-        return [f"{p.name} (exit code {p.exitcode})" for name in self.members for p in self.processes[name]
-                if p.exitcode not in (None, 0)]
+            if event["event"] == "error":
+                self.errors[event["model"]] = f"rank {event['rank']} raised:\n{event['traceback']}"
+        return [event for event in events if event["event"] != "error"]
 
     def join(self, timeout: float) -> None:
         for processes in self.processes.values():

@@ -24,6 +24,7 @@ class ModelRecord:
     train_loss: dict[int, float] = field(default_factory=dict)
     stints: list[dict] = field(default_factory=list)  # one per flotilla it trained in
     converged: str | None = None  # why it stopped training
+    failures: list[str] = field(default_factory=list)  # what its failed trainers said
     last_probs: np.ndarray | None = None  # validation softmax of its latest epoch
     images: int = 0
     step_s: float = 0.0  # rank 0, summed over epochs
@@ -37,7 +38,7 @@ class ModelRecord:
             "name": m.name, "arch": m.arch, "depth": m.depth, "width": m.width, "growth_rate": m.growth_rate,
             "lr": m.lr, "input": m.input, "image_size": self.image_size, "params": self.params,
             "slots": len(last["devices"]), "devices": list(last["devices"]), "flotillas": self.stints,
-            "epochs": len(epochs), "converged": self.converged,
+            "epochs": len(epochs), "converged": self.converged, "failures": self.failures,
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
             "train_loss": [self.train_loss[e] for e in sorted(self.train_loss)],
@@ -84,6 +85,10 @@ class RunRecorder:
     def converged(self, model: str, reason: str) -> None:
         with self.lock:
             self.models[model].converged = reason
+
+    def failed(self, model: str, why: str) -> None:
+        with self.lock:
+            self.models[model].failures.append(why)
 
     def accuracies(self, model: str) -> list[float]:
         with self.lock:

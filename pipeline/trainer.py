@@ -99,15 +99,15 @@ class Trainer:
             self._resume()
         self._reset_epoch()
 
-    @property
-    def checkpoint_path(self) -> Path:
-        return Path(self.spec.checkpoint_dir) / f"{self.spec.model.name}.pt"
+    def checkpoint_path(self, epochs_done: int) -> Path:
+        return Path(self.spec.checkpoint_dir) / self.spec.model.name / f"epoch{epochs_done}.pt"
 
     def _resume(self) -> None:
-        state = self.torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
-        if state["epochs_done"] != self.spec.start_epoch:
-            raise RuntimeError(f"{self.checkpoint_path} holds {state['epochs_done']} epochs, the scheduler asked "
-                               f"to resume after {self.spec.start_epoch}")
+        path = self.checkpoint_path(self.spec.start_epoch)
+        if not path.is_file():
+            raise RuntimeError(f"cannot resume {self.spec.model.name} after {self.spec.start_epoch} epochs: "
+                               f"{path} is missing")
+        state = self.torch.load(path, map_location=self.device, weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
@@ -202,10 +202,15 @@ class Trainer:
         self.val_probs, self.val_labels = [], []
 
     def _checkpoint(self, accuracy: float) -> None:
-        path = self.checkpoint_path
+        """checkpoints/<model>/epoch<k>.pt after k epochs. The one before is
+        kept too: the scheduler may resume from it if this trainer dies before
+        its report of epoch k reaches the driver."""
+        epochs_done = self.epoch + 1
+        path = self.checkpoint_path(epochs_done)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         self.torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                         "schedule": self.schedule.state_dict(), "epochs_done": self.epoch + 1,
+                         "schedule": self.schedule.state_dict(), "epochs_done": epochs_done,
                          "val_accuracy": accuracy, "spec": self.spec.model.__dict__}, tmp)
         os.replace(tmp, path)  # never a half-written checkpoint
+        self.checkpoint_path(epochs_done - 2).unlink(missing_ok=True)

@@ -312,7 +312,7 @@ def streams_with_consumers(streams: int, readers_per_stream: int, layout: Stream
     context = mp.get_context("spawn")
     processes: list = []
     transport = SharedMemoryTransport(slots=4, context=context,
-                                      alive=lambda: all(p.exitcode is None for p in processes))
+                                      alive=lambda stream, reader: all(p.exitcode is None for p in processes))
     ready = context.Queue()
     try:
         writers = [transport.open_stream(f"bench{i}", layout, readers_per_stream) for i in range(streams)]

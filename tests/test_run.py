@@ -4,6 +4,7 @@ import json
 import math
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     for model in results["models"]:
         assert model["epochs"] == len(model["val_accuracy"]) == 2 and model["images_per_s"] > 0
         assert model["converged"] == "reached trainer.epochs=2"
-        assert (out / "checkpoints" / f"{model['name']}.pt").is_file()
+        assert (out / "checkpoints" / model["name"] / "epoch2.pt").is_file()
     assert [m["slots"] for m in results["models"]] == [2, 1, 1, 1]
     assert len(results["ensemble"]["val_accuracy"]) == 2
     assert results["ensemble"]["final_val_accuracy"] == results["ensemble"]["val_accuracy"][-1]
@@ -192,5 +193,35 @@ def test_trainer_resumes_from_its_checkpoint(tmp_path):
     assert resumed.epoch == 1
     for a, b in zip(first.model.state_dict().values(), resumed.model.state_dict().values()):
         assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="holds 1 epochs, the scheduler asked to resume after 2"):
+    with pytest.raises(RuntimeError, match="cannot resume m after 2 epochs"):
         Trainer(spec(2), queue.Queue())
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path):
+    """Kill one trainer after its first checkpoint: the model leaves its flotilla,
+    the scheduler starts it again from that checkpoint, and it finishes."""
+    import multiprocessing
+    import signal
+    import threading
+
+    victim = "densenet40_k8"
+    out = tmp_path / "out"
+
+    def kill_after_first_checkpoint():
+        while not (out / "checkpoints" / victim / "epoch1.pt").exists():
+            time.sleep(0.05)
+        time.sleep(0.2)  # its report of epoch 1, sent right after the checkpoint, reaches the driver
+        for process in multiprocessing.active_children():
+            if process.name == f"trainer-{victim}-0":
+                os.kill(process.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+    killer.start()
+    results = run(compose_config(small(tiny_dataset, "trainer.epochs=3")), out)
+    killer.join(timeout=5)
+    model = next(m for m in results["models"] if m["name"] == victim)
+    assert len(model["failures"]) == 1 and "exited with code -9" in model["failures"][0]
+    assert [stint["start_epoch"] for stint in model["flotillas"]] == [0, 1]
+    assert model["epochs"] == 3 and model["converged"] == "reached trainer.epochs=3"
+    others = [m for m in results["models"] if m["name"] != victim]
+    assert all(m["epochs"] == 3 and not m["failures"] for m in others)

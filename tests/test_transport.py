@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline.transport.base import MessageKind, StreamLayout
-from pipeline.transport.shm import ConsumerGone, SharedMemoryTransport
+from pipeline.transport.shm import SharedMemoryTransport
 
 LAYOUT = StreamLayout(batch_capacity=4, item_shape=(8, 8, 3))
 CTX = mp.get_context("spawn")
@@ -83,14 +83,20 @@ def test_slow_reader_holds_the_writer_to_the_ring_size():
     assert [s[1] for s in slow[:-1]] == list(range(20))
 
 
-def test_a_dead_reader_is_reported_not_waited_for():
-    transport = SharedMemoryTransport(slots=2, context=CTX, alive=lambda: False)
-    writer = transport.open_stream("s", LAYOUT, consumers=1)
-    writer.publish(MessageKind.END, 0, 0, 0)
-    writer.publish(MessageKind.END, 0, 0, 0)
-    with pytest.raises(ConsumerGone, match="reader 0"):
-        writer.publish(MessageKind.END, 0, 0, 0)  # ring full, reader gone
+def test_a_dead_reader_is_detached_not_waited_for():
+    transport = SharedMemoryTransport(slots=2, context=CTX, alive=lambda stream, reader: reader != 0)
+    writer = transport.open_stream("s", LAYOUT, consumers=2)
+    results = CTX.Queue()
+    live = CTX.Process(target=read_all, args=(writer.reader(1), results, 0.0))
+    live.start()
+    for index, images, labels in batches(5):  # reader 0 never reads: the ring fills, then it is dropped
+        writer.publish(MessageKind.BATCH, 0, 0, index, images, labels)
+    writer.publish(MessageKind.STOP, 0, 0, 0)
+    seen = results.get(timeout=30)[1]
+    live.join(10)
     transport.close()
+    assert writer.attached == {1}
+    assert [s[1] for s in seen[:-1]] == list(range(5))
     assert segments() == set()
 
 

@@ -23,10 +23,6 @@ HEADER_FIELDS = 5  # kind, split, epoch, index, count
 HEADER_BYTES = 64  # header padded to a cache line
 
 
-class ConsumerGone(RuntimeError):
-    """A reader stopped taking messages (its process died)."""
-
-
 def _slot_bytes(layout: StreamLayout) -> int:
     labels = 8 * layout.batch_capacity
     images = layout.item_bytes * layout.batch_capacity
@@ -67,7 +63,7 @@ class ShmReader(StreamReader):
 
 class ShmWriter(StreamWriter):
     def __init__(self, name: str, layout: StreamLayout, consumers: int, slots: int, context,
-                 alive: Callable[[], bool]):
+                 alive: Callable[[str, int], bool]):
         self.name, self.layout, self.slots = name, layout, slots
         self.segment = SharedMemory(name=f"ensemble-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}",
                                     create=True, size=slots * _slot_bytes(layout))
@@ -87,8 +83,9 @@ class ShmWriter(StreamWriter):
             raise ValueError(f"stream {self.name}: batch of {count} exceeds its capacity {self.layout.batch_capacity}")
         for consumer in sorted(self.attached):
             while not self.free[consumer].acquire(timeout=1.0):
-                if not self.alive():
-                    raise ConsumerGone(f"stream {self.name}: reader {consumer} stopped taking messages")
+                if not self.alive(self.name, consumer):  # its trainer died: the others go on
+                    self.detach(consumer)
+                    break
         header, slot_labels, slot_images = _slot_views(self.segment.buf, self.layout, self.seq % self.slots, True)
         if count:
             slot_images[:count] = images
@@ -108,10 +105,11 @@ class ShmWriter(StreamWriter):
 
 
 class SharedMemoryTransport(Transport):
-    """`slots` messages of buffer per stream; `alive` tells whether the readers
-    still run (checked while the writer waits on a full ring)."""
+    """`slots` messages of buffer per stream; `alive(stream, reader)` tells
+    whether a reader still runs (asked while the writer waits on it): a dead
+    reader is detached instead of holding the stream forever."""
 
-    def __init__(self, slots: int, context=None, alive: Callable[[], bool] = lambda: True):
+    def __init__(self, slots: int, context=None, alive: Callable[[str, int], bool] = lambda stream, reader: True):
         if slots < 2:
             raise ValueError(f"transport.slots must be >= 2 (one being read, one being written), got {slots}")
         self.slots, self.alive = slots, alive
