@@ -102,12 +102,17 @@ class FlotillaThread(threading.Thread):
                             r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
                         r.progress.advance(task)
                         self._forward(flotilla.poll())
-                        self._drop_failed(flotilla)
+                        for failure in self._drop_failed(flotilla):
+                            self.events.put(("failed", self, failure))
                         if not flotilla.members:
                             break
                     flotilla.end(split, epoch)
                     r.progress.remove_task(task)
-                self.events.put(("epoch", self, self._validation_reports(flotilla)))
+                reports, failed = self._validation_reports(flotilla)
+                # The epoch first: a trainer that reported and then died still finished it.
+                self.events.put(("epoch", self, reports))
+                for failure in failed:
+                    self.events.put(("failed", self, failure))
                 self._carry_out(flotilla)
                 local_epoch += 1
             self.sent_checksums = dict(flotilla.sent_checksums)
@@ -124,15 +129,17 @@ class FlotillaThread(threading.Thread):
                 self.run_ctx.recorder.add_report(report)
         return validation
 
-    def _drop_failed(self, flotilla: Flotilla) -> None:
-        """A member whose trainer failed leaves at once; the scheduler hears of it."""
-        for name, why in flotilla.failed_members().items():
+    def _drop_failed(self, flotilla: Flotilla) -> list[tuple[str, str]]:
+        """Members whose trainer failed leave at once: (name, why) of each."""
+        failed = list(flotilla.failed_members().items())
+        for name, _ in failed:
             flotilla.remove(name)
-            self.events.put(("failed", self, (name, why)))
+        return failed
 
-    def _validation_reports(self, flotilla: Flotilla) -> list[dict]:
-        """Waits for the validation result of every member of this epoch."""
+    def _validation_reports(self, flotilla: Flotilla) -> tuple[list[dict], list[tuple[str, str]]]:
+        """Every member's validation result of this epoch, and the members that failed meanwhile."""
         reports: dict[str, dict] = {}
+        failed: list[tuple[str, str]] = []
         deadline = time.monotonic() + REPORT_TIMEOUT_S
         while not set(flotilla.members) <= set(reports):
             if time.monotonic() > deadline:
@@ -140,8 +147,8 @@ class FlotillaThread(threading.Thread):
                                    f"{sorted(set(flotilla.members) - set(reports))} in {REPORT_TIMEOUT_S} s")
             for report in self._forward(flotilla.poll(timeout=1.0)):
                 reports[report["model"]] = report
-            self._drop_failed(flotilla)
-        return [reports[name] for name in flotilla.members]
+            failed += self._drop_failed(flotilla)
+        return list(reports.values()), failed
 
     def _carry_out(self, flotilla: Flotilla) -> None:
         """Applies the main thread's decisions for this epoch: members to stop."""
@@ -177,6 +184,7 @@ class Driver:
         self.threads: dict[int, FlotillaThread] = {}  # running
         self.all_threads: list[FlotillaThread] = []
         self.assigned: dict[str, tuple[Slot, ...]] = {}
+        self.gone: set[str] = set()  # models whose trainers failed: their flotilla already let them go
         self.started = time.monotonic()
         self.log: list[dict] = []  # every decision, for results.json
 
@@ -195,8 +203,7 @@ class Driver:
                 elif kind == "failed":
                     self._trainer_failed(*payload)
                 elif kind == "freed":
-                    for slot in self.assigned.pop(payload):
-                        self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
+                    self._free_slots(payload)
                 elif kind == "ended":
                     thread.join()
                     self.threads.pop(thread.flotilla_id, None)
@@ -212,10 +219,15 @@ class Driver:
         """flotilla/stream -> what its thread published (trainer.record_checksums)."""
         return {f"{t.flotilla_id}/{stream}": sent for t in self.all_threads for stream, sent in t.sent_checksums.items()}
 
+    def _free_slots(self, model: str) -> None:
+        for slot in self.assigned.pop(model, ()):
+            self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
+
     def _trainer_failed(self, model: str, why: str) -> None:
         self.console.print(f"[red]trainer of {model} failed[/] ({why.strip().splitlines()[-1]}); "
                            "the scheduler resumes it from its last checkpoint")
         self.run_ctx.recorder.failed(model, why)
+        self.gone.add(model)
         self._carry_out(self.scheduler.handle(TrainerFailed(self.now(), model, self.assigned[model][0], why)))
 
     def _epoch_finished(self, thread: FlotillaThread, reports: list[dict]) -> None:
@@ -255,12 +267,17 @@ class Driver:
             elif isinstance(decision, AssignSlots):
                 self.assigned[decision.model] = decision.slots
             elif isinstance(decision, Start):
+                self.gone.discard(decision.model)
                 devices = tuple(self.slot_devices[s] for s in self.assigned[decision.model])
                 forming[decision.flotilla].append(Member(self.models[decision.model], devices, decision.resume_epoch))
                 self.run_ctx.recorder.joined(decision.model, decision.flotilla, devices, decision.resume_epoch)
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
-                self.threads[decision.flotilla].commands.put(("stop", decision.model))
+                if decision.model in self.gone:  # its trainers are already stopped
+                    self.gone.discard(decision.model)
+                    self._free_slots(decision.model)
+                else:
+                    self.threads[decision.flotilla].commands.put(("stop", decision.model))
             elif not isinstance(decision, Checkpoint):  # trainers checkpoint every epoch themselves
                 raise TypeError(f"the driver cannot carry out {decision!r}")
         for flotilla_id, members in forming.items():

@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import dask
-from dask.distributed import Client, LocalCluster, wait
+from dask.distributed import Client, LocalCluster, get_worker, wait
 
 from pipeline.graph import BatchOutput, StageGraph
 from pipeline.transport.handoff import SharedArray, remove_all
@@ -26,7 +27,9 @@ def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int
               share_as: str | None) -> BatchOutput:
     """One batch through the graph; with `share_as`, the streams' arrays are
     left in this node's shared memory under that name prefix."""
+    started = time.time()
     output = graph.run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, on_error=on_error))
+    output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
         for stream, batch in output.streams.items():
             batch.data = SharedArray.write(f"{share_as}-{stream}", batch.data)

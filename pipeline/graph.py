@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from stages.base import Batch, BatchContext, Role, Spec, Stage, StageError
 from stages.read import ImageFolder
 
@@ -23,6 +25,16 @@ class StageTiming:
     wall_s: float = 0.0
     cpu_s: float = 0.0
     items: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+def _nbytes(batch: Batch | None) -> int:
+    if batch is None:
+        return 0
+    if isinstance(batch.data, np.ndarray):
+        return batch.data.nbytes
+    return sum(len(item) if isinstance(item, bytes) else item.nbytes for item in batch.data)
 
 
 @dataclass
@@ -33,6 +45,9 @@ class BatchOutput:
     timings: dict[str, StageTiming]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     converted: list[tuple[str, str]] = field(default_factory=list)
+    worker: str = ""  # where the batch task ran, and when (time.time()): the run's timeline
+    started: float = 0.0
+    ended: float = 0.0
 
 
 @dataclass
@@ -67,10 +82,11 @@ class StageGraph:
         timings: dict[str, StageTiming] = {}
         for name, stage in self.stages.items():
             ctx.stage = name
-            upstream = self.inputs[name]
+            given = outputs[self.inputs[name]] if self.inputs[name] else None
             wall, cpu = time.perf_counter(), time.thread_time()
-            outputs[name] = stage(outputs[upstream] if upstream else None, ctx)
-            timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu, len(outputs[name].labels))
+            outputs[name] = stage(given, ctx)
+            timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
+                                        len(outputs[name].labels), _nbytes(given), _nbytes(outputs[name]))
         streams = {name: outputs[name] for name in self.sinks}
         return BatchOutput(streams, timings, ctx.skipped, ctx.converted)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,9 @@ from rich.table import Table
 
 from pipeline.graph import BatchOutput, StageTiming
 from pipeline.trainer import ModelSpec
+
+
+MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline
 
 
 @dataclass
@@ -53,7 +57,10 @@ class RunRecorder:
     def __init__(self, models: list[ModelSpec], params: dict[str, int], image_sizes: dict[str, int]):
         self.models = {m.name: ModelRecord(m, params[m.name], image_sizes[m.name]) for m in models}
         self.lock = threading.Lock()
+        self.origin = time.time()  # timeline spans are seconds since this
+        self.timeline: list[dict] = []
         self.stages: dict[str, StageTiming] = defaultdict(StageTiming)
+        self.stage_walls: dict[str, list[float]] = defaultdict(list)  # per batch, for latency percentiles
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
         self.val_probs: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
@@ -70,6 +77,10 @@ class RunRecorder:
                 total.wall_s += timing.wall_s
                 total.cpu_s += timing.cpu_s
                 total.items += timing.items
+                total.bytes_in += timing.bytes_in
+                total.bytes_out += timing.bytes_out
+                self.stage_walls[name].append(timing.wall_s)
+            self._span(output.worker, "task", output.started, output.ended)
             if train:
                 self.train_images += len(next(iter(output.streams.values())).labels)
             new = [(p, r) for p, r in output.skipped if p not in self.skipped]
@@ -102,6 +113,8 @@ class RunRecorder:
     def add_report(self, event: dict) -> None:
         with self.lock:
             record = self.models[event["model"]]
+            for start, end in event.get("spans", []):
+                self._span(f"trainer {event['model']}/{event['rank']}", "step", start, end)
             if event["event"] == "train" and event["rank"] == 0:  # rank 0 speaks for its model's ranks
                 record.train_loss[event["epoch"]] = event["loss"]
                 record.images += event["images"] * len(record.stints[-1]["devices"])
@@ -109,6 +122,11 @@ class RunRecorder:
                 record.wait_s += event["wait_s"]
             elif event["event"] == "val":
                 self._add_validation(record, event)
+
+    def _span(self, lane: str, what: str, start: float, end: float) -> None:
+        if len(self.timeline) < MAX_TIMELINE_SPANS:
+            self.timeline.append({"lane": lane, "what": what, "start_s": round(start - self.origin, 4),
+                                  "end_s": round(end - self.origin, 4)})
 
     def _add_validation(self, record: ModelRecord, event: dict) -> None:
         epoch = event["epoch"]
@@ -147,9 +165,13 @@ class RunRecorder:
                 "images_per_s": self.train_images / wall_s if wall_s else None,
                 "cpu_s_per_epoch": busy / epochs if epochs else None,
                 "stages": {name: {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "items": t.items,
-                                  "cpu_share_pct": 100 * t.cpu_s / busy if busy else None}
+                                  "cpu_share_pct": 100 * t.cpu_s / busy if busy else None,
+                                  "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
+                                  "latency_ms": {f"p{q}": 1000 * float(np.percentile(self.stage_walls[name], q))
+                                                 for q in (50, 95)}}
                            for name, t in self.stages.items()},
             },
+            "timeline": self.timeline,
             "skipped": [{"path": p, "reason": r} for p, r in sorted(self.skipped.items())],
             "converted": [{"path": p, "what": w} for p, w in sorted(self.converted.items())],
         }

@@ -103,7 +103,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
                     "classes": len(graph.source.class_names), "train_images": graph.source.num_items(Split.TRAIN),
                     "val_images": graph.source.num_items(Split.VAL)},
         "devices": {"kind": device_kind, "slots": len(slots)},
-        "cluster": {"address": cfg.cluster.address or "local", "workers": workers},
+        "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
                       "flotillas": sorted({stint["flotilla"] for r in recorder.models.values() for stint in r.stints})},
         **recorder.as_dict(time.perf_counter() - training_started),

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
+
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -114,6 +116,7 @@ class Trainer:
 
     def _reset_epoch(self) -> None:
         self.loss_sum, self.seen, self.step_time, self.wait_time = 0.0, 0, 0.0, 0.0
+        self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
         self.val_probs: list[np.ndarray] = []
         self.val_labels: list[np.ndarray] = []
 
@@ -132,12 +135,14 @@ class Trainer:
                 self.checksums.append((int(message.kind), message.split, message.epoch, message.index,
                                        zlib.crc32(message.labels.tobytes(), zlib.crc32(message.images.tobytes()))))
             if message.kind == MessageKind.BATCH:
-                started = time.perf_counter()
+                started, wall_started = time.perf_counter(), time.time()
                 if message.split == 0:
                     self._train_step(message)
                 else:
                     self._validate(message)
                 self.step_time += time.perf_counter() - started
+                if len(self.spans) < MAX_SPANS_PER_EPOCH:
+                    self.spans.append((wall_started, time.time()))
             else:
                 message.release()
                 if message.kind == MessageKind.END and message.split == 0:
@@ -187,7 +192,7 @@ class Trainer:
     def _report_train(self) -> None:
         self.reports.put({"event": "train", "model": self.spec.model.name, "rank": self.spec.rank, "epoch": self.epoch,
                           "loss": self.loss_sum / max(self.seen, 1), "images": self.seen,
-                          "step_s": self.step_time, "wait_s": self.wait_time})
+                          "step_s": self.step_time, "wait_s": self.wait_time, "spans": self.spans})
         self._reset_epoch()
 
     def _finish_validation(self) -> None:
