@@ -61,6 +61,7 @@ class RunRecorder:
         self.timeline: list[dict] = []
         self.stages: dict[str, StageTiming] = defaultdict(StageTiming)
         self.stage_walls: dict[str, list[float]] = defaultdict(list)  # per batch, for latency percentiles
+        self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
         self.val_probs: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
@@ -81,6 +82,7 @@ class RunRecorder:
                 total.bytes_out += timing.bytes_out
                 self.stage_walls[name].append(timing.wall_s)
             self._span(output.worker, "task", output.started, output.ended)
+            self.worker_task_s[output.worker] += output.ended - output.started
             if train:
                 self.train_images += len(next(iter(output.streams.values())).labels)
             new = [(p, r) for p, r in output.skipped if p not in self.skipped]
@@ -122,6 +124,10 @@ class RunRecorder:
                 record.wait_s += event["wait_s"]
             elif event["event"] == "val":
                 self._add_validation(record, event)
+
+    def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
+        """Share of the training time each worker's threads spent in batch tasks."""
+        return {worker: 100 * busy / (wall_s * threads_per_worker) for worker, busy in self.worker_task_s.items()}
 
     def _span(self, lane: str, what: str, start: float, end: float) -> None:
         if len(self.timeline) < MAX_TIMELINE_SPANS:

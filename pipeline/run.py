@@ -98,15 +98,17 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
                              recorder, progress)
         driver = Driver(scheduler, {m.name: m for m in models}, slots, convergence, context, console)
         driver.run(first)
+    training_s = time.perf_counter() - training_started
     results.update({
         "dataset": {"name": d.name, "root": str(dataset.root), "synthetic": dataset.synthetic,
                     "classes": len(graph.source.class_names), "train_images": graph.source.num_items(Split.TRAIN),
                     "val_images": graph.source.num_items(Split.VAL)},
         "devices": {"kind": device_kind, "slots": len(slots)},
-        "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads},
+        "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
+                    "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
                       "flotillas": sorted({stint["flotilla"] for r in recorder.models.values() for stint in r.stints})},
-        **recorder.as_dict(time.perf_counter() - training_started),
+        **recorder.as_dict(training_s),
         "wall_s": time.perf_counter() - started,
         "config": OmegaConf.to_container(cfg, resolve=True),
     })
