@@ -33,6 +33,9 @@ from pipeline.scheduler.profile import Profile
 from pipeline.trainer import MEAN, STD, ModelSpec
 
 
+REPORT_TIMEOUT_S = 600  # a profile run silent this long is taken as hung
+
+
 class ProfilingError(RuntimeError):
     pass
 
@@ -187,6 +190,7 @@ def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, ba
 
 
 def _next_report(reports, processes, model: ModelSpec, slots: int) -> list[float]:
+    deadline = time.monotonic() + REPORT_TIMEOUT_S
     while True:
         try:
             report = reports.get(timeout=1)
@@ -195,6 +199,10 @@ def _next_report(reports, processes, model: ModelSpec, slots: int) -> list[float
             if dead:
                 raise ProfilingError(f"profiling {model.name} on {slots} slot(s): {', '.join(dead)} died "
                                      "without a report (out of memory?)") from None
+            if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
+                raise ProfilingError(f"profiling {model.name} on {slots} slot(s): a rank sent no report in "
+                                     f"{REPORT_TIMEOUT_S} s; lower scheduler.profile_steps or check the "
+                                     "devices") from None
             continue
         if "error" in report:
             raise ProfilingError(f"profiling {model.name} on {slots} slot(s) failed in rank {report['rank']}:\n"
@@ -245,9 +253,11 @@ def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size
             _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
             if step >= warmup:
                 step_seconds.append(time.perf_counter() - started)
+        # Report first: tearing down a gloo group can hang once the peer has
+        # exited, and the parent kills what has not ended soon after the reports.
+        reports.put({"rank": rank, "step_seconds": step_seconds})
         if world > 1:
             dist.destroy_process_group()
-        reports.put({"rank": rank, "step_seconds": step_seconds})
     except BaseException:
         reports.put({"rank": rank, "error": traceback.format_exc()})
         raise
