@@ -53,12 +53,6 @@ class Batch:
     labels: np.ndarray  # int64 class indices, one per item of `data`
     paths: list[str]  # source file of every item, for error reports
 
-    def keep(self, mask: list[bool]) -> Batch:
-        """The batch without the items whose mask is False (skipped files)."""
-        kept = [i for i, ok in enumerate(mask) if ok]
-        data = self.data[kept] if isinstance(self.data, np.ndarray) else [self.data[i] for i in kept]
-        return Batch(data, self.labels[kept], [self.paths[i] for i in kept])
-
 
 @dataclass
 class BatchContext:

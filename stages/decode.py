@@ -55,11 +55,9 @@ class Decode(Stage):
             if images is not None:
                 return Batch(images, batch.labels, batch.paths)
             # DALI rejects whole batches; the per-file path below names the bad file.
-        images: list[np.ndarray | None] = [self._decode_one(data, path, ctx) for data, path in zip(batch.data, batch.paths)]
-        good = [img is not None for img in images]
-        kept = batch.keep(good)
-        kept.data = [img for img in images if img is not None]
-        return kept
+        decoded = [self._decode_one(data, path, ctx) for data, path in zip(batch.data, batch.paths)]
+        kept = [i for i, image in enumerate(decoded) if image is not None]  # skipped files leave the batch
+        return Batch([decoded[i] for i in kept], batch.labels[kept], [batch.paths[i] for i in kept])
 
     def _decode_one(self, data: bytes, path: str, ctx: BatchContext) -> np.ndarray | None:
         if not data:
@@ -67,20 +65,19 @@ class Decode(Stage):
             return None
         if data.startswith(JPEG_MAGIC) and self.backend != "pillow":
             try:
-                colorspace = simplejpeg.decode_jpeg_header(data)[2]
+                height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
                 if colorspace in ("YCbCr", "Gray"):
                     if colorspace == "Gray":
                         ctx.converted.append((path, "grayscale JPEG expanded to RGB"))
-                    return self._decode_jpeg(data)
+                    return self._decode_jpeg(data, height, width)
             except ValueError as err:
                 ctx.reject(path, f"corrupt or truncated JPEG: {err}")
                 return None
         return _decode_with_pillow(data, path, ctx)
 
-    def _decode_jpeg(self, data: bytes) -> np.ndarray:
+    def _decode_jpeg(self, data: bytes, height: int, width: int) -> np.ndarray:
         side = self.keep_side
         if side:
-            height, width = simplejpeg.decode_jpeg_header(data)[:2]
             # min_height/min_width let libjpeg-turbo scale in the DCT (1/8 steps):
             # the shorter side stays >= side, the longer keeps the aspect ratio.
             scale = side / min(height, width)
