@@ -64,7 +64,9 @@ class RunRecorder:
         self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
-        self.val_probs: dict[int, dict[str, np.ndarray]] = defaultdict(dict)
+        # Per epoch, the sum of the models' validation softmax and how many models it holds:
+        # one array per epoch however many models (models may never all reach an epoch).
+        self.epoch_probs: dict[int, tuple[np.ndarray, int]] = {}
         self.val_labels: np.ndarray | None = None
         self.ensemble_accuracy: dict[int, float] = {}
         self.checksums: dict[str, list] = {}
@@ -144,13 +146,18 @@ class RunRecorder:
             raise RuntimeError(f"model {event['model']} saw validation labels in another order: "
                                "streams are out of step")
         # The ensemble's accuracy at an epoch, once every model has reached it.
-        self.val_probs[epoch][event["model"]] = event["probs"]
-        if len(self.val_probs[epoch]) == len(self.models):
-            self.ensemble_accuracy[epoch] = self._accuracy(list(self.val_probs.pop(epoch).values()))
+        total, count = self.epoch_probs.get(epoch, (0.0, 0))
+        total, count = total + event["probs"], count + 1
+        if count == len(self.models):
+            del self.epoch_probs[epoch]
+            self.ensemble_accuracy[epoch] = self._accuracy(total)
+        else:
+            self.epoch_probs[epoch] = (total, count)
 
-    def _accuracy(self, probs: list[np.ndarray]) -> float:
+    def _accuracy(self, summed_probs: np.ndarray) -> float:
+        """Accuracy of the averaged softmax (the sum has the same argmax)."""
         labels = self.val_labels
-        return float((np.mean(probs, axis=0).argmax(1) == labels).mean()) if labels is not None and len(labels) \
+        return float((summed_probs.argmax(1) == labels).mean()) if labels is not None and len(labels) \
             else float("nan")
 
     def as_dict(self, wall_s: float) -> dict:
@@ -163,7 +170,8 @@ class RunRecorder:
             "models": models,
             "ensemble": {
                 "val_accuracy": [self.ensemble_accuracy[e] for e in sorted(self.ensemble_accuracy)],
-                "final_val_accuracy": self._accuracy(last) if len(last) == len(self.models) else None,
+                "final_val_accuracy": self._accuracy(np.sum(last, axis=0)) if len(last) == len(self.models)
+                else None,
                 "best_model_val_accuracy": max(finals) if finals else None,
             },
             "pipeline": {
