@@ -172,7 +172,8 @@ def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_pat
         assert stops and max(stops) <= later["t"]
     for model in results["models"]:
         assert model["epochs"] == 2 and model["converged"]
-        assert sum(len(stint["devices"]) for stint in model["flotillas"]) >= 1
+        assert model["flotillas"][0]["start_epoch"] == 0
+        assert all(1 <= len(stint["devices"]) <= 2 for stint in model["flotillas"])  # the profile's 1..2 slots
 
 
 def test_trainer_resumes_from_its_checkpoint(tmp_path):
