@@ -99,6 +99,8 @@ class Trainer:
         self.epoch = spec.start_epoch  # the model's own epoch count, whichever flotilla it is in
         if spec.start_epoch:
             self._resume()
+        self.val_probs: list[np.ndarray] = []  # rank 0's validation softmax and labels, batch by batch
+        self.val_labels: list[np.ndarray] = []
         self._reset_epoch()
 
     def checkpoint_path(self, epochs_done: int) -> Path:
@@ -115,10 +117,9 @@ class Trainer:
         self.schedule.load_state_dict(state["schedule"])
 
     def _reset_epoch(self) -> None:
+        """Training counters, reported and cleared at the end of each epoch's training split."""
         self.loss_sum, self.seen, self.step_time, self.wait_time = 0.0, 0, 0.0, 0.0
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
-        self.val_probs: list[np.ndarray] = []
-        self.val_labels: list[np.ndarray] = []
 
     def _to_device(self, images: np.ndarray):
         """uint8 NHWC view -> normalised float NCHW (channels-last) on the device."""
