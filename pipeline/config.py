@@ -38,12 +38,16 @@ class ClusterConf:
     address: Optional[str] = None  # tcp://host:8786 uses that Dask scheduler; null starts a LocalCluster here
     workers: Any = "auto"  # LocalCluster worker processes; auto = CPU cores of this machine
     threads_per_worker: int = 1  # batch tasks one worker runs at once (stages are single-threaded)
-    in_flight: Any = "auto"  # batch tasks submitted ahead of the trainers; auto = 2 x worker threads
+    in_flight: Any = "auto"  # batch tasks submitted ahead of each producer; auto = 2 x its node's worker threads
+    nodes: int = 1  # nodes: LocalCluster workers and trainer slots split into this many simulated nodes
+    # (loopback); with address: workers must carry the resource node-<i> (dask worker --resources node-0=1)
 
 
 @dataclass
 class TransportConf:
     slots: int = 4  # batches buffered per stream in shared memory; a slower trainer holds the producer beyond this
+    broadcast_groups: int = 2  # multi_broadcast: groups of models, each fed by its own producer at its own pace
+    rendezvous_host: str = "127.0.0.1"  # address the producers of a flotilla meet at (torch.distributed TCP store)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class TrainerConf:
     threads: int = 1  # torch threads per CPU trainer process
     slot_memory_gb: Optional[float] = None  # memory one slot may use; null: the GPU's, or RAM / slots on CPU
     record_checksums: bool = False  # trainers report a CRC of every message received (delivery tests)
+    consume_only: bool = False  # trainers take each batch and train nothing: measures delivery alone
 
 
 @dataclass
@@ -91,6 +96,9 @@ class EnsembleConf:
 
 @dataclass
 class Config:
+    mode: str = "train"  # train | profile (a short profiling pass that writes the report, no training)
+    topology: str = "auto"  # how batches reach a flotilla's trainers: auto | single_broadcast | all_shared |
+    # multi_broadcast | duplicated (docs/topologies.md)
     seed: int = 0  # fixes shuffling and augmentation, whatever the number of workers
     on_error: str = "skip"  # a bad data file: skip (counted and listed) | fail (stop naming it)
     dataset: DatasetConf = field(default_factory=DatasetConf)

@@ -56,10 +56,10 @@ class RandomResizedCropFlip(Stage):
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
         assert batch is not None
         out = np.empty((len(batch.data), self.size, self.size, 3), dtype=np.uint8)
-        rng = ctx.rng()
-        for i, image in enumerate(batch.data):
+        for i, (image, path) in enumerate(zip(batch.data, batch.paths)):
             height, width = image.shape[:2]
             if ctx.split is Split.TRAIN:
+                rng = ctx.item_rng(path)
                 box = self._random_box(rng, height, width)
                 flip = rng.random() < self.flip
             else:

@@ -62,6 +62,8 @@ class BatchContext:
     split: Split
     epoch: int
     index: int
+    part: int = 0  # this task makes share `part` of `parts` (contiguous chunks of the batch's items)
+    parts: int = 1
     stage: str = ""  # name of the stage now running, set by the executor
     on_error: str = "skip"  # what a bad data file does: "skip" (recorded) or "fail"
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
@@ -74,11 +76,18 @@ class BatchContext:
                                "and list them in results.json)")
         self.skipped.append((path, reason))
 
-    def rng(self) -> np.random.Generator:
-        """A generator fixed by (seed, split, epoch, batch index, stage): the same
-        augmentations whichever worker runs the batch, and however often."""
+    def share(self, items: list) -> list:
+        """This task's chunk of the batch's items: chunks in part order make the batch."""
+        size = -(-len(items) // self.parts)
+        return items[self.part * size:(self.part + 1) * size]
+
+    def item_rng(self, path: str) -> np.random.Generator:
+        """A generator fixed by (seed, split, epoch, stage, file): an item gets the
+        same augmentation whichever worker makes it, in whichever share of
+        whichever batch, however often."""
         split = list(Split).index(self.split)
-        return np.random.default_rng([self.seed, split, self.epoch, self.index, zlib.crc32(self.stage.encode())])
+        return np.random.default_rng([self.seed, split, self.epoch, zlib.crc32(self.stage.encode()),
+                                      zlib.crc32(path.encode())])
 
 
 class StageError(ValueError):

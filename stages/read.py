@@ -77,7 +77,7 @@ class ImageFolder(Stage):
         # The permutation is recomputed per task (about 1 ms for 30K items):
         # cheaper than shipping it, and it keeps tasks independent of each other.
         picks = self.order(ctx.split, ctx.epoch, ctx.seed)[ctx.index * self.batch_size:(ctx.index + 1) * self.batch_size]
-        items = [self.files[ctx.split][i] for i in picks]
+        items = [self.files[ctx.split][i] for i in ctx.share(list(picks))]
         data, labels, paths = [], [], []
         for path, label in items:
             try:
