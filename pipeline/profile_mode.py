@@ -1,0 +1,339 @@
+"""`mode=profile`: a short profiling pass that writes the run's report
+without training.
+
+1. Pipeline pass: `batches` training batches (epoch after epoch if the data
+   set has fewer) through the stage graph on Dask, consumed by the driver as
+   fast as it can: the input rate, stage timings and worker utilisation of
+   the report.
+2. Differential passes (DS-Analyzer's method), per model shape: a few timed
+   training steps in this process, fed through the same Dask hand-off by
+   (a) in-memory synthetic batches, (b) decoded images held in memory (only
+   the stages after decoding run), (c) the full graph from files. Time per
+   image in each pass splits the trainer's stall into fetch (read + decode),
+   preprocessing (the later stages) and transport (the hand-off of finished
+   batches to the driver); docs/report.md has the formulas.
+
+A Dask performance report of both (dask-report.html, inline: opens offline)
+lies next to the report when bokeh is installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+from dask.distributed import performance_report
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from pipeline.dataset import prepare_dataset
+from pipeline.devices import resolve_device
+from pipeline.executor import Executor, dask_client, worker_count
+from pipeline.graph import BatchOutput, StageGraph, build_graph
+from pipeline.report import write_report
+from pipeline.results import RunRecorder, print_summary, write_json
+from pipeline.run import ConfigError, check_output_dir, expand_ensemble
+from pipeline.trainer import MEAN, STD, ModelSpec
+from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
+from stages.read import ImageFolder
+
+CACHED_BATCHES = 4  # distinct decoded batches held in memory for the cached pass, cycled: augmenting costs the same
+DASK_REPORT = "dask-report.html"
+
+
+def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: int = 10, warmup: int = 2) -> dict:
+    """Profile the configured pipeline and ensemble; write results.json and the report.
+
+    batches: training batches of the pipeline pass (the data set's epochs are
+        repeated when it has fewer).
+    steps: timed training steps per model shape in each differential pass,
+        after `warmup` untimed ones (worker and allocator start-up).
+    """
+    for name, value, least in (("batches", batches, 1), ("steps", steps, 1), ("warmup", warmup, 0)):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"profile_run: {name} must be an integer >= {least}, got {value!r}")
+    started = time.perf_counter()
+    console = Console()
+    check_output_dir(output_dir)
+    if cfg.on_error not in ("skip", "fail"):
+        raise ConfigError(f"on_error must be 'skip' or 'fail', got {cfg.on_error!r}")
+    models = expand_ensemble(cfg.ensemble)
+    d = cfg.dataset
+    dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
+    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
+    image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
+    device = _device(cfg.trainer.device)
+    workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
+    shapes = _by_shape(models)
+    console.print(f"[bold]profile mode[/]  {batches} batches through the pipeline on "
+                  f"{cfg.cluster.address or f'{workers} Dask workers'}, then {len(shapes)} model shape(s) x 3 "
+                  f"differential passes of {steps} steps on {device}; no training (mode=train trains)")
+
+    trainees = {shape: _Trainee(members[0], len(graph.source.class_names), image_sizes[members[0].name], device,
+                                cfg.trainer.threads) for shape, members in shapes.items()}
+    params = {m.name: trainees[_shape(m)].params for m in models}
+    recorder = RunRecorder(models, params, image_sizes)
+    differential: dict[str, dict] = {}
+    dask_report = output_dir / DASK_REPORT
+    with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
+            _dask_report(dask_report, console):
+        threads = sum(client.nthreads().values())
+        in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
+        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight) as executor:
+            pass_started = time.perf_counter()
+            for output in _batches(executor, batches):
+                for path, reason in recorder.add_batch(output, train=True):
+                    console.print(f"[yellow]warning[/] skipped {path}: {reason}")
+            pass_s = time.perf_counter() - pass_started
+        console.print(f"pipeline pass: {recorder.train_images} images in {pass_s:.1f} s "
+                      f"({recorder.train_images / pass_s:,.0f} img/s)")
+        decoded = _fetch_outputs(graph, cfg.seed, cfg.on_error,
+                                 min(CACHED_BATCHES, graph.source.num_batches(Split.TRAIN)))
+        for shape, members in shapes.items():
+            trainee = trainees[shape]
+            stream = members[0].input
+            measured = {}
+            for kind, pass_graph in (("synthetic", _synthetic_graph(graph, stream, len(graph.source.class_names))),
+                                     ("cached", _cached_graph(graph, stream, decoded)),
+                                     ("files", graph.feeding({stream}))):
+                with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight) as executor:
+                    measured[kind] = trainee.train(_batches(executor, warmup + steps), stream, warmup)
+            rates = {f"{kind}_images_per_s": m.images / (m.wait_s + m.step_s) for kind, m in measured.items()}
+            rates["compute_images_per_s"] = measured["synthetic"].images / measured["synthetic"].step_s
+            console.print(f"{members[0].name}: " + ", ".join(f"{kind} {rate:,.0f}" for kind, rate in rates.items())
+                          + " img/s")
+            files = measured["files"]
+            for index, model in enumerate(members):  # an lr_sweep's copies share their shape's measurements
+                differential[model.name] = rates
+                recorder.joined(model.name, 0, (device,), 0)
+                recorder.add_report({"event": "train", "model": model.name, "rank": 0, "epoch": 0,
+                                     "loss": files.loss, "images": files.images, "step_s": files.step_s,
+                                     "wait_s": files.wait_s, "spans": files.spans if index == 0 else []})
+
+    source = graph.source
+    results = {
+        "mode": "profile",
+        "profile_pass": {"batches": batches, "pass_s": pass_s, "steps": steps, "warmup": warmup,
+                         "cached_batches": len(decoded)},
+        "dataset": {"name": d.name, "root": str(dataset.root), "synthetic": dataset.synthetic,
+                    "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
+                    "val_images": source.num_items(Split.VAL)},
+        "devices": {"kind": device, "slots": 1},
+        "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
+                    "worker_busy_pct": recorder.worker_busy_pct(pass_s, cfg.cluster.threads_per_worker)},
+        **recorder.as_dict(pass_s),
+        "differential": differential,
+        "wall_s": time.perf_counter() - started,
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    results["pipeline"]["cpu_s_per_epoch"] = _cpu_s_per_epoch(results["pipeline"]["stages"], source)
+    write_json(output_dir / "results.json", results)
+    print_summary(console, results)
+    report = write_report(results, output_dir)
+    console.print(report.summary)
+    console.print(f"results: {output_dir / 'results.json'}   report: {report.html}")
+    return results
+
+
+def _device(requested: str) -> str:
+    import torch
+
+    return "cuda:0" if resolve_device(requested, torch.cuda.is_available()) == "cuda" else "cpu"
+
+
+def _shape(model: ModelSpec) -> tuple:
+    """What decides a model's speed: models differing in learning rate only are measured once."""
+    return model.arch, model.depth, model.width, model.growth_rate, model.input
+
+
+def _by_shape(models: list[ModelSpec]) -> dict[tuple, list[ModelSpec]]:
+    shapes: dict[tuple, list[ModelSpec]] = {}
+    for model in models:
+        shapes.setdefault(_shape(model), []).append(model)
+    return shapes
+
+
+def _dask_report(path: Path, console: Console):
+    if importlib.util.find_spec("bokeh") is None:  # distributed draws the report with bokeh
+        console.print(f"[yellow]note[/] no {DASK_REPORT}: install bokeh (pip install 'bokeh>=3.1') for Dask's "
+                      "performance report")
+        return nullcontext()
+    return performance_report(filename=str(path), mode="inline")
+
+
+def _batches(executor: Executor, count: int) -> Iterator[BatchOutput]:
+    """`count` training batches in order, epoch after epoch: a pass may be longer than an epoch."""
+    epoch = 0
+    while True:
+        for _, output in executor.batches(Split.TRAIN, epoch):
+            yield output
+            count -= 1
+            if count == 0:
+                return
+        epoch += 1
+
+
+def _cpu_s_per_epoch(stages: dict, source: ImageFolder) -> float | None:
+    """The pass's CPU per source image times an epoch's images (training and validation)."""
+    images = max((s["items"] for s in stages.values()), default=0)
+    cpu_s = sum(s["cpu_s"] for s in stages.values())
+    return cpu_s / images * (source.num_items(Split.TRAIN) + source.num_items(Split.VAL)) if images else None
+
+
+# --- Stand-in graphs for the differential passes -------------------------------------------------------------------
+
+@dataclass
+class _PassGraph(StageGraph):
+    """Stages standing in for part of the real graph; batches per epoch are the real source's."""
+
+    folder: ImageFolder | None = None
+
+    @property
+    def source(self) -> ImageFolder:
+        return self.folder
+
+
+@dataclass
+class _Synthetic(Stage):
+    """A sink that hands out one batch made in memory: no preprocessing at all."""
+
+    images: np.ndarray
+    labels: np.ndarray
+
+    role: ClassVar[Role] = Role.SINK
+    accepts: ClassVar[DataKind | None] = None
+
+    def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
+        return Batch(self.images, self.labels, [])
+
+
+@dataclass
+class _Replay(Stage):
+    """A source that hands out a stage's outputs held in memory, cycling through them."""
+
+    batches: list[Batch]
+
+    role: ClassVar[Role] = Role.SOURCE
+    accepts: ClassVar[DataKind | None] = None
+
+    def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
+        held = self.batches[ctx.index % len(self.batches)]
+        return Batch(list(held.data), held.labels, list(held.paths))  # later stages may drop items in place
+
+
+def _is_fetch(stage: Stage) -> bool:
+    """Reads or decodes files: what the cached pass replaces by decoded images in memory."""
+    return stage.role is Role.SOURCE or stage.accepts is DataKind.ENCODED
+
+
+def _fetch_outputs(graph: StageGraph, seed: int, on_error: str, count: int) -> list[dict[str, Batch]]:
+    """The first `count` training batches' outputs of the fetch stages that feed the others, made here."""
+    fetch = [name for name, stage in graph.stages.items() if _is_fetch(stage)]
+    feeding = {graph.inputs[name] for name, stage in graph.stages.items() if not _is_fetch(stage)} & set(fetch)
+    held = []
+    for index in range(count):
+        ctx = BatchContext(seed=seed, split=Split.TRAIN, epoch=0, index=index, on_error=on_error)
+        outputs: dict[str, Batch] = {}
+        for name in fetch:  # topological order
+            ctx.stage = name
+            outputs[name] = graph.stages[name](outputs[graph.inputs[name]] if graph.inputs[name] else None, ctx)
+        held.append({name: outputs[name] for name in feeding})
+    return held
+
+
+def _cached_graph(graph: StageGraph, stream: str, decoded: list[dict[str, Batch]]) -> _PassGraph:
+    """The stages feeding `stream`, with the fetch stages replaced by their outputs held in memory."""
+    sub = graph.feeding({stream})
+    stages: dict[str, Stage] = {}
+    inputs: dict[str, str | None] = {}
+    for name, stage in sub.stages.items():
+        if not _is_fetch(stage):
+            stages[name], inputs[name] = stage, sub.inputs[name]
+        elif name in decoded[0] and any(sub.inputs[c] == name for c in sub.stages if not _is_fetch(sub.stages[c])):
+            stages[name], inputs[name] = _Replay([held[name] for held in decoded]), None
+    return _PassGraph(stages, inputs, {name: sub.specs[name] for name in stages}, folder=graph.source)
+
+
+def _synthetic_graph(graph: StageGraph, stream: str, classes: int) -> _PassGraph:
+    spec = graph.specs[stream]
+    size = graph.source.batch_size
+    images = np.random.default_rng(0).integers(0, 256, (size, *spec.item_shape), dtype=np.uint8)
+    labels = np.arange(size, dtype=np.int64) % classes
+    return _PassGraph({stream: _Synthetic(images, labels)}, {stream: None}, {stream: spec}, folder=graph.source)
+
+
+# --- Training steps in this process ---------------------------------------------------------------------------------
+
+@dataclass
+class _Pass:
+    images: int  # trained in the timed steps
+    step_s: float  # inside training steps
+    wait_s: float  # waiting for the next batch
+    loss: float  # mean training loss
+    spans: list[tuple[float, float]]  # (start, end) of each timed step, time.time(), for the timeline
+
+
+class _Trainee:
+    """One model trained as pipeline.trainer does it (uint8 NHWC in, normalised
+    on the device, SGD step), on one device, fed by this process."""
+
+    def __init__(self, model: ModelSpec, classes: int, image_size: int, device: str, threads: int):
+        import torch
+
+        from pipeline.models import build_model, count_parameters
+
+        self.torch, self.device, self.threads = torch, torch.device(device), threads
+        self.net = build_model(model.arch, model.depth, model.width, model.growth_rate, classes,
+                               image_size=image_size).to(self.device).to(memory_format=torch.channels_last)
+        self.params = count_parameters(self.net)
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=model.lr, momentum=model.momentum,
+                                         weight_decay=model.weight_decay, nesterov=True)
+        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
+
+    def train(self, feed: Iterator[BatchOutput], stream: str, warmup: int) -> _Pass:
+        torch = self.torch
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)  # as a trainer process has (trainer.threads)
+        timed = _Pass(0, 0.0, 0.0, 0.0, [])
+        loss_sum = 0.0
+        try:
+            self.net.train()
+            waited = time.perf_counter()
+            for number, output in enumerate(feed):
+                batch = output.streams[stream]
+                if len(batch.labels) < 2:  # batch norm needs two rows: trainers skip such a batch too
+                    continue
+                started, wall_started = time.perf_counter(), time.time()
+                loss = self._step(batch.data, batch.labels)
+                ended = time.perf_counter()
+                if number >= warmup:
+                    timed.images += len(batch.labels)
+                    timed.wait_s += started - waited
+                    timed.step_s += ended - started
+                    timed.spans.append((wall_started, time.time()))
+                    loss_sum += loss * len(batch.labels)
+                waited = time.perf_counter()
+        finally:
+            torch.set_num_threads(before)
+        timed.loss = loss_sum / timed.images if timed.images else math.nan
+        return timed
+
+    def _step(self, images: np.ndarray, labels: np.ndarray) -> float:
+        torch = self.torch
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # we only read it
+            x = torch.from_numpy(images).to(self.device).permute(0, 3, 1, 2).float()
+        y = torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
+        loss = torch.nn.functional.cross_entropy(self.net((x - self.mean) / self.std), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())  # waits for the device: the step's time is its own
