@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.report import analyse, write_report
+from pipeline.report.build import report_dict
 from pipeline.report.measurements import OPTIONAL, occupancy_stats
 from pipeline.report.sweep import SweepSummary
 
@@ -60,10 +61,10 @@ def test_input_bound_names_the_stage_and_predicts_with_amdahl():
     assert analysis.workers.busy_pct == pytest.approx(95)  # 190 img/s x 10 ms / 2 threads
     assert analysis.workers.capacity_images_per_s == pytest.approx(200)
     workers, stage = analysis.actions
-    assert workers.change == "cluster.workers=4"
+    assert workers.change == workers.override == "cluster.workers=4"
     assert workers.predicted_factor == pytest.approx(1 / (0.05 + 0.95 / 2))  # 1.90x
     assert "1.9x" in workers.text and "95% busy" in workers.text
-    assert stage.change == "cheaper decode"
+    assert stage.change == "cheaper decode" and stage.override is None  # no single config key does it
     assert stage.predicted_factor == pytest.approx(1 / (1 - 0.95 * 0.6 / 2))  # decode: 60% of the busy time
     assert "decode takes 60% of batch-task time" in stage.text and "simplejpeg" in stage.text
 
@@ -82,7 +83,7 @@ def test_compute_bound_despite_fast_models_waiting_for_the_slow_one():
     assert analysis.mean_stall_pct == pytest.approx(31)
     assert analysis.verdict.bound == "compute" and analysis.verdict.model == "slow"
     [action] = analysis.actions
-    assert action.change == "ensemble.models.0.slots=2"
+    assert action.change == action.override == "ensemble.models.0.slots=2"
     assert action.predicted_images_per_s == pytest.approx(100)  # twice the slots, at best twice the rate
     assert action.predicted_factor == pytest.approx(2.0)
 
@@ -104,6 +105,7 @@ def test_idle_workers_and_waiting_trainers_is_transport_bound():
     assert in_flight.predicted_images_per_s == pytest.approx(200)  # the workers' capacity
     assert in_flight.predicted_factor == pytest.approx(5.0)
     assert slots.change == "transport.slots=8"
+    assert (in_flight.override, slots.override) == ("cluster.in_flight=8", "transport.slots=8")
 
 
 def test_measured_worker_utilisation_replaces_the_derived_one():
@@ -172,6 +174,7 @@ def test_optional_measurements_are_shown_when_recorded(tmp_path):
     split = report["differential"]["resnet"]  # 10 ms from files, 8 cached, 5 synthetic, 4 computing
     assert split["fetch_ms"] == pytest.approx(2) and split["fetch_pct"] == pytest.approx(20)
     assert split["preprocessing_ms"] == pytest.approx(3) and split["transport_ms"] == pytest.approx(1)
+    assert split["files_images_per_s"] == 100 and split["compute_images_per_s"] == 250
     assert [m["flotilla"] for m in report["models"]] == [0, 1]
     trace = json.loads(paths.trace.read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -179,8 +182,33 @@ def test_optional_measurements_are_shown_when_recorded(tmp_path):
     html = paths.html.read_text()
     for heading in ("Queue occupancy", "Dask workers", "Delivery", "Stall split", "Timeline"):
         assert heading in html
-    assert html.count("data:image/png;base64,") == 5
+    assert html.count("data:image/png;base64,") == 6  # with the stall split
     assert "Not recorded by this run" not in html
+    assert "stall split of resnet (10.00 ms per image from files): fetch 2.00 ms (20%)" in paths.summary
+
+
+def test_compute_rate_of_the_differential_passes_decides_transport():
+    results = with_optional_measurements()
+    results["differential"]["resnet"]["compute_images_per_s"] = 500  # 2 ms per image
+    report = report_dict(results, analyse(results))
+    assert report["differential"]["resnet"]["transport_ms"] == pytest.approx(3)
+
+
+def test_dask_performance_report_is_linked_when_the_run_wrote_one(tmp_path):
+    paths = write_report(input_bound(), tmp_path)
+    assert "dask-report.html" not in paths.html.read_text() and json.loads(paths.json.read_text())["dask_report"] is None
+    (tmp_path / "dask-report.html").write_text("<html></html>")
+    paths = write_report(input_bound(), tmp_path)
+    assert '<a href="dask-report.html">' in paths.html.read_text()  # relative: the folder may be moved
+    assert json.loads(paths.json.read_text())["dask_report"] == "dask-report.html"
+    assert "dask-report.html" in paths.summary
+
+
+def test_remote_cluster_workers_action_has_no_override():
+    results = input_bound()
+    results["cluster"].update(workers="remote", threads=2)
+    workers = analyse(results).actions[0]
+    assert workers.change == "4 worker threads" and workers.override is None
 
 
 def test_occupancy_of_a_queue_never_sampled_twice_is_unknown():
@@ -296,13 +324,14 @@ def console_messages(stderr: str) -> list[str]:
 def test_report_renders_in_headless_chromium(tmp_path):
     if not shutil.which(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium; .ci/run installs it)")
+    (tmp_path / "dask-report.html").write_text("<html></html>")  # linked, not loaded
     paths = write_report(with_optional_measurements(), tmp_path)
     # The check script goes into a copy: the report itself carries no script.
     probe = tmp_path / "report-probe.html"
     probe.write_text(paths.html.read_text().replace("</body>", RENDER_CHECK + "</body>"))
     dom = chromium(probe, tmp_path / "profile-dom", "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-2000:]
-    assert re.search(r'<div id="render-check">images=5 rendered=5</div>', dom.stdout), dom.stdout[-500:]
+    assert re.search(r'<div id="render-check">images=6 rendered=6</div>', dom.stdout), dom.stdout[-500:]
     assert "INPUT-BOUND by stage decode" in dom.stdout
     assert console_messages(dom.stderr) == []
     screenshot = tmp_path / "report.png"

@@ -67,6 +67,7 @@ class Action:
     text: str  # why, and what it predicts
     predicted_factor: float | None  # predicted rate / measured rate (an upper bound where text says "up to")
     predicted_images_per_s: float | None
+    override: str | None = None  # the Hydra override that applies it; None when it is not one config key
 
 
 @dataclass
@@ -226,17 +227,18 @@ def _compute_bound(results: dict, limiter: ModelRow, models: list[ModelRow],
         caps.append((workers.capacity_images_per_s, "the workers' capacity"))
     predicted, limit = min(caps)
     factor = predicted / limiter.images_per_s
-    text = (f"{_slots_key(results, limiter.name)}={slots}: {limiter.name} trains data-parallel on {slots} slots "
-            f"-> flotilla about {factor:.1f}x ({predicted:.1f} img/s, capped by {limit}); "
-            f"needs {slots - limiter.slots} more free slot(s)")
-    return verdict, [Action(f"{_slots_key(results, limiter.name)}={slots}", text, factor, predicted)]
+    key = _slots_key(results, limiter.name)
+    change = f"{key or f'slots of model {limiter.name}'}={slots}"
+    text = (f"{change}: {limiter.name} trains data-parallel on {slots} slots -> flotilla about {factor:.1f}x "
+            f"({predicted:.1f} img/s, capped by {limit}); needs {slots - limiter.slots} more free slot(s)")
+    return verdict, [Action(change, text, factor, predicted, change if key else None)]
 
 
-def _slots_key(results: dict, model: str) -> str:
+def _slots_key(results: dict, model: str) -> str | None:
     for index, entry in enumerate(results.get("config", {}).get("ensemble", {}).get("models", [])):
         if model == entry.get("name") or model.startswith(f"{entry.get('name')}_lr"):  # lr_sweep names
             return f"ensemble.models.{index}.slots"
-    return f"slots of model {model}"
+    return None
 
 
 def _input_bound(results: dict, rate: float, limiter: ModelRow, stages: list[StageRow],
@@ -257,11 +259,12 @@ def _more_workers(results: dict, rate: float, busy_pct: float, threads: int, cei
     factor = amdahl_factor(busy_pct / 100, 2)
     predicted = min(rate * factor, ceiling)
     workers = results.get("cluster", {}).get("workers")
-    change = f"cluster.workers={2 * workers}" if isinstance(workers, int) else f"{2 * threads} worker threads"
+    override = f"cluster.workers={2 * workers}" if isinstance(workers, int) else None  # a remote cluster: not ours
+    change = override or f"{2 * threads} worker threads"
     text = (f"{change}: the {threads} worker thread(s) are {busy_pct:.0f}% busy; twice as many -> about "
             f"{predicted / rate:.1f}x input rate ({predicted:.0f} img/s{_capped(rate * factor, ceiling)}), "
             "if as many cores are free")
-    return Action(change, text, predicted / rate, predicted)
+    return Action(change, text, predicted / rate, predicted, override)
 
 
 def _cheaper_stage(rate: float, busy_pct: float, stage: StageRow, ceiling: float) -> Action:
@@ -291,12 +294,12 @@ def _transport_bound(results: dict, rate: float, limiter: ModelRow,
     actions = [Action(f"cluster.in_flight={2 * in_flight}",
                       f"cluster.in_flight={2 * in_flight} (now {in_flight}): the workers idle while trainers "
                       f"wait, so more batches ahead keep them busy -> {ceiling}",
-                      predicted / rate, predicted)]
+                      predicted / rate, predicted, f"cluster.in_flight={2 * in_flight}")]
     if slots:
         actions.append(Action(f"transport.slots={2 * slots}",
                               f"transport.slots={2 * slots} (now {slots}): a deeper ring absorbs bursts between "
                               f"producer and trainers -> {ceiling}; record pipeline.occupancy to tell which "
-                              "queue runs empty", predicted / rate, predicted))
+                              "queue runs empty", predicted / rate, predicted, f"transport.slots={2 * slots}"))
     return verdict, actions
 
 

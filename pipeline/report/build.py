@@ -1,6 +1,7 @@
 """Writes a run's bottleneck report: report.json (schema-versioned, see
 docs/report.md), report.html (one self-contained file) and, when the run
-recorded a timeline, trace.json for chrome://tracing or Perfetto."""
+recorded a timeline, trace.json for chrome://tracing or Perfetto. A Dask
+performance report the run left next to them (dask-report.html) is linked."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from pipeline.report.analysis import Analysis, analyse
 from pipeline.report.measurements import OPTIONAL, occupancy_stats, recorded, stall_split, trace_events
 
 SCHEMA_VERSION = 1
+DASK_REPORT = "dask-report.html"  # Dask's performance report, when the run wrote one into its folder
 
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -42,16 +44,17 @@ def write_report(results: dict, output_dir: Path) -> ReportPaths:
     analysis = analyse(results)
     output_dir = Path(output_dir)
     json_path, html_path = output_dir / "report.json", output_dir / "report.html"
-    json_path.write_text(json.dumps(report_dict(results, analysis), indent=2))
-    html_path.write_text(render_html(results, analysis))
+    dask_report = DASK_REPORT if (output_dir / DASK_REPORT).is_file() else None  # relative: the folder may move
+    json_path.write_text(json.dumps(report_dict(results, analysis, dask_report), indent=2))
+    html_path.write_text(render_html(results, analysis, dask_report))
     trace_path = None
     if results.get("timeline"):
         trace_path = output_dir / "trace.json"
         trace_path.write_text(json.dumps(trace_events(results["timeline"])))
-    return ReportPaths(json_path, html_path, trace_path, terminal_summary(analysis, html_path))
+    return ReportPaths(json_path, html_path, trace_path, terminal_summary(results, analysis, html_path, dask_report))
 
 
-def report_dict(results: dict, analysis: Analysis) -> dict:
+def report_dict(results: dict, analysis: Analysis, dask_report: str | None = None) -> dict:
     report = {
         "schema_version": SCHEMA_VERSION,
         "verdict": asdict(analysis.verdict),
@@ -63,9 +66,13 @@ def report_dict(results: dict, analysis: Analysis) -> dict:
         "models": [asdict(m) for m in analysis.models],
         "ensemble": {key: results.get("ensemble", {}).get(key) for key in ("val_accuracy", "final_val_accuracy")},
         "bad_files": {"skipped": results.get("skipped", []), "converted": results.get("converted", [])},
-        "run": {key: results.get(key) for key in ("wall_s", "epochs", "dataset", "devices", "cluster")},
+        "run": {"mode": results.get("mode", "train"),
+                **{key: results.get(key) for key in ("wall_s", "epochs", "dataset", "devices", "cluster")}},
         "measurements_missing": [key for key in OPTIONAL if key not in recorded(results)],
+        "dask_report": dask_report,
     }
+    if results.get("profile_pass"):
+        report["profile_pass"] = results["profile_pass"]
     occupancy = results.get("pipeline", {}).get("occupancy")
     if occupancy:
         report["occupancy"] = {name: occupancy_stats(queue) for name, queue in occupancy.items()}
@@ -81,7 +88,7 @@ def _stall_splits(results: dict) -> dict:
     return {model: stall_split(rates, compute.get(model)) for model, rates in results["differential"].items()}
 
 
-def terminal_summary(analysis: Analysis, html_path: Path) -> str:
+def terminal_summary(results: dict, analysis: Analysis, html_path: Path, dask_report: str | None = None) -> str:
     workers = analysis.workers
     busy = "-" if workers.busy_pct is None else f"{workers.busy_pct:.0f}% ({workers.busy_source})"
     top = max(analysis.stages, key=lambda s: s.time_share_pct or 0, default=None)
@@ -90,17 +97,25 @@ def terminal_summary(analysis: Analysis, html_path: Path) -> str:
              + (f"; {top.name} takes {top.time_share_pct:.0f}% of batch-task time" if top and top.time_share_pct
                 else "")]
     lines += [f"  action: {action.text}" for action in analysis.actions]
-    lines.append(f"  report: {html_path}")
+    splits = _stall_splits(results) if results.get("differential") else {}
+    model = analysis.verdict.model if analysis.verdict.model in splits else next(iter(splits), None)
+    if model:
+        s = splits[model]
+        lines.append(f"  stall split of {model} ({s['files_ms_per_image']:.2f} ms per image from files): "
+                     + ", ".join(f"{part} {_part(s, part)}" for part in ("fetch", "preprocessing", "transport")))
+    lines.append(f"  report: {html_path}" + (f"  Dask: {html_path.with_name(dask_report)}" if dask_report else ""))
     return "\n".join(lines)
 
 
-def render_html(results: dict, analysis: Analysis) -> str:
+def render_html(results: dict, analysis: Analysis, dask_report: str | None = None) -> str:
     sections = [
+        _profile_note(results),
         _verdict_section(analysis),
         _pipeline_section(results, analysis),
         _stages_section(analysis),
         _models_section(results, analysis),
         _optional_sections(results),
+        _dask_section(dask_report),
         _bad_files_section(results),
         _missing_section(results),
     ]
@@ -109,6 +124,16 @@ def render_html(results: dict, analysis: Analysis) -> str:
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
             f"<style>{CSS}</style></head><body>\n<h1>{escape(title)}</h1>\n" + "\n".join(sections)
             + "\n</body></html>\n")
+
+
+def _profile_note(results: dict) -> str:
+    profile = results.get("profile_pass")
+    if not profile:
+        return ""
+    return (f"<p class=\"note\">Profile mode (no training): {profile['batches']} batches through the pipeline, "
+            "consumed by the driver as fast as it could (input rate, stages, workers); trainer rates and stalls "
+            f"from {profile['steps']} training steps per model in this process, fed from files "
+            "(docs/report.md, profile mode).</p>")
 
 
 def _verdict_section(analysis: Analysis) -> str:
@@ -168,11 +193,12 @@ def _models_section(results: dict, analysis: Analysis) -> str:
              _num(m.vs_fastest, "{:.2f}x"), _num(m.val_accuracy[-1] * 100 if m.val_accuracy else None, "{:.1f}%")]
             for m in analysis.models]
     ensemble = results.get("ensemble", {}).get("val_accuracy", [])
+    trained = ensemble or any(m.val_accuracy for m in analysis.models)  # a profile run validates nothing
     return ("<h2>Trainers</h2>" + _table(headers, rows)
             + "<p class=\"note\">Compute rate: images over time in training steps (waits excluded). A flotilla "
               "moves at the pace of its slowest member, so its faster members also wait.</p>"
             + _img(plots.stall_chart(analysis.models), "data stall per trainer")
-            + _img(plots.accuracy_chart(analysis.models, ensemble), "accuracy per epoch"))
+            + (_img(plots.accuracy_chart(analysis.models, ensemble), "accuracy per epoch") if trained else ""))
 
 
 def _optional_sections(results: dict) -> str:
@@ -193,15 +219,32 @@ def _optional_sections(results: dict) -> str:
         rows = [[name, _mb(s.get("bytes")), _latency(s.get("latency_ms"))] for name, s in streams.items()]
         parts.append("<h2>Delivery</h2>" + _table(["stream", "MB moved", "latency p50 / p95 ms"], rows))
     if results.get("differential"):
-        rows = [[model, f"{s['files_ms_per_image']:.2f}", _part(s, "fetch"), _part(s, "preprocessing"),
-                 _part(s, "transport")] for model, s in _stall_splits(results).items()]
+        splits = _stall_splits(results)
+        rows = [[model, _num(s["compute_images_per_s"], "{:,.1f}"), f"{s['synthetic_images_per_s']:,.1f}",
+                 f"{s['cached_images_per_s']:,.1f}", f"{s['files_images_per_s']:,.1f}",
+                 f"{s['files_ms_per_image']:.2f}", _part(s, "fetch"), _part(s, "preprocessing"),
+                 _part(s, "transport")] for model, s in splits.items()]
         parts.append("<h2>Stall split (differential runs)</h2>"
-                     + _table(["model", "ms per image from files", "fetch", "preprocessing", "transport"], rows))
+                     + _table(["model", "compute img/s", "synthetic img/s", "cached img/s", "files img/s",
+                               "ms per image from files", "fetch", "preprocessing", "transport"], rows)
+                     + "<p class=\"note\">The trainer's rate fed by in-memory synthetic batches, by decoded images "
+                       "held in memory and by files. Fetch = files - cached (read and decode), preprocessing = "
+                       "cached - synthetic (the stages after decoding), transport = synthetic - compute (the "
+                       "hand-off of finished batches); docs/report.md.</p>"
+                     + _img(plots.stall_split_chart(splits), "stall split per model"))
     if results.get("timeline"):
         parts.append("<h2>Timeline</h2>" + _img(plots.timeline_chart(results["timeline"]), "timeline")
                      + "<p class=\"note\">The same spans are in trace.json next to this file: open it in "
                        "chrome://tracing or ui.perfetto.dev.</p>")
     return "\n".join(parts)
+
+
+def _dask_section(dask_report: str | None) -> str:
+    if not dask_report:
+        return ""
+    return (f"<h2>Dask performance report</h2><p><a href=\"{escape(dask_report)}\">{escape(dask_report)}</a>: "
+            "Dask's own view of the run (task stream, worker profile, bandwidth), next to this file; it opens "
+            "offline (inline mode) but needs JavaScript.</p>")
 
 
 def _part(split: dict, name: str) -> str:

@@ -59,14 +59,19 @@ def occupancy_stats(queue: dict) -> dict:
 def stall_split(rates: dict, compute_images_per_s: float | None) -> dict:
     """DS-Analyzer's differential split of one model's time per image when reading files:
     fetch = files - cached, preprocessing = cached - synthetic, transport = synthetic - compute.
+    The compute rate is the one measured with the passes (`compute_images_per_s`, mode=profile) if
+    there, else `compute_images_per_s` (the model's rate in the run).
     Differences of measured times; noise can make one slightly negative, and it is shown so."""
+    compute = rates.get("compute_images_per_s", compute_images_per_s)
     per_image = {name: 1000 / rates[f"{name}_images_per_s"] for name in ("files", "cached", "synthetic")}
     split = {"fetch_ms": per_image["files"] - per_image["cached"],
              "preprocessing_ms": per_image["cached"] - per_image["synthetic"],
-             "transport_ms": per_image["synthetic"] - 1000 / compute_images_per_s if compute_images_per_s else None}
+             "transport_ms": per_image["synthetic"] - 1000 / compute if compute else None}
     shares = {key.replace("_ms", "_pct"): None if value is None else 100 * value / per_image["files"]
               for key, value in split.items()}
-    return {"files_ms_per_image": per_image["files"], **split, **shares}
+    measured = {f"{name}_images_per_s": rates[f"{name}_images_per_s"] for name in ("synthetic", "cached", "files")}
+    return {**measured, "compute_images_per_s": compute, "files_ms_per_image": per_image["files"], **split,
+            **shares}
 
 
 def trace_events(timeline: list[dict]) -> dict:

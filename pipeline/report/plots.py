@@ -107,3 +107,29 @@ def sweep_bar(labels: list[str], values: list[float | None], title: str, unit: s
     ax.set_title(title)
     ax.set_xlabel(unit)
     return to_base64_png(fig)
+
+
+SPLIT_PARTS = (("compute", "#27ae60"), ("transport", "#8e44ad"), ("preprocessing", "#f39c12"), ("fetch", PACE_COLOUR))
+
+
+def stall_split_chart(splits: dict[str, dict]) -> str:
+    """Per model, its time per image from files as stacked parts: compute, then the stall's
+    transport, preprocessing and fetch (a part measured below zero by noise is drawn as zero)."""
+    names = list(splits)[::-1]
+    fig = Figure(figsize=(10, 0.45 * len(names) + 1.8))
+    ax = fig.subplots()
+    left = [0.0] * len(names)
+    for part, colour in SPLIT_PARTS:
+        widths = [max(_part_ms(splits[name], part), 0.0) for name in names]
+        ax.barh(names, widths, left=left, color=colour, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("ms per image (differential passes)")
+    ax.set_title("where a trainer's time per image goes, reading from files")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    return to_base64_png(fig)
+
+
+def _part_ms(split: dict, part: str) -> float:
+    if part == "compute":
+        return 1000 / split["compute_images_per_s"] if split.get("compute_images_per_s") else 0.0
+    return split[f"{part}_ms"] or 0.0
