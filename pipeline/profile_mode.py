@@ -6,7 +6,9 @@ without training.
    fast as it can: the input rate, stage timings and worker utilisation of
    the report.
 2. Differential passes (DS-Analyzer's method), per model shape: a few timed
-   training steps in this process, fed through the same Dask hand-off by
+   training steps in this process, fed (a thread taking batches up to
+   transport.slots ahead, as a run's driver fills its ring) through the same
+   Dask hand-off by
    (a) in-memory synthetic batches, (b) decoded images held in memory (only
    the stages after decoding run), (c) the full graph from files. Time per
    image in each pass splits the trainer's stall into fetch (read + decode),
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import queue
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -104,7 +108,8 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
                                      ("cached", _cached_graph(graph, stream, decoded)),
                                      ("files", graph.feeding({stream}))):
                 with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight) as executor:
-                    measured[kind] = trainee.train(_batches(executor, warmup + steps), stream, warmup)
+                    feed = _ahead(_batches(executor, warmup + steps), cfg.transport.slots)
+                    measured[kind] = trainee.train(feed, stream, warmup)
             rates = {f"{kind}_images_per_s": m.images / (m.wait_s + m.step_s) for kind, m in measured.items()}
             rates["compute_images_per_s"] = measured["synthetic"].images / measured["synthetic"].step_s
             console.print(f"{members[0].name}: " + ", ".join(f"{kind} {rate:,.0f}" for kind, rate in rates.items())
@@ -178,6 +183,40 @@ def _batches(executor: Executor, count: int) -> Iterator[BatchOutput]:
             if count == 0:
                 return
         epoch += 1
+
+
+def _ahead(feed: Iterator[BatchOutput], depth: int) -> Iterator[BatchOutput]:
+    """The batches of `feed`, taken by a thread up to `depth` ahead of the consumer: the hand-off
+    overlaps training as in a run, where the driver fills a ring of transport.slots batches while
+    the trainer processes train."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+    done = object()
+
+    def take() -> None:
+        try:
+            for output in feed:
+                ready.put(output)
+                if stop.is_set():
+                    return
+        except BaseException as err:  # raised in the consumer's thread
+            ready.put(err)
+        ready.put(done)
+
+    thread = threading.Thread(target=take, name="profile-feed", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # a consumer that stopped early: unblock the thread so that it ends
+            try:
+                ready.get(timeout=0.1)
+            except queue.Empty:
+                pass
 
 
 def _cpu_s_per_epoch(stages: dict, source: ImageFolder) -> float | None:

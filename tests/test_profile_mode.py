@@ -1,0 +1,77 @@
+"""mode=profile: the dispatch, and the report's predictions checked against
+re-measurement (issue 5, item 4): a throttled stage is named, its advice
+applied, and the input rate moves as predicted."""
+import json
+
+import pytest
+
+from pipeline.__main__ import MODES, run_mode
+from pipeline.profile_mode import profile_run
+from pipeline.run import ConfigError
+from tests.conftest import compose_config
+
+SLEEP_S = 0.2  # per batch: a sleep needs no core, so a second worker really doubles the stage's throughput
+
+
+def one_model(dataset, model: str, image_size: int, *extra: str) -> list[str]:
+    """One model on the main branch (the alt branch removed: no model would read it)."""
+    return ["+ensemble=caltech256", f"dataset.root={dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
+            f"pipeline.image_size={image_size}", f"ensemble.models=[{model}]", "~pipeline.stages.crop_alt",
+            "~pipeline.stages.alt", "mode=profile", *extra]
+
+
+def profile(overrides: list[str], output_dir):
+    """A short pass keeps each profile run to seconds; the defaults are for people."""
+    return profile_run(compose_config(overrides), output_dir, batches=16, steps=3, warmup=2)
+
+
+def test_mode_picks_the_entry_point():
+    assert MODES["profile"] is profile_run and MODES["train"].__module__ == "pipeline.run"
+
+
+def test_unknown_mode_is_an_error_naming_the_key(tmp_path):
+    cfg = compose_config(["+ensemble=caltech256", "mode=benchmark"])
+    with pytest.raises(ConfigError, match=r"mode must be one of train, profile, got 'benchmark'"):
+        run_mode(cfg, tmp_path)
+
+
+def test_profile_pass_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="batches must be an integer >= 1"):
+        profile_run(compose_config(["+ensemble=caltech256"]), tmp_path, batches=0)
+
+
+@pytest.mark.slow
+def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(tiny_dataset, tmp_path):
+    throttled = one_model(tiny_dataset, "{name:tiny,arch:resnet,depth:10,width:8,input:main}", 32,
+                          f"+pipeline.stages.slow={{_target_:tests.slow_stage.SlowDown,inputs:[decode],"
+                          f"seconds:{SLEEP_S}}}", "pipeline.stages.crop_main.inputs=[slow]")
+    before = profile(throttled + ["cluster.workers=1"], tmp_path / "before")
+    report = json.loads((tmp_path / "before" / "report.json").read_text())
+    assert report["verdict"]["bound"] == "input" and report["verdict"]["stage"] == "slow"
+    advice = next(a for a in report["actions"] if a["override"] and a["override"].startswith("cluster.workers="))
+    assert advice["override"] == "cluster.workers=2"
+    # Re-measure with the advice applied, as a user would: the override appended to the same command.
+    after = profile(throttled + [advice["override"]], tmp_path / "after")
+    measured = after["pipeline"]["images_per_s"] / before["pipeline"]["images_per_s"]
+    assert measured == pytest.approx(advice["predicted_factor"], rel=0.25)
+    # The sleep sits after decoding: the cached pass still pays it, so the stall is preprocessing.
+    split = report["differential"]["tiny"]
+    assert split["preprocessing_ms"] > max(split["fetch_ms"], split["transport_ms"])
+    # The same report files as a training run, and Dask's own report linked from the page.
+    assert report["run"]["mode"] == "profile" and report["profile_pass"]["batches"] == 16
+    assert set(before["differential"]["tiny"]) == {"synthetic_images_per_s", "cached_images_per_s",
+                                                   "files_images_per_s", "compute_images_per_s"}
+    assert (tmp_path / "before" / "results.json").is_file() and (tmp_path / "before" / "trace.json").is_file()
+    assert report["dask_report"] == "dask-report.html"
+    assert '<a href="dask-report.html">' in (tmp_path / "before" / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_slow_trainer_and_fast_pipeline_is_compute_bound(tiny_dataset, tmp_path):
+    slow_model = one_model(tiny_dataset, "{name:wide,arch:resnet,depth:10,width:48,input:main}", 64,
+                           "cluster.workers=2")
+    results = profile(slow_model, tmp_path)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"]["bound"] == "compute" and report["verdict"]["model"] == "wide"
+    assert results["models"][0]["data_stall_pct"] < 10
+    assert report["actions"][0]["override"] == "ensemble.models.0.slots=2"
