@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-from dask.distributed import performance_report
+from dask.distributed import Client, performance_report
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
@@ -69,6 +69,9 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
     if cfg.on_error not in ("skip", "fail"):
         raise ConfigError(f"on_error must be 'skip' or 'fail', got {cfg.on_error!r}")
     models = expand_ensemble(cfg.ensemble)
+    if cfg.pipeline.batch_size < 2:
+        raise ConfigError(f"pipeline.batch_size={cfg.pipeline.batch_size}: a training step needs at least 2 images "
+                          "(batch norm); set pipeline.batch_size=2 or more")
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
@@ -87,7 +90,7 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
     differential: dict[str, dict] = {}
     dask_report = output_dir / DASK_REPORT
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
-            _dask_report(dask_report, console):
+            _dask_report(client, dask_report, console):
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
         with Executor(client, graph, cfg.seed, cfg.on_error, in_flight) as executor:
@@ -112,8 +115,8 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
                     measured[kind] = trainee.train(feed, stream, warmup)
             rates = {f"{kind}_images_per_s": m.images / (m.wait_s + m.step_s) for kind, m in measured.items()}
             rates["compute_images_per_s"] = measured["synthetic"].images / measured["synthetic"].step_s
-            console.print(f"{members[0].name}: " + ", ".join(f"{kind} {rate:,.0f}" for kind, rate in rates.items())
-                          + " img/s")
+            console.print(f"{members[0].name}: " + ", ".join(
+                f"{kind.removesuffix('_images_per_s')} {rate:,.0f}" for kind, rate in rates.items()) + " img/s")
             files = measured["files"]
             for index, model in enumerate(members):  # an lr_sweep's copies share their shape's measurements
                 differential[model.name] = rates
@@ -165,8 +168,9 @@ def _by_shape(models: list[ModelSpec]) -> dict[tuple, list[ModelSpec]]:
     return shapes
 
 
-def _dask_report(path: Path, console: Console):
-    if importlib.util.find_spec("bokeh") is None:  # distributed draws the report with bokeh
+def _dask_report(client: Client, path: Path, console: Console):
+    # The scheduler draws the report, with bokeh: a remote scheduler may lack it.
+    if not client.run_on_scheduler(lambda: importlib.util.find_spec("bokeh") is not None):
         console.print(f"[yellow]note[/] no {DASK_REPORT}: install bokeh (pip install 'bokeh>=3.1') for Dask's "
                       "performance report")
         return nullcontext()
