@@ -196,7 +196,8 @@ def test_compute_rate_of_the_differential_passes_decides_transport():
 
 def test_dask_performance_report_is_linked_when_the_run_wrote_one(tmp_path):
     paths = write_report(input_bound(), tmp_path)
-    assert "dask-report.html" not in paths.html.read_text() and json.loads(paths.json.read_text())["dask_report"] is None
+    assert "dask-report.html" not in paths.html.read_text()
+    assert json.loads(paths.json.read_text())["dask_report"] is None
     (tmp_path / "dask-report.html").write_text("<html></html>")
     paths = write_report(input_bound(), tmp_path)
     assert '<a href="dask-report.html">' in paths.html.read_text()  # relative: the folder may be moved
