@@ -145,8 +145,10 @@ def _verdict_section(analysis: Analysis) -> str:
 
 def _pipeline_section(results: dict, analysis: Analysis) -> str:
     w = analysis.workers
+    rate_label = ("input rate (pipeline pass: images handed to the driver, nobody training)"
+                  if results.get("mode") == "profile" else "input rate (training images into the trainers)")
     rows = [
-        ["input rate (training images into the trainers)", _num(analysis.images_per_s, "{:,.1f} img/s")],
+        [rate_label, _num(analysis.images_per_s, "{:,.1f} img/s")],
         ["preprocessing CPU per epoch", _num(analysis.cpu_s_per_epoch, "{:.2f} CPU-s")],
         ["worker threads", _num(w.threads, "{}")],
         [f"worker threads busy ({w.busy_source or 'unknown'})", _num(w.busy_pct, "{:.0f}%")],
