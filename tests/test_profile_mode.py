@@ -47,13 +47,14 @@ def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(ti
                           f"seconds:{SLEEP_S}}}", "pipeline.stages.crop_main.inputs=[slow]")
     before = profile(throttled + ["cluster.workers=1"], tmp_path / "before")
     report = json.loads((tmp_path / "before" / "report.json").read_text())
-    assert report["verdict"]["bound"] == "input" and report["verdict"]["stage"] == "slow"
+    assert (report["verdict"]["bound"], report["verdict"]["stage"]) == ("input", "slow"), report["verdict"]["line"]
     advice = next(a for a in report["actions"] if a["override"] and a["override"].startswith("cluster.workers="))
     assert advice["override"] == "cluster.workers=2"
     # Re-measure with the advice applied, as a user would: the override appended to the same command.
     after = profile(throttled + [advice["override"]], tmp_path / "after")
     measured = after["pipeline"]["images_per_s"] / before["pipeline"]["images_per_s"]
-    assert measured == pytest.approx(advice["predicted_factor"], rel=0.25)
+    assert measured == pytest.approx(advice["predicted_factor"], rel=0.25), \
+        f"{before['pipeline']['images_per_s']:.1f} -> {after['pipeline']['images_per_s']:.1f} img/s: {advice['text']}"
     # The sleep sits after decoding: the cached pass still pays it, so the stall is preprocessing.
     split = report["differential"]["tiny"]
     assert split["preprocessing_ms"] > max(split["fetch_ms"], split["transport_ms"])
