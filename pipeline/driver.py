@@ -14,17 +14,16 @@ import threading
 import time
 from dataclasses import dataclass
 
-from dask.distributed import Client
 from rich.console import Console
 from rich.progress import Progress
 
-from pipeline.executor import Executor
-from pipeline.flotilla import Flotilla, Member, TrainingSetup
+from pipeline.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.graph import StageGraph
 from pipeline.results import RunRecorder
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.profile import Slot
+from pipeline.topology import DeliveryPlan, choose_topology, plan_delivery
 from pipeline.trainer import ModelSpec
 from stages.base import Split
 
@@ -53,16 +52,37 @@ class Convergence:
 
 
 @dataclass(frozen=True)
+class TopologyChoice:
+    """topology=...: fixed, or `auto` (chosen per flotilla from measurements)."""
+
+    topology: str
+    broadcast_groups: int
+    node_threads: dict[int, int]  # worker threads of each node
+    member_rates: dict[str, float] | None  # profiled training images/s of each model, if the policy profiled
+    probed_seconds_per_image: float | None  # worker seconds per image, measured before the run (auto, several nodes)
+
+    def plan(self, members: list[Member], recorder: RunRecorder) -> tuple[DeliveryPlan, str]:
+        placement = {m.model.name: m.nodes for m in members}
+        rates = {m.model.name: self.member_rates[m.model.name] for m in members} if self.member_rates else None
+        if self.topology != "auto":
+            topology, why = self.topology, f"topology={self.topology}"
+        else:
+            per_image = recorder.seconds_per_image() or self.probed_seconds_per_image
+            nodes = sorted({node for m in members for node in m.nodes})
+            producer_rate = self.node_threads[nodes[0]] / per_image if per_image else None
+            topology, why = choose_topology(len(nodes), producer_rate, rates)
+            why = f"auto: {why}"
+        return plan_delivery(topology, placement, self.broadcast_groups, rates), why
+
+
+@dataclass(frozen=True)
 class RunContext:
     """What the flotilla threads share."""
 
-    client: Client
     graph: StageGraph
-    seed: int
-    on_error: str
-    in_flight: int
-    ring_slots: int
     setup: TrainingSetup
+    delivery: DeliverySetup
+    topology: TopologyChoice
     recorder: RunRecorder
     progress: Progress
 
@@ -73,7 +93,6 @@ class FlotillaThread(threading.Thread):
         self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
         self.commands: queue.Queue = queue.Queue()
         self.stop_requested = threading.Event()
-        self.sent_checksums: dict[str, list] = {}  # stream -> what was published (trainer.record_checksums)
 
     def run(self) -> None:
         try:
@@ -86,28 +105,18 @@ class FlotillaThread(threading.Thread):
     def _train(self) -> None:
         r = self.run_ctx
         graph = r.graph.feeding({member.model.input for member in self.members})
-        with Flotilla(self.members, graph.sinks, graph.source.batch_size, r.ring_slots, r.setup) as flotilla, \
-                Executor(r.client, graph, r.seed, r.on_error, r.in_flight) as executor:
+        plan, why = r.topology.plan(self.members, r.recorder)
+        r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
+                                 f"group(s), {len(plan.hubs)} hub(s) ({why})")
+        r.recorder.delivery_plan(self.flotilla_id, plan, why)
+        with Flotilla(self.members, graph, plan, r.setup, r.delivery) as flotilla:
             self.flotilla = flotilla
             local_epoch = 0
             while flotilla.members and not self.stop_requested.is_set():
                 # Each flotilla epoch gets its own shuffle: flotillas do not replay each other's order.
                 epoch = self.flotilla_id * 1000 + local_epoch
                 for split in (Split.TRAIN, Split.VAL):
-                    task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
-                                               total=graph.source.num_batches(split))
-                    for index, output in executor.batches(split, epoch):
-                        flotilla.publish(split, epoch, index, output.streams)
-                        for path, reason in r.recorder.add_batch(output, train=split is Split.TRAIN):
-                            r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
-                        r.progress.advance(task)
-                        self._forward(flotilla.poll())
-                        for failure in self._drop_failed(flotilla):
-                            self.events.put(("failed", self, failure))
-                        if not flotilla.members:
-                            break
-                    flotilla.end(split, epoch)
-                    r.progress.remove_task(task)
+                    self._deliver(flotilla, graph, split, epoch, local_epoch)
                 reports, failed = self._validation_reports(flotilla)
                 # The epoch first: a trainer that reported and then died still finished it.
                 self.events.put(("epoch", self, reports))
@@ -115,7 +124,30 @@ class FlotillaThread(threading.Thread):
                     self.events.put(("failed", self, failure))
                 self._carry_out(flotilla)
                 local_epoch += 1
-            self.sent_checksums = dict(flotilla.sent_checksums)
+
+    def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int, local_epoch: int) -> None:
+        """The hubs deliver one split's epoch; meanwhile trainers' reports and failures are handled."""
+        r = self.run_ctx
+        leads = {group.hubs[0]: 0 for group in flotilla.plan.groups}  # batches each group has delivered
+        task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
+                                   total=graph.source.num_batches(split))
+        done: set[int] = set()
+        flotilla.run_split(split, epoch)
+        while len(done) < len(flotilla.plan.hubs) and flotilla.members:
+            for kind, rank, _, _, stats in flotilla.hub_progress(timeout=0.2):
+                if kind == "split_done":
+                    done.add(rank)
+                    continue
+                if stats is not None:
+                    for path, reason in r.recorder.add_batch(stats, train=split is Split.TRAIN):
+                        r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
+                if rank in leads:
+                    leads[rank] += 1
+                    r.progress.update(task, completed=min(leads.values()))
+            self._forward(flotilla.poll())
+            for failure in self._drop_failed(flotilla):
+                self.events.put(("failed", self, failure))
+        r.progress.remove_task(task)
 
     def _forward(self, reports: list[dict]) -> list[dict]:
         """Training reports go to the recorder; validation ones are returned."""
@@ -158,18 +190,21 @@ class FlotillaThread(threading.Thread):
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)
+            self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
         for model in leaving:
             flotilla.remove(model)
             self.events.put(("freed", self, model))
 
     def _await_done(self, flotilla: Flotilla) -> None:
-        """After STOP: every trainer's last report (its checksums), then exit."""
+        """After STOP: every hub's summary and every trainer's last report (its checksums), then exit."""
         waiting = {(name, rank) for name, m in flotilla.members.items() for rank in range(len(m.devices))}
         deadline = time.monotonic() + REPORT_TIMEOUT_S
-        while waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}:
+        while (waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}
+               or len(flotilla.summaries) < len(flotilla.plan.hubs)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} did not finish")
-            reports = flotilla.poll(timeout=1.0)
+                raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish")
+            flotilla.hub_progress(timeout=0.1)
+            reports = flotilla.poll(timeout=0.5)
             waiting -= {(r["model"], r["rank"]) for r in reports if r["event"] == "done"}
             self._forward(reports)
         flotilla.join(timeout=30)
@@ -182,7 +217,6 @@ class Driver:
         self.convergence, self.run_ctx, self.console = convergence, run, console
         self.events: queue.Queue = queue.Queue()
         self.threads: dict[int, FlotillaThread] = {}  # running
-        self.all_threads: list[FlotillaThread] = []
         self.assigned: dict[str, tuple[Slot, ...]] = {}
         self.gone: set[str] = set()  # models whose trainers failed: their flotilla already let them go
         self.started = time.monotonic()
@@ -213,11 +247,6 @@ class Driver:
                 thread.commands.put(("continue", None))
             for thread in self.threads.values():
                 thread.join(timeout=120)
-
-    @property
-    def sent_checksums(self) -> dict[str, list]:
-        """flotilla/stream -> what its thread published (trainer.record_checksums)."""
-        return {f"{t.flotilla_id}/{stream}": sent for t in self.all_threads for stream, sent in t.sent_checksums.items()}
 
     def _free_slots(self, model: str) -> None:
         for slot in self.assigned.pop(model, ()):
@@ -268,8 +297,10 @@ class Driver:
                 self.assigned[decision.model] = decision.slots
             elif isinstance(decision, Start):
                 self.gone.discard(decision.model)
-                devices = tuple(self.slot_devices[s] for s in self.assigned[decision.model])
-                forming[decision.flotilla].append(Member(self.models[decision.model], devices, decision.resume_epoch))
+                slots = self.assigned[decision.model]
+                devices = tuple(self.slot_devices[s] for s in slots)
+                forming[decision.flotilla].append(Member(self.models[decision.model], devices,
+                                                         tuple(s.node for s in slots), decision.resume_epoch))
                 self.run_ctx.recorder.joined(decision.model, decision.flotilla, devices, decision.resume_epoch)
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
@@ -283,6 +314,5 @@ class Driver:
         for flotilla_id, members in forming.items():
             thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events)
             self.threads[flotilla_id] = thread
-            self.all_threads.append(thread)
             thread.start()
 

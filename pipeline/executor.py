@@ -7,6 +7,7 @@ yields the same bytes: no batch is lost or duplicated.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
@@ -19,16 +20,17 @@ import dask
 from dask.distributed import Client, LocalCluster, get_worker, wait
 
 from pipeline.graph import BatchOutput, StageGraph
-from pipeline.transport.handoff import SharedArray, remove_all
+from pipeline.transport.handoff import HANDOFF_PREFIX, SharedArray, remove_all
 from stages.base import BatchContext, Split
 
 
-def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int, on_error: str,
-              share_as: str | None) -> BatchOutput:
-    """One batch through the graph; with `share_as`, the streams' arrays are
-    left in this node's shared memory under that name prefix."""
+def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int, part: int, parts: int,
+              on_error: str, share_as: str | None) -> BatchOutput:
+    """Share `part` of `parts` of one batch through the graph; with `share_as`,
+    the streams' arrays are left in this node's shared memory under that name prefix."""
     started = time.time()
-    output = graph.run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, on_error=on_error))
+    output = graph.run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, part=part, parts=parts,
+                                    on_error=on_error))
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
         for stream, batch in output.streams.items():
@@ -36,20 +38,30 @@ def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int
     return output
 
 
+def node_resource(node: int) -> str:
+    """The Dask worker resource that ties a worker to node `node`."""
+    return f"node-{node}"
+
+
 class Executor:
     """Use as a context manager: on exit it waits for tasks still running and
-    removes whatever they left in shared memory."""
+    removes whatever they left in shared memory. With `node`, batch tasks run
+    only on that node's workers; with `parts` > 1, each task makes share
+    `part` of its batch."""
 
-    def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: str, in_flight: int):
+    def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: str, in_flight: int,
+                 node: int | None = None, part: int = 0, parts: int = 1):
         if in_flight < 1:
             raise ValueError(f"cluster.in_flight must be >= 1 batch, got {in_flight}")
         self.client, self.graph, self.seed, self.on_error, self.in_flight = client, graph, seed, on_error, in_flight
+        self.part, self.parts = part, parts
+        self.resources = {node_resource(node): 1} if node is not None else None
         # Every worker gets the graph once (it holds the file list), not with every task.
         self.graph_future = client.scatter(graph, broadcast=True, hash=False)
         self.run_id = uuid.uuid4().hex[:8]
         here = socket.gethostname()
         same_node = all(host == here for host in client.run(socket.gethostname).values())
-        self.share_prefix = f"ensemble-out-{os.getpid()}-{self.run_id}" if same_node else None
+        self.share_prefix = f"{HANDOFF_PREFIX}-{os.getpid()}-{self.run_id}" if same_node else None
         self.pending: dict = {}
 
     def __enter__(self) -> Executor:
@@ -70,11 +82,11 @@ class Executor:
         submitted = 0
         for index in range(total):
             while submitted < min(total, index + self.in_flight):
-                key = f"batch-{self.run_id}-{split.value}-{epoch}-{submitted}"
-                share_as = f"{self.share_prefix}-{split.value}-{epoch}-{submitted}" if self.share_prefix else None
+                name = f"{split.value}-{epoch}-{submitted}-{self.part}"
+                share_as = f"{self.share_prefix}-{name}" if self.share_prefix else None
                 self.pending[submitted] = self.client.submit(
-                    run_batch, self.graph_future, self.seed, split, epoch, submitted, self.on_error, share_as,
-                    key=key, pure=False)
+                    run_batch, self.graph_future, self.seed, split, epoch, submitted, self.part, self.parts,
+                    self.on_error, share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
                 submitted += 1
             output = self.pending.pop(index).result()
             for batch in output.streams.values():
@@ -92,15 +104,43 @@ def worker_count(workers: int | str) -> int:
 
 
 @contextmanager
-def dask_client(address: str | None, workers: int | str, threads_per_worker: int) -> Iterator[Client]:
+def dask_client(address: str | None, workers: int | str, threads_per_worker: int, nodes: int = 1) -> Iterator[Client]:
     """A client of the scheduler at `address`, or of a LocalCluster made here
-    and closed on exit (each Hydra multirun job gets its own)."""
+    and closed on exit (each Hydra multirun job gets its own). The local
+    workers are split evenly into `nodes` simulated nodes: worker w carries
+    the resource node-<n> of its node."""
     if address:
         with Client(address, timeout="20s") as client:
             yield client
         return
+    count = worker_count(workers)
+    if not 1 <= nodes <= count:
+        raise ValueError(f"cluster.nodes={nodes} needs at least one worker per node, but cluster.workers gives "
+                         f"{count}; set cluster.nodes between 1 and {count} or raise cluster.workers")
     # Workers inherit this config: their sampling profiler would cost CPU for nothing.
     with dask.config.set({"distributed.worker.profile.enabled": False}), \
-            LocalCluster(n_workers=worker_count(workers), threads_per_worker=threads_per_worker, processes=True,
+            LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
                          dashboard_address=":0", silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        for w in range(count):
+            node = w * nodes // count
+            spec = copy.deepcopy(cluster.new_spec)
+            spec["options"]["resources"] = {node_resource(node): threads_per_worker}
+            cluster.worker_spec[f"n{node}-w{w}"] = spec
+        cluster.scale(count)
+        client.wait_for_workers(count)
         yield client
+
+
+def node_threads(client: Client, nodes: int) -> dict[int, int]:
+    """Worker threads of each node; every node must have some."""
+    threads = {node: 0 for node in range(nodes)}
+    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+        for node in range(nodes):
+            if node_resource(node) in (info.get("resources") or {}):
+                threads[node] += info["nthreads"]
+    empty = [node for node, count in threads.items() if not count]
+    if empty:
+        raise ValueError(f"cluster.nodes={nodes} but no Dask worker carries the resource "
+                         f"{node_resource(empty[0])}; start each node's workers with "
+                         f"`dask worker <scheduler> --resources {node_resource(empty[0])}=<threads>`")
+    return threads

@@ -71,6 +71,7 @@ class RunRecorder:
         self.ensemble_accuracy: dict[int, float] = {}
         self.checksums: dict[str, list] = {}
         self.train_images = 0
+        self.delivery: dict[int, dict] = {}  # flotilla -> its topology, why, and what each hub moved
 
     def add_batch(self, output: BatchOutput, train: bool) -> list[tuple[str, str]]:
         """Folds a batch's timings in; returns the files it skipped for the first time."""
@@ -91,6 +92,35 @@ class RunRecorder:
             self.skipped.update(new)
             self.converted.update(dict(output.converted))
             return new
+
+    def seconds_per_image(self) -> float | None:
+        """Worker seconds the pipeline has spent per image produced so far."""
+        with self.lock:
+            source = next(iter(self.stages.values()), None)
+            return sum(t.wall_s for t in self.stages.values()) / source.items if source and source.items else None
+
+    def delivery_plan(self, flotilla: int, plan, why: str) -> None:
+        with self.lock:
+            self.delivery[flotilla] = {
+                "topology": plan.topology, "why": why,
+                "groups": [{"members": list(g.members), "hubs": list(g.hubs), "gather": g.gather}
+                           for g in plan.groups],
+                "hubs": {}}
+
+    def add_hub_summaries(self, flotilla: int, summaries: dict[int, dict]) -> None:
+        """What each hub moved, with its ring occupancy reduced to statistics."""
+        with self.lock:
+            for rank, summary in summaries.items():
+                samples = summary.pop("occupancy")
+                slots = max(summary["ring_slots"].values(), default=0)
+                held = np.array([held for _, held in samples]) if samples else np.zeros(0)
+                summary["occupancy"] = {
+                    "mean": float(held.mean()) if len(held) else None,
+                    "p95": float(np.percentile(held, 95)) if len(held) else None,
+                    "full_pct": 100 * float((held >= slots).mean()) if len(held) else None,
+                    "empty_pct": 100 * float((held == 0).mean()) if len(held) else None,
+                    "series": [(round(t - self.origin, 3), int(h)) for t, h in samples]}
+                self.delivery[flotilla]["hubs"][rank] = summary
 
     def joined(self, model: str, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
         with self.lock:
@@ -185,6 +215,8 @@ class RunRecorder:
                                                  for q in (50, 95)}}
                            for name, t in self.stages.items()},
             },
+            "delivery": {"flotillas": {str(flotilla): info for flotilla, info in self.delivery.items()},
+                         "received": self.checksums},
             "timeline": self.timeline,
             "skipped": [{"path": p, "reason": r} for p, r in sorted(self.skipped.items())],
             "converted": [{"path": p, "what": w} for p, w in sorted(self.converted.items())],

@@ -7,6 +7,7 @@ import math
 import time
 from pathlib import Path
 
+from dask.distributed import performance_report
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -14,16 +15,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.dataset import DatasetInfo, prepare_dataset
 from pipeline.devices import check_memory, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.driver import Convergence, Driver, RunContext
-from pipeline.executor import dask_client, worker_count
-from pipeline.flotilla import TrainingSetup
+from pipeline.driver import Convergence, Driver, RunContext, TopologyChoice
+from pipeline.executor import Executor, dask_client, node_threads, worker_count
+from pipeline.flotilla import DeliverySetup, TrainingSetup
 from pipeline.graph import StageGraph, build_graph
 from pipeline.profiling import format_table, profile_ensemble, save_table
 from pipeline.report import write_report
 from pipeline.results import RunRecorder, print_summary, write_json
 from pipeline.scheduler import Cluster, ProfileMeasured, Scheduler, make_policy
+from pipeline.topology import TOPOLOGIES
 from pipeline.trainer import ModelSpec
 from stages.base import Split
+
+
+PROBE_BATCHES = 3  # topology=auto, several nodes: batches timed on one node before the first flotilla
 
 
 class ConfigError(ValueError):
@@ -64,6 +69,8 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     check_output_dir(output_dir)
     if cfg.on_error not in ("skip", "fail"):
         raise ConfigError(f"on_error must be 'skip' or 'fail', got {cfg.on_error!r}")
+    if cfg.topology not in ("auto", *TOPOLOGIES):
+        raise ConfigError(f"topology={cfg.topology!r} is not one of auto, {', '.join(TOPOLOGIES)}")
     models = expand_ensemble(cfg.ensemble)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
@@ -73,7 +80,9 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, dataset, graph, device_kind, len(slots), len(models), workers)
 
-    scheduler = Scheduler([m.name for m in models], Cluster(nodes=1, slots_per_node=len(slots)), policy, cfg.seed)
+    nodes = cfg.cluster.nodes
+    scheduler = Scheduler([m.name for m in models], Cluster(nodes=nodes, slots_per_node=len(slots) // nodes), policy,
+                          cfg.seed)
     recorder = RunRecorder(models, params, image_sizes)
     results: dict = {}
     if policy.needs_profile:
@@ -87,15 +96,24 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     s = cfg.scheduler
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
     setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
-                          cfg.trainer.threads, output_dir / "checkpoints", cfg.trainer.record_checksums)
+                          cfg.trainer.threads, output_dir / "checkpoints", cfg.trainer.record_checksums,
+                          cfg.trainer.consume_only)
     training_started = time.perf_counter()
-    with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
+    with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes) as client, \
+            performance_report(filename=str(output_dir / "dask-report.html"), mode="inline"), \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
-        threads = sum(client.nthreads().values())
-        in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
-        context = RunContext(client, graph, cfg.seed, cfg.on_error, in_flight, cfg.transport.slots, setup,
-                             recorder, progress)
+        threads_of_node = node_threads(client, nodes)
+        threads = sum(threads_of_node.values())
+        in_flight = {node: 2 * t if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
+                     for node, t in threads_of_node.items()}
+        delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight, cfg.transport.slots,
+                                 cfg.transport.rendezvous_host)
+        probed = _probe_seconds_per_image(client, graph, cfg) if cfg.topology == "auto" and nodes > 1 else None
+        topology = TopologyChoice(cfg.topology, cfg.transport.broadcast_groups, threads_of_node,
+                                  {name: rates[0] for name, rates in results["profile"].items()}
+                                  if "profile" in results else None, probed)
+        context = RunContext(graph, setup, delivery, topology, recorder, progress)
         driver = Driver(scheduler, {m.name: m for m in models}, slots, convergence, context, console)
         driver.run(first)
     training_s = time.perf_counter() - training_started
@@ -112,8 +130,6 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         "wall_s": time.perf_counter() - started,
         "config": OmegaConf.to_container(cfg, resolve=True),
     })
-    if cfg.trainer.record_checksums:
-        results["delivery"] = {"sent": driver.sent_checksums, "received": recorder.checksums}
     write_json(output_dir / "results.json", results)
     print_summary(console, results)
     report = write_report(results, output_dir)
@@ -121,6 +137,19 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     console.print(f"results: {output_dir / 'results.json'}   report: {report.html}   "
                   f"checkpoints: {output_dir / 'checkpoints'}")
     return results
+
+
+def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float:
+    """topology=auto on several nodes: worker seconds per image, from a few
+    batches on node 0 (later flotillas use the run's own measurements)."""
+    started = time.perf_counter()
+    images = 0
+    with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0) as executor:
+        for index, output in executor.batches(Split.VAL, 0):
+            images += len(next(iter(output.streams.values())).labels)
+            if index == PROBE_BATCHES - 1:
+                break
+    return (time.perf_counter() - started) / max(images, 1)
 
 
 def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot_count: bool):
@@ -131,7 +160,7 @@ def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot
     from pipeline.models import build_model, count_parameters, estimate_training_bytes
 
     device_kind = resolve_device(cfg.trainer.device, torch.cuda.is_available())
-    slots = slot_devices(device_kind, torch.cuda.device_count(), cfg.trainer.slots, models)
+    slots = slot_devices(device_kind, torch.cuda.device_count(), cfg.trainer.slots, models, cfg.cluster.nodes)
     classes = len(graph.source.class_names)
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     params, needs = {}, {}

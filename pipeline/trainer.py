@@ -52,6 +52,7 @@ class TrainerSpec:
     threads: int
     checkpoint_dir: str
     record_checksums: bool
+    consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
 
 
 def trainer_main(spec: TrainerSpec, reader, reports) -> None:
@@ -137,7 +138,9 @@ class Trainer:
                                        zlib.crc32(message.labels.tobytes(), zlib.crc32(message.images.tobytes()))))
             if message.kind == MessageKind.BATCH:
                 started, wall_started = time.perf_counter(), time.time()
-                if message.split == 0:
+                if self.spec.consume_only:
+                    self._take(message)
+                elif message.split == 0:
                     self._train_step(message)
                 else:
                     self._validate(message)
@@ -154,6 +157,12 @@ class Trainer:
             waited = time.perf_counter()
         self.reports.put({"event": "done", "model": self.spec.model.name, "rank": self.spec.rank,
                           "checksums": self.checksums})
+
+    def _take(self, message) -> None:
+        self.torch.from_numpy(message.images).to(self.device, copy=True)
+        if message.split == 0:
+            self.seen += len(message.labels)
+        message.release()
 
     def _train_step(self, message) -> None:
         torch = self.torch

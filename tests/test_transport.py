@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pipeline.transport.base import MessageKind, StreamLayout
-from pipeline.transport.shm import SharedMemoryTransport
+from pipeline.transport.shm import Ring
 
 LAYOUT = StreamLayout(batch_capacity=4, item_shape=(8, 8, 3))
 CTX = mp.get_context("spawn")
@@ -38,10 +38,10 @@ def segments():
 
 
 def test_every_reader_gets_every_message_in_order_and_bit_identical():
-    transport = SharedMemoryTransport(slots=3, context=CTX)
-    writer = transport.open_stream("s", LAYOUT, consumers=3)
+    ring = Ring("s", LAYOUT, consumers=3, slots=3, context=CTX)
+    writer = ring.writer()
     results = CTX.Queue()
-    readers = [CTX.Process(target=read_all, args=(writer.reader(i), results, 0.0)) for i in range(3)]
+    readers = [CTX.Process(target=read_all, args=(ring.reader(i), results, 0.0)) for i in range(3)]
     for process in readers:
         process.start()
     sent = []
@@ -52,7 +52,7 @@ def test_every_reader_gets_every_message_in_order_and_bit_identical():
     received = [results.get(timeout=30)[1] for _ in readers]
     for process in readers:
         process.join(10)
-    transport.close()
+    ring.close()
     for seen in received:
         assert [s[:4] for s in seen[:-1]] == sent
         assert seen[-1][0] == MessageKind.STOP
@@ -61,10 +61,10 @@ def test_every_reader_gets_every_message_in_order_and_bit_identical():
 
 def test_slow_reader_holds_the_writer_to_the_ring_size():
     slots = 2
-    transport = SharedMemoryTransport(slots=slots, context=CTX)
-    writer = transport.open_stream("s", LAYOUT, consumers=2)
+    ring = Ring("s", LAYOUT, consumers=2, slots=slots, context=CTX)
+    writer = ring.writer()
     results = CTX.Queue()
-    readers = [CTX.Process(target=read_all, args=(writer.reader(i), results, delay)) for i, delay in
+    readers = [CTX.Process(target=read_all, args=(ring.reader(i), results, delay)) for i, delay in
                enumerate((0.0, 0.05))]
     for process in readers:
         process.start()
@@ -76,33 +76,35 @@ def test_slow_reader_holds_the_writer_to_the_ring_size():
     slow = dict(results.get(timeout=30) for _ in readers)[0.05]
     for process in readers:
         process.join(10)
-    transport.close()
+    ring.close()
     # Message i + slots can only be written once the slow reader released message i.
     for i in range(len(published_at) - slots):
         assert published_at[i + slots] >= slow[i][4]
     assert [s[1] for s in slow[:-1]] == list(range(20))
 
 
-def test_a_dead_reader_is_detached_not_waited_for():
-    transport = SharedMemoryTransport(slots=2, context=CTX, alive=lambda stream, reader: reader != 0)
-    writer = transport.open_stream("s", LAYOUT, consumers=2)
+def test_a_detached_reader_is_not_waited_for():
+    ring = Ring("s", LAYOUT, consumers=2, slots=2, context=CTX)
+    writer = ring.writer()
     results = CTX.Queue()
-    live = CTX.Process(target=read_all, args=(writer.reader(1), results, 0.0))
+    live = CTX.Process(target=read_all, args=(ring.reader(1), results, 0.0))
     live.start()
     for index, images, labels in batches(5):  # reader 0 never reads: the ring fills, then it is dropped
+        if index == 2:  # the next message would wait on reader 0 forever
+            assert writer.occupancy() == 2  # reader 0 holds the whole ring
+            ring.detach(0)  # as the driver does when its trainer dies
         writer.publish(MessageKind.BATCH, 0, 0, index, images, labels)
     writer.publish(MessageKind.STOP, 0, 0, 0)
     seen = results.get(timeout=30)[1]
     live.join(10)
-    transport.close()
-    assert writer.attached == {1}
+    ring.close()
+    assert writer.attached == [1]
     assert [s[1] for s in seen[:-1]] == list(range(5))
     assert segments() == set()
 
 
 def test_oversized_batch_is_refused():
-    transport = SharedMemoryTransport(slots=2, context=CTX)
-    writer = transport.open_stream("s", LAYOUT, consumers=1)
+    ring = Ring("s", LAYOUT, consumers=1, slots=2, context=CTX)
     with pytest.raises(ValueError, match="exceeds its capacity 4"):
-        writer.publish(MessageKind.BATCH, 0, 0, 0, np.zeros((5, 8, 8, 3), np.uint8), np.zeros(5, np.int64))
-    transport.close()
+        ring.writer().publish(MessageKind.BATCH, 0, 0, 0, np.zeros((5, 8, 8, 3), np.uint8), np.zeros(5, np.int64))
+    ring.close()

@@ -1,9 +1,9 @@
 """The transport seam: how finished batches reach the trainers of a flotilla.
 
-The driver publishes each finished batch of a stream once; every reader of
-the stream receives every message, in order, exactly once. Implementations
-differ in how bytes move (DESIGN.md section 4): shared memory on one node
-today; collectives across nodes and the broadcast topologies build on this.
+A hub publishes each finished batch of a stream once; every reader of the
+stream receives every message, in order, exactly once. On a node, bytes move
+through shared memory (shm.py); between nodes, hubs exchange batches over
+torch.distributed collectives (collective.py) and each writes its node's rings.
 """
 from __future__ import annotations
 
@@ -54,23 +54,6 @@ class StreamReader(ABC):
 
 class StreamWriter(ABC):
     @abstractmethod
-    def reader(self, consumer: int) -> StreamReader:
-        """The end for consumer number `consumer` (0 .. consumers-1)."""
-
-    @abstractmethod
-    def detach(self, consumer: int) -> None:
-        """Stop delivering to `consumer` (its trainer was stopped); the others go on."""
-
-    @abstractmethod
     def publish(self, kind: MessageKind, split: int, epoch: int, index: int,
                 images: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
         """Blocks while the slowest reader is a full buffer behind (back-pressure)."""
-
-
-class Transport(ABC):
-    @abstractmethod
-    def open_stream(self, name: str, layout: StreamLayout, consumers: int) -> StreamWriter: ...
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release every resource (segments, semaphores); safe to call twice."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SHM_DIR = "/dev/shm"
+HANDOFF_PREFIX = "ensemble-out"  # then the taking process's pid
 
 
 @dataclass(frozen=True)

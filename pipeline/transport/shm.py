@@ -1,26 +1,28 @@
-"""Same-node transport: a ring of slots in one shared-memory segment per stream.
+"""Same-node delivery: a ring of slots in one shared-memory segment per stream.
 
-The driver writes each batch once into a slot; every reader maps the segment
-and gets numpy views of the slot (no copy). Per reader, two semaphores count
-slots filled and slots handed back; the writer takes a free slot from every
-reader before reusing it, so a slow reader throttles the writer instead of
-letting messages pile up: memory is the ring and nothing else.
+The driver creates a ring (segment, semaphores, detach flags) before it
+spawns anyone; the hub writes each batch once into a slot; every trainer
+maps the segment and gets numpy views of the slot (no copy). Per reader,
+two semaphores count slots filled and slots handed back; the writer takes a
+free slot from every attached reader before reusing it, so a slow reader
+throttles the writer instead of letting messages pile up: memory is the
+ring and nothing else.
 """
 from __future__ import annotations
 
 import mmap
-import multiprocessing as mp
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from pipeline.transport.base import Message, MessageKind, StreamLayout, StreamReader, StreamWriter, Transport
+from pipeline.transport.base import Message, MessageKind, StreamLayout, StreamReader, StreamWriter
 
 HEADER_FIELDS = 5  # kind, split, epoch, index, count
 HEADER_BYTES = 64  # header padded to a cache line
+DETACH_POLL_S = 1.0  # how often a writer waiting on a reader checks that it is still attached
 
 
 def _slot_bytes(layout: StreamLayout) -> int:
@@ -41,17 +43,58 @@ def _slot_views(buf, layout: StreamLayout, slot: int, writable: bool):
     return header, labels, images
 
 
+def _map(segment: str, size: int, writable: bool) -> mmap.mmap:
+    # Mapped directly (not via SharedMemory) so that no process but the owner
+    # registers, and so unlinks, the segment. The map closes with its last view.
+    with open(f"/dev/shm/{segment}", "r+b" if writable else "rb") as file:
+        return mmap.mmap(file.fileno(), size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+
+
+class Ring:
+    """One stream's ring on one node, for `consumers` readers. Picklable: the
+    driver owns it (and unlinks it on close); hub and trainers get copies."""
+
+    def __init__(self, name: str, layout: StreamLayout, consumers: int, slots: int, context):
+        if slots < 2:
+            raise ValueError(f"transport.slots must be >= 2 (one being read, one being written), got {slots}")
+        self.name, self.layout, self.consumers, self.slots = name, layout, consumers, slots
+        self.size = slots * _slot_bytes(layout)
+        owned = SharedMemory(name=f"ensemble-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}", create=True,
+                             size=self.size)
+        self.segment = owned.name
+        self._owned: SharedMemory | None = owned
+        self.filled = [context.Semaphore(0) for _ in range(consumers)]
+        self.free = [context.Semaphore(slots) for _ in range(consumers)]
+        self.detached = context.Array("b", consumers, lock=False)  # set by the driver: that reader is gone
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_owned": None}
+
+    def reader(self, consumer: int) -> ShmReader:
+        return ShmReader(self.segment, self.layout, self.slots, self.filled[consumer], self.free[consumer])
+
+    def writer(self) -> RingWriter:
+        """The writing end, in the process that publishes (one per ring)."""
+        return RingWriter(self)
+
+    def detach(self, consumer: int) -> None:
+        """Stop delivering to `consumer` (its trainer stopped or died); the others go on."""
+        self.detached[consumer] = 1
+
+    def close(self) -> None:
+        if self._owned is not None:
+            self._owned.close()
+            self._owned.unlink()
+            self._owned = None
+
+
 class ShmReader(StreamReader):
     def __init__(self, segment: str, layout: StreamLayout, slots: int, filled, free):
         self.segment, self.layout, self.slots = segment, layout, slots
         self.filled, self.free = filled, free
 
     def messages(self) -> Iterator[Message]:
-        # Mapped directly (not via SharedMemory) so that this process never
-        # registers, and so never unlinks, a segment the writer owns. The map
-        # closes when the last view of it is gone.
-        with open(f"/dev/shm/{self.segment}", "rb") as file:
-            buf = mmap.mmap(file.fileno(), self.slots * _slot_bytes(self.layout), access=mmap.ACCESS_READ)
+        buf = _map(self.segment, self.slots * _slot_bytes(self.layout), writable=False)
         for seq in range(1 << 62):
             self.filled.acquire()
             header, labels, images = _slot_views(buf, self.layout, seq % self.slots, writable=False)
@@ -61,66 +104,38 @@ class ShmReader(StreamReader):
                 return
 
 
-class ShmWriter(StreamWriter):
-    def __init__(self, name: str, layout: StreamLayout, consumers: int, slots: int, context,
-                 alive: Callable[[str, int], bool]):
-        self.name, self.layout, self.slots = name, layout, slots
-        self.segment = SharedMemory(name=f"ensemble-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}",
-                                    create=True, size=slots * _slot_bytes(layout))
-        self.filled = [context.Semaphore(0) for _ in range(consumers)]
-        self.free = [context.Semaphore(slots) for _ in range(consumers)]
-        self.alive = alive
-        self.attached = set(range(consumers))
+class RingWriter(StreamWriter):
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self.buf = _map(ring.segment, ring.size, writable=True)
         self.seq = 0
+        self.bytes_written = 0
 
-    def reader(self, consumer: int) -> ShmReader:
-        return ShmReader(self.segment.name, self.layout, self.slots, self.filled[consumer], self.free[consumer])
+    @property
+    def attached(self) -> list[int]:
+        return [c for c in range(self.ring.consumers) if not self.ring.detached[c]]
+
+    def occupancy(self) -> int:
+        """Slots the furthest-behind attached reader has yet to hand back."""
+        return max((self.ring.slots - self.ring.free[c].get_value() for c in self.attached), default=0)
 
     def publish(self, kind: MessageKind, split: int, epoch: int, index: int,
                 images: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
+        layout = self.ring.layout
         count = 0 if images is None else len(images)
-        if count > self.layout.batch_capacity:
-            raise ValueError(f"stream {self.name}: batch of {count} exceeds its capacity {self.layout.batch_capacity}")
-        for consumer in sorted(self.attached):
-            while not self.free[consumer].acquire(timeout=1.0):
-                if not self.alive(self.name, consumer):  # its trainer died: the others go on
-                    self.detach(consumer)
+        if count > layout.batch_capacity:
+            raise ValueError(f"stream {self.ring.name}: batch of {count} exceeds its capacity {layout.batch_capacity}")
+        for consumer in self.attached:
+            while not self.ring.free[consumer].acquire(timeout=DETACH_POLL_S):
+                if self.ring.detached[consumer]:  # its trainer is gone: the others go on
                     break
-        header, slot_labels, slot_images = _slot_views(self.segment.buf, self.layout, self.seq % self.slots, True)
+        header, slot_labels, slot_images = _slot_views(self.buf, layout, self.seq % self.ring.slots, True)
         if count:
             slot_images[:count] = images
             slot_labels[:count] = labels
+            self.bytes_written += images.nbytes + labels.nbytes
         header[:] = (int(kind), split, epoch, index, count)
         del header, slot_labels, slot_images
         for consumer in self.attached:
-            self.filled[consumer].release()
+            self.ring.filled[consumer].release()
         self.seq += 1
-
-    def detach(self, consumer: int) -> None:
-        self.attached.discard(consumer)
-
-    def close(self) -> None:
-        self.segment.close()
-        self.segment.unlink()
-
-
-class SharedMemoryTransport(Transport):
-    """`slots` messages of buffer per stream; `alive(stream, reader)` tells
-    whether a reader still runs (asked while the writer waits on it): a dead
-    reader is detached instead of holding the stream forever."""
-
-    def __init__(self, slots: int, context=None, alive: Callable[[str, int], bool] = lambda stream, reader: True):
-        if slots < 2:
-            raise ValueError(f"transport.slots must be >= 2 (one being read, one being written), got {slots}")
-        self.slots, self.alive = slots, alive
-        self.context = context or mp.get_context("spawn")
-        self.writers: list[ShmWriter] = []
-
-    def open_stream(self, name: str, layout: StreamLayout, consumers: int) -> ShmWriter:
-        writer = ShmWriter(name, layout, consumers, self.slots, self.context, self.alive)
-        self.writers.append(writer)
-        return writer
-
-    def close(self) -> None:
-        while self.writers:
-            self.writers.pop().close()

@@ -1,0 +1,159 @@
+"""A hub: where a delivery group of a flotilla meets one node, a process of its own.
+
+A producing hub has its node's Dask workers make batches, or one share of
+each batch (all_shared); the hubs of a group then exchange them over the
+group's process group (broadcast or all-gather, pipeline/transport/collective.py),
+and every hub writes each batch once into its node's shared-memory rings,
+which its trainers read. The driver sends one command per split and one to
+stop; the hub reports each batch it published, and what it moved.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+import zlib
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pipeline.graph import StageGraph
+from pipeline.topology import DeliveryGroup, Hub
+from pipeline.transport.base import MessageKind
+from pipeline.transport.shm import Ring
+from stages.base import Batch, Split
+
+OCCUPANCY_SAMPLES = 2000  # ring occupancy samples kept per hub (evenly thinned)
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    hub: Hub
+    group: DeliveryGroup
+    all_groups: tuple[tuple[int, ...], ...]  # every group's ranks: process groups are made in this order everywhere
+    world: int  # hubs of the flotilla
+    rendezvous: str  # init_method of the hubs' process group
+    device: str  # "cpu" (gloo) or "cuda:<i>" (NCCL) for the exchange
+    scheduler: str  # Dask scheduler address
+    graph: StageGraph  # the part of the graph that feeds the group's streams
+    seed: int
+    on_error: str
+    in_flight: int
+    rings: dict[str, Ring]  # stream -> this node's ring for the group's trainers here
+    record_checksums: bool
+
+
+def hub_main(spec: HubSpec, commands, events, abort) -> None:
+    """Process entry point. `abort` (an Event) ends it between batches."""
+    try:
+        HubProcess(spec, events, abort).serve(commands)
+    except BaseException:
+        events.put(("error", spec.hub.rank, traceback.format_exc()))
+        raise
+
+
+class HubProcess:
+    def __init__(self, spec: HubSpec, events, abort):
+        self.spec, self.events, self.abort = spec, events, abort
+        self.link = None
+        if spec.world > 1:
+            import torch.distributed as dist
+
+            from pipeline.transport.collective import GroupLink
+
+            dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo",
+                                    init_method=spec.rendezvous, rank=spec.hub.rank, world_size=spec.world)
+            # new_group is collective over the world: every hub makes every group, in the same order.
+            groups = [dist.new_group(list(ranks)) for ranks in spec.all_groups]
+            if len(spec.group.hubs) > 1:
+                item_shapes = {name: s.item_shape for name, s in spec.graph.sinks.items()}
+                self.link = GroupLink(groups[spec.hub.group], spec.group.hubs, item_shapes,
+                                      spec.graph.source.batch_size, spec.group.gather, spec.device)
+        self.writers = {stream: ring.writer() for stream, ring in spec.rings.items()}
+        self.sent: dict[str, list] = {stream: [] for stream in spec.rings}
+        self.publish_wait_s = self.exchange_s = 0.0
+        self.occupancy: list[tuple[float, int]] = []  # (time.time(), slots held by the slowest reader)
+
+    def serve(self, commands) -> None:
+        from dask.distributed import Client
+
+        from pipeline.executor import Executor
+
+        spec = self.spec
+        try:
+            with ExitStack() as stack:
+                executor = None
+                if spec.hub.part is not None:  # a producer
+                    client = stack.enter_context(Client(spec.scheduler, timeout="30s"))
+                    executor = stack.enter_context(Executor(client, spec.graph, spec.seed, spec.on_error,
+                                                            spec.in_flight, node=spec.hub.node, part=spec.hub.part,
+                                                            parts=spec.group.parts))
+                for split, epoch in iter(commands.get, None):
+                    self._split(executor, Split(split), epoch)
+                if not self.abort.is_set():
+                    self._mark(MessageKind.STOP, 0, 0)
+                    self.events.put(("stopped", spec.hub.rank, self._summary()))
+        finally:
+            if spec.world > 1:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+
+    def _split(self, executor, split: Split, epoch: int) -> None:
+        split_id = list(Split).index(split)
+        made = executor.batches(split, epoch) if executor else None
+        for index in range(self.spec.graph.source.num_batches(split)):
+            if self.abort.is_set():  # the flotilla is closing: leave, letting the executor clean up
+                return
+            output, streams = None, None
+            if made is not None:
+                made_index, output = next(made)
+                assert made_index == index
+                streams = {name: (batch.data, batch.labels) for name, batch in output.streams.items()}
+            started = time.perf_counter()
+            if self.link and self.spec.group.gather:
+                streams = self.link.all_gather(index, streams)
+            elif self.link:
+                streams = self.link.broadcast(self.spec.hub.rank, index, streams)
+            self.exchange_s += time.perf_counter() - started
+            started = time.perf_counter()
+            for stream, writer in self.writers.items():
+                self._sample(writer)
+                images, labels = streams[stream]
+                writer.publish(MessageKind.BATCH, split_id, epoch, index, images, labels)
+                if self.spec.record_checksums:
+                    crc = zlib.crc32(labels.tobytes(), zlib.crc32(images.tobytes()))
+                    self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
+            self.publish_wait_s += time.perf_counter() - started
+            self.events.put(("batch", self.spec.hub.rank, split.value, index, _stats_only(output)))
+        self._mark(MessageKind.END, split_id, epoch)
+        self.events.put(("split_done", self.spec.hub.rank, split.value, None, None))
+
+    def _mark(self, kind: MessageKind, split_id: int, epoch: int) -> None:
+        empty_crc = zlib.crc32(b"", zlib.crc32(b""))
+        for stream, writer in self.writers.items():
+            writer.publish(kind, split_id, epoch, 0)
+            if self.spec.record_checksums:
+                self.sent[stream].append((int(kind), split_id, epoch, 0, empty_crc))
+
+    def _sample(self, writer) -> None:
+        self.occupancy.append((time.time(), writer.occupancy()))
+        if len(self.occupancy) > 2 * OCCUPANCY_SAMPLES:
+            self.occupancy = self.occupancy[::2]
+
+    def _summary(self) -> dict:
+        link = self.link
+        return {"node": self.spec.hub.node, "group": self.spec.hub.group, "part": self.spec.hub.part,
+                "ring_bytes": sum(w.bytes_written for w in self.writers.values()),
+                "sent_bytes": link.bytes_sent if link else 0, "received_bytes": link.bytes_received if link else 0,
+                "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
+                "ring_slots": {stream: ring.slots for stream, ring in self.spec.rings.items()},
+                "occupancy": self.occupancy, "sent_checksums": self.sent}
+
+
+def _stats_only(output):
+    """A batch task's measurements without its image bytes, for the driver's records."""
+    if output is None:
+        return None
+    return replace(output, streams={name: Batch(np.empty(0, np.uint8), batch.labels, [])
+                                    for name, batch in output.streams.items()})

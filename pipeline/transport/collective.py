@@ -1,0 +1,98 @@
+"""Between nodes: the hubs of a delivery group exchange batches over the
+group's own torch.distributed process group (gloo on CPU, NCCL on GPUs).
+
+A batch (every stream's images and labels, and a header) travels as one flat
+uint8 tensor of fixed size, so each exchange is one collective call.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+Streams = dict[str, tuple[np.ndarray, np.ndarray]]  # stream -> (images [n, h, w, c] uint8, labels [n] int64)
+
+
+class BatchCodec:
+    """Packs a batch of up to `capacity` items per stream into a flat buffer."""
+
+    def __init__(self, item_shapes: dict[str, tuple[int, ...]], capacity: int):
+        self.item_shapes, self.capacity = dict(sorted(item_shapes.items())), capacity
+        self.header = 8 * (1 + len(self.item_shapes))  # index, then the item count of each stream
+        self.size = self.header + sum(capacity * (8 + int(np.prod(shape))) for shape in self.item_shapes.values())
+
+    def _views(self, buf: np.ndarray):
+        header = buf[:self.header].view(np.int64)
+        offset, views = self.header, {}
+        for stream, shape in self.item_shapes.items():
+            labels = buf[offset:offset + 8 * self.capacity].view(np.int64)
+            offset += 8 * self.capacity
+            images = buf[offset:offset + self.capacity * int(np.prod(shape))].reshape(self.capacity, *shape)
+            offset += images.nbytes
+            views[stream] = (images, labels)
+        return header, views
+
+    def pack(self, index: int, streams: Streams, buf: np.ndarray) -> None:
+        header, views = self._views(buf)
+        header[0] = index
+        for position, (stream, (images, labels)) in enumerate(views.items(), start=1):
+            given_images, given_labels = streams[stream]
+            count = len(given_labels)
+            if count > self.capacity:
+                raise ValueError(f"stream {stream}: {count} items exceed the exchange capacity {self.capacity}")
+            header[position] = count
+            images[:count] = given_images
+            labels[:count] = given_labels
+
+    def unpack(self, buf: np.ndarray) -> tuple[int, Streams]:
+        header, views = self._views(buf)
+        return int(header[0]), {stream: (images[:header[position]], labels[:header[position]])
+                                for position, (stream, (images, labels)) in enumerate(views.items(), start=1)}
+
+
+class GroupLink:
+    """A delivery group's hubs: `ranks` in the hubs' world, `group` their
+    process group; a broadcast's root is ranks[0], an all-gather's shares
+    come in rank order (share i from ranks[i])."""
+
+    def __init__(self, group, ranks: tuple[int, ...], item_shapes: dict[str, tuple[int, ...]], batch_size: int,
+                 gather: bool, device: str):
+        import torch
+
+        self.torch, self.group, self.ranks, self.gather, self.device = torch, group, ranks, gather, device
+        self.codec = BatchCodec(item_shapes, -(-batch_size // len(ranks)) if gather else batch_size)
+        self.bytes_sent = self.bytes_received = 0
+
+    def _buffer(self):
+        return self.torch.empty(self.codec.size, dtype=self.torch.uint8)
+
+    def broadcast(self, rank: int, index: int, streams: Streams | None) -> Streams:
+        """The root passes its batch; every hub returns it."""
+        import torch.distributed as dist
+
+        buf = self._buffer()
+        if rank == self.ranks[0]:
+            self.codec.pack(index, streams, buf.numpy())
+            self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
+        else:
+            self.bytes_received += self.codec.size
+        on_device = buf.to(self.device)
+        dist.broadcast(on_device, src=self.ranks[0], group=self.group)
+        received_index, received = self.codec.unpack(on_device.cpu().numpy())
+        if received_index != index:  # hubs must walk the epoch in step; anything else is a bug
+            raise RuntimeError(f"hub {rank} expected batch {index}, the broadcast carried {received_index}")
+        return received
+
+    def all_gather(self, index: int, share: Streams) -> Streams:
+        """Every hub passes its share; every hub returns the whole batch."""
+        import torch.distributed as dist
+
+        mine = self._buffer()
+        self.codec.pack(index, share, mine.numpy())
+        gathered = [self._buffer().to(self.device) for _ in self.ranks]
+        dist.all_gather(gathered, mine.to(self.device), group=self.group)
+        self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
+        self.bytes_received += self.codec.size * (len(self.ranks) - 1)
+        shares = [self.codec.unpack(buf.cpu().numpy()) for buf in gathered]
+        if any(got != index for got, _ in shares):
+            raise RuntimeError(f"all-gather of batch {index} carried batches {[got for got, _ in shares]}")
+        return {stream: (np.concatenate([s[stream][0] for _, s in shares]),
+                         np.concatenate([s[stream][1] for _, s in shares])) for stream in self.codec.item_shapes}
