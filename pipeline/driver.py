@@ -115,9 +115,10 @@ class FlotillaThread(threading.Thread):
             while flotilla.members and not self.stop_requested.is_set():
                 # Each flotilla epoch gets its own shuffle: flotillas do not replay each other's order.
                 epoch = self.flotilla_id * 1000 + local_epoch
-                for split in (Split.TRAIN, Split.VAL):
-                    self._deliver(flotilla, graph, split, epoch, local_epoch)
-                reports, failed = self._validation_reports(flotilla)
+                # A trainer may report its validation before the driver hears that the hubs are done.
+                early = [report for split in (Split.TRAIN, Split.VAL)
+                         for report in self._deliver(flotilla, graph, split, epoch, local_epoch)]
+                reports, failed = self._validation_reports(flotilla, early)
                 # The epoch first: a trainer that reported and then died still finished it.
                 self.events.put(("epoch", self, reports))
                 for failure in failed:
@@ -125,8 +126,11 @@ class FlotillaThread(threading.Thread):
                 self._carry_out(flotilla)
                 local_epoch += 1
 
-    def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int, local_epoch: int) -> None:
-        """The hubs deliver one split's epoch; meanwhile trainers' reports and failures are handled."""
+    def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int, local_epoch: int
+                 ) -> list[dict]:
+        """The hubs deliver one split's epoch; meanwhile trainers' reports and failures are handled.
+        Returns the validation reports that came in."""
+        validation = []
         r = self.run_ctx
         leads = {group.hubs[0]: 0 for group in flotilla.plan.groups}  # batches each group has delivered
         task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
@@ -144,10 +148,11 @@ class FlotillaThread(threading.Thread):
                 if rank in leads:
                     leads[rank] += 1
                     r.progress.update(task, completed=min(leads.values()))
-            self._forward(flotilla.poll())
+            validation += self._forward(flotilla.poll())
             for failure in self._drop_failed(flotilla):
                 self.events.put(("failed", self, failure))
         r.progress.remove_task(task)
+        return validation
 
     def _forward(self, reports: list[dict]) -> list[dict]:
         """Training reports go to the recorder; validation ones are returned."""
@@ -168,9 +173,9 @@ class FlotillaThread(threading.Thread):
             flotilla.remove(name)
         return failed
 
-    def _validation_reports(self, flotilla: Flotilla) -> tuple[list[dict], list[tuple[str, str]]]:
+    def _validation_reports(self, flotilla: Flotilla, early: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
         """Every member's validation result of this epoch, and the members that failed meanwhile."""
-        reports: dict[str, dict] = {}
+        reports: dict[str, dict] = {report["model"]: report for report in early}
         failed: list[tuple[str, str]] = []
         deadline = time.monotonic() + REPORT_TIMEOUT_S
         while not set(flotilla.members) <= set(reports):

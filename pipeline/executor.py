@@ -38,6 +38,10 @@ def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int
     return output
 
 
+def _the_graph(graph: StageGraph) -> StageGraph:
+    return graph
+
+
 def node_resource(node: int) -> str:
     """The Dask worker resource that ties a worker to node `node`."""
     return f"node-{node}"
@@ -56,9 +60,10 @@ class Executor:
         self.client, self.graph, self.seed, self.on_error, self.in_flight = client, graph, seed, on_error, in_flight
         self.part, self.parts = part, parts
         self.resources = {node_resource(node): 1} if node is not None else None
-        # Every worker gets the graph once (it holds the file list), not with every task.
-        self.graph_future = client.scatter(graph, broadcast=True, hash=False)
         self.run_id = uuid.uuid4().hex[:8]
+        # Workers get the graph (it holds the file list) once, not with every task: as a task's result,
+        # not scattered data, so that Dask can make it again if every worker holding it dies.
+        self.graph_future = client.submit(_the_graph, graph, key=f"graph-{self.run_id}", pure=False)
         here = socket.gethostname()
         same_node = all(host == here for host in client.run(socket.gethostname).values())
         self.share_prefix = f"{HANDOFF_PREFIX}-{os.getpid()}-{self.run_id}" if same_node else None

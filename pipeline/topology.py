@@ -72,7 +72,8 @@ def plan_delivery(topology: str, placement: dict[str, tuple[int, ...]], broadcas
             raise TopologyError(f"transport.broadcast_groups must be >= 1, got {broadcast_groups}")
         by_speed = sorted(members, key=lambda m: -(rates or {}).get(m, 0.0))  # stable: config order on ties
         count = min(broadcast_groups, len(members))
-        partition = [by_speed[len(members) * i // count:len(members) * (i + 1) // count] for i in range(count)]
+        bounds = [-(-len(members) * i // count) for i in range(count + 1)]  # larger groups first
+        partition = [by_speed[bounds[i]:bounds[i + 1]] for i in range(count)]
     else:
         partition = [members]
     groups, hubs = [], []

@@ -32,7 +32,7 @@ from PIL import Image
 from pipeline.graph import StageGraph, build_graph
 from pipeline.synthetic import generate_imagefolder
 from pipeline.transport.base import MessageKind, StreamLayout
-from pipeline.transport.shm import SharedMemoryTransport
+from pipeline.transport.shm import Ring
 from stages.base import Split
 
 # Dask, torch and DALI are imported where they are used: spawned processes
@@ -311,14 +311,14 @@ def streams_with_consumers(streams: int, readers_per_stream: int, layout: Stream
     yields the writers and the consumers' pids, stops everything on exit."""
     context = mp.get_context("spawn")
     processes: list = []
-    transport = SharedMemoryTransport(slots=4, context=context,
-                                      alive=lambda stream, reader: all(p.exitcode is None for p in processes))
+    rings: list[Ring] = []
     ready = context.Queue()
     try:
-        writers = [transport.open_stream(f"bench{i}", layout, readers_per_stream) for i in range(streams)]
-        for writer in writers:
+        rings += [Ring(f"bench{i}", layout, readers_per_stream, 4, context) for i in range(streams)]
+        writers = [ring.writer() for ring in rings]
+        for ring in rings:
             for consumer in range(readers_per_stream):
-                process = context.Process(target=consume_stream, args=(writer.reader(consumer), ready), daemon=True)
+                process = context.Process(target=consume_stream, args=(ring.reader(consumer), ready), daemon=True)
                 process.start()
                 processes.append(process)
         pids = {ready.get(timeout=120) for _ in processes}  # started and imported: not counted later
@@ -332,7 +332,8 @@ def streams_with_consumers(streams: int, readers_per_stream: int, layout: Stream
             if process.is_alive():
                 process.terminate()
             process.join()
-        transport.close()
+        for ring in rings:
+            ring.close()
 
 
 class Delivery:

@@ -1,0 +1,203 @@
+"""Topologies: the plans, the auto choice, the collective exchange, and the
+delivery invariants of every topology in real runs on two simulated nodes
+(own Dask workers and trainers each, gloo over loopback)."""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.graph import build_graph
+from pipeline.topology import TOPOLOGIES, choose_topology, plan_delivery
+from stages.base import BatchContext, Split
+from tests.conftest import compose_config
+
+# A on node 0; B on 2 slots, so on node 1 (a model's slots share a node); C on node 0.
+PLACEMENT = {"A": (0,), "B": (1, 1), "C": (0,)}
+
+
+def test_single_broadcast_has_one_producer_where_most_trainers_are():
+    plan = plan_delivery("single_broadcast", {"A": (0,), "B": (1, 1)})
+    (group,) = plan.groups
+    assert not group.gather and plan.hubs[group.hubs[0]].node == 1 and plan.hubs[group.hubs[0]].part == 0
+    assert [h.part for h in plan.hubs] == [0, None]
+
+
+def test_all_shared_makes_every_hub_a_share():
+    plan = plan_delivery("all_shared", PLACEMENT)
+    (group,) = plan.groups
+    assert group.gather and group.parts == 2 and sorted(h.part for h in plan.hubs) == [0, 1]
+
+
+def test_multi_broadcast_groups_members_of_similar_speed():
+    plan = plan_delivery("multi_broadcast", PLACEMENT, broadcast_groups=2, rates={"A": 100, "B": 10, "C": 90})
+    assert [g.members for g in plan.groups] == [("A", "C"), ("B",)]
+    assert [len(g.hubs) for g in plan.groups] == [1, 1]
+    spanning = plan_delivery("multi_broadcast", PLACEMENT, broadcast_groups=2)  # no rates: config order
+    assert [g.members for g in spanning.groups] == [("A", "B"), ("C",)]
+    assert {spanning.hubs[r].node for r in spanning.groups[0].hubs} == {0, 1}
+    assert plan.hub_of("C", 0).group == 0 and spanning.hub_of("C", 0).group == 1
+
+
+def test_duplicated_gives_every_member_its_own_pipeline():
+    plan = plan_delivery("duplicated", PLACEMENT)
+    assert [g.members for g in plan.groups] == [("A",), ("B",), ("C",)]
+    assert all(h.part == 0 for h in plan.hubs)
+
+
+def test_unknown_topology_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="topology='ring' is not one of auto, single_broadcast"):
+        plan_delivery("ring", PLACEMENT)
+
+
+@pytest.mark.parametrize("nodes, producer_rate, rates, expected", [
+    (1, None, None, "single_broadcast"),  # one node: shared memory is all it takes
+    (1, 50.0, {"A": 300.0, "B": 100.0}, "multi_broadcast"),  # 3x apart in speed
+    (2, 500.0, {"A": 300.0, "B": 250.0}, "single_broadcast"),  # one node's workers keep up
+    (2, 100.0, {"A": 300.0, "B": 250.0}, "all_shared"),  # they do not
+    (2, None, None, "all_shared"),  # nothing measured: spread the work
+])
+def test_auto_picks_from_measurements(nodes, producer_rate, rates, expected):
+    topology, why = choose_topology(nodes, producer_rate, rates)
+    assert topology == expected and why
+
+
+def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
+    stages = {"read": {"_target_": "stages.read.ImageFolder", "root": str(tiny_dataset), "batch_size": 10},
+              "decode": {"_target_": "stages.decode.Decode", "inputs": ["read"]},
+              "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["decode"], "size": 24},
+              "out": {"_target_": "stages.sink.Deliver", "inputs": ["crop"]}}
+    graph = build_graph(stages, {"out"})
+    whole = graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2)).streams["out"]
+    shares = [graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2, part=p, parts=3)).streams["out"]
+              for p in range(3)]
+    assert [len(s.labels) for s in shares] == [4, 4, 2]
+    assert np.array_equal(np.concatenate([s.data for s in shares]), whole.data)
+    assert np.array_equal(np.concatenate([s.labels for s in shares]), whole.labels)
+
+
+def _exchange(rank, world, address, results):
+    import torch.distributed as dist
+
+    from pipeline.transport.collective import GroupLink
+
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    group = dist.new_group([0, 1, 2])
+    shapes = {"a": (4, 4, 3), "b": (2, 2, 3)}
+    rng = np.random.default_rng(7)
+    batch = {s: (rng.integers(0, 256, (5, *shape), dtype=np.uint8), np.arange(5) + 10 * i)
+             for i, (s, shape) in enumerate(sorted(shapes.items()))}
+    cast = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=False, device="cpu")
+    got = cast.broadcast(rank, 3, batch if rank == 0 else None)
+    gather = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=True, device="cpu")
+    share = {s: (images[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2]) for s, (images, labels) in batch.items()}
+    gathered = gather.all_gather(3, share)
+    results.put((rank, all(np.array_equal(got[s][0], batch[s][0]) and np.array_equal(got[s][1], batch[s][1])
+                           and np.array_equal(gathered[s][0], batch[s][0])
+                           and np.array_equal(gathered[s][1], batch[s][1]) for s in batch)))
+    dist.destroy_process_group()
+
+
+def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    from pipeline.flotilla import _free_port
+
+    address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    processes = [context.Process(target=_exchange, args=(rank, 3, address, results)) for rank in range(3)]
+    for process in processes:
+        process.start()
+    outcome = dict(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(30)
+    assert outcome == {0: True, 1: True, 2: True}
+
+
+# --- the invariants in real runs ---------------------------------------------------------------
+
+MODELS = ("[{name: A, arch: resnet, depth: 10, width: 8, input: main},"
+          " {name: B, arch: resnet, depth: 10, width: 8, input: alt, slots: 2},"
+          " {name: C, arch: resnet, depth: 10, width: 8, input: main}]")
+VICTIM = "C"
+
+
+def _kill_a_worker_then_a_trainer(out):
+    """Once a first epoch is done: SIGKILL a Dask worker (mid-epoch), then
+    C's trainer once it has checkpointed its first epoch."""
+    checkpoints = out / "checkpoints"
+    deadline = time.monotonic() + 600
+    while not (checkpoints / VICTIM / "epoch1.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = [p for p in mp.active_children() if "Dask Worker" in p.name]
+    os.kill(workers[-1].pid, signal.SIGKILL)
+    time.sleep(0.2)  # C's report of epoch 1, sent right after its checkpoint, reaches the driver
+    for process in mp.active_children():
+        if process.name == f"trainer-{VICTIM}-0":
+            os.kill(process.pid, signal.SIGKILL)
+
+
+def _reference_crc(graph, seed, stream, split_id, epoch, index, cache={}):
+    key = (id(graph), stream, split_id, epoch, index)
+    if key not in cache:
+        out = graph.run(BatchContext(seed=seed, split=list(Split)[split_id], epoch=epoch, index=index))
+        batch = out.streams[stream]
+        cache[key] = zlib.crc32(batch.labels.tobytes(), zlib.crc32(np.ascontiguousarray(batch.data).tobytes()))
+    return cache[key]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through_faults(topology, tiny_dataset,
+                                                                                         tmp_path):
+    from pipeline.run import run
+
+    out = tmp_path / "out"
+    cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", f"topology={topology}",
+                          f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
+                          "pipeline.image_size=32", "pipeline.alt_image_size=24", "cluster.workers=2",
+                          "cluster.nodes=2", "trainer.slots=4", "trainer.epochs=3", "trainer.consume_only=true",
+                          "trainer.record_checksums=true"])
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-")}
+    killer = threading.Thread(target=_kill_a_worker_then_a_trainer, args=(out,), daemon=True)
+    killer.start()
+    results = run(cfg, out)
+    killer.join(timeout=5)
+
+    # The faults were survived: C failed once, resumed from its checkpoint, finished.
+    models = {m["name"]: m for m in results["models"]}
+    assert len(models[VICTIM]["failures"]) == 1 and "exited with code -9" in models[VICTIM]["failures"][0]
+    first, again = models[VICTIM]["flotillas"]
+    assert first["start_epoch"] == 0 and again["start_epoch"] >= 1  # consume-only epochs are quick: 1 or 2
+    assert all(m["epochs"] == 3 for m in models.values())
+    flotillas = results["delivery"]["flotillas"]
+    assert all(info["topology"] == topology for info in flotillas.values())
+    assert max(len(info["hubs"]) for info in flotillas.values()) >= (1 if topology == "duplicated" else 2)
+
+    # Every trainer that finished got every batch of every epoch it trained once, in order, and
+    # bit-identical to what one task makes in this process (whatever the topology, shares or faults).
+    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {"main", "alt"})
+    batches = {0: graph.source.num_batches(Split.TRAIN), 1: graph.source.num_batches(Split.VAL)}
+    received = results["delivery"]["received"]
+    assert len(received) == 4  # A, B's two ranks, C (its killed trainer never reports; the resumed one does)
+    for trainer, messages in received.items():
+        flotilla, name, _ = trainer.split("/")
+        stream = models[name]["input"]
+        expected, epochs = [], sorted({m[2] for m in messages if m[0] == 0})
+        for epoch in epochs:
+            for split_id in (0, 1):
+                expected += [(0, split_id, epoch, i, _reference_crc(graph, cfg.seed, stream, split_id, epoch, i))
+                             for i in range(batches[split_id])]
+                expected.append((1, split_id, epoch, 0, zlib.crc32(b"", zlib.crc32(b""))))
+        assert [tuple(m) for m in messages[:-1]] == expected, trainer
+        assert messages[-1][0] == 2  # STOP
+    assert {len({m[2] for m in msgs if m[0] == 0}) for t, msgs in received.items() if f"/{VICTIM}/" in t} \
+        == {3 - again["start_epoch"]}
+
+    # Clean shutdown: no shared memory, no process left.
+    assert {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-")} <= before
+    assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
