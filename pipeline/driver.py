@@ -252,6 +252,11 @@ class Driver:
                 thread.commands.put(("continue", None))
             for thread in self.threads.values():
                 thread.join(timeout=120)
+        # A flotilla thread may fail while closing, after the scheduler is done: that is an error too.
+        while not self.events.empty():
+            kind, _, payload = self.events.get()
+            if kind == "error":
+                raise payload
 
     def _free_slots(self, model: str) -> None:
         for slot in self.assigned.pop(model, ()):

@@ -214,23 +214,25 @@ class Flotilla:
             process.join(timeout)
 
     def close(self) -> None:
-        self.abort.set()
-        for _, commands in self.hubs:
-            commands.put(None)
-        _stop_processes([p for processes in self.processes.values() for p in processes])
-        for ring in self.rings.values():  # no hub waits on a trainer that is gone
-            for reader in range(ring.consumers):
-                ring.detach(reader)
-        for process, _ in self.hubs:  # a hub in the middle of a split lets its batch tasks finish first
-            process.join(HUB_EXIT_S)
-        _stop_processes([p for p, _ in self.hubs])
-        for process, _ in self.hubs:  # hand-off files of batch tasks a stopped hub never took
-            remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
-        for ring in self.rings.values():
-            ring.close()
-        for q in [self.reports, self.hub_events] + [commands for _, commands in self.hubs]:
-            q.close()
-            q.join_thread()
+        try:
+            self.abort.set()
+            for _, commands in self.hubs:
+                commands.put(None)
+            _stop_processes([p for processes in self.processes.values() for p in processes])
+            for ring in self.rings.values():  # no hub waits on a trainer that is gone
+                for reader in range(ring.consumers):
+                    ring.detach(reader)
+            for process, _ in self.hubs:  # a hub in the middle of a split lets its batch tasks finish first
+                process.join(HUB_EXIT_S)
+            _stop_processes([p for p, _ in self.hubs])
+            for process, _ in self.hubs:  # hand-off files of batch tasks a stopped hub never took
+                remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
+        finally:
+            for ring in self.rings.values():
+                ring.close()
+            for q in [self.reports, self.hub_events] + [commands for _, commands in self.hubs]:
+                q.close()
+                q.join_thread()
 
 
 def _stop_processes(processes: list[mp.Process]) -> None:

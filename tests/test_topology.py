@@ -162,7 +162,8 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
                           "pipeline.image_size=32", "pipeline.alt_image_size=24", "cluster.workers=2",
                           "cluster.nodes=2", "trainer.slots=4", "trainer.epochs=3", "trainer.consume_only=true",
                           "trainer.record_checksums=true"])
-    before = {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-")}
+    rings = lambda: {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{os.getpid()}-")}
+    before = rings()
     killer = threading.Thread(target=_kill_a_worker_then_a_trainer, args=(out,), daemon=True)
     killer.start()
     results = run(cfg, out)
@@ -199,5 +200,5 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
         == {3 - again["start_epoch"]}
 
     # Clean shutdown: no shared memory, no process left.
-    assert {name for name in os.listdir("/dev/shm") if name.startswith("ensemble-")} <= before
+    assert rings() <= before
     assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]

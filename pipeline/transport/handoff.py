@@ -50,4 +50,7 @@ class SharedArray:
 def remove_all(prefix: str) -> None:
     """Delete what tasks of a run left behind (a stopped run, a killed worker)."""
     for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # its task's own clean-up got there first
+            pass
