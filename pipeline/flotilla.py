@@ -23,7 +23,7 @@ from pipeline.trainer import ModelSpec, TrainerSpec, trainer_main
 from pipeline.transport.base import StreamLayout
 from pipeline.transport.handoff import HANDOFF_PREFIX, remove_all
 from pipeline.transport.shm import Ring
-from stages.base import Spec, Split
+from stages.base import BadFileError, Spec, Split
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,8 @@ class Flotilla:
         except queue.Empty:
             pass
         for kind, rank, *rest in events:
+            if kind == "bad_file":
+                raise BadFileError(rest[0])
             if kind == "error":
                 raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) failed:\n{rest[0]}")
             if kind == "stopped":

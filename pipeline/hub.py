@@ -21,7 +21,7 @@ from pipeline.graph import StageGraph
 from pipeline.topology import DeliveryGroup, Hub
 from pipeline.transport.base import MessageKind
 from pipeline.transport.shm import Ring
-from stages.base import Batch, Split
+from stages.base import BadFileError, Batch, Split
 
 OCCUPANCY_SAMPLES = 2000  # ring occupancy samples kept per hub (evenly thinned)
 
@@ -47,6 +47,9 @@ def hub_main(spec: HubSpec, commands, events, abort) -> None:
     """Process entry point. `abort` (an Event) ends it between batches."""
     try:
         HubProcess(spec, events, abort).serve(commands)
+    except BadFileError as err:  # a user's data file, named: the driver raises it as it is
+        events.put(("bad_file", spec.hub.rank, str(err)))
+        raise
     except BaseException:
         events.put(("error", spec.hub.rank, traceback.format_exc()))
         raise

@@ -95,7 +95,7 @@ def test_validation_is_center_crop_without_randomness():
 
 def test_random_crop_flips_about_half_the_time(source):
     image = np.tile(np.arange(64, dtype=np.uint8)[None, :, None], (64, 1, 3))
-    batch = Batch([image] * 400, np.zeros(400, np.int64), ["x"] * 400)
+    batch = Batch([image] * 400, np.zeros(400, np.int64), [f"x{i}.jpg" for i in range(400)])  # seeded per file
     out = RandomResizedCropFlip(size=16, scale=(1.0, 1.0), ratio=(1.0, 1.0))(batch, ctx()).data
     flipped = out[:, 0, 0, 0] > out[:, 0, -1, 0]
     assert 150 < flipped.sum() < 250
