@@ -322,6 +322,19 @@ def plot(parts: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def save(args: argparse.Namespace, root: Path, parts: dict, largest: int, load_before, started: float,
+         finished: bool) -> dict:
+    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "finished": finished,
+              "machine": machine_info(),
+              "dataset": {"root": str(root), "classes": args.classes, "per_class": args.per_class,
+                          "image_size": args.image_size, "batch_size": 64},
+              "epochs": args.epochs, "real_epochs": args.real_epochs, "parts": parts,
+              "targets": evaluate(parts, largest), "load_average_before": load_before,
+              "load_average_after": os.getloadavg(), "wall_s": time.perf_counter() - started}
+    (args.out / "topology.json").write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
 def main() -> None:
     args = parse_args()
     from pipeline.synthetic import generate_imagefolder
@@ -356,16 +369,10 @@ def main() -> None:
                 again["earlier_failures"] = [record]
                 record = again
             parts[part].append(record)
-    targets = evaluate(parts, largest)
-    print_tables(parts, targets)
+            save(args, root, parts, largest, load_before, started, finished=False)  # a killed run keeps its figures
+    report = save(args, root, parts, largest, load_before, started, finished=True)
+    print_tables(parts, report["targets"])
     plot(parts, args.out / "topology.png")
-    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine_info(),
-              "dataset": {"root": str(root), "classes": args.classes, "per_class": args.per_class,
-                          "image_size": args.image_size, "batch_size": 64},
-              "epochs": args.epochs, "real_epochs": args.real_epochs, "parts": parts, "targets": targets,
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "wall_s": time.perf_counter() - started}
-    (args.out / "topology.json").write_text(json.dumps(report, indent=2, default=str))
     print(f"\n{args.out / 'topology.json'}, {args.out / 'topology.png'}; {report['wall_s']:.0f} s")
 
 
