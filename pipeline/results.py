@@ -179,7 +179,7 @@ class RunRecorder:
         total, count = self.epoch_probs.get(epoch, (0.0, 0))
         total, count = total + event["probs"], count + 1
         if count == len(self.models):
-            del self.epoch_probs[epoch]
+            self.epoch_probs.pop(epoch, None)  # absent when one model makes the whole ensemble
             self.ensemble_accuracy[epoch] = self._accuracy(total)
         else:
             self.epoch_probs[epoch] = (total, count)

@@ -136,19 +136,20 @@ def test_synthetic_stand_in_is_generated_once_and_labelled(tmp_path):
 
 def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
     """What a user types: two jobs, synthetic data generated, results written."""
-    before = shm_segments()
     command = [sys.executable, "-m", "pipeline", "-m", "+ensemble=caltech256", f"dataset.root={tmp_path / 'data'}",
                "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",
                "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1", "seed=0,1",
                f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = job.communicate(timeout=600)
+    done = subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "SYNTHETIC stand-in" in done.stdout and "dataset.root=" in done.stdout
     assert "trainer.device=cuda" in done.stdout and "+ensemble=caltech256_paper" in done.stdout
     jobs = sorted((tmp_path / "multirun").glob("*/results.json"))
     assert len(jobs) == 2
     assert [json.loads(j.read_text())["config"]["seed"] for j in jobs] == [0, 1]
-    assert shm_segments() <= before
+    assert shm_segments(job.pid) == set()  # the jobs' rings (named by the driver's pid) are gone
 
 
 def test_cli_unwritable_output_directory_is_a_clear_error(tmp_path):
