@@ -83,26 +83,6 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
-def patch_single_model_validation() -> None:
-    """Work-around, in this process only, for a bug of pipeline/results.py
-    (RunRecorder._add_validation deletes a per-epoch running sum it never
-    stored when the ensemble has one model: KeyError 0 at the first epoch's
-    end). Pre-storing the empty sum is what the code means; with 2+ models it
-    changes nothing."""
-    from pipeline.results import RunRecorder
-
-    original = RunRecorder._add_validation
-    if getattr(original, "bench_patched", False):
-        return
-
-    def add_validation(self, record, event):
-        self.epoch_probs.setdefault(event["epoch"], (0.0, 0))
-        return original(self, record, event)
-
-    add_validation.bench_patched = True
-    RunRecorder._add_validation = add_validation
-
-
 def skip_html_reports() -> None:
     """Each run's HTML report and Dask performance report cost 3-5 s of the
     run's end and measure nothing here: replaced, in this process only, by
@@ -343,7 +323,6 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     root = args.cache.resolve()
     generate_imagefolder(root, args.classes, args.per_class, seed=0)
-    patch_single_model_validation()
     if not args.html_reports:
         skip_html_reports()
     largest = max(args.models)
