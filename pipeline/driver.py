@@ -136,13 +136,16 @@ class FlotillaThread(threading.Thread):
         task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
                                    total=graph.source.num_batches(split))
         done: set[int] = set()
+        tasks: set[tuple] = set()  # batch tasks recorded: (index, worker, start)
         flotilla.run_split(split, epoch)
         while len(done) < len(flotilla.plan.hubs) and flotilla.members:
-            for kind, rank, _, _, stats in flotilla.hub_progress(timeout=0.2):
+            for kind, rank, _, index, stats in flotilla.hub_progress(timeout=0.2):
                 if kind == "split_done":
                     done.add(rank)
                     continue
-                if stats is not None:
+                made = (index, stats.worker, stats.started) if stats is not None else None
+                if made and made not in tasks:  # a task shared by several producers counts once
+                    tasks.add(made)
                     for path, reason in r.recorder.add_batch(stats, train=split is Split.TRAIN):
                         r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
                 if rank in leads:

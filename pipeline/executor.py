@@ -13,6 +13,7 @@ import os
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -51,22 +52,28 @@ class Executor:
     """Use as a context manager: on exit it waits for tasks still running and
     removes whatever they left in shared memory. With `node`, batch tasks run
     only on that node's workers; with `parts` > 1, each task makes share
-    `part` of its batch."""
+    `part` of its batch. Executors given the same `shared_keys` (and graph)
+    share their batch tasks through Dask: a batch one of them has made, or is
+    making, is not made again while some executor still holds it; each keeps
+    its last `retain` batches for the others."""
 
     def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: str, in_flight: int,
-                 node: int | None = None, part: int = 0, parts: int = 1):
+                 node: int | None = None, part: int = 0, parts: int = 1, shared_keys: str | None = None,
+                 retain: int = 0):
         if in_flight < 1:
             raise ValueError(f"cluster.in_flight must be >= 1 batch, got {in_flight}")
         self.client, self.graph, self.seed, self.on_error, self.in_flight = client, graph, seed, on_error, in_flight
         self.part, self.parts = part, parts
         self.resources = {node_resource(node): 1} if node is not None else None
-        self.run_id = uuid.uuid4().hex[:8]
+        self.run_id = shared_keys or uuid.uuid4().hex[:8]
+        self.retained: deque = deque(maxlen=retain)  # futures kept after use, for executors sharing keys
         # Workers get the graph (it holds the file list) once, not with every task: as a task's result,
         # not scattered data, so that Dask can make it again if every worker holding it dies.
         self.graph_future = client.submit(_the_graph, graph, key=f"graph-{self.run_id}", pure=False)
         here = socket.gethostname()
         same_node = all(host == here for host in client.run(socket.gethostname).values())
-        self.share_prefix = f"{HANDOFF_PREFIX}-{os.getpid()}-{self.run_id}" if same_node else None
+        # Shared tasks are taken by several executors: their results come through Dask, not a hand-off file.
+        self.share_prefix = f"{HANDOFF_PREFIX}-{os.getpid()}-{self.run_id}" if same_node and not shared_keys else None
         self.pending: dict = {}
 
     def __enter__(self) -> Executor:
@@ -78,6 +85,7 @@ class Executor:
         except TimeoutError:
             pass
         self.pending.clear()
+        self.retained.clear()
         if self.share_prefix:
             remove_all(self.share_prefix)
 
@@ -93,7 +101,9 @@ class Executor:
                     run_batch, self.graph_future, self.seed, split, epoch, submitted, self.part, self.parts,
                     self.on_error, share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
                 submitted += 1
-            output = self.pending.pop(index).result()
+            future = self.pending.pop(index)
+            output = future.result()
+            self.retained.append(future)
             for batch in output.streams.values():
                 if isinstance(batch.data, SharedArray):
                     batch.data = batch.data.take()

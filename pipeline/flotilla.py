@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import socket
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,14 +108,18 @@ class Flotilla:
         rendezvous = f"tcp://{delivery.rendezvous_host}:{_free_port(delivery.rendezvous_host)}"
         all_groups = tuple(group.hubs for group in self.plan.groups)
         node_device = {node: device for m in self.members.values() for node, device in zip(m.nodes, m.devices)}
+        # multi_broadcast groups make the same batches (of the whole flotilla's graph) under shared
+        # task keys, so Dask makes each once while the groups keep within a window of each other.
+        shared = self.plan.topology == "multi_broadcast" and len(self.plan.groups) > 1
+        shared_keys = uuid.uuid4().hex[:8] if shared else None
         for hub in self.plan.hubs:
             group = self.plan.groups[hub.group]
-            streams = {self.members[name].model.input for name in group.members}
+            streams = {self.members[name].model.input for name in (self.members if shared else group.members)}
             spec = HubSpec(hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node],
                            delivery.scheduler, graph.feeding(streams), delivery.seed, delivery.on_error,
                            delivery.in_flight[hub.node],
                            {stream: ring for (rank, stream), ring in self.rings.items() if rank == hub.rank},
-                           setup.record_checksums)
+                           setup.record_checksums, shared_keys)
             commands = self.context.Queue()
             process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events, self.abort),
                                            name=f"hub-{hub.rank}-node{hub.node}", daemon=True)

@@ -23,6 +23,9 @@ from pipeline.transport.base import MessageKind
 from pipeline.transport.shm import Ring
 from stages.base import BadFileError, Batch, Split
 
+# multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
+# to that far behind takes them instead of making them again (memory: that many batches per producer).
+SHARED_WINDOW = 4
 OCCUPANCY_SAMPLES = 2000  # ring occupancy samples kept per hub (evenly thinned)
 
 
@@ -41,6 +44,7 @@ class HubSpec:
     in_flight: int
     rings: dict[str, Ring]  # stream -> this node's ring for the group's trainers here
     record_checksums: bool
+    shared_keys: str | None  # multi_broadcast: the groups' producers share batch tasks under these keys
 
 
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
@@ -90,7 +94,9 @@ class HubProcess:
                     client = stack.enter_context(Client(spec.scheduler, timeout="30s"))
                     executor = stack.enter_context(Executor(client, spec.graph, spec.seed, spec.on_error,
                                                             spec.in_flight, node=spec.hub.node, part=spec.hub.part,
-                                                            parts=spec.group.parts))
+                                                            parts=spec.group.parts, shared_keys=spec.shared_keys,
+                                                            retain=SHARED_WINDOW * spec.in_flight
+                                                            if spec.shared_keys else 0))
                 for split, epoch in iter(commands.get, None):
                     self._split(executor, Split(split), epoch)
                 if not self.abort.is_set():

@@ -113,3 +113,15 @@ def test_runs_on_an_existing_scheduler_given_its_address(tiny_dataset, tmp_path)
         for process in processes:
             process.terminate()
             process.wait(30)
+
+
+def test_executors_sharing_keys_make_each_batch_once(tiny_dataset):
+    """multi_broadcast's producers: same keys and graph, one task per batch between them."""
+    graph = build_graph(stages(tiny_dataset), {"out"})
+    with dask_client(None, 2, 1) as client, \
+            Executor(client, graph, 0, "skip", 2, shared_keys="k", retain=16) as first, \
+            Executor(client, graph, 0, "skip", 2, shared_keys="k", retain=16) as second:
+        ahead = list(first.batches(Split.TRAIN, 0))  # the second lags a whole epoch (12 batches) behind
+        behind = list(second.batches(Split.TRAIN, 0))
+    assert [checksum(i, out) for i, out in ahead] == [checksum(i, out) for i, out in behind]
+    assert [(out.worker, out.started) for _, out in ahead] == [(out.worker, out.started) for _, out in behind]
