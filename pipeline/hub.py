@@ -80,6 +80,7 @@ class HubProcess:
         self.sent: dict[str, list] = {stream: [] for stream in spec.rings}
         self.publish_wait_s = self.exchange_s = 0.0
         self.occupancy: list[tuple[float, int]] = []  # (time.time(), slots held by the slowest reader)
+        self.latency_ms: list[float] = []  # per batch: exchange + writing into the rings (waits included)
 
     def serve(self, commands) -> None:
         from dask.distributed import Client
@@ -119,7 +120,7 @@ class HubProcess:
                 made_index, output = next(made)
                 assert made_index == index
                 streams = {name: (batch.data, batch.labels) for name, batch in output.streams.items()}
-            started = time.perf_counter()
+            exchange_started = started = time.perf_counter()
             if self.link and self.spec.group.gather:
                 streams = self.link.all_gather(index, streams)
             elif self.link:
@@ -134,6 +135,9 @@ class HubProcess:
                     crc = zlib.crc32(labels.tobytes(), zlib.crc32(images.tobytes()))
                     self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
             self.publish_wait_s += time.perf_counter() - started
+            self.latency_ms.append(1000 * (time.perf_counter() - exchange_started))
+            if len(self.latency_ms) > 2 * OCCUPANCY_SAMPLES:
+                self.latency_ms = self.latency_ms[::2]
             self.events.put(("batch", self.spec.hub.rank, split.value, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
         self.events.put(("split_done", self.spec.hub.rank, split.value, None, None))
@@ -157,7 +161,7 @@ class HubProcess:
                 "sent_bytes": link.bytes_sent if link else 0, "received_bytes": link.bytes_received if link else 0,
                 "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
                 "ring_slots": {stream: ring.slots for stream, ring in self.spec.rings.items()},
-                "occupancy": self.occupancy, "sent_checksums": self.sent}
+                "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent}
 
 
 def _stats_only(output):

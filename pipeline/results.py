@@ -120,6 +120,9 @@ class RunRecorder:
                     "full_pct": 100 * float((held >= slots).mean()) if len(held) else None,
                     "empty_pct": 100 * float((held == 0).mean()) if len(held) else None,
                     "series": [(round(t - self.origin, 3), int(h)) for t, h in samples]}
+                latency = summary.pop("latency_ms")
+                summary["latency_ms"] = {f"p{q}": float(np.percentile(latency, q)) for q in (50, 95)} \
+                    if latency else None
                 self.delivery[flotilla]["hubs"][rank] = summary
 
     def joined(self, model: str, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
@@ -208,6 +211,12 @@ class RunRecorder:
                 "train_images": self.train_images,
                 "images_per_s": self.train_images / wall_s if wall_s else None,
                 "cpu_s_per_epoch": busy / epochs if epochs else None,
+                "occupancy": {
+                    f"flotilla {f} hub {rank} ring": {"capacity": max(hub["ring_slots"].values(), default=1),
+                                                      "t_s": [t for t, _ in hub["occupancy"]["series"]],
+                                                      "filled": [h for _, h in hub["occupancy"]["series"]]}
+                    for f, info in self.delivery.items() for rank, hub in info["hubs"].items()
+                    if len(hub["occupancy"]["series"]) > 1},
                 "stages": {name: {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "items": t.items,
                                   "cpu_share_pct": 100 * t.cpu_s / busy if busy else None,
                                   "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
@@ -217,6 +226,10 @@ class RunRecorder:
             },
             "delivery": {"flotillas": {str(flotilla): info for flotilla, info in self.delivery.items()},
                          "received": self.checksums},
+            "transport": {"streams": {
+                f"flotilla {f} {info['topology']} hub {rank} node {hub['node']}": {
+                    "bytes": hub["ring_bytes"] + hub["sent_bytes"], "latency_ms": hub["latency_ms"]}
+                for f, info in self.delivery.items() for rank, hub in info["hubs"].items()}},
             "timeline": self.timeline,
             "skipped": [{"path": p, "reason": r} for p, r in sorted(self.skipped.items())],
             "converted": [{"path": p, "what": w} for p, w in sorted(self.converted.items())],
