@@ -89,25 +89,38 @@ class Executor:
         if self.share_prefix:
             remove_all(self.share_prefix)
 
-    def batches(self, split: Split, epoch: int) -> Iterator[tuple[int, BatchOutput]]:
-        """(index, output) for every batch of the split's epoch, in index order."""
+    def batches(self, split: Split, epoch: int, then: tuple[Split, int] | None = None
+                ) -> Iterator[tuple[int, BatchOutput]]:
+        """(index, output) for every batch of the split's epoch, in index order.
+        With `then` (the split and epoch expected next), that split's first
+        batches are submitted as this one drains: the workers do not idle while
+        the trainers finish an epoch. A guess that turns out wrong costs those tasks."""
         total = self.graph.source.num_batches(split)
-        submitted = 0
+        following = self.graph.source.num_batches(then[0]) if then else 0
         for index in range(total):
-            while submitted < min(total, index + self.in_flight):
-                name = f"{split.value}-{epoch}-{submitted}-{self.part}"
-                share_as = f"{self.share_prefix}-{name}" if self.share_prefix else None
-                self.pending[submitted] = self.client.submit(
-                    run_batch, self.graph_future, self.seed, split, epoch, submitted, self.part, self.parts,
-                    self.on_error, share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
-                submitted += 1
-            future = self.pending.pop(index)
+            for ahead in range(index, index + self.in_flight):
+                if ahead < total:
+                    self._submit(split, epoch, ahead)
+                elif ahead - total < following:
+                    self._submit(then[0], then[1], ahead - total)
+            future = self.pending.pop((split, epoch, index))
             output = future.result()
             self.retained.append(future)
             for batch in output.streams.values():
                 if isinstance(batch.data, SharedArray):
                     batch.data = batch.data.take()
             yield index, output
+        for ahead in range(min(following, self.in_flight)):  # this split is done: the next one's window
+            self._submit(then[0], then[1], ahead)
+
+    def _submit(self, split: Split, epoch: int, index: int) -> None:
+        if (split, epoch, index) in self.pending:
+            return
+        name = f"{split.value}-{epoch}-{index}-{self.part}"
+        share_as = f"{self.share_prefix}-{name}" if self.share_prefix else None
+        self.pending[split, epoch, index] = self.client.submit(
+            run_batch, self.graph_future, self.seed, split, epoch, index, self.part, self.parts, self.on_error,
+            share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
 
 
 def worker_count(workers: int | str) -> int:

@@ -111,7 +111,9 @@ class HubProcess:
 
     def _split(self, executor, split: Split, epoch: int) -> None:
         split_id = list(Split).index(split)
-        made = executor.batches(split, epoch) if executor else None
+        # The driver runs a flotilla's epochs in order, TRAIN then VAL: what comes next is known.
+        then = (Split.VAL, epoch) if split is Split.TRAIN else (Split.TRAIN, epoch + 1)
+        made = executor.batches(split, epoch, then) if executor else None
         for index in range(self.spec.graph.source.num_batches(split)):
             if self.abort.is_set():  # the flotilla is closing: leave, letting the executor clean up
                 return

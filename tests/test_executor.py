@@ -125,3 +125,13 @@ def test_executors_sharing_keys_make_each_batch_once(tiny_dataset):
         behind = list(second.batches(Split.TRAIN, 0))
     assert [checksum(i, out) for i, out in ahead] == [checksum(i, out) for i, out in behind]
     assert [(out.worker, out.started) for _, out in ahead] == [(out.worker, out.started) for _, out in behind]
+
+
+def test_the_next_split_is_submitted_while_this_one_drains(tiny_dataset):
+    graph = build_graph(stages(tiny_dataset), {"out"})
+    with dask_client(None, 1, 1) as client, Executor(client, graph, 3, "skip", 2) as executor:
+        list(executor.batches(Split.TRAIN, 0, then=(Split.VAL, 0)))
+        assert set(executor.pending) == {(Split.VAL, 0, 0), (Split.VAL, 0, 1)}  # in_flight of them, ready
+        prefetched = [checksum(i, out) for i, out in executor.batches(Split.VAL, 0)]
+    with dask_client(None, 1, 1) as client, Executor(client, graph, 3, "skip", 2) as executor:
+        assert prefetched == [checksum(i, out) for i, out in executor.batches(Split.VAL, 0)]
