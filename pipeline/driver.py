@@ -146,7 +146,9 @@ class FlotillaThread(threading.Thread):
                 made = (index, stats.worker, stats.started) if stats is not None else None
                 if made and made not in tasks:  # a task shared by several producers counts once
                     tasks.add(made)
-                    for path, reason in r.recorder.add_batch(stats, train=split is Split.TRAIN):
+                    # Images the flotilla received: one group's batches (the others get the same ones).
+                    counted = split is Split.TRAIN and flotilla.plan.hubs[rank].group == 0
+                    for path, reason in r.recorder.add_batch(stats, train=counted):
                         r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
                 if rank in leads:
                     leads[rank] += 1

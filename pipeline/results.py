@@ -74,7 +74,8 @@ class RunRecorder:
         self.delivery: dict[int, dict] = {}  # flotilla -> its topology, why, and what each hub moved
 
     def add_batch(self, output: BatchOutput, train: bool) -> list[tuple[str, str]]:
-        """Folds a batch's timings in; returns the files it skipped for the first time."""
+        """Folds a batch's timings in; returns the files it skipped for the first time.
+        `train`: its images count as training images delivered (pipeline.images_per_s)."""
         with self.lock:
             for name, timing in output.timings.items():
                 total = self.stages[name]
