@@ -124,6 +124,9 @@ MODELS = ("[{name: A, arch: resnet, depth: 10, width: 8, input: main},"
           " {name: B, arch: resnet, depth: 10, width: 8, input: alt, slots: 2},"
           " {name: C, arch: resnet, depth: 10, width: 8, input: main}]")
 VICTIM = "C"
+# Batch tasks sleep a little: consume-only epochs would otherwise end before the faults land.
+PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [decode], seconds: 0.15}",
+         "pipeline.stages.crop_main.inputs=[pace]", "pipeline.stages.crop_alt.inputs=[pace]"]
 
 
 def _kill_a_worker_then_a_trainer(out):
@@ -161,7 +164,7 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
                           f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
                           "pipeline.image_size=32", "pipeline.alt_image_size=24", "cluster.workers=2",
                           "cluster.nodes=2", "trainer.slots=4", "trainer.epochs=3", "trainer.consume_only=true",
-                          "trainer.record_checksums=true"])
+                          "trainer.record_checksums=true", *PACED])
     rings = lambda: {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{os.getpid()}-")}
     before = rings()
     killer = threading.Thread(target=_kill_a_worker_then_a_trainer, args=(out,), daemon=True)
