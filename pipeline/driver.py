@@ -115,10 +115,15 @@ class FlotillaThread(threading.Thread):
             while flotilla.members and not self.stop_requested.is_set():
                 # Each flotilla epoch gets its own shuffle: flotillas do not replay each other's order.
                 epoch = self.flotilla_id * 1000 + local_epoch
-                # A trainer may report its validation before the driver hears that the hubs are done.
-                early = [report for split in (Split.TRAIN, Split.VAL)
-                         for report in self._deliver(flotilla, graph, split, epoch, local_epoch)]
+                # A trainer may report its validation before the driver hears that the hubs are done,
+                # and then die: its failure is told after the epoch it finished (it resumes from there).
+                early, failed_early = [], []
+                for split in (Split.TRAIN, Split.VAL):
+                    reports, failures = self._deliver(flotilla, graph, split, epoch, local_epoch)
+                    early += reports
+                    failed_early += failures
                 reports, failed = self._validation_reports(flotilla, early)
+                failed = failed_early + failed
                 # The epoch first: a trainer that reported and then died still finished it.
                 self.events.put(("epoch", self, reports))
                 for failure in failed:
@@ -127,10 +132,10 @@ class FlotillaThread(threading.Thread):
                 local_epoch += 1
 
     def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int, local_epoch: int
-                 ) -> list[dict]:
-        """The hubs deliver one split's epoch; meanwhile trainers' reports and failures are handled.
-        Returns the validation reports that came in."""
-        validation = []
+                 ) -> tuple[list[dict], list[tuple[str, str]]]:
+        """The hubs deliver one split's epoch; meanwhile trainers' reports are recorded and failed
+        members leave. Returns the validation reports that came in, and the failures."""
+        validation, failures = [], []
         r = self.run_ctx
         leads = {group.hubs[0]: 0 for group in flotilla.plan.groups}  # batches each group has delivered
         task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
@@ -154,10 +159,9 @@ class FlotillaThread(threading.Thread):
                     leads[rank] += 1
                     r.progress.update(task, completed=min(leads.values()))
             validation += self._forward(flotilla.poll())
-            for failure in self._drop_failed(flotilla):
-                self.events.put(("failed", self, failure))
+            failures += self._drop_failed(flotilla)
         r.progress.remove_task(task)
-        return validation
+        return validation, failures
 
     def _forward(self, reports: list[dict]) -> list[dict]:
         """Training reports go to the recorder; validation ones are returned."""
