@@ -8,6 +8,7 @@ yields the same bytes: no batch is lost or duplicated.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import os
 import socket
@@ -15,10 +16,12 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import dask
-from dask.distributed import Client, LocalCluster, get_worker, wait
+from dask.distributed import Client, LocalCluster, get_worker, performance_report, wait
+from rich.console import Console
 
 from pipeline.graph import BatchOutput, StageGraph
 from pipeline.transport.handoff import HANDOFF_PREFIX, SharedArray, remove_all
@@ -157,6 +160,16 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
         cluster.scale(count)
         client.wait_for_workers(count)
         yield client
+
+
+def dask_performance_report(client: Client, path: Path, console: Console):
+    """Dask's performance report of what runs inside (inline: opens offline), or
+    nothing, said once, when the scheduler cannot draw it (a remote one without bokeh)."""
+    if not client.run_on_scheduler(lambda: importlib.util.find_spec("bokeh") is not None):
+        console.print(f"[yellow]note[/] no {path.name}: install bokeh (pip install 'bokeh>=3.1') where the Dask "
+                      "scheduler runs for Dask's performance report")
+        return nullcontext()
+    return performance_report(filename=str(path), mode="inline")
 
 
 def node_threads(client: Client, nodes: int) -> dict[int, int]:

@@ -20,28 +20,26 @@ lies next to the report when bokeh is installed.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import queue
 import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-from dask.distributed import Client, performance_report
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from pipeline.dataset import prepare_dataset
 from pipeline.devices import resolve_device
-from pipeline.executor import Executor, dask_client, worker_count
+from pipeline.executor import Executor, dask_client, dask_performance_report, worker_count
 from pipeline.graph import BatchOutput, StageGraph, build_graph
 from pipeline.report import write_report
+from pipeline.report.build import DASK_REPORT
 from pipeline.results import RunRecorder, print_summary, write_json
 from pipeline.run import ConfigError, check_output_dir, expand_ensemble
 from pipeline.trainer import MEAN, STD, ModelSpec
@@ -49,7 +47,6 @@ from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
 CACHED_BATCHES = 4  # distinct decoded batches held in memory for the cached pass, cycled: augmenting costs the same
-DASK_REPORT = "dask-report.html"
 
 
 def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: int = 10, warmup: int = 2) -> dict:
@@ -88,9 +85,8 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
     params = {m.name: trainees[_shape(m)].params for m in models}
     recorder = RunRecorder(models, params, image_sizes)
     differential: dict[str, dict] = {}
-    dask_report = output_dir / DASK_REPORT
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
-            _dask_report(client, dask_report, console):
+            dask_performance_report(client, output_dir / DASK_REPORT, console):
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
         with Executor(client, graph, cfg.seed, cfg.on_error, in_flight) as executor:
@@ -166,15 +162,6 @@ def _by_shape(models: list[ModelSpec]) -> dict[tuple, list[ModelSpec]]:
     for model in models:
         shapes.setdefault(_shape(model), []).append(model)
     return shapes
-
-
-def _dask_report(client: Client, path: Path, console: Console):
-    # The scheduler draws the report, with bokeh: a remote scheduler may lack it.
-    if not client.run_on_scheduler(lambda: importlib.util.find_spec("bokeh") is not None):
-        console.print(f"[yellow]note[/] no {DASK_REPORT}: install bokeh (pip install 'bokeh>=3.1') for Dask's "
-                      "performance report")
-        return nullcontext()
-    return performance_report(filename=str(path), mode="inline")
 
 
 def _batches(executor: Executor, count: int) -> Iterator[BatchOutput]:

@@ -7,7 +7,6 @@ import math
 import time
 from pathlib import Path
 
-from dask.distributed import performance_report
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -16,11 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.dataset import DatasetInfo, prepare_dataset
 from pipeline.devices import check_memory, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.driver import Convergence, Driver, RunContext, TopologyChoice
-from pipeline.executor import Executor, dask_client, node_threads, worker_count
+from pipeline.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
 from pipeline.flotilla import DeliverySetup, TrainingSetup
 from pipeline.graph import StageGraph, build_graph
 from pipeline.profiling import format_table, profile_ensemble, save_table
 from pipeline.report import write_report
+from pipeline.report.build import DASK_REPORT
 from pipeline.results import RunRecorder, print_summary, write_json
 from pipeline.scheduler import Cluster, ProfileMeasured, Scheduler, make_policy
 from pipeline.topology import TOPOLOGIES
@@ -100,7 +100,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
                           cfg.trainer.consume_only)
     training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes) as client, \
-            performance_report(filename=str(output_dir / "dask-report.html"), mode="inline"), \
+            dask_performance_report(client, output_dir / DASK_REPORT, console), \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
         threads_of_node = node_threads(client, nodes)

@@ -91,7 +91,7 @@ def skip_html_reports() -> None:
 
     import pipeline.run as run_module
 
-    run_module.performance_report = lambda **_: contextlib.nullcontext()
+    run_module.dask_performance_report = lambda *_: contextlib.nullcontext()
     run_module.write_report = lambda results, output_dir: types.SimpleNamespace(summary="", html="(not written)")
 
 
