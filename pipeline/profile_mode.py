@@ -24,7 +24,6 @@ import math
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.results import RunRecorder, print_summary, write_json
 from pipeline.run import ConfigError, check_output_dir, expand_ensemble
-from pipeline.trainer import MEAN, STD, ModelSpec
+from pipeline.trainer import ModelSpec, SGDStep
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -323,10 +322,7 @@ class _Trainee:
         self.net = build_model(model.arch, model.depth, model.width, model.growth_rate, classes,
                                image_size=image_size).to(self.device).to(memory_format=torch.channels_last)
         self.params = count_parameters(self.net)
-        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=model.lr, momentum=model.momentum,
-                                         weight_decay=model.weight_decay, nesterov=True)
-        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
+        self.step = SGDStep(self.net, model, self.device)
 
     def train(self, feed: Iterator[BatchOutput], stream: str, warmup: int) -> _Pass:
         torch = self.torch
@@ -357,13 +353,6 @@ class _Trainee:
         return timed
 
     def _step(self, images: np.ndarray, labels: np.ndarray) -> float:
-        torch = self.torch
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # we only read it
-            x = torch.from_numpy(images).to(self.device).permute(0, 3, 1, 2).float()
-        y = torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
-        loss = torch.nn.functional.cross_entropy(self.net((x - self.mean) / self.std), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return float(loss.detach())  # waits for the device: the step's time is its own
+        x = self.step.normalise(images)
+        y = self.torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
+        return float(self.step(x, y).detach())  # waits for the device: the step's time is its own

@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 
 from pipeline.scheduler.profile import Profile
-from pipeline.trainer import MEAN, STD, ModelSpec
+from pipeline.trainer import ModelSpec, SGDStep
 
 
 REPORT_TIMEOUT_S = 600  # a profile run silent this long is taken as hung
@@ -227,8 +227,6 @@ def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size
             torch.cuda.set_device(device)
         net = build_model(model.arch, model.depth, model.width, model.growth_rate, num_classes,
                           image_size=image_size).to(device, memory_format=torch.channels_last)
-        optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
-                                    weight_decay=model.weight_decay, nesterov=True)
         if world > 1:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous,
                                     rank=rank, world_size=world)
@@ -238,18 +236,13 @@ def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size
         random = np.random.default_rng(rank)
         images = random.integers(0, 256, (batch_size, image_size, image_size, 3), dtype=np.uint8)[rank::world]
         labels = torch.from_numpy(random.integers(0, num_classes, batch_size)[rank::world].copy())
-        mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        train_step = SGDStep(net, model, device)
         net.train()
         step_seconds = []
         for step in range(warmup + steps):
             _synchronize(torch, device)
             started = time.perf_counter()
-            x = (torch.from_numpy(images).to(device, non_blocking=True).permute(0, 3, 1, 2).float() - mean) / std
-            loss = torch.nn.functional.cross_entropy(net(x), labels.to(device, non_blocking=True))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            train_step(train_step.normalise(images), labels.to(device, non_blocking=True))
             _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
             if step >= warmup:
                 step_seconds.append(time.perf_counter() - started)

@@ -55,6 +55,36 @@ class TrainerSpec:
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
 
 
+class SGDStep:
+    """A training step as every trainer takes it (trainers, FLEET profiling, profile
+    mode): a uint8 NHWC batch normalised on the device, cross-entropy, Nesterov SGD."""
+
+    def __init__(self, net, model: ModelSpec, device):
+        import torch
+
+        self.torch, self.net, self.device = torch, net, device
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
+                                         weight_decay=model.weight_decay, nesterov=True)
+        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+
+    def normalise(self, images: np.ndarray):
+        """uint8 NHWC (a view that may be released after) -> normalised float NCHW on the device."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
+            x = self.torch.from_numpy(images)
+        x = x.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
+        return (x - self.mean) / self.std
+
+    def __call__(self, x, y):
+        """One step on a normalised batch; the loss, on the device."""
+        loss = self.torch.nn.functional.cross_entropy(self.net(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+
 def trainer_main(spec: TrainerSpec, reader, reports) -> None:
     """Process entry point: train until the stream says STOP."""
     try:
@@ -74,7 +104,6 @@ class Trainer:
         self.torch, self.spec, self.reports = torch, spec, reports
         torch.set_num_threads(spec.threads)
         torch.manual_seed(0)  # members differ by architecture and hyper-parameters, not by luck of the init
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # we only read
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -89,13 +118,11 @@ class Trainer:
                                     rank=spec.rank, world_size=self.world)
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=m.lr, momentum=m.momentum,
-                                         weight_decay=m.weight_decay, nesterov=True)
+        self.step = SGDStep(self.net, m, self.device)
+        self.optimizer = self.step.optimizer
         total_steps = max(1, spec.epochs * spec.steps_per_epoch)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
-        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1)
         self.checksums: list[tuple[int, int, int, int, int]] = []
         self.epoch = spec.start_epoch  # the model's own epoch count, whichever flotilla it is in
         if spec.start_epoch:
@@ -121,11 +148,6 @@ class Trainer:
         """Training counters, reported and cleared at the end of each epoch's training split."""
         self.loss_sum, self.seen, self.step_time, self.wait_time = 0.0, 0, 0.0, 0.0
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
-
-    def _to_device(self, images: np.ndarray):
-        """uint8 NHWC view -> normalised float NCHW (channels-last) on the device."""
-        x = self.torch.from_numpy(images).to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
-        return (x - self.mean) / self.std
 
     def consume(self, reader) -> None:
         from pipeline.transport.base import MessageKind
@@ -159,7 +181,7 @@ class Trainer:
                           "checksums": self.checksums})
 
     def _take(self, message) -> None:
-        self.torch.from_numpy(message.images).to(self.device, copy=True)
+        self.torch.tensor(message.images, device=self.device)  # the one copy a real step makes
         if message.split == 0:
             self.seen += len(message.labels)
         message.release()
@@ -174,14 +196,11 @@ class Trainer:
         if count < 2 * self.world:
             message.release()
             return
-        x = self._to_device(message.images[rows])
+        x = self.step.normalise(message.images[rows])
         y = torch.from_numpy(message.labels[rows].copy()).to(self.device)
         message.release()  # x and y are copies on the device: the slot may be reused
         self.net.train()
-        loss = torch.nn.functional.cross_entropy(self.net(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        loss = self.step(x, y)
         self.schedule.step()
         self.loss_sum += float(loss.detach()) * len(y)
         self.seen += len(y)
@@ -191,7 +210,7 @@ class Trainer:
             message.release()
             return
         torch = self.torch
-        x = self._to_device(message.images)
+        x = self.step.normalise(message.images)
         labels = message.labels.copy()
         message.release()
         self.model.eval()
