@@ -139,17 +139,17 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     return results
 
 
-def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float:
-    """topology=auto on several nodes: worker seconds per image, from a few
-    batches on node 0 (later flotillas use the run's own measurements)."""
-    started = time.perf_counter()
-    images = 0
+def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:
+    """topology=auto on several nodes: worker seconds per image, measured as a run
+    measures it (RunRecorder.seconds_per_image) on a few batches of node 0; later
+    flotillas use the run's own measurements."""
+    probe = RunRecorder([], {}, {})
     with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0) as executor:
         for index, output in executor.batches(Split.VAL, 0):
-            images += len(next(iter(output.streams.values())).labels)
+            probe.add_batch(output, train=False)
             if index == PROBE_BATCHES - 1:
                 break
-    return (time.perf_counter() - started) / max(images, 1)
+    return probe.seconds_per_image()
 
 
 def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot_count: bool):
