@@ -26,7 +26,7 @@ from stages.base import BadFileError, Batch, Split
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
 # to that far behind takes them instead of making them again (memory: that many batches per producer).
 SHARED_WINDOW = 4
-OCCUPANCY_SAMPLES = 2000  # ring occupancy samples kept per hub (evenly thinned)
+SAMPLES_KEPT = 2000  # ring occupancy and latency samples kept per hub (evenly thinned beyond twice this)
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,7 @@ class HubProcess:
                     crc = zlib.crc32(labels.tobytes(), zlib.crc32(images.tobytes()))
                     self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
             self.publish_wait_s += time.perf_counter() - started
-            self.latency_ms.append(1000 * (time.perf_counter() - exchange_started))
-            if len(self.latency_ms) > 2 * OCCUPANCY_SAMPLES:
-                self.latency_ms = self.latency_ms[::2]
+            self.latency_ms = _kept(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
             self.events.put(("batch", self.spec.hub.rank, split.value, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
         self.events.put(("split_done", self.spec.hub.rank, split.value, None, None))
@@ -152,9 +150,7 @@ class HubProcess:
                 self.sent[stream].append((int(kind), split_id, epoch, 0, empty_crc))
 
     def _sample(self, writer) -> None:
-        self.occupancy.append((time.time(), writer.occupancy()))
-        if len(self.occupancy) > 2 * OCCUPANCY_SAMPLES:
-            self.occupancy = self.occupancy[::2]
+        self.occupancy = _kept(self.occupancy, (time.time(), writer.occupancy()))
 
     def _summary(self) -> dict:
         link = self.link
@@ -164,6 +160,12 @@ class HubProcess:
                 "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
                 "ring_slots": {stream: ring.slots for stream, ring in self.spec.rings.items()},
                 "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent}
+
+
+def _kept(samples: list, sample) -> list:
+    """`samples` with `sample` added, halved (every other one) once it outgrows twice SAMPLES_KEPT."""
+    samples.append(sample)
+    return samples[::2] if len(samples) > 2 * SAMPLES_KEPT else samples
 
 
 def _stats_only(output):
