@@ -109,18 +109,14 @@ class RunRecorder:
                 "hubs": {}}
 
     def add_hub_summaries(self, flotilla: int, summaries: dict[int, dict]) -> None:
-        """What each hub moved, with its ring occupancy reduced to statistics."""
+        """What each hub moved. Its ring occupancy keeps the report's queue shape
+        (statistics are the report's, pipeline/report/measurements.occupancy_stats)."""
         with self.lock:
             for rank, summary in summaries.items():
                 samples = summary.pop("occupancy")
-                slots = max(summary["ring_slots"].values(), default=0)
-                held = np.array([held for _, held in samples]) if samples else np.zeros(0)
-                summary["occupancy"] = {
-                    "mean": float(held.mean()) if len(held) else None,
-                    "p95": float(np.percentile(held, 95)) if len(held) else None,
-                    "full_pct": 100 * float((held >= slots).mean()) if len(held) else None,
-                    "empty_pct": 100 * float((held == 0).mean()) if len(held) else None,
-                    "series": [(round(t - self.origin, 3), int(h)) for t, h in samples]}
+                summary["occupancy"] = {"capacity": max(summary["ring_slots"].values(), default=1),
+                                        "t_s": [round(t - self.origin, 3) for t, _ in samples],
+                                        "filled": [held for _, held in samples]}
                 latency = summary.pop("latency_ms")
                 summary["latency_ms"] = {f"p{q}": float(np.percentile(latency, q)) for q in (50, 95)} \
                     if latency else None
@@ -212,12 +208,9 @@ class RunRecorder:
                 "train_images": self.train_images,
                 "images_per_s": self.train_images / wall_s if wall_s else None,
                 "cpu_s_per_epoch": busy / epochs if epochs else None,
-                "occupancy": {
-                    f"flotilla {f} hub {rank} ring": {"capacity": max(hub["ring_slots"].values(), default=1),
-                                                      "t_s": [t for t, _ in hub["occupancy"]["series"]],
-                                                      "filled": [h for _, h in hub["occupancy"]["series"]]}
-                    for f, info in self.delivery.items() for rank, hub in info["hubs"].items()
-                    if len(hub["occupancy"]["series"]) > 1},
+                "occupancy": {f"flotilla {f} hub {rank} ring": hub["occupancy"]
+                              for f, info in self.delivery.items() for rank, hub in info["hubs"].items()
+                              if len(hub["occupancy"]["t_s"]) > 1},
                 "stages": {name: {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "items": t.items,
                                   "cpu_share_pct": 100 * t.cpu_s / busy if busy else None,
                                   "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,

@@ -33,10 +33,11 @@ import time
 import traceback
 from pathlib import Path
 
+from pipeline.report.measurements import occupancy_stats
+from pipeline.topology import TOPOLOGIES
+
 # pipeline.run (Dask, torch) is imported where it is used: spawned processes
 # (hubs, trainers) re-import this script as __mp_main__ and need none of it.
-
-TOPOLOGIES = ("single_broadcast", "all_shared", "multi_broadcast", "duplicated")
 SHARED = TOPOLOGIES[:3]
 SHARING_TARGET = 1.15  # (a) at most: CPU-s per epoch of the 8-model ensemble over one model's
 FANOUT_TARGET = 0.90  # (b) at least: each of 8 same-node consumers' rate over a single consumer's
@@ -176,7 +177,7 @@ def summarize(results: dict, image_size: int) -> dict:
         "epoch_payload_bytes": train_images * (item_bytes + 8),  # one epoch's images (uint8) and labels (int64)
         "hubs": [{k: h[k] for k in ("node", "group", "part", "ring_bytes", "sent_bytes", "received_bytes",
                                     "exchange_s", "publish_wait_s")}
-                 | {"occupancy": {k: v for k, v in h["occupancy"].items() if k != "series"}} for h in hubs],
+                 | {"occupancy": occupancy_stats(h["occupancy"])} for h in hubs],
         "groups": [g for info in flotillas for g in info["groups"]],
         "epochs": epochs, "train_images": train_images,
         "worker_busy_pct": results["cluster"]["worker_busy_pct"], "wall_s": results["wall_s"],
