@@ -58,12 +58,14 @@ class TopologyChoice:
     topology: str
     broadcast_groups: int
     node_threads: dict[int, int]  # worker threads of each node
-    member_rates: dict[str, float] | None  # profiled training images/s of each model, if the policy profiled
+    profile: dict[str, list[float]] | None  # each model's profiled images/s on 1, 2, ... slots, if profiled
     probed_seconds_per_image: float | None  # worker seconds per image, measured before the run (auto, several nodes)
 
     def plan(self, members: list[Member], recorder: RunRecorder) -> tuple[DeliveryPlan, str]:
         placement = {m.model.name: m.nodes for m in members}
-        rates = {m.model.name: self.member_rates[m.model.name] for m in members} if self.member_rates else None
+        # A member's speed on the slots it holds.
+        rates = {m.model.name: self.profile[m.model.name][len(m.devices) - 1] for m in members} \
+            if self.profile else None
         if self.topology != "auto":
             topology, why = self.topology, f"topology={self.topology}"
         else:

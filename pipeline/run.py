@@ -111,8 +111,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
                                  cfg.transport.rendezvous_host)
         probed = _probe_seconds_per_image(client, graph, cfg) if cfg.topology == "auto" and nodes > 1 else None
         topology = TopologyChoice(cfg.topology, cfg.transport.broadcast_groups, threads_of_node,
-                                  {name: rates[0] for name, rates in results["profile"].items()}
-                                  if "profile" in results else None, probed)
+                                  results.get("profile"), probed)
         context = RunContext(graph, setup, delivery, topology, recorder, progress)
         driver = Driver(scheduler, {m.name: m for m in models}, slots, convergence, context, console)
         driver.run(first)
