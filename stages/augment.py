@@ -7,6 +7,7 @@ the remaining factor, under 2x."""
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -79,7 +80,7 @@ class RandomResizedCropFlip(Stage):
                               (width // block, height // block), interpolation=cv2.INTER_AREA)
         return cv2.resize(crop, (self.size, self.size), dst=dst, interpolation=cv2.INTER_LINEAR)
 
-    def _random_box(self, rng: np.random.Generator, height: int, width: int) -> tuple[int, int, int, int]:
+    def _random_box(self, rng: random.Random, height: int, width: int) -> tuple[int, int, int, int]:
         area = height * width
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
         for _ in range(10):
@@ -87,7 +88,7 @@ class RandomResizedCropFlip(Stage):
             aspect = math.exp(rng.uniform(*log_ratio))
             w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
             if 0 < w <= width and 0 < h <= height:
-                x, y = int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1))
+                x, y = rng.randint(0, width - w), rng.randint(0, height - h)
                 return x, y, x + w, y + h
         # Rare (extreme aspect ratios): the largest crop within `ratio`, centred.
         aspect = min(max(width / height, self.ratio[0]), self.ratio[1])
