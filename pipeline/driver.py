@@ -71,7 +71,8 @@ class TopologyChoice:
         else:
             per_image = recorder.seconds_per_image() or self.probed_seconds_per_image
             nodes = sorted({node for m in members for node in m.nodes})
-            producer_rate = self.node_threads[nodes[0]] / per_image if per_image else None
+            # What one node's workers make: the least-equipped node hosting the flotilla, to be safe.
+            producer_rate = min(self.node_threads[n] for n in nodes) / per_image if per_image else None
             topology, why = choose_topology(len(nodes), producer_rate, rates)
             why = f"auto: {why}"
         return plan_delivery(topology, placement, self.broadcast_groups, rates), why
