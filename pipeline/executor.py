@@ -20,7 +20,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import dask
-from dask.distributed import Client, LocalCluster, get_worker, performance_report, wait
+from dask.distributed import Client, LocalCluster, WorkerPlugin, get_worker, performance_report, wait
 from rich.console import Console
 
 from pipeline.graph import BatchOutput, StageGraph
@@ -28,12 +28,12 @@ from pipeline.transport.handoff import HANDOFF_PREFIX, SharedArray, remove_all
 from stages.base import BatchContext, Split
 
 
-def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int, part: int, parts: int,
+def run_batch(graph_id: str, seed: int, split: Split, epoch: int, index: int, part: int, parts: int,
               on_error: str, share_as: str | None) -> BatchOutput:
-    """Share `part` of `parts` of one batch through the graph; with `share_as`,
+    """Share `part` of `parts` of one batch through the graph `graph_id`; with `share_as`,
     the streams' arrays are left in this node's shared memory under that name prefix."""
     started = time.time()
-    output = graph.run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, part=part, parts=parts,
+    output = _GRAPHS[graph_id][0].run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, part=part, parts=parts,
                                     on_error=on_error))
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
@@ -42,8 +42,26 @@ def run_batch(graph: StageGraph, seed: int, split: Split, epoch: int, index: int
     return output
 
 
-def _the_graph(graph: StageGraph) -> StageGraph:
-    return graph
+_GRAPHS: dict[str, list] = {}  # in each worker process: graph id -> [graph, executors holding it]
+
+
+class GraphOnWorkers(WorkerPlugin):
+    """Puts a stage graph (it holds the file list) on every worker once, a worker that joins later
+    (a restarted one) included. Batch tasks name the graph instead of depending on a Dask key: a
+    dependency would make the scheduler place every task where that key is held, not by load.
+    Executors sharing keys share the graph id; it leaves a worker with the last of them."""
+
+    def __init__(self, graph_id: str, graph: StageGraph):
+        self.graph_id, self.graph = graph_id, graph
+
+    def setup(self, worker) -> None:
+        _GRAPHS.setdefault(self.graph_id, [self.graph, 0])[1] += 1
+
+    def teardown(self, worker) -> None:
+        held = _GRAPHS[self.graph_id]
+        held[1] -= 1
+        if held[1] == 0:
+            del _GRAPHS[self.graph_id]
 
 
 def node_resource(node: int) -> str:
@@ -70,9 +88,8 @@ class Executor:
         self.resources = {node_resource(node): 1} if node is not None else None
         self.run_id = shared_keys or uuid.uuid4().hex[:8]
         self.retained: deque = deque(maxlen=retain)  # futures kept after use, for executors sharing keys
-        # Workers get the graph (it holds the file list) once, not with every task: as a task's result,
-        # not scattered data, so that Dask can make it again if every worker holding it dies.
-        self.graph_future = client.submit(_the_graph, graph, key=f"graph-{self.run_id}", pure=False)
+        self.plugin = f"graph-{self.run_id}-{uuid.uuid4().hex[:8]}"
+        client.register_plugin(GraphOnWorkers(self.run_id, graph), name=self.plugin)
         here = socket.gethostname()
         same_node = all(host == here for host in client.run(socket.gethostname).values())
         # Shared tasks are taken by several executors: their results come through Dask, not a hand-off file.
@@ -89,6 +106,8 @@ class Executor:
             pass
         self.pending.clear()
         self.retained.clear()
+        if self.client.status == "running":  # a closed client's cluster took the graph with it
+            self.client.unregister_worker_plugin(self.plugin)
         if self.share_prefix:
             remove_all(self.share_prefix)
 
@@ -122,7 +141,7 @@ class Executor:
         name = f"{split.value}-{epoch}-{index}-{self.part}"
         share_as = f"{self.share_prefix}-{name}" if self.share_prefix else None
         self.pending[split, epoch, index] = self.client.submit(
-            run_batch, self.graph_future, self.seed, split, epoch, index, self.part, self.parts, self.on_error,
+            run_batch, self.run_id, self.seed, split, epoch, index, self.part, self.parts, self.on_error,
             share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
 
 

@@ -164,10 +164,12 @@ def _by_shape(models: list[ModelSpec]) -> dict[tuple, list[ModelSpec]]:
 
 
 def _batches(executor: Executor, count: int) -> Iterator[BatchOutput]:
-    """`count` training batches in order, epoch after epoch: a pass may be longer than an epoch."""
+    """`count` training batches in order, epoch after epoch: a pass may be longer than an epoch.
+    Each epoch's tail overlaps the next one's head, as in a run (on a small data set a pass that
+    drained at every epoch boundary would cap the rate that more workers reach)."""
     epoch = 0
     while True:
-        for _, output in executor.batches(Split.TRAIN, epoch):
+        for _, output in executor.batches(Split.TRAIN, epoch, then=(Split.TRAIN, epoch + 1)):
             yield output
             count -= 1
             if count == 0:
