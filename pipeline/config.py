@@ -40,14 +40,14 @@ class ClusterConf:
     threads_per_worker: int = 1  # batch tasks one worker runs at once (stages are single-threaded)
     in_flight: Any = "auto"  # batch tasks submitted ahead of each producer; auto = 2 x its node's worker threads
     nodes: int = 1  # nodes: LocalCluster workers and trainer slots split into this many simulated nodes
-    # (loopback); with address: workers must carry the resource node-<i> (dask worker --resources node-0=1)
+    # (loopback); with address: one agent per host (python -m pipeline.node <address> --node <i>), or
+    # workers carrying the resource node-<i> (dask worker --resources node-0=1) with hubs and trainers here
 
 
 @dataclass
 class TransportConf:
     slots: int = 4  # batches buffered per stream in shared memory; a slower trainer holds the producer beyond this
     broadcast_groups: int = 2  # multi_broadcast: groups of models, each fed by its own producer at its own pace
-    rendezvous_host: str = "127.0.0.1"  # address the producers of a flotilla meet at (torch.distributed TCP store)
 
 
 @dataclass

@@ -24,10 +24,13 @@ def resolve_device(requested: str, cuda_available: bool) -> str:
 
 
 def slot_devices(device_kind: str, gpu_count: int, slots: int | str, models: list[ModelSpec],
-                 nodes: int = 1) -> dict[Slot, str]:
+                 nodes: int = 1, hosts: bool = False) -> dict[Slot, str]:
     """Slot -> device: every GPU, or on CPU `trainer.slots` CPU slots (auto: as
     many as the models ask for together, rounded up to fill `nodes` evenly),
-    split evenly into `nodes` (simulated) nodes of this machine."""
+    split evenly into `nodes` nodes: simulated ones sharing this machine's
+    `gpu_count` GPUs, or with `hosts` real hosts of `gpu_count` GPUs each."""
+    if hosts:
+        gpu_count *= nodes
     if slots == "auto":
         count = gpu_count if device_kind == "cuda" else -(-sum(m.slots for m in models) // nodes) * nodes
     elif isinstance(slots, int) and slots >= 1:
@@ -35,7 +38,8 @@ def slot_devices(device_kind: str, gpu_count: int, slots: int | str, models: lis
     else:
         raise SlotError(f"trainer.slots must be a positive integer or 'auto', got {slots!r}")
     if device_kind == "cuda" and count > gpu_count:
-        raise SlotError(f"trainer.slots={count} but this machine has {gpu_count} GPU(s); lower trainer.slots")
+        raise SlotError(f"trainer.slots={count} but {'the hosts have' if hosts else 'this machine has'} "
+                        f"{gpu_count} GPU(s); lower trainer.slots")
     if count % nodes:
         raise SlotError(f"{count} slots do not split evenly into cluster.nodes={nodes}; "
                         f"set trainer.slots to a multiple of {nodes}")
@@ -44,8 +48,8 @@ def slot_devices(device_kind: str, gpu_count: int, slots: int | str, models: lis
             raise SlotError(f"ensemble.models[{index}].slots={model.slots} ({model.name}) cannot be met: "
                             f"{count} slot(s) available; set it between 1 and {count} or raise trainer.slots")
     per_node = count // nodes
-    return {Slot(i // per_node, i % per_node): (f"cuda:{i}" if device_kind == "cuda" else "cpu")
-            for i in range(count)}
+    return {Slot(i // per_node, i % per_node): (f"cuda:{i % per_node if hosts else i}" if device_kind == "cuda"
+                                                 else "cpu") for i in range(count)}
 
 
 def slot_memory_bytes(device_kind: str, slots: int, configured_gb: float | None, gpu_memory: int | None) -> int:

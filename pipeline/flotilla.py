@@ -1,29 +1,27 @@
 """The processes of a flotilla: its trainers, the hubs that feed them
 (pipeline/hub.py, one per delivery group and node, as the topology plans
-them) and the shared-memory rings between the two.
+them) and the shared-memory rings between the two, on every node it spans.
 
-Owns their lifecycle: processes are spawned on entry and always stopped,
-shared memory always unlinked, on exit, whatever happened in between. A
-member can leave early (converged, or stopped by the scheduler): its readers
-are detached and its processes stopped while the others train on.
+Each node's share lives in a NodeProcesses (pipeline/node.py), in this
+process or in the agent of a real host; this class lays the flotilla out
+over them and merges what they report. Processes are spawned on entry and
+always stopped, shared memory always unlinked, on exit, whatever happened in
+between. A member can leave early (converged, or stopped by the scheduler):
+its readers are detached and its trainers stopped while the others train on.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.graph import StageGraph
-from pipeline.hub import HubSpec, hub_main
+from pipeline.hub import HubSpec
+from pipeline.node import node_processes
 from pipeline.topology import DeliveryPlan, Hub
-from pipeline.trainer import ModelSpec, TrainerSpec, trainer_main
+from pipeline.trainer import ModelSpec, TrainerSpec
 from pipeline.transport.base import StreamLayout
-from pipeline.transport.handoff import HANDOFF_PREFIX, remove_all
-from pipeline.transport.shm import Ring
 from stages.base import BadFileError, Spec, Split
 
 
@@ -57,16 +55,7 @@ class DeliverySetup:
     on_error: str
     in_flight: dict[int, int]  # node -> batch tasks a producer there keeps submitted
     ring_slots: int
-    rendezvous_host: str
-
-
-HUB_EXIT_S = 60  # what a closing hub gets to wind down (Executor: tasks running finish) before it is killed
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    agents: dict[int, dict]  # node -> its host's agent (pipeline/node.py); none: nodes simulated here
 
 
 class Flotilla:
@@ -74,20 +63,15 @@ class Flotilla:
                  delivery: DeliverySetup):
         self.members = {m.model.name: m for m in members}
         self.plan = plan
-        self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
-        self.reports = self.context.Queue()  # trainers -> driver
-        self.hub_events = self.context.Queue()  # hubs -> driver
-        self.abort = self.context.Event()  # tells hubs to leave between batches
-        self.processes: dict[str, list[mp.Process]] = defaultdict(list)
-        self.hubs: list[tuple[mp.Process, object]] = []  # (process, its command queue), by rank
-        self.readers: dict[str, list[tuple[Ring, int]]] = defaultdict(list)  # model -> (ring, reader) per rank
-        self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
+        self.nodes = {}  # node -> its NodeProcesses (or a proxy to it in the host's agent)
         self.errors: dict[str, str] = {}  # model -> traceback of a trainer that failed
         self.summaries: dict[int, dict] = {}  # hub rank -> what it moved, once stopped
         try:
+            for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
+                self.nodes[node] = node_processes(node, delivery.agents)
             self._make_rings(graph, delivery.ring_slots)
-            self._spawn_hubs(graph, setup, delivery)
-            self._spawn_trainers(graph.sinks, setup)
+            self._start_hubs(graph, setup, delivery)
+            self._start_trainers(graph.sinks, setup)
         except BaseException:
             self.close()
             raise
@@ -102,10 +86,10 @@ class Flotilla:
                 readers[self._hub(member, rank).rank, member.model.input] += 1
         for (hub, stream), count in sorted(readers.items()):
             layout = StreamLayout(graph.source.batch_size, graph.sinks[stream].item_shape)
-            self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, count, slots, self.context)
+            self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, slots)
 
-    def _spawn_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:
-        rendezvous = f"tcp://{delivery.rendezvous_host}:{_free_port(delivery.rendezvous_host)}"
+    def _start_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:
+        rendezvous = self.nodes[self.plan.hubs[0].node].rendezvous()
         all_groups = tuple(group.hubs for group in self.plan.groups)
         node_device = {node: device for m in self.members.values() for node, device in zip(m.nodes, m.devices)}
         # multi_broadcast groups make the same batches (of the whole flotilla's graph) under shared
@@ -115,43 +99,33 @@ class Flotilla:
         for hub in self.plan.hubs:
             group = self.plan.groups[hub.group]
             streams = {self.members[name].model.input for name in (self.members if shared else group.members)}
-            spec = HubSpec(hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node],
-                           delivery.scheduler, graph.feeding(streams), delivery.seed, delivery.on_error,
-                           delivery.in_flight[hub.node],
-                           {stream: ring for (rank, stream), ring in self.rings.items() if rank == hub.rank},
-                           setup.record_checksums, shared_keys)
-            commands = self.context.Queue()
-            process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events, self.abort),
-                                           name=f"hub-{hub.rank}-node{hub.node}", daemon=True)
-            process.start()
-            self.hubs.append((process, commands))
+            self.nodes[hub.node].start_hub(HubSpec(
+                hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node], delivery.scheduler,
+                graph.feeding(streams), delivery.seed, delivery.on_error, delivery.in_flight[hub.node], {},
+                setup.record_checksums, shared_keys))
 
-    def _spawn_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
+    def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
             model = member.model
-            rendezvous = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
-            for rank, device in enumerate(member.devices):
+            rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the model's process group
+            for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
                 spec = TrainerSpec(model, setup.num_classes, sinks[model.input].item_shape[0], setup.epochs,
                                    member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
                                    setup.threads, str(setup.checkpoint_dir), setup.record_checksums,
                                    setup.consume_only)
                 key = (self._hub(member, rank).rank, model.input)
-                ring, reader = self.rings[key], next_reader[key]
+                self.nodes[node].start_trainer(spec, key[0], next_reader[key])
                 next_reader[key] += 1
-                process = self.context.Process(target=trainer_main, args=(spec, ring.reader(reader), self.reports),
-                                               name=f"trainer-{model.name}-{rank}", daemon=True)
-                process.start()
-                self.processes[model.name].append(process)
-                self.readers[model.name].append((ring, reader))
 
     def failed_members(self) -> dict[str, str]:
         """Members with a trainer that reported an error or died: name -> why."""
         failed = {name: self.errors[name] for name in self.members if name in self.errors}
-        for name in self.members:
-            dead = [p for p in self.processes[name] if p.exitcode is not None]
-            if dead and name not in failed:
-                failed[name] = f"{dead[0].name} exited with code {dead[0].exitcode}"
+        for node in self.nodes.values():
+            for name, trainers in node.exit_codes()[1].items():
+                dead = [(process, code) for process, code in trainers if code is not None]
+                if dead and name in self.members and name not in failed:
+                    failed[name] = f"{dead[0][0]} exited with code {dead[0][1]}"
         return failed
 
     def __enter__(self) -> Flotilla:
@@ -162,20 +136,14 @@ class Flotilla:
 
     def run_split(self, split: Split, epoch: int) -> None:
         """Every hub delivers the split's epoch; `hub_progress` says how far they are."""
-        for _, commands in self.hubs:
-            commands.put((split.value, epoch))
+        for node in self.nodes.values():
+            node.run_split(split.value, epoch)
 
     def hub_progress(self, timeout: float) -> list[tuple]:
-        """Events from the hubs so far, waiting up to `timeout` for the first:
+        """Events from the hubs so far, waiting up to `timeout` (shared out over the nodes) for the first:
         ("batch", rank, split, index, batch stats or None) or ("split_done", rank, ...).
         A hub that failed stops the run: it carries every member of its group."""
-        events = []
-        try:
-            events.append(self.hub_events.get(timeout=timeout))
-            while True:
-                events.append(self.hub_events.get_nowait())
-        except queue.Empty:
-            pass
+        events = [event for node in self.nodes.values() for event in node.hub_progress(timeout / len(self.nodes))]
         for kind, rank, *rest in events:
             if kind == "bad_file":
                 raise BadFileError(rest[0])
@@ -183,71 +151,43 @@ class Flotilla:
                 raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) failed:\n{rest[0]}")
             if kind == "stopped":
                 self.summaries[rank] = rest[0]
-        for (process, _), hub in zip(self.hubs, self.plan.hubs):
-            if process.exitcode not in (None, 0):
-                raise RuntimeError(f"hub {hub.rank} (node {hub.node}) exited with code {process.exitcode}")
+        for node in self.nodes.values():
+            for rank, code in node.exit_codes()[0].items():
+                if code not in (None, 0):
+                    raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
         return [event for event in events if event[0] in ("batch", "split_done")]
 
     def stop(self) -> None:
         """The run is over for every member: hubs send STOP down the rings and report what they moved."""
-        for _, commands in self.hubs:
-            commands.put(None)
+        for node in self.nodes.values():
+            node.stop()
 
     def remove(self, name: str) -> None:
         """Stop a member's trainers now; its last checkpoint is its state."""
         member = self.members.pop(name, None)
         if member is None:  # already gone (it failed)
             return
-        for ring, reader in self.readers[name]:
-            ring.detach(reader)
-        _stop_processes(self.processes[name])
+        for node in sorted(set(member.nodes)):
+            self.nodes[node].remove(name)
 
     def poll(self, timeout: float | None = None) -> list[dict]:
-        """Reports from trainers so far (waiting up to `timeout` for the first)."""
-        events = []
-        try:
-            events.append(self.reports.get(timeout=timeout) if timeout else self.reports.get_nowait())
-            while True:
-                events.append(self.reports.get_nowait())
-        except queue.Empty:
-            pass
+        """Reports from trainers so far (waiting up to `timeout`, shared out over the nodes, for the first)."""
+        events = [event for node in self.nodes.values() for event in node.poll((timeout or 0) / len(self.nodes))]
         for event in events:
             if event["event"] == "error":
                 self.errors[event["model"]] = f"rank {event['rank']} raised:\n{event['traceback']}"
         return [event for event in events if event["event"] != "error"]
 
     def join(self, timeout: float) -> None:
-        for process in [p for processes in self.processes.values() for p in processes] + [p for p, _ in self.hubs]:
-            process.join(timeout)
+        for node in self.nodes.values():
+            node.join(timeout)
 
     def close(self) -> None:
-        try:
-            self.abort.set()
-            for _, commands in self.hubs:
-                commands.put(None)
-            _stop_processes([p for processes in self.processes.values() for p in processes])
-            for ring in self.rings.values():  # no hub waits on a trainer that is gone
-                for reader in range(ring.consumers):
-                    ring.detach(reader)
-            for process, _ in self.hubs:  # a hub in the middle of a split lets its batch tasks finish first
-                process.join(HUB_EXIT_S)
-            _stop_processes([p for p, _ in self.hubs])
-            for process, _ in self.hubs:  # hand-off files of batch tasks a stopped hub never took
-                remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
-        finally:
-            for ring in self.rings.values():
-                ring.close()
-            for q in [self.reports, self.hub_events] + [commands for _, commands in self.hubs]:
-                q.close()
-                q.join_thread()
-
-
-def _stop_processes(processes: list[mp.Process]) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        errors = []
+        for node in self.nodes.values():  # each node is closed, whatever another one raised
+            try:
+                node.close()
+            except BaseException as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]

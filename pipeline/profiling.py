@@ -23,12 +23,12 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import socket
 import statistics
 import time
 import traceback
 from pathlib import Path
 
+from pipeline.node import rendezvous_at
 from pipeline.scheduler.profile import Profile
 from pipeline.trainer import ModelSpec, SGDStep
 
@@ -169,7 +169,7 @@ def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, ba
                          steps: int, warmup: int, threads: int) -> float:
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
-    rendezvous = f"tcp://127.0.0.1:{_free_port()}"
+    rendezvous = rendezvous_at()
     processes = [context.Process(target=_train_steps, name=f"profile-{model.name}-{rank}",
                                  args=(model, num_classes, image_size, batch_size, rank, devices, rendezvous,
                                        steps, warmup, threads, reports), daemon=True)
@@ -269,12 +269,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _read_cache(path: Path) -> list[dict]:

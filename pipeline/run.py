@@ -18,6 +18,7 @@ from pipeline.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
 from pipeline.flotilla import DeliverySetup, TrainingSetup
 from pipeline.graph import StageGraph, build_graph
+from pipeline.node import registered_agents
 from pipeline.profiling import format_table, profile_ensemble, save_table
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
@@ -76,7 +77,8 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
     policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {m.name: m.slots for m in models})
-    device_kind, slots, params, image_sizes = _place(cfg, models, graph, policy.needs_profile)
+    agents = _node_agents(cfg)
+    device_kind, slots, params, image_sizes = _place(cfg, models, graph, policy.needs_profile, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, dataset, graph, device_kind, len(slots), len(models), workers)
 
@@ -108,7 +110,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
         in_flight = {node: 2 * t if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
                      for node, t in threads_of_node.items()}
         delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight, cfg.transport.slots,
-                                 cfg.transport.rendezvous_host)
+                                 agents)
         probed = _probe_seconds_per_image(client, graph, cfg) if cfg.topology == "auto" and nodes > 1 else None
         topology = TopologyChoice(cfg.topology, cfg.transport.broadcast_groups, threads_of_node,
                                   results.get("profile"), probed)
@@ -151,15 +153,43 @@ def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> floa
     return probe.seconds_per_image()
 
 
-def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot_count: bool):
+def _node_agents(cfg: DictConfig) -> dict[int, dict]:
+    """Node -> the agent of each real host (pipeline/node.py) registered with the scheduler at
+    cluster.address; none: every node's hubs and trainers run here."""
+    if not cfg.cluster.address:
+        return {}
+    from dask.distributed import Client
+
+    with Client(cfg.cluster.address, timeout="20s") as client:
+        agents = registered_agents(client)
+    if agents and sorted(agents) != list(range(cfg.cluster.nodes)):
+        raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} but the scheduler at {cfg.cluster.address} has node "
+                          f"agents {sorted(agents)} (python -m pipeline.node --node <i>): set cluster.nodes to their "
+                          "count and number them 0, 1, ... without gaps")
+    hosts = {(agent["gpus"], agent["gpu_memory"]) for agent in agents.values()}
+    if len(hosts) > 1:
+        raise ConfigError(f"the node agents' hosts differ in (GPUs, GPU bytes): {sorted(hosts)}; the scheduler "
+                          "plans for alike nodes: run the agents on alike hosts")
+    return agents
+
+
+def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot_count: bool,
+           agents: dict[int, dict]):
     """Device slots, and each model's size; checks every model fits a slot at
-    the smallest slot count it may get (1 when the scheduler chooses)."""
+    the smallest slot count it may get (1 when the scheduler chooses). With
+    node agents, the GPUs are those of their hosts."""
     import torch
 
     from pipeline.models import build_model, count_parameters, estimate_training_bytes
 
-    device_kind = resolve_device(cfg.trainer.device, torch.cuda.is_available())
-    slots = slot_devices(device_kind, torch.cuda.device_count(), cfg.trainer.slots, models, cfg.cluster.nodes)
+    if agents:
+        host = next(iter(agents.values()))  # they are alike (_node_agents)
+        gpus, gpu_memory = host["gpus"], host["gpu_memory"]
+    else:
+        gpus = torch.cuda.device_count()
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
+    device_kind = resolve_device(cfg.trainer.device, gpus > 0)
+    slots = slot_devices(device_kind, gpus, cfg.trainer.slots, models, cfg.cluster.nodes, hosts=bool(agents))
     classes = len(graph.source.class_names)
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     params, needs = {}, {}
@@ -169,7 +199,6 @@ def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot
         fewest_slots = 1 if any_slot_count else m.slots
         needs[m.name] = estimate_training_bytes(model, image_sizes[m.name],
                                                 math.ceil(cfg.pipeline.batch_size / fewest_slots))
-    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device_kind == "cuda" else None
     check_memory(needs, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory))
     return device_kind, slots, params, image_sizes
 

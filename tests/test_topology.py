@@ -3,7 +3,10 @@ delivery invariants of every topology in real runs on two simulated nodes
 (own Dask workers and trainers each, gloo over loopback)."""
 import multiprocessing as mp
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -106,9 +109,9 @@ def _exchange(rank, world, address, results):
 def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
     context = mp.get_context("spawn")
     results = context.Queue()
-    from pipeline.flotilla import _free_port
+    from pipeline.node import rendezvous_at
 
-    address = f"tcp://127.0.0.1:{_free_port('127.0.0.1')}"
+    address = rendezvous_at()
     processes = [context.Process(target=_exchange, args=(rank, 3, address, results)) for rank in range(3)]
     for process in processes:
         process.start()
@@ -182,13 +185,24 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     assert all(info["topology"] == topology for info in flotillas.values())
     assert max(len(info["hubs"]) for info in flotillas.values()) >= (1 if topology == "duplicated" else 2)
 
-    # Every trainer that finished got every batch of every epoch it trained once, in order, and
-    # bit-identical to what one task makes in this process (whatever the topology, shares or faults).
-    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {"main", "alt"})
-    batches = {0: graph.source.num_batches(Split.TRAIN), 1: graph.source.num_batches(Split.VAL)}
     received = results["delivery"]["received"]
     assert len(received) == 4  # A, B's two ranks, C (its killed trainer never reports; the resumed one does)
-    for trainer, messages in received.items():
+    _assert_every_batch_once_in_order_bit_identical(cfg, results)
+    assert {len({m[2] for m in msgs if m[0] == 0}) for t, msgs in received.items() if f"/{VICTIM}/" in t} \
+        == {3 - again["start_epoch"]}
+
+    # Clean shutdown: no shared memory, no process left.
+    assert rings() <= before
+    assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
+
+
+def _assert_every_batch_once_in_order_bit_identical(cfg, results):
+    """Every trainer that finished got every batch of every epoch it trained once, in order, and
+    bit-identical to what one task makes in this process (whatever the topology, shares or faults)."""
+    models = {m["name"]: m for m in results["models"]}
+    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {"main", "alt"})
+    batches = {0: graph.source.num_batches(Split.TRAIN), 1: graph.source.num_batches(Split.VAL)}
+    for trainer, messages in results["delivery"]["received"].items():
         flotilla, name, _ = trainer.split("/")
         stream = models[name]["input"]
         expected, epochs = [], sorted({m[2] for m in messages if m[0] == 0})
@@ -199,9 +213,89 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
                 expected.append((1, split_id, epoch, 0, zlib.crc32(b"", zlib.crc32(b""))))
         assert [tuple(m) for m in messages[:-1]] == expected, trainer
         assert messages[-1][0] == 2  # STOP
-    assert {len({m[2] for m in msgs if m[0] == 0}) for t, msgs in received.items() if f"/{VICTIM}/" in t} \
-        == {3 - again["start_epoch"]}
 
-    # Clean shutdown: no shared memory, no process left.
-    assert rings() <= before
-    assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
+
+# --- real hosts: one node agent per host ---------------------------------------------------------
+
+def _start_agent(scheduler: str, node: int, log):
+    return subprocess.Popen([sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
+                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
+    """Two hosts as this machine twice: a Dask scheduler and one agent per node
+    (python -m pipeline.node, each with its own Dask workers). The run, given only
+    the scheduler's address, finds the agents; each starts its node's hubs and
+    trainers; all_shared's all-gather crosses the nodes; delivery holds its
+    invariants; the agents' rings are gone after the run and they exit cleanly."""
+    from dask.distributed import Client, LocalCluster
+
+    from pipeline.node import registered_agents
+    from pipeline.run import run
+
+    with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
+        logs = [open(tmp_path / f"agent{node}.log", "w+") for node in (0, 1)]
+        agents = [_start_agent(cluster.scheduler_address, node, log) for node, log in enumerate(logs)]
+        try:
+            deadline = time.monotonic() + 180
+            while len(registered_agents(client)) < 2:
+                assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
+                    [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
+                time.sleep(0.2)
+            pids = {node: agent["pid"] for node, agent in registered_agents(client).items()}
+            assert pids == {0: agents[0].pid, 1: agents[1].pid}
+            cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
+                                  f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
+                                  "pipeline.image_size=32", "pipeline.alt_image_size=24",
+                                  f"cluster.address={cluster.scheduler_address}", "cluster.nodes=2",
+                                  "trainer.slots=4", "trainer.epochs=1", "trainer.consume_only=true",
+                                  "trainer.record_checksums=true"])
+            results = run(cfg, tmp_path / "out")
+            _assert_every_batch_once_in_order_bit_identical(cfg, results)
+            assert len(results["delivery"]["received"]) == 4
+            (hubs,) = [info["hubs"] for info in results["delivery"]["flotillas"].values()]
+            assert {hub["node"] for hub in hubs.values()} == {0, 1}
+            assert all(hub["sent_bytes"] > 0 for hub in hubs.values())  # the all-gather crossed the nodes
+            # Each node's processes were started by its agent (none by the driver): a hub each, and
+            # the trainers of the slots the scheduler gave that node.
+            assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
+            slots = {d["model"]: [int(n) for n in re.findall(r"node=(\d+)", d["slots"])]
+                     for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"}
+            for node in (0, 1):
+                started = (tmp_path / f"agent{node}.log").read_text()
+                hubs_here = re.findall(rf"node {node}: hub (\d+)", started)
+                trainers_here = re.findall(rf"node {node}: trainer (\w+) rank (\d+)", started)
+                assert [hubs[int(rank)]["node"] for rank in hubs_here] == [node], started
+                assert sorted(trainers_here) == sorted((model, str(rank)) for model, nodes in slots.items()
+                                                       for rank, n in enumerate(nodes) if n == node), started
+            assert not [name for name in os.listdir("/dev/shm")
+                        if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
+        finally:
+            for agent in agents:
+                agent.send_signal(signal.SIGTERM)
+            codes = [agent.wait(60) for agent in agents]
+            for log in logs:
+                log.close()
+        assert codes == [0, 0]
+        assert registered_agents(client) == {}
+        deadline = time.monotonic() + 30
+        while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
+
+
+def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
+    from dask.distributed import Client, LocalCluster
+
+    from pipeline.node import AGENTS
+    from pipeline.run import ConfigError, _node_agents
+
+    with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
+        for node in (0, 2):  # as if agents were started with --node 0 and --node 2
+            client.set_metadata([AGENTS, str(node)], {"address": "127.0.0.1:1", "authkey": "00", "pid": 1,
+                                                      "gpus": 0, "gpu_memory": None})
+        cfg = compose_config(["+ensemble=caltech256", f"cluster.address={cluster.scheduler_address}",
+                              "cluster.nodes=2"])
+        with pytest.raises(ConfigError, match=r"cluster.nodes=2 but the scheduler at .* has node agents \[0, 2\]"):
+            _node_agents(cfg)

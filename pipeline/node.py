@@ -1,0 +1,255 @@
+"""One node of the cluster: the processes a flotilla runs there.
+
+`NodeProcesses` owns one flotilla's hubs, trainers and the shared-memory
+rings between them on one node; pipeline/flotilla.py drives one per node. On
+simulated nodes (`cluster.nodes` on a LocalCluster) it lives in the driver.
+On real hosts each host runs an agent:
+
+    python -m pipeline.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2
+
+It starts the host's Dask workers (resource node-<i>), registers itself in
+the Dask scheduler's metadata, and serves NodeProcesses to the driver over
+multiprocessing's manager protocol: the driver's calls run on that host, so
+that host's hubs and trainers are its children and its rings its memory.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from multiprocessing.managers import BaseManager
+
+from pipeline.hub import HubSpec, hub_main
+from pipeline.trainer import TrainerSpec, trainer_main
+from pipeline.transport.base import StreamLayout
+from pipeline.transport.handoff import HANDOFF_PREFIX, remove_all
+from pipeline.transport.shm import Ring
+
+AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
+HUB_EXIT_S = 60  # what a closing hub gets to wind down (Executor: tasks running finish) before it is killed
+LOOPBACK = "127.0.0.1"
+log = logging.getLogger(__name__)  # an agent shows it: what its host runs
+
+
+def rendezvous_at(host: str = LOOPBACK) -> str:
+    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+class NodeProcesses:
+    """A flotilla's hubs, trainers and rings on one node. Every method is a
+    call the driver can make from another host (arguments and results pickle)."""
+
+    def __init__(self, node: int, host: str = LOOPBACK):
+        self.node, self.host = node, host
+        self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
+        self.reports = self.context.Queue()  # trainers -> driver
+        self.hub_events = self.context.Queue()  # hubs -> driver
+        self.abort = self.context.Event()  # tells hubs to leave between batches
+        self.hubs: dict[int, tuple[mp.Process, object]] = {}  # hub rank -> (process, its command queue)
+        self.trainers: dict[str, list[tuple[mp.Process, Ring, int]]] = defaultdict(list)  # model -> (.., reader)
+        self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
+
+    def rendezvous(self) -> str:
+        """init_method of a process group whose rank 0 runs on this node."""
+        return rendezvous_at(self.host)
+
+    def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, slots: int) -> None:
+        self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, slots, self.context)
+
+    def start_hub(self, spec: HubSpec) -> None:
+        """`spec` with this node's rings of the hub filled in."""
+        rank = spec.hub.rank
+        spec = replace(spec, rings={stream: ring for (hub, stream), ring in self.rings.items() if hub == rank})
+        commands = self.context.Queue()
+        process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events, self.abort),
+                                       name=f"hub-{rank}-node{self.node}", daemon=True)
+        process.start()
+        self.hubs[rank] = (process, commands)
+        log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, process.pid)
+
+    def start_trainer(self, spec: TrainerSpec, hub: int, reader: int) -> None:
+        """A trainer reading as `reader` from hub `hub`'s ring of its model's stream."""
+        ring = self.rings[hub, spec.model.input]
+        process = self.context.Process(target=trainer_main, args=(spec, ring.reader(reader), self.reports),
+                                       name=f"trainer-{spec.model.name}-{spec.rank}", daemon=True)
+        process.start()
+        self.trainers[spec.model.name].append((process, ring, reader))
+        log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.model.name, spec.rank,
+                 spec.device, process.pid)
+
+    def run_split(self, split: str, epoch: int) -> None:
+        for _, commands in self.hubs.values():
+            commands.put((split, epoch))
+
+    def stop(self) -> None:
+        """The hubs send STOP down the rings and report what they moved."""
+        for _, commands in self.hubs.values():
+            commands.put(None)
+
+    def hub_progress(self, timeout: float) -> list[tuple]:
+        """The hubs' events so far, waiting up to `timeout` for the first."""
+        return _drain(self.hub_events, timeout)
+
+    def poll(self, timeout: float) -> list[dict]:
+        """The trainers' reports so far, waiting up to `timeout` for the first."""
+        return _drain(self.reports, timeout)
+
+    def exit_codes(self) -> tuple[dict[int, int | None], dict[str, list[tuple[str, int | None]]]]:
+        """Hub rank -> exit code, and model -> (process name, exit code) of each trainer (None: running)."""
+        return ({rank: process.exitcode for rank, (process, _) in self.hubs.items()},
+                {name: [(p.name, p.exitcode) for p, _, _ in trainers] for name, trainers in self.trainers.items()})
+
+    def remove(self, model: str) -> None:
+        """Stop a model's trainers here; no hub waits on their readers any more."""
+        trainers = self.trainers.pop(model, [])
+        for _, ring, reader in trainers:
+            ring.detach(reader)
+        _stop_processes([process for process, _, _ in trainers])
+
+    def join(self, timeout: float) -> None:
+        for process in [p for trainers in self.trainers.values() for p, _, _ in trainers] + \
+                [p for p, _ in self.hubs.values()]:
+            process.join(timeout)
+
+    def close(self) -> None:
+        """Stops everything, whatever state it is in; unlinks the rings."""
+        try:
+            self.abort.set()
+            self.stop()
+            for model in list(self.trainers):
+                self.remove(model)
+            for ring in self.rings.values():  # no hub waits on a trainer that is gone
+                for reader in range(ring.consumers):
+                    ring.detach(reader)
+            hubs = [process for process, _ in self.hubs.values()]
+            for process in hubs:  # a hub in the middle of a split lets its batch tasks finish first
+                process.join(HUB_EXIT_S)
+            _stop_processes(hubs)
+            for process in hubs:  # hand-off files of batch tasks a stopped hub never took
+                remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
+        finally:
+            for ring in self.rings.values():
+                ring.close()
+            for q in [self.reports, self.hub_events] + [commands for _, commands in self.hubs.values()]:
+                q.close()
+                q.join_thread()
+
+
+def _drain(source, timeout: float) -> list:
+    items = []
+    try:
+        items.append(source.get(timeout=timeout) if timeout else source.get_nowait())
+        while True:
+            items.append(source.get_nowait())
+    except queue.Empty:
+        pass
+    return items
+
+
+def _stop_processes(processes: list[mp.Process]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+class _Agent(BaseManager):
+    """multiprocessing's manager protocol: the driver creates NodeProcesses in an agent and calls them."""
+
+
+_Agent.register("NodeProcesses", NodeProcesses)
+
+
+def node_processes(node: int, agents: dict[int, dict]):
+    """A flotilla's processes on `node`: in the agent registered for it, else in this process."""
+    agent = agents.get(node)
+    if agent is None:
+        return NodeProcesses(node)
+    host, port = agent["address"].rsplit(":", 1)
+    manager = _Agent(address=(host, int(port)), authkey=bytes.fromhex(agent["authkey"]))
+    manager.connect()
+    return manager.NodeProcesses(node, host)
+
+
+def registered_agents(client) -> dict[int, dict]:
+    """Node -> agent registered with the client's scheduler ({} when nodes are simulated here)."""
+    found = client.get_metadata(AGENTS, default={}) or {}
+    return {int(node): agent for node, agent in found.items() if agent}
+
+
+def serve(scheduler: str, node: int, workers: int, threads: int, host: str) -> None:
+    """Run this host as `node` until stopped (Ctrl-C or SIGTERM)."""
+    from dask.distributed import Client
+
+    log.addHandler(logging.StreamHandler(sys.stdout))
+    log.setLevel(logging.INFO)
+    authkey = os.urandom(16)
+    server = _Agent(address=(host, 0), authkey=authkey).get_server()
+    resource = f"node-{node}={threads}"
+    dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
+                                     "--nworkers", str(workers), "--nthreads", str(threads),
+                                     "--resources", resource, "--name", f"n{node}", "--no-dashboard"])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
+    try:
+        with Client(scheduler, timeout="30s") as client:
+            _wait_for_workers(client, f"node-{node}", workers)
+            import torch
+
+            client.set_metadata([AGENTS, str(node)], {
+                "address": f"{host}:{server.address[1]}", "authkey": authkey.hex(), "pid": os.getpid(),
+                "gpus": torch.cuda.device_count(),
+                "gpu_memory": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None})
+            print(f"node {node}: {workers} Dask worker(s) x {threads} thread(s) ({resource}); serving flotillas at "
+                  f"{host}:{server.address[1]}", flush=True)
+            try:
+                server.serve_forever()
+            finally:
+                client.set_metadata([AGENTS, str(node)], None)
+    finally:
+        dask_workers.terminate()
+        dask_workers.wait(60)
+
+
+def _wait_for_workers(client, resource: str, count: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(resource in (w.get("resources") or {})
+              for w in client.scheduler_info(n_workers=-1)["workers"].values()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} Dask worker(s) with resource {resource} did not join in {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.node", description=(
+        "Serve this host as one node of a multi-host run: its Dask workers, hubs and trainers. "
+        "Start one per host, then the driver with cluster.address=<scheduler> cluster.nodes=<hosts>."))
+    parser.add_argument("scheduler", help="the Dask scheduler's address, e.g. tcp://10.0.0.1:8786")
+    parser.add_argument("--node", type=int, required=True, help="this host's node number: 0, 1, ... (one each)")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="Dask workers (cores)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per Dask worker")
+    parser.add_argument("--host", default=socket.gethostbyname(socket.gethostname()),
+                        help="the address other hosts reach this one at (process groups meet here)")
+    args = parser.parse_args(argv)
+    if args.node < 0 or args.workers < 1 or args.threads < 1:
+        parser.error("--node must be >= 0, --workers and --threads >= 1")
+    serve(args.scheduler, args.node, args.workers, args.threads, args.host)
+
+
+if __name__ == "__main__":
+    main()
