@@ -64,6 +64,15 @@ class GraphOnWorkers(WorkerPlugin):
             del _GRAPHS[self.graph_id]
 
 
+SAMPLES_KEPT = 2000  # queue and latency samples a producer keeps (evenly thinned beyond twice this)
+
+
+def keep_sample(samples: list, sample) -> list:
+    """`samples` with `sample` added, halved (every other one) once it outgrows twice SAMPLES_KEPT."""
+    samples.append(sample)
+    return samples[::2] if len(samples) > 2 * SAMPLES_KEPT else samples
+
+
 def node_resource(node: int) -> str:
     """The Dask worker resource that ties a worker to node `node`."""
     return f"node-{node}"
@@ -88,6 +97,8 @@ class Executor:
         self.resources = {node_resource(node): 1} if node is not None else None
         self.run_id = shared_keys or uuid.uuid4().hex[:8]
         self.retained: deque = deque(maxlen=retain)  # futures kept after use, for executors sharing keys
+        # The prefetch queue: (time.time(), batches made and not yet taken) at each take, of in_flight at most.
+        self.ready: list[tuple[float, int]] = []
         self.plugin = f"graph-{self.run_id}-{uuid.uuid4().hex[:8]}"
         client.register_plugin(GraphOnWorkers(self.run_id, graph), name=self.plugin)
         here = socket.gethostname()
@@ -125,6 +136,7 @@ class Executor:
                     self._submit(split, epoch, ahead)
                 elif ahead - total < following:
                     self._submit(then[0], then[1], ahead - total)
+            self.ready = keep_sample(self.ready, (time.time(), sum(f.done() for f in self.pending.values())))
             future = self.pending.pop((split, epoch, index))
             output = future.result()
             self.retained.append(future)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pipeline.executor import Executor, keep_sample
 from pipeline.graph import StageGraph
 from pipeline.topology import DeliveryGroup, Hub
 from pipeline.transport.base import MessageKind
@@ -26,7 +27,6 @@ from stages.base import BadFileError, Batch, Split
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
 # to that far behind takes them instead of making them again (memory: that many batches per producer).
 SHARED_WINDOW = 4
-SAMPLES_KEPT = 2000  # ring occupancy and latency samples kept per hub (evenly thinned beyond twice this)
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,6 @@ class HubProcess:
     def serve(self, commands) -> None:
         from dask.distributed import Client
 
-        from pipeline.executor import Executor
-
         spec = self.spec
         try:
             with ExitStack() as stack:
@@ -102,7 +100,7 @@ class HubProcess:
                     self._split(executor, Split(split), epoch)
                 if not self.abort.is_set():
                     self._mark(MessageKind.STOP, 0, 0)
-                    self.events.put(("stopped", spec.hub.rank, self._summary()))
+                    self.events.put(("stopped", spec.hub.rank, self._summary(executor)))
         finally:
             if spec.world > 1:
                 import torch.distributed as dist
@@ -137,7 +135,7 @@ class HubProcess:
                     crc = zlib.crc32(labels.tobytes(), zlib.crc32(images.tobytes()))
                     self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
             self.publish_wait_s += time.perf_counter() - started
-            self.latency_ms = _kept(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
+            self.latency_ms = keep_sample(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
             self.events.put(("batch", self.spec.hub.rank, split.value, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
         self.events.put(("split_done", self.spec.hub.rank, split.value, None, None))
@@ -150,22 +148,17 @@ class HubProcess:
                 self.sent[stream].append((int(kind), split_id, epoch, 0, empty_crc))
 
     def _sample(self, writer) -> None:
-        self.occupancy = _kept(self.occupancy, (time.time(), writer.occupancy()))
+        self.occupancy = keep_sample(self.occupancy, (time.time(), writer.occupancy()))
 
-    def _summary(self) -> dict:
+    def _summary(self, executor) -> dict:
         link = self.link
         return {"node": self.spec.hub.node, "group": self.spec.hub.group, "part": self.spec.hub.part,
                 "ring_bytes": sum(w.bytes_written for w in self.writers.values()),
                 "sent_bytes": link.bytes_sent if link else 0, "received_bytes": link.bytes_received if link else 0,
                 "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
                 "ring_slots": {stream: ring.slots for stream, ring in self.spec.rings.items()},
-                "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent}
-
-
-def _kept(samples: list, sample) -> list:
-    """`samples` with `sample` added, halved (every other one) once it outgrows twice SAMPLES_KEPT."""
-    samples.append(sample)
-    return samples[::2] if len(samples) > 2 * SAMPLES_KEPT else samples
+                "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent,
+                "in_flight": self.spec.in_flight, "tasks_ready": executor.ready if executor else []}
 
 
 def _stats_only(output):

@@ -72,6 +72,7 @@ class RunRecorder:
         self.checksums: dict[str, list] = {}
         self.train_images = 0
         self.delivery: dict[int, dict] = {}  # flotilla -> its topology, why, and what each hub moved
+        self.queues: dict[str, dict] = {}  # name -> occupancy over time, the report's queue shape
 
     def add_batch(self, output: BatchOutput, train: bool) -> list[tuple[str, str]]:
         """Folds a batch's timings in; returns the files it skipped for the first time.
@@ -108,15 +109,25 @@ class RunRecorder:
                            for g in plan.groups],
                 "hubs": {}}
 
-    def add_hub_summaries(self, flotilla: int, summaries: dict[int, dict]) -> None:
-        """What each hub moved. Its ring occupancy keeps the report's queue shape
+    def add_queue(self, name: str, capacity: int, samples: list[tuple[float, int]]) -> dict:
+        """A queue's occupancy, (time.time(), items held) samples, in the report's queue shape
         (statistics are the report's, pipeline/report/measurements.occupancy_stats)."""
         with self.lock:
+            self.queues[name] = {"capacity": capacity, "t_s": [round(t - self.origin, 3) for t, _ in samples],
+                                 "filled": [held for _, held in samples]}
+            return self.queues[name]
+
+    def add_hub_summaries(self, flotilla: int, summaries: dict[int, dict]) -> None:
+        """What each hub moved; its ring's and (a producer's) prefetch queue's occupancy."""
+        for rank, summary in summaries.items():
+            summary["occupancy"] = self.add_queue(f"flotilla {flotilla} hub {rank} ring",
+                                                  max(summary["ring_slots"].values(), default=1),
+                                                  summary.pop("occupancy"))
+            ready = summary.pop("tasks_ready")
+            if ready:
+                self.add_queue(f"flotilla {flotilla} hub {rank} prefetch", summary["in_flight"], ready)
+        with self.lock:
             for rank, summary in summaries.items():
-                samples = summary.pop("occupancy")
-                summary["occupancy"] = {"capacity": max(summary["ring_slots"].values(), default=1),
-                                        "t_s": [round(t - self.origin, 3) for t, _ in samples],
-                                        "filled": [held for _, held in samples]}
                 latency = summary.pop("latency_ms")
                 summary["latency_ms"] = {f"p{q}": float(np.percentile(latency, q)) for q in (50, 95)} \
                     if latency else None
@@ -208,9 +219,7 @@ class RunRecorder:
                 "train_images": self.train_images,
                 "images_per_s": self.train_images / wall_s if wall_s else None,
                 "cpu_s_per_epoch": busy / epochs if epochs else None,
-                "occupancy": {f"flotilla {f} hub {rank} ring": hub["occupancy"]
-                              for f, info in self.delivery.items() for rank, hub in info["hubs"].items()
-                              if len(hub["occupancy"]["t_s"]) > 1},
+                "occupancy": {name: queue for name, queue in self.queues.items() if len(queue["t_s"]) > 1},
                 "stages": {name: {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "items": t.items,
                                   "cpu_share_pct": 100 * t.cpu_s / busy if busy else None,
                                   "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,

@@ -132,13 +132,23 @@ PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [d
          "pipeline.stages.crop_main.inputs=[pace]", "pipeline.stages.crop_alt.inputs=[pace]"]
 
 
-def _kill_a_worker_then_a_trainer(out):
-    """Once a first epoch is done: SIGKILL a Dask worker (mid-epoch), then
-    C's trainer once it has checkpointed its first epoch."""
+PAUSE_S = 4.0  # every trainer stopped (SIGSTOP) this long: the slowest consumers there are
+
+
+def _pause_then_kill_a_worker_then_a_trainer(out):
+    """Once C has checkpointed its first epoch: stop every trainer for PAUSE_S
+    (producers must wait, not pile batches up), then SIGKILL a Dask worker
+    (mid-epoch), then C's trainer."""
     checkpoints = out / "checkpoints"
     deadline = time.monotonic() + 600
     while not (checkpoints / VICTIM / "epoch1.pt").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+    trainers = [p for p in mp.active_children() if p.name.startswith("trainer-")]
+    for process in trainers:
+        os.kill(process.pid, signal.SIGSTOP)
+    time.sleep(PAUSE_S)
+    for process in trainers:
+        os.kill(process.pid, signal.SIGCONT)
     workers = [p for p in mp.active_children() if "Dask Worker" in p.name]
     os.kill(workers[-1].pid, signal.SIGKILL)
     time.sleep(0.2)  # C's report of epoch 1, sent right after its checkpoint, reaches the driver
@@ -164,13 +174,13 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
 
     out = tmp_path / "out"
     cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", f"topology={topology}",
-                          f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
+                          f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=4",
                           "pipeline.image_size=32", "pipeline.alt_image_size=24", "cluster.workers=2",
                           "cluster.nodes=2", "trainer.slots=4", "trainer.epochs=3", "trainer.consume_only=true",
                           "trainer.record_checksums=true", *PACED])
     rings = lambda: {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{os.getpid()}-")}
     before = rings()
-    killer = threading.Thread(target=_kill_a_worker_then_a_trainer, args=(out,), daemon=True)
+    killer = threading.Thread(target=_pause_then_kill_a_worker_then_a_trainer, args=(out,), daemon=True)
     killer.start()
     results = run(cfg, out)
     killer.join(timeout=5)
@@ -184,6 +194,20 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     flotillas = results["delivery"]["flotillas"]
     assert all(info["topology"] == topology for info in flotillas.values())
     assert max(len(info["hubs"]) for info in flotillas.values()) >= (1 if topology == "duplicated" else 2)
+
+    # Back-pressure: while no trainer took a batch, each producer made at most what fits in its
+    # rings, its tasks in flight and the batch in its hands. The pause starts as epoch 2 does (C has
+    # just checkpointed epoch 1): unbounded, each producer would make the split's 14 batches of 4.
+    steps = sorted((span["start_s"], span["end_s"]) for span in results["timeline"] if span["lane"] == "trainer A/0")
+    paused_from, paused_to = max(zip(steps, steps[1:]), key=lambda pair: pair[1][0] - pair[0][1])
+    paused_from, paused_to = paused_from[1], paused_to[0]
+    assert paused_to - paused_from >= PAUSE_S - 0.1
+    made = [span for span in results["timeline"] if span["what"] == "task"
+            and paused_from + 1.0 < span["start_s"] < paused_to - 0.2]
+    in_flight = 2  # cluster.in_flight=auto: 2 x the worker threads of a node (one worker of one thread)
+    bound = sum(max(hub["ring_slots"].values()) + in_flight + 1 for hub in flotillas["0"]["hubs"].values()
+                if hub["part"] is not None)  # the pause falls in the first flotilla (C is killed after it)
+    assert len(made) <= bound, (len(made), bound)
 
     received = results["delivery"]["received"]
     assert len(received) == 4  # A, B's two ranks, C (its killed trainer never reports; the resumed one does)

@@ -298,8 +298,8 @@ def _transport_bound(results: dict, rate: float, limiter: ModelRow,
     if slots:
         actions.append(Action(f"transport.slots={2 * slots}",
                               f"transport.slots={2 * slots} (now {slots}): a deeper ring absorbs bursts between "
-                              f"producer and trainers -> {ceiling}; record pipeline.occupancy to tell which "
-                              "queue runs empty", predicted / rate, predicted, f"transport.slots={2 * slots}"))
+                              f"producer and trainers -> {ceiling}; queue occupancy shows which of the two "
+                              "runs empty", predicted / rate, predicted, f"transport.slots={2 * slots}"))
     return verdict, actions
 
 
