@@ -183,8 +183,21 @@ def node_processes(node: int, agents: dict[int, dict]):
         return NodeProcesses(node)
     host, port = agent["address"].rsplit(":", 1)
     manager = _Agent(address=(host, int(port)), authkey=bytes.fromhex(agent["authkey"]))
-    manager.connect()
+    try:
+        manager.connect()
+    except OSError as err:
+        raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
+                           f"its host: python -m pipeline.node <scheduler> --node {node}") from None
     return manager.NodeProcesses(node, host)
+
+
+def _answers(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 
 def registered_agents(client) -> dict[int, dict]:
@@ -195,22 +208,25 @@ def registered_agents(client) -> dict[int, dict]:
 
 def serve(scheduler: str, node: int, workers: int, threads: int, host: str) -> None:
     """Run this host as `node` until stopped (Ctrl-C or SIGTERM)."""
+    import torch
     from dask.distributed import Client
 
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
     authkey = os.urandom(16)
     server = _Agent(address=(host, 0), authkey=authkey).get_server()
     resource = f"node-{node}={threads}"
-    dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
-                                     "--nworkers", str(workers), "--nthreads", str(threads),
-                                     "--resources", resource, "--name", f"n{node}", "--no-dashboard"])
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
-    try:
-        with Client(scheduler, timeout="30s") as client:
+    with Client(scheduler, timeout="30s") as client:
+        serving = registered_agents(client).get(node)
+        if serving and _answers(serving["address"]):  # an entry whose agent is gone is replaced
+            raise SystemExit(f"node {node} is already served by the agent at {serving['address']}: "
+                             "give each host its own --node")
+        dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
+                                         "--nworkers", str(workers), "--nthreads", str(threads),
+                                         "--resources", resource, "--name", f"n{node}", "--no-dashboard"])
+        try:
             _wait_for_workers(client, f"node-{node}", workers)
-            import torch
-
             client.set_metadata([AGENTS, str(node)], {
                 "address": f"{host}:{server.address[1]}", "authkey": authkey.hex(), "pid": os.getpid(),
                 "gpus": torch.cuda.device_count(),
@@ -221,9 +237,9 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str) -> N
                 server.serve_forever()
             finally:
                 client.set_metadata([AGENTS, str(node)], None)
-    finally:
-        dask_workers.terminate()
-        dask_workers.wait(60)
+        finally:
+            dask_workers.terminate()
+            dask_workers.wait(60)
 
 
 def _wait_for_workers(client, resource: str, count: int, timeout_s: float = 120) -> None:

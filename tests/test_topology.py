@@ -269,6 +269,9 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
                 time.sleep(0.2)
             pids = {node: agent["pid"] for node, agent in registered_agents(client).items()}
             assert pids == {0: agents[0].pid, 1: agents[1].pid}
+            twice = subprocess.run([sys.executable, "-m", "pipeline.node", cluster.scheduler_address, "--node", "0",
+                                    "--host", "127.0.0.1"], capture_output=True, text=True, timeout=120)
+            assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
             cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
                                   f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
                                   "pipeline.image_size=32", "pipeline.alt_image_size=24",
