@@ -122,7 +122,7 @@ class Flotilla:
         """Members with a trainer that reported an error or died: name -> why."""
         failed = {name: self.errors[name] for name in self.members if name in self.errors}
         for node in self.nodes.values():
-            for name, trainers in node.exit_codes()[1].items():
+            for name, trainers in node.trainer_exit_codes().items():
                 dead = [(process, code) for process, code in trainers if code is not None]
                 if dead and name in self.members and name not in failed:
                     failed[name] = f"{dead[0][0]} exited with code {dead[0][1]}"
@@ -152,7 +152,7 @@ class Flotilla:
             if kind == "stopped":
                 self.summaries[rank] = rest[0]
         for node in self.nodes.values():
-            for rank, code in node.exit_codes()[0].items():
+            for rank, code in node.hub_exit_codes().items():
                 if code not in (None, 0):
                     raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
         return [event for event in events if event[0] in ("batch", "split_done")]

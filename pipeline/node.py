@@ -106,10 +106,13 @@ class NodeProcesses:
         """The trainers' reports so far, waiting up to `timeout` for the first."""
         return _drain(self.reports, timeout)
 
-    def exit_codes(self) -> tuple[dict[int, int | None], dict[str, list[tuple[str, int | None]]]]:
-        """Hub rank -> exit code, and model -> (process name, exit code) of each trainer (None: running)."""
-        return ({rank: process.exitcode for rank, (process, _) in self.hubs.items()},
-                {name: [(p.name, p.exitcode) for p, _, _ in trainers] for name, trainers in self.trainers.items()})
+    def hub_exit_codes(self) -> dict[int, int | None]:
+        """Hub rank -> its exit code (None: running)."""
+        return {rank: process.exitcode for rank, (process, _) in self.hubs.items()}
+
+    def trainer_exit_codes(self) -> dict[str, list[tuple[str, int | None]]]:
+        """Model -> (process name, exit code) of each of its trainers here (None: running)."""
+        return {name: [(p.name, p.exitcode) for p, _, _ in trainers] for name, trainers in self.trainers.items()}
 
     def remove(self, model: str) -> None:
         """Stop a model's trainers here; no hub waits on their readers any more."""

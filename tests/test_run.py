@@ -141,11 +141,10 @@ def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
                "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1", "seed=0,1",
                f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = job.communicate(timeout=600)
-    done = subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "SYNTHETIC stand-in" in done.stdout and "dataset.root=" in done.stdout
-    assert "trainer.device=cuda" in done.stdout and "+ensemble=caltech256_paper" in done.stdout
+    stdout, stderr = job.communicate(timeout=600)  # Popen, not run: the rings are named by the job's pid
+    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    assert "SYNTHETIC stand-in" in stdout and "dataset.root=" in stdout
+    assert "trainer.device=cuda" in stdout and "+ensemble=caltech256_paper" in stdout
     jobs = sorted((tmp_path / "multirun").glob("*/results.json"))
     assert len(jobs) == 2
     assert [json.loads(j.read_text())["config"]["seed"] for j in jobs] == [0, 1]

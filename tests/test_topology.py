@@ -204,8 +204,7 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     assert paused_to - paused_from >= PAUSE_S - 0.1
     made = [span for span in results["timeline"] if span["what"] == "task"
             and paused_from + 1.0 < span["start_s"] < paused_to - 0.2]
-    in_flight = 2  # cluster.in_flight=auto: 2 x the worker threads of a node (one worker of one thread)
-    bound = sum(max(hub["ring_slots"].values()) + in_flight + 1 for hub in flotillas["0"]["hubs"].values()
+    bound = sum(max(hub["ring_slots"].values()) + hub["in_flight"] + 1 for hub in flotillas["0"]["hubs"].values()
                 if hub["part"] is not None)  # the pause falls in the first flotilla (C is killed after it)
     assert len(made) <= bound, (len(made), bound)
 
