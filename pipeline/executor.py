@@ -33,8 +33,9 @@ def run_batch(graph_id: str, seed: int, split: Split, epoch: int, index: int, pa
     """Share `part` of `parts` of one batch through the graph `graph_id`; with `share_as`,
     the streams' arrays are left in this node's shared memory under that name prefix."""
     started = time.time()
-    output = _GRAPHS[graph_id][0].run(BatchContext(seed=seed, split=split, epoch=epoch, index=index, part=part, parts=parts,
-                                    on_error=on_error))
+    context = BatchContext(seed=seed, split=split, epoch=epoch, index=index, part=part, parts=parts,
+                           on_error=on_error)
+    output = _GRAPHS[graph_id][0].run(context)
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
         for stream, batch in output.streams.items():
@@ -97,7 +98,9 @@ class Executor:
         self.resources = {node_resource(node): 1} if node is not None else None
         self.run_id = shared_keys or uuid.uuid4().hex[:8]
         self.retained: deque = deque(maxlen=retain)  # futures kept after use, for executors sharing keys
-        # The prefetch queue: (time.time(), batches made and not yet taken) at each take, of in_flight at most.
+        # The prefetch queue: (time.time(), batches made and waiting) as the consumer comes for the next.
+        # One batch of the in_flight window is the consumer's, so prefetch_slots = in_flight - 1 can wait.
+        self.prefetch_slots = in_flight - 1
         self.ready: list[tuple[float, int]] = []
         self.plugin = f"graph-{self.run_id}-{uuid.uuid4().hex[:8]}"
         client.register_plugin(GraphOnWorkers(self.run_id, graph), name=self.plugin)
@@ -131,12 +134,14 @@ class Executor:
         total = self.graph.source.num_batches(split)
         following = self.graph.source.num_batches(then[0]) if then else 0
         for index in range(total):
+            if self.prefetch_slots:  # (a split's first take may find a whole window, prefetched: full)
+                waiting = min(self.prefetch_slots, sum(f.done() for f in self.pending.values()))
+                self.ready = keep_sample(self.ready, (time.time(), waiting))
             for ahead in range(index, index + self.in_flight):
                 if ahead < total:
                     self._submit(split, epoch, ahead)
                 elif ahead - total < following:
                     self._submit(then[0], then[1], ahead - total)
-            self.ready = keep_sample(self.ready, (time.time(), sum(f.done() for f in self.pending.values())))
             future = self.pending.pop((split, epoch, index))
             output = future.result()
             self.retained.append(future)

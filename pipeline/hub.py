@@ -158,7 +158,8 @@ class HubProcess:
                 "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
                 "ring_slots": {stream: ring.slots for stream, ring in self.spec.rings.items()},
                 "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent,
-                "in_flight": self.spec.in_flight, "tasks_ready": executor.ready if executor else []}
+                "in_flight": self.spec.in_flight, "prefetch_slots": executor.prefetch_slots if executor else 0,
+                "tasks_ready": executor.ready if executor else []}
 
 
 def _stats_only(output):

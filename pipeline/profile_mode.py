@@ -94,7 +94,8 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
                 for path, reason in recorder.add_batch(output, train=True):
                     console.print(f"[yellow]warning[/] skipped {path}: {reason}")
             pass_s = time.perf_counter() - pass_started
-            recorder.add_queue("pipeline pass prefetch", in_flight, executor.ready)
+            if executor.ready:
+                recorder.add_queue("pipeline pass prefetch", executor.prefetch_slots, executor.ready)
         console.print(f"pipeline pass: {recorder.train_images} images in {pass_s:.1f} s "
                       f"({recorder.train_images / pass_s:,.0f} img/s)")
         decoded = _fetch_outputs(graph, cfg.seed, cfg.on_error,

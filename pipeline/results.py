@@ -113,21 +113,23 @@ class RunRecorder:
         """A queue's occupancy, (time.time(), items held) samples, in the report's queue shape
         (statistics are the report's, pipeline/report/measurements.occupancy_stats)."""
         with self.lock:
-            self.queues[name] = {"capacity": capacity, "t_s": [round(t - self.origin, 3) for t, _ in samples],
-                                 "filled": [held for _, held in samples]}
-            return self.queues[name]
+            return self._queue(name, capacity, samples)
+
+    def _queue(self, name: str, capacity: int, samples: list[tuple[float, int]]) -> dict:
+        self.queues[name] = {"capacity": capacity, "t_s": [round(t - self.origin, 3) for t, _ in samples],
+                             "filled": [held for _, held in samples]}
+        return self.queues[name]
 
     def add_hub_summaries(self, flotilla: int, summaries: dict[int, dict]) -> None:
         """What each hub moved; its ring's and (a producer's) prefetch queue's occupancy."""
-        for rank, summary in summaries.items():
-            summary["occupancy"] = self.add_queue(f"flotilla {flotilla} hub {rank} ring",
-                                                  max(summary["ring_slots"].values(), default=1),
-                                                  summary.pop("occupancy"))
-            ready = summary.pop("tasks_ready")
-            if ready:
-                self.add_queue(f"flotilla {flotilla} hub {rank} prefetch", summary["in_flight"], ready)
         with self.lock:
             for rank, summary in summaries.items():
+                summary["occupancy"] = self._queue(f"flotilla {flotilla} hub {rank} ring",
+                                                   max(summary["ring_slots"].values(), default=1),
+                                                   summary.pop("occupancy"))
+                ready = summary.pop("tasks_ready")
+                if ready:
+                    self._queue(f"flotilla {flotilla} hub {rank} prefetch", summary["prefetch_slots"], ready)
                 latency = summary.pop("latency_ms")
                 summary["latency_ms"] = {f"p{q}": float(np.percentile(latency, q)) for q in (50, 95)} \
                     if latency else None

@@ -55,12 +55,30 @@ def test_in_flight_tasks_are_bounded(tiny_dataset):
     with dask_client(None, 2, 1) as client:
         submitted = []
         real_submit = client.submit
-        client.submit = lambda *a, **k: (k["key"].startswith("batch-") and submitted.append(k["key"])) \
-            or real_submit(*a, **k)
+        client.submit = lambda *a, **k: submitted.append(k["key"]) or real_submit(*a, **k)
         with Executor(client, graph, seed=0, on_error="skip", in_flight=2) as executor:
             ahead = [len(submitted) - index for index, _ in executor.batches(Split.TRAIN, 0)]
         client.submit = real_submit
     assert max(ahead) == 2
+
+
+def test_prefetch_queue_fills_when_the_consumer_is_slow_and_empties_when_it_is_fast(tiny_dataset):
+    import time
+
+    graph = build_graph(stages(tiny_dataset, slow=0.1), {"out"})
+    with dask_client(None, 1, 1) as client, Executor(client, graph, 0, "skip", in_flight=3) as executor:
+        assert executor.prefetch_slots == 2  # of the 3 in flight, one is the consumer's
+        for _ in executor.batches(Split.TRAIN, 0):
+            time.sleep(0.5)  # a slow trainer: the batches in flight are made before it comes back
+        slow = [held for _, held in executor.ready]
+        executor.ready.clear()
+        list(executor.batches(Split.TRAIN, 1))  # a fast one: it comes back while the worker makes the next
+        fast = [held for _, held in executor.ready]
+    total = graph.source.num_batches(Split.TRAIN)
+    assert len(slow) == len(fast) == total  # a sample per take
+    # Full from the second take on (nothing is submitted before the first), up to what the split has left.
+    assert slow[1:] == [min(2, total - index) for index in range(1, total)]
+    assert max(fast) <= 1
 
 
 def test_killed_worker_costs_a_recomputation_not_a_batch(tiny_dataset):
