@@ -7,7 +7,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from pipeline.config import register
-from pipeline.profile_mode import profile_run
+from pipeline.report.profile_run import profile_run
 from pipeline.run import ConfigError, run
 
 register()

@@ -3,7 +3,7 @@
 Stored in Hydra's ConfigStore as `schema` and named first in conf/config.yaml's
 defaults, so a misspelt key or a wrong type fails at composition with the
 key's full name. Stage entries under `pipeline.stages` are checked by the
-graph builder against each stage's own dataclass (see pipeline/graph.py).
+graph builder against each stage's own dataclass (see pipeline/data/graph.py).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class ClusterConf:
     threads_per_worker: int = 1  # batch tasks one worker runs at once (stages are single-threaded)
     in_flight: Any = "auto"  # batch tasks submitted ahead of each producer; auto = 2 x its node's worker threads
     nodes: int = 1  # nodes: LocalCluster workers and trainer slots split into this many simulated nodes
-    # (loopback); with address: one agent per host (python -m pipeline.node <address> --node <i>), or
+    # (loopback); with address: one agent per host (python -m pipeline.orchestration.node <address> --node <i>), or
     # workers carrying the resource node-<i> (dask worker --resources node-0=1) with hubs and trainers here
 
 

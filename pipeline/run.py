@@ -12,20 +12,20 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.dataset import DatasetInfo, prepare_dataset
-from pipeline.devices import check_memory, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.driver import Convergence, Driver, RunContext, TopologyChoice
-from pipeline.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
-from pipeline.flotilla import DeliverySetup, TrainingSetup
-from pipeline.graph import StageGraph, build_graph
-from pipeline.node import registered_agents
-from pipeline.profiling import format_table, profile_ensemble, save_table
+from pipeline.data.dataset import DatasetInfo, prepare_dataset
+from pipeline.orchestration.devices import check_memory, resolve_device, slot_devices, slot_memory_bytes
+from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
+from pipeline.data.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
+from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
+from pipeline.data.graph import StageGraph, build_graph
+from pipeline.orchestration.node import registered_agents
+from pipeline.training.rates import format_table, profile_ensemble, save_table
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
-from pipeline.results import RunRecorder, print_summary, write_json
+from pipeline.measure.recorder import RunRecorder, print_summary, write_json
 from pipeline.scheduler import Cluster, ProfileMeasured, Scheduler, make_policy
-from pipeline.topology import TOPOLOGIES
-from pipeline.trainer import ModelSpec
+from pipeline.delivery.topology import TOPOLOGIES
+from pipeline.training.trainer import ModelSpec
 from stages.base import Split
 
 
@@ -154,7 +154,7 @@ def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> floa
 
 
 def _node_agents(cfg: DictConfig) -> dict[int, dict]:
-    """Node -> the agent of each real host (pipeline/node.py) registered with the scheduler at
+    """Node -> the agent of each real host (pipeline/orchestration/node.py) registered with the scheduler at
     cluster.address; none: every node's hubs and trainers run here."""
     if not cfg.cluster.address:
         return {}
@@ -164,7 +164,7 @@ def _node_agents(cfg: DictConfig) -> dict[int, dict]:
         agents = registered_agents(client)
     if agents and sorted(agents) != list(range(cfg.cluster.nodes)):
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} but the scheduler at {cfg.cluster.address} has node "
-                          f"agents {sorted(agents)} (python -m pipeline.node --node <i>): set cluster.nodes to their "
+                          f"agents {sorted(agents)} (python -m pipeline.orchestration.node --node <i>): set cluster.nodes to their "
                           "count and number them 0, 1, ... without gaps")
     hosts = {(agent["gpus"], agent["gpu_memory"]) for agent in agents.values()}
     if len(hosts) > 1:
@@ -180,7 +180,7 @@ def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot
     node agents, the GPUs are those of their hosts."""
     import torch
 
-    from pipeline.models import build_model, count_parameters, estimate_training_bytes
+    from pipeline.training.models import build_model, count_parameters, estimate_training_bytes
 
     if agents:
         host = next(iter(agents.values()))  # they are alike (_node_agents)

@@ -29,10 +29,10 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from pipeline.graph import StageGraph, build_graph
-from pipeline.synthetic import generate_imagefolder
-from pipeline.transport.base import MessageKind, StreamLayout
-from pipeline.transport.shm import Ring
+from pipeline.data.graph import StageGraph, build_graph
+from pipeline.data.synthetic import generate_imagefolder
+from pipeline.delivery.stream import MessageKind, StreamLayout
+from pipeline.delivery.ring import Ring
 from stages.base import Split
 
 # Dask, torch and DALI are imported where they are used: spawned processes
@@ -73,7 +73,7 @@ def stage_config(root: Path, size: int) -> dict:
         "decode": {"_target_": "stages.decode.Decode", "inputs": ["read"], "backend": "simplejpeg"},
         "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["decode"], "size": size,
                  "scale": list(SCALE), "ratio": list(RATIO)},
-        SINK: {"_target_": "stages.sink.Deliver", "inputs": ["crop"]},
+        SINK: {"_target_": "stages.broadcast.Broadcast", "inputs": ["crop"]},
     }
 
 
@@ -109,12 +109,12 @@ def process_tree_cpu_seconds(exclude: set[int] = frozenset()) -> float:
 # --- The three contenders of the rate measurement -----------------------------
 
 class Ours:
-    """The project's pipeline: ImageFolder -> Decode -> RandomResizedCropFlip -> Deliver on Dask."""
+    """The project's pipeline: ImageFolder -> Decode -> RandomResizedCropFlip -> Broadcast on Dask."""
 
     name = "ours"
 
     def __init__(self, client, root: Path, size: int):
-        from pipeline.executor import Executor
+        from pipeline.data.executor import Executor
 
         self.size = size
         # As pipeline/run.py sizes it: two batch tasks in flight per worker thread.
@@ -362,7 +362,7 @@ def measure_sharing(client, root: Path, size: int, models: int, repeats: int) ->
     """CPU-seconds (Dask workers and nannies + the driver, which holds the
     scheduler and publishes; consumers excluded) of one epoch for: one model,
     `models` models on one shared pipeline, `models` duplicated pipelines."""
-    from pipeline.executor import Executor
+    from pipeline.data.executor import Executor
 
     in_flight = 2 * sum(client.nthreads().values())
     layout = StreamLayout(BATCH_SIZE, (size, size, 3))
@@ -438,7 +438,7 @@ def print_sharing(sharing: dict) -> None:
 
 
 def main() -> None:
-    from pipeline.executor import dask_client
+    from pipeline.data.executor import dask_client
 
     args = parse_args()
     root = args.root

@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 
 from pipeline.report.measurements import occupancy_stats
-from pipeline.topology import TOPOLOGIES
+from pipeline.delivery.topology import TOPOLOGIES
 
 # pipeline.run (Dask, torch) is imported where it is used: spawned processes
 # (hubs, trainers) re-import this script as __mp_main__ and need none of it.
@@ -318,7 +318,7 @@ def save(args: argparse.Namespace, root: Path, parts: dict, largest: int, load_b
 
 def main() -> None:
     args = parse_args()
-    from pipeline.synthetic import generate_imagefolder
+    from pipeline.data.synthetic import generate_imagefolder
 
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import numpy as np
 class Role(str, enum.Enum):
     SOURCE = "source"  # no inputs: makes a batch from a batch index
     MAP = "map"  # one input batch in, one out
-    SINK = "sink"  # end of a branch: its output is a stream handed to trainers
+    SINK = "sink"  # end of a branch, a broadcast stage: its output is a stream fanned out to trainers
 
 
 class DataKind(str, enum.Enum):

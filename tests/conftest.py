@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from pipeline.config import register
-from pipeline.synthetic import generate_imagefolder, write_bad_files
+from pipeline.data.synthetic import generate_imagefolder, write_bad_files
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register()

@@ -1,8 +1,8 @@
 """Device slots: simulated nodes share this machine's GPUs; real hosts (node agents) have their own."""
 import pytest
 
-from pipeline.devices import SlotError, slot_devices
-from pipeline.trainer import ModelSpec
+from pipeline.orchestration.devices import SlotError, slot_devices
+from pipeline.training.trainer import ModelSpec
 
 MODEL = ModelSpec("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
 

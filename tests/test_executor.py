@@ -6,8 +6,8 @@ import zlib
 
 import pytest
 
-from pipeline.executor import Executor, dask_client
-from pipeline.graph import build_graph
+from pipeline.data.executor import Executor, dask_client
+from pipeline.data.graph import build_graph
 from stages.base import Split
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ def stages(root, slow=0.0):
         "decode": {"_target_": "stages.decode.Decode", "inputs": ["read"]},
         "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["slow" if slow else "decode"],
                  "size": 32},
-        "out": {"_target_": "stages.sink.Deliver", "inputs": ["crop"]},
+        "out": {"_target_": "stages.broadcast.Broadcast", "inputs": ["crop"]},
     }
     if slow:
         graph["slow"] = {"_target_": "tests.slow_stage.SlowDown", "inputs": ["decode"], "seconds": slow}

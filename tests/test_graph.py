@@ -4,7 +4,7 @@ import copy
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.graph import GraphError, build_graph
+from pipeline.data.graph import GraphError, build_graph
 from stages.base import DataKind
 from tests.conftest import compose_config
 

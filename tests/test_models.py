@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.models import build_model, count_parameters, describe, estimate_training_bytes
+from pipeline.training.models import build_model, count_parameters, describe, estimate_training_bytes
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline.__main__ import MODES, run_mode
-from pipeline.profile_mode import profile_run
+from pipeline.report.profile_run import profile_run
 from pipeline.run import ConfigError
 from tests.conftest import compose_config
 

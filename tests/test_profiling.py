@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from pipeline import profiling
-from pipeline.profiling import ProfilingError, format_table, measure_rates, profile_ensemble, save_table
+from pipeline.training import rates as profiling
+from pipeline.training.rates import ProfilingError, format_table, measure_rates, profile_ensemble, save_table
 from pipeline.scheduler import Profile
-from pipeline.trainer import ModelSpec
+from pipeline.training.trainer import ModelSpec
 
 TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
 DENSE = ModelSpec("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")

@@ -1,8 +1,8 @@
 """The run's records: ensemble accuracy per epoch, whatever the ensemble's size."""
 import numpy as np
 
-from pipeline.results import RunRecorder
-from pipeline.trainer import ModelSpec
+from pipeline.measure.recorder import RunRecorder
+from pipeline.training.trainer import ModelSpec
 
 
 def val_event(model, probs):

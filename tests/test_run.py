@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.dataset import DatasetError, prepare_dataset
-from pipeline.devices import SlotError
+from pipeline.data.dataset import DatasetError, prepare_dataset
+from pipeline.orchestration.devices import SlotError
 from pipeline.run import ConfigError, run
 from stages.base import BadFileError
 from tests.conftest import compose_config
@@ -188,7 +188,7 @@ def test_trainer_resumes_from_its_checkpoint(tmp_path):
 
     import torch
 
-    from pipeline.trainer import ModelSpec, Trainer, TrainerSpec
+    from pipeline.training.trainer import ModelSpec, Trainer, TrainerSpec
 
     model = ModelSpec("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
     spec = lambda start: TrainerSpec(model, 3, 32, 4, start, 10, 0, "", "cpu", 1, str(tmp_path), False, False)

@@ -10,7 +10,7 @@ from stages.augment import RandomResizedCropFlip
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split
 from stages.decode import Decode
 from stages.read import ImageFolder
-from stages.sink import Deliver
+from stages.broadcast import Broadcast
 
 
 def ctx(split=Split.TRAIN, epoch=0, index=0, seed=0, on_error="skip", stage="s"):
@@ -30,7 +30,7 @@ def chain(source, decode=None, augment=None):
     decoded = lambda c: decode(encoded(c), c)
     cropped = lambda c: augment(decoded(c), c)
     return [(source, lambda c: None, None), (decode, encoded, Spec(DataKind.ENCODED)),
-            (augment, decoded, Spec(DataKind.IMAGES)), (Deliver(), cropped, Spec(DataKind.TENSOR, (32, 32, 3)))]
+            (augment, decoded, Spec(DataKind.IMAGES)), (Broadcast(), cropped, Spec(DataKind.TENSOR, (32, 32, 3)))]
 
 
 def conforms(batch: Batch, spec: Spec) -> bool:

@@ -6,8 +6,8 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from pipeline import synthetic
-from pipeline.synthetic import generate_imagefolder, read_marker, write_bad_files
+from pipeline.data import synthetic
+from pipeline.data.synthetic import generate_imagefolder, read_marker, write_bad_files
 
 NUM_CLASSES, IMAGES_PER_CLASS, SEED = 10, 40, 7
 

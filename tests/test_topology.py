@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.graph import build_graph
-from pipeline.topology import TOPOLOGIES, choose_topology, plan_delivery
+from pipeline.data.graph import build_graph
+from pipeline.delivery.topology import TOPOLOGIES, choose_topology, plan_delivery
 from stages.base import BatchContext, Split
 from tests.conftest import compose_config
 
@@ -74,7 +74,7 @@ def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
     stages = {"read": {"_target_": "stages.read.ImageFolder", "root": str(tiny_dataset), "batch_size": 10},
               "decode": {"_target_": "stages.decode.Decode", "inputs": ["read"]},
               "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["decode"], "size": 24},
-              "out": {"_target_": "stages.sink.Deliver", "inputs": ["crop"]}}
+              "out": {"_target_": "stages.broadcast.Broadcast", "inputs": ["crop"]}}
     graph = build_graph(stages, {"out"})
     whole = graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2)).streams["out"]
     shares = [graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2, part=p, parts=3)).streams["out"]
@@ -87,7 +87,7 @@ def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
 def _exchange(rank, world, address, results):
     import torch.distributed as dist
 
-    from pipeline.transport.collective import GroupLink
+    from pipeline.delivery.collective import GroupLink
 
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     group = dist.new_group([0, 1, 2])
@@ -109,7 +109,7 @@ def _exchange(rank, world, address, results):
 def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
     context = mp.get_context("spawn")
     results = context.Queue()
-    from pipeline.node import rendezvous_at
+    from pipeline.orchestration.node import rendezvous_at
 
     address = rendezvous_at()
     processes = [context.Process(target=_exchange, args=(rank, 3, address, results)) for rank in range(3)]
@@ -241,20 +241,20 @@ def _assert_every_batch_once_in_order_bit_identical(cfg, results):
 # --- real hosts: one node agent per host ---------------------------------------------------------
 
 def _start_agent(scheduler: str, node: int, log):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
+    return subprocess.Popen([sys.executable, "-m", "pipeline.orchestration.node", scheduler, "--node", str(node), "--workers", "1",
                              "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
 def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
     """Two hosts as this machine twice: a Dask scheduler and one agent per node
-    (python -m pipeline.node, each with its own Dask workers). The run, given only
+    (python -m pipeline.orchestration.node, each with its own Dask workers). The run, given only
     the scheduler's address, finds the agents; each starts its node's hubs and
     trainers; all_shared's all-gather crosses the nodes; delivery holds its
     invariants; the agents' rings are gone after the run and they exit cleanly."""
     from dask.distributed import Client, LocalCluster
 
-    from pipeline.node import registered_agents
+    from pipeline.orchestration.node import registered_agents
     from pipeline.run import run
 
     with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
@@ -268,7 +268,7 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
                 time.sleep(0.2)
             pids = {node: agent["pid"] for node, agent in registered_agents(client).items()}
             assert pids == {0: agents[0].pid, 1: agents[1].pid}
-            twice = subprocess.run([sys.executable, "-m", "pipeline.node", cluster.scheduler_address, "--node", "0",
+            twice = subprocess.run([sys.executable, "-m", "pipeline.orchestration.node", cluster.scheduler_address, "--node", "0",
                                     "--host", "127.0.0.1"], capture_output=True, text=True, timeout=120)
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
             cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
@@ -314,7 +314,7 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
 def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
     from dask.distributed import Client, LocalCluster
 
-    from pipeline.node import AGENTS
+    from pipeline.orchestration.node import AGENTS
     from pipeline.run import ConfigError, _node_agents
 
     with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:

@@ -8,8 +8,8 @@ import zlib
 import numpy as np
 import pytest
 
-from pipeline.transport.base import MessageKind, StreamLayout
-from pipeline.transport.shm import Ring
+from pipeline.delivery.stream import MessageKind, StreamLayout
+from pipeline.delivery.ring import Ring
 
 LAYOUT = StreamLayout(batch_capacity=4, item_shape=(8, 8, 3))
 CTX = mp.get_context("spawn")

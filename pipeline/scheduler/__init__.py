@@ -11,7 +11,7 @@ from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochF
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import assign_slots, greedy_flotilla
 from pipeline.scheduler.policies import POLICIES, Baseline, FleetG, FleetL, Homogeneous, Policy, Shared, make_policy
-from pipeline.scheduler.profile import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, Profile, Slot
 
 __all__ = [
     "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetG", "FleetL",

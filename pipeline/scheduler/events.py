@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.scheduler.profile import Slot
+from pipeline.scheduler.cluster import Slot
 
 # ---------------------------------------------------------------- events in
 

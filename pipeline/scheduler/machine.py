@@ -13,7 +13,7 @@ from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochF
                                        ModelConverged, ProfileMeasured, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.planner import assign_slots, flotilla_rate
 from pipeline.scheduler.policies import Policy
-from pipeline.scheduler.profile import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, Profile, Slot
 
 WAITING, RUNNING, CONVERGED, FAILED = "waiting", "running", "converged", "failed"
 FREE, BUSY, RELEASING = "free", "busy", "releasing"

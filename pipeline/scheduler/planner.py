@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipeline.scheduler.profile import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, Profile, Slot
 
 TOLERANCE = 0.2  # a member may be this much slower than the target (fraction)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.scheduler.planner import TOLERANCE, fits, free_per_node, greedy_flotilla, lookahead_flotilla
-from pipeline.scheduler.profile import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, Profile, Slot
 
 
 @dataclass

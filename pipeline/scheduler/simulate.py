@@ -21,7 +21,7 @@ from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, For
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import flotilla_rate
 from pipeline.scheduler.policies import Policy
-from pipeline.scheduler.profile import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, Profile, Slot
 
 
 @dataclass

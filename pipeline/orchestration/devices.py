@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 
-from pipeline.scheduler.profile import Slot
-from pipeline.trainer import ModelSpec
+from pipeline.scheduler.cluster import Slot
+from pipeline.training.trainer import ModelSpec
 
 # The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x
 # higher (workspaces, allocator slack), so a model must fit with this margin.

@@ -99,7 +99,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        from pipeline.models import build_model
+        from pipeline.training.models import build_model
 
         self.torch, self.spec, self.reports = torch, spec, reports
         torch.set_num_threads(spec.threads)
@@ -150,7 +150,7 @@ class Trainer:
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
 
     def consume(self, reader) -> None:
-        from pipeline.transport.base import MessageKind
+        from pipeline.delivery.stream import MessageKind
 
         waited = time.perf_counter()
         for message in reader.messages():

@@ -23,8 +23,8 @@ import dask
 from dask.distributed import Client, LocalCluster, WorkerPlugin, get_worker, performance_report, wait
 from rich.console import Console
 
-from pipeline.graph import BatchOutput, StageGraph
-from pipeline.transport.handoff import HANDOFF_PREFIX, SharedArray, remove_all
+from pipeline.data.graph import BatchOutput, StageGraph
+from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray, remove_all
 from stages.base import BatchContext, Split
 
 

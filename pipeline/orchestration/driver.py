@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.progress import Progress
 
-from pipeline.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
-from pipeline.graph import StageGraph
-from pipeline.results import RunRecorder
+from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
+from pipeline.data.graph import StageGraph
+from pipeline.measure.recorder import RunRecorder
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)
-from pipeline.scheduler.profile import Slot
-from pipeline.topology import DeliveryPlan, choose_topology, plan_delivery
-from pipeline.trainer import ModelSpec
+from pipeline.scheduler.cluster import Slot
+from pipeline.delivery.topology import DeliveryPlan, choose_topology, plan_delivery
+from pipeline.training.trainer import ModelSpec
 from stages.base import Split
 
 REPORT_TIMEOUT_S = 1800  # a trainer silent this long during validation is taken as hung

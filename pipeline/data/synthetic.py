@@ -225,7 +225,7 @@ def _class_names(count, rng):
 
 def _marker_params(num_classes, images_per_class, seed, image_size):
     return {
-        "generator": "pipeline.synthetic",
+        "generator": "pipeline.data.synthetic",
         "version": GENERATOR_VERSION,
         "num_classes": num_classes,
         "images_per_class": images_per_class,
@@ -237,7 +237,7 @@ def _marker_params(num_classes, images_per_class, seed, image_size):
 def _marker_text(params):
     return (
         "SYNTHETIC DATASET: a generated stand-in for Caltech256, not real photographs.\n"
-        "Made by pipeline.synthetic.generate_imagefolder; accuracies measured on it say\n"
+        "Made by pipeline.data.synthetic.generate_imagefolder; accuracies measured on it say\n"
         "nothing about Caltech256. Generation parameters (JSON, last line):\n"
         f"{json.dumps(params)}\n"
     )

@@ -12,8 +12,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.graph import BatchOutput, StageTiming
-from pipeline.trainer import ModelSpec
+from pipeline.data.graph import BatchOutput, StageTiming
+from pipeline.training.trainer import ModelSpec
 
 
 MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline

@@ -1,11 +1,11 @@
 """One node of the cluster: the processes a flotilla runs there.
 
 `NodeProcesses` owns one flotilla's hubs, trainers and the shared-memory
-rings between them on one node; pipeline/flotilla.py drives one per node. On
+rings between them on one node; pipeline/orchestration/flotilla.py drives one per node. On
 simulated nodes (`cluster.nodes` on a LocalCluster) it lives in the driver.
 On real hosts each host runs an agent:
 
-    python -m pipeline.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2
+    python -m pipeline.orchestration.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2
 
 It starts the host's Dask workers (resource node-<i>), registers itself in
 the Dask scheduler's metadata, and serves NodeProcesses to the driver over
@@ -28,11 +28,11 @@ from collections import defaultdict
 from dataclasses import replace
 from multiprocessing.managers import BaseManager
 
-from pipeline.hub import HubSpec, hub_main
-from pipeline.trainer import TrainerSpec, trainer_main
-from pipeline.transport.base import StreamLayout
-from pipeline.transport.handoff import HANDOFF_PREFIX, remove_all
-from pipeline.transport.shm import Ring
+from pipeline.delivery.hub import HubSpec, hub_main
+from pipeline.training.trainer import TrainerSpec, trainer_main
+from pipeline.delivery.stream import StreamLayout
+from pipeline.data.handoff import HANDOFF_PREFIX, remove_all
+from pipeline.delivery.ring import Ring
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
 HUB_EXIT_S = 60  # what a closing hub gets to wind down (Executor: tasks running finish) before it is killed
@@ -190,7 +190,7 @@ def node_processes(node: int, agents: dict[int, dict]):
         manager.connect()
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
-                           f"its host: python -m pipeline.node <scheduler> --node {node}") from None
+                           f"its host: python -m pipeline.orchestration.node <scheduler> --node {node}") from None
     return manager.NodeProcesses(node, host)
 
 
@@ -255,7 +255,7 @@ def _wait_for_workers(client, resource: str, count: int, timeout_s: float = 120)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.node", description=(
+    parser = argparse.ArgumentParser(prog="python -m pipeline.orchestration.node", description=(
         "Serve this host as one node of a multi-host run: its Dask workers, hubs and trainers. "
         "Start one per host, then the driver with cluster.address=<scheduler> cluster.nodes=<hosts>."))
     parser.add_argument("scheduler", help="the Dask scheduler's address, e.g. tcp://10.0.0.1:8786")

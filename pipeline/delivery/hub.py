@@ -2,7 +2,7 @@
 
 A producing hub has its node's Dask workers make batches, or one share of
 each batch (all_shared); the hubs of a group then exchange them over the
-group's process group (broadcast or all-gather, pipeline/transport/collective.py),
+group's process group (broadcast or all-gather, pipeline/delivery/collective.py),
 and every hub writes each batch once into its node's shared-memory rings,
 which its trainers read. The driver sends one command per split and one to
 stop; the hub reports each batch it published, and what it moved.
@@ -17,11 +17,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.executor import Executor, keep_sample
-from pipeline.graph import StageGraph
-from pipeline.topology import DeliveryGroup, Hub
-from pipeline.transport.base import MessageKind
-from pipeline.transport.shm import Ring
+from pipeline.data.executor import Executor, keep_sample
+from pipeline.data.graph import StageGraph
+from pipeline.delivery.topology import DeliveryGroup, Hub
+from pipeline.delivery.stream import MessageKind
+from pipeline.delivery.ring import Ring
 from stages.base import BadFileError, Batch, Split
 
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
@@ -66,7 +66,7 @@ class HubProcess:
         if spec.world > 1:
             import torch.distributed as dist
 
-            from pipeline.transport.collective import GroupLink
+            from pipeline.delivery.collective import GroupLink
 
             dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo",
                                     init_method=spec.rendezvous, rank=spec.hub.rank, world_size=spec.world)

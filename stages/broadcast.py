@@ -1,4 +1,8 @@
-"""Sink stage: the end of a branch; its name is the stream models subscribe to."""
+"""Broadcast stage: the DAG's sinks. Its name is a stream that models name as
+their `input`; the stream is fanned out to every trainer of every model that
+reads it. Which collective carries it there (one producer, shares gathered
+from every node, one producer per group: docs/topologies.md) is the
+topology's business, not the stage's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,9 +12,9 @@ from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage
 
 
 @dataclass
-class Deliver(Stage):
-    """Hands finished uint8 batches to the transport, which carries them to
-    every trainer of the models whose `input` names this stage."""
+class Broadcast(Stage):
+    """The end of a branch: its finished uint8 batches, unchanged, are one
+    stream handed to every model whose `input` names this stage."""
 
     role: ClassVar[Role] = Role.SINK
     accepts: ClassVar[DataKind | None] = DataKind.TENSOR

@@ -3,7 +3,7 @@
 
 A run on k slots starts k trainer processes (spawned) that train the model
 data-parallel (DDP over NCCL on CUDA, gloo on CPU), each rank taking its 1/k
-share of every batch, exactly as `pipeline.trainer` does: uint8 NHWC batches
+share of every batch, exactly as `pipeline.training.trainer` does: uint8 NHWC batches
 copied to the device and normalised there, forward, backward, SGD step. The
 batches are synthetic and already in memory, so the profile measures training,
 never input. Rate = images per batch / median step time, where a step's time
@@ -28,9 +28,9 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.node import rendezvous_at
-from pipeline.scheduler.profile import Profile
-from pipeline.trainer import ModelSpec, SGDStep
+from pipeline.orchestration.node import rendezvous_at
+from pipeline.scheduler.cluster import Profile
+from pipeline.training.trainer import ModelSpec, SGDStep
 
 
 REPORT_TIMEOUT_S = 600  # a profile run silent this long is taken as hung
@@ -218,7 +218,7 @@ def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size
         import torch
         import torch.distributed as dist
 
-        from pipeline.models import build_model
+        from pipeline.training.models import build_model
 
         torch.set_num_threads(threads)
         torch.manual_seed(0)

@@ -1,8 +1,8 @@
 """The processes of a flotilla: its trainers, the hubs that feed them
-(pipeline/hub.py, one per delivery group and node, as the topology plans
+(pipeline/delivery/hub.py, one per delivery group and node, as the topology plans
 them) and the shared-memory rings between the two, on every node it spans.
 
-Each node's share lives in a NodeProcesses (pipeline/node.py), in this
+Each node's share lives in a NodeProcesses (pipeline/orchestration/node.py), in this
 process or in the agent of a real host; this class lays the flotilla out
 over them and merges what they report. Processes are spawned on entry and
 always stopped, shared memory always unlinked, on exit, whatever happened in
@@ -16,12 +16,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.graph import StageGraph
-from pipeline.hub import HubSpec
-from pipeline.node import node_processes
-from pipeline.topology import DeliveryPlan, Hub
-from pipeline.trainer import ModelSpec, TrainerSpec
-from pipeline.transport.base import StreamLayout
+from pipeline.data.graph import StageGraph
+from pipeline.delivery.hub import HubSpec
+from pipeline.orchestration.node import node_processes
+from pipeline.delivery.topology import DeliveryPlan, Hub
+from pipeline.training.trainer import ModelSpec, TrainerSpec
+from pipeline.delivery.stream import StreamLayout
 from stages.base import BadFileError, Spec, Split
 
 
@@ -55,7 +55,7 @@ class DeliverySetup:
     on_error: str
     in_flight: dict[int, int]  # node -> batch tasks a producer there keeps submitted
     ring_slots: int
-    agents: dict[int, dict]  # node -> its host's agent (pipeline/node.py); none: nodes simulated here
+    agents: dict[int, dict]  # node -> its host's agent (pipeline/orchestration/node.py); none: nodes simulated here
 
 
 class Flotilla:

@@ -33,15 +33,15 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from pipeline.dataset import prepare_dataset
-from pipeline.devices import resolve_device
-from pipeline.executor import Executor, dask_client, dask_performance_report, worker_count
-from pipeline.graph import BatchOutput, StageGraph, build_graph
+from pipeline.data.dataset import prepare_dataset
+from pipeline.orchestration.devices import resolve_device
+from pipeline.data.executor import Executor, dask_client, dask_performance_report, worker_count
+from pipeline.data.graph import BatchOutput, StageGraph, build_graph
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
-from pipeline.results import RunRecorder, print_summary, write_json
+from pipeline.measure.recorder import RunRecorder, print_summary, write_json
 from pipeline.run import ConfigError, check_output_dir, expand_ensemble
-from pipeline.trainer import ModelSpec, SGDStep
+from pipeline.training.trainer import ModelSpec, SGDStep
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -314,13 +314,13 @@ class _Pass:
 
 
 class _Trainee:
-    """One model trained as pipeline.trainer does it (uint8 NHWC in, normalised
+    """One model trained as pipeline.training.trainer does it (uint8 NHWC in, normalised
     on the device, SGD step), on one device, fed by this process."""
 
     def __init__(self, model: ModelSpec, classes: int, image_size: int, device: str, threads: int):
         import torch
 
-        from pipeline.models import build_model, count_parameters
+        from pipeline.training.models import build_model, count_parameters
 
         self.torch, self.device, self.threads = torch, torch.device(device), threads
         self.net = build_model(model.arch, model.depth, model.width, model.growth_rate, classes,

@@ -18,7 +18,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from pipeline.transport.base import Message, MessageKind, StreamLayout, StreamReader, StreamWriter
+from pipeline.delivery.stream import Message, MessageKind, StreamLayout, StreamReader, StreamWriter
 
 HEADER_FIELDS = 5  # kind, split, epoch, index, count
 HEADER_BYTES = 64  # header padded to a cache line

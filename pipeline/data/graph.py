@@ -138,7 +138,7 @@ def _stage_class(target: str, key: str) -> type[Stage]:
     except (ImportError, AttributeError, ValueError):
         raise GraphError(f"{key}._target_: cannot import '{target}'; built-in stages are "
                          "stages.read.ImageFolder, stages.decode.Decode, "
-                         "stages.augment.RandomResizedCropFlip, stages.sink.Deliver") from None
+                         "stages.augment.RandomResizedCropFlip, stages.broadcast.Broadcast") from None
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise GraphError(f"{key}._target_: '{target}' is not a Stage (subclass stages.base.Stage)")
     return cls
@@ -192,7 +192,7 @@ def _check_ends(stages: dict[str, Stage], inputs: dict[str, str | None], consume
                 raise GraphError(f"{CONFIG_ROOT}.{name} is a sink and cannot feed other stages")
         elif name not in fed:
             raise GraphError(f"{CONFIG_ROOT}.{name}: its output goes nowhere; end the branch with a sink "
-                             "(_target_: stages.sink.Deliver, inputs: [" + name + "])")
+                             "(_target_: stages.broadcast.Broadcast, inputs: [" + name + "])")
     sinks = {name for name, stage in stages.items() if stage.role is Role.SINK}
     unknown = sorted(consumed - sinks)
     if unknown:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hydra.utils import to_absolute_path
 
-from pipeline.synthetic import generate_imagefolder, read_marker
+from pipeline.data.synthetic import generate_imagefolder, read_marker
 
 
 class DatasetError(ValueError):
