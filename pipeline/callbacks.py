@@ -5,7 +5,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline.run import ConfigError, check_output_dir
+from pipeline.config import ConfigError, check_output_dir, exit_on_user_error
 
 
 class CheckOutputDir(Callback):
@@ -23,5 +23,5 @@ def _exit_on_error(path: Path) -> None:
     try:
         check_output_dir(path)
     except ConfigError as err:
-        # Hydra turns a callback's exceptions into warnings and carries on; exit.
-        raise SystemExit(f"error: {err}") from None
+        # Hydra turns a callback's exceptions into warnings and carries on: exit here.
+        exit_on_user_error(err)

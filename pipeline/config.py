@@ -1,24 +1,61 @@
-"""Config schema: the structured config every run is checked against.
+"""Config schema: the structured config every run is checked against, and the
+few checks a type cannot express.
 
 Stored in Hydra's ConfigStore as `schema` and named first in conf/config.yaml's
-defaults, so a misspelt key or a wrong type fails at composition with the
-key's full name. Stage entries under `pipeline.stages` are checked by the
-graph builder against each stage's own dataclass (see pipeline/data/graph.py).
+defaults, so a misspelt key, a wrong type or a value outside an Enum fails at
+composition with the key's full name and the allowed values. `check` runs
+once before a run starts and covers the rest (ranges, `auto` or a count).
+Stage entries under `pipeline.stages` are checked by the graph builder against
+each stage's own dataclass (pipeline/data/graph.py): such overrides bypass
+this schema.
 """
 from __future__ import annotations
 
+import enum
+import os
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from pipeline.data.dataset import Synthetic
+from pipeline.delivery.topology import Topology
+from pipeline.orchestration.devices import DeviceKind
+from pipeline.scheduler.policies import PolicyName
+from pipeline.training.trainer import ModelSpec
+from stages.base import OnError, UserError
+from stages.decode import DecodeBackend
+
+AUTO = "auto"
+EXIT_USER_ERROR = 2  # the exit codes: docs/configuration.md
+
+
+class Mode(enum.StrEnum):
+    train = "train"  # train the ensemble
+    profile = "profile"  # a short profiling pass that writes the report; no training
+
+
+class ConfigError(UserError):
+    """A config value the schema's types let through but a run cannot use."""
+
+
+def exit_on_user_error(err: UserError) -> None:
+    """One clean message on stderr and exit code 2, unless the user asked Hydra for full tracebacks."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(EXIT_USER_ERROR)
 
 
 @dataclass
 class DatasetConf:
     name: str = "caltech256"  # label used in reports
     root: str = "data/caltech256"  # ImageFolder tree (class folders); relative paths start where you ran the command
-    synthetic: str = "auto"  # auto: generate a labelled stand-in when root is missing or empty; never: error instead
+    synthetic: Synthetic = Synthetic.auto  # auto: generate a labelled stand-in when root is missing or empty;
+    # never: error instead
     synthetic_classes: int = 10  # classes of the generated stand-in
     synthetic_images_per_class: int = 110  # images per class of the generated stand-in
     val_per_class: float = 0.1  # validation images per class: a fraction if < 1, else a count
@@ -29,49 +66,68 @@ class PipelineConf:
     batch_size: int = 64  # images per batch task and per training step (split across a model's slots)
     image_size: int = 64  # output side of the main augment branch
     alt_image_size: int = 48  # output side of the second augment branch
-    decode_backend: str = "simplejpeg"  # simplejpeg | pillow | dali
+    decode_backend: DecodeBackend = DecodeBackend.simplejpeg  # simplejpeg | pillow | dali
     stages: Dict[str, Any] = field(default_factory=dict)  # the stage DAG: name -> {_target_, inputs, fields}
 
 
 @dataclass
 class ClusterConf:
     address: Optional[str] = None  # tcp://host:8786 uses that Dask scheduler; null starts a LocalCluster here
-    workers: Any = "auto"  # LocalCluster worker processes; auto = CPU cores of this machine
+    workers: Union[int, str] = AUTO  # LocalCluster worker processes; auto = CPU cores of this machine
     threads_per_worker: int = 1  # batch tasks one worker runs at once (stages are single-threaded)
-    in_flight: Any = "auto"  # batch tasks submitted ahead of each producer; auto = 2 x its node's worker threads
+    in_flight: Union[int, str] = AUTO  # prefetch window: batch tasks submitted ahead of each producer;
+    # auto = 2 x its node's worker threads
     nodes: int = 1  # nodes: LocalCluster workers and trainer slots split into this many simulated nodes
-    # (loopback); with address: one agent per host (python -m pipeline.orchestration.node <address> --node <i>), or
-    # workers carrying the resource node-<i> (dask worker --resources node-0=1) with hubs and trainers here
+    # (loopback); with address: one agent per host (python -m pipeline.node <address> --node <i>),
+    # or workers carrying the resource node-<i> (dask worker --resources node-0=1) with hubs and trainers here
 
 
 @dataclass
-class TransportConf:
-    slots: int = 4  # batches buffered per stream in shared memory; a slower trainer holds the producer beyond this
+class DeliveryConf:
+    ring_depth: int = 4  # batches a stream's shared-memory ring holds; a slower trainer holds the producer beyond
     broadcast_groups: int = 2  # multi_broadcast: groups of models, each fed by its own producer at its own pace
 
 
 @dataclass
 class SchedulerConf:
-    policy: str = "shared"  # shared (all models at once) | fleet_g | fleet_l | baseline | homogeneous
+    policy: PolicyName = PolicyName.shared  # shared (all models at once) | fleet_g | fleet_l | baseline | homogeneous
     min_active_fraction: float = 0.8  # fleet_g/fleet_l: a flotilla stops when fewer of its slots are active
     target_accuracy: Optional[float] = None  # a model converges on reaching this validation accuracy
     patience: int = 0  # ...or after this many epochs without improving its best by min_delta (0: off)
     min_delta: float = 0.005  # the smallest gain in validation accuracy that counts
-    profile_max_slots: int = 2  # profiling measures each model on 1..this many slots (one node at most)
-    profile_steps: int = 5  # timed training steps per profile measurement
-    profile_warmup: int = 2  # untimed steps first
-    profile_cache: str = "outputs/profile_cache.json"  # measured rates, keyed by model and hardware
+
+
+@dataclass
+class RatesConf:
+    max_slots: int = 2  # each model's training rate is measured on 1..this many slots (one node at most)
+    steps: int = 5  # timed training steps per measurement
+    warmup: int = 2  # untimed steps first
+    cache: str = "outputs/rate_cache.json"  # measured rates, keyed by model shape and hardware
 
 
 @dataclass
 class TrainerConf:
     epochs: int = 4  # the most epochs a model trains (it may converge earlier: scheduler.*)
-    device: str = "auto"  # auto (CUDA if present) | cuda | cpu
-    slots: Any = "auto"  # device slots: auto = every GPU, or on CPU one slot per model slot requested
+    device: DeviceKind = DeviceKind.auto  # auto (CUDA if present) | cuda | cpu
+    slots: Union[int, str] = AUTO  # device slots: auto = every GPU, or on CPU one slot per model slot requested
     threads: int = 1  # torch threads per CPU trainer process
     slot_memory_gb: Optional[float] = None  # memory one slot may use; null: the GPU's, or RAM / slots on CPU
     record_checksums: bool = False  # trainers report a CRC of every message received (delivery tests)
     consume_only: bool = False  # trainers take each batch and train nothing: measures delivery alone
+
+
+@dataclass
+class ProfileConf:
+    batches: int = 300  # mode=profile: training batches through the pipeline (epochs repeat if it has fewer)
+    steps: int = 10  # timed training steps per model shape in each differential pass
+    warmup: int = 2  # untimed steps first (worker and allocator start-up)
+
+
+@dataclass
+class TimeoutsConf:
+    report_s: float = 1800  # a trainer or rate measurement that owes a report and stays silent this long is hung
+    drain_s: float = 60  # a closing producer lets its running batch tasks finish this long before it is stopped
+    exit_s: float = 30  # a process told to stop gets this long to exit before it is killed
 
 
 @dataclass
@@ -81,7 +137,7 @@ class ModelConf:
     depth: int = 10  # resnet: 10/18/34; densenet: 40/64/100 (BC, 3 blocks) or 121/169/201
     width: int = 16  # resnet: first stage's channels; densenet: stem channels
     growth_rate: int = 12  # densenet: channels each layer adds
-    input: str = MISSING  # the sink stage whose stream it trains on
+    input: str = MISSING  # the broadcast stage whose stream it trains on
     lr: float = 0.05  # SGD learning rate (cosine-annealed over the epochs)
     momentum: float = 0.9  # SGD momentum
     weight_decay: float = 5e-4  # SGD weight decay
@@ -96,19 +152,80 @@ class EnsembleConf:
 
 @dataclass
 class Config:
-    mode: str = "train"  # train | profile (a short profiling pass that writes the report, no training)
-    topology: str = "auto"  # how batches reach a flotilla's trainers: auto | single_broadcast | all_shared |
-    # multi_broadcast | duplicated (docs/topologies.md)
+    mode: Mode = Mode.train  # train | profile (a short profiling pass that writes the report, no training)
+    topology: Topology = Topology.auto  # how batches reach a flotilla's trainers: auto | single_broadcast |
+    # all_shared | multi_broadcast | duplicated (docs/topologies.md)
     seed: int = 0  # fixes shuffling and augmentation, whatever the number of workers
-    on_error: str = "skip"  # a bad data file: skip (counted and listed) | fail (stop naming it)
+    on_error: OnError = OnError.skip  # a bad data file: skip (counted and listed) | fail (stop naming it)
     dataset: DatasetConf = field(default_factory=DatasetConf)
     pipeline: PipelineConf = field(default_factory=PipelineConf)
     cluster: ClusterConf = field(default_factory=ClusterConf)
-    transport: TransportConf = field(default_factory=TransportConf)
+    delivery: DeliveryConf = field(default_factory=DeliveryConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     scheduler: SchedulerConf = field(default_factory=SchedulerConf)
+    rates: RatesConf = field(default_factory=RatesConf)
+    profile: ProfileConf = field(default_factory=ProfileConf)
+    timeouts: TimeoutsConf = field(default_factory=TimeoutsConf)
     ensemble: Optional[EnsembleConf] = None  # chosen with +ensemble=<name>
 
 
 def register() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
+
+
+def check(cfg: DictConfig) -> None:
+    """What the schema's types cannot say; each error names the key, the value and the fix."""
+    for key in ("cluster.workers", "cluster.in_flight", "trainer.slots"):
+        value = OmegaConf.select(cfg, key)
+        if value != AUTO and not (isinstance(value, int) and value >= 1):
+            raise ConfigError(f"{key}={value!r}: give a positive integer or 'auto'")
+    least = {"pipeline.batch_size": (2, "a training step needs at least 2 images (batch norm)"),
+             "cluster.threads_per_worker": (1, "a worker runs at least one batch task"),
+             "cluster.nodes": (1, "a run has at least one node"),
+             "delivery.ring_depth": (2, "one batch is being read while the next is written"),
+             "delivery.broadcast_groups": (1, "multi_broadcast feeds at least one group"),
+             "trainer.epochs": (1, "a model trains at least one epoch"),
+             "trainer.threads": (1, "a trainer has at least one thread"),
+             "rates.max_slots": (1, "rates are measured on at least one slot"),
+             "rates.steps": (1, "a measurement times at least one step"), "rates.warmup": (0, "it cannot be negative"),
+             "profile.batches": (1, "the pass moves at least one batch"),
+             "profile.steps": (1, "each differential pass times at least one step"),
+             "profile.warmup": (0, "it cannot be negative")}
+    for key, (smallest, why) in least.items():
+        value = OmegaConf.select(cfg, key)
+        if value < smallest:
+            raise ConfigError(f"{key}={value}: {why}; set {key}={smallest} or more")
+    for key in ("timeouts.report_s", "timeouts.drain_s", "timeouts.exit_s"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: a wait must be positive seconds")
+    if not 0 <= cfg.scheduler.min_active_fraction <= 1:
+        raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
+                          "[0, 1]; FLEET uses 0.8")
+
+
+def expand_ensemble(ensemble: DictConfig | None) -> list[ModelSpec]:
+    """The ensemble's members; with lr_sweep, each model once per learning rate."""
+    if ensemble is None or not ensemble.models:
+        raise ConfigError("no ensemble chosen: add +ensemble=caltech256 (or another file in conf/ensemble/)")
+    models = []
+    for model in ensemble.models:
+        fields = OmegaConf.to_container(model, resolve=True)
+        for lr in ensemble.lr_sweep or [fields["lr"]]:
+            name = f"{fields['name']}_lr{lr:g}" if ensemble.lr_sweep else fields["name"]
+            models.append(ModelSpec(**{**fields, "name": name, "lr": float(lr)}))
+    names = [m.name for m in models]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigError(f"ensemble.models: the name {duplicates[0]!r} is used twice; names must be unique")
+    return models
+
+
+def check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
+                          "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None

@@ -1,10 +1,14 @@
-"""One run, from composed config to results.json: wires the parts together
-(dataset, stage graph, device slots, scheduler, Dask, driver) and owns their
-lifecycle (cluster, trainer processes, shared memory)."""
+"""One run, from composed config to results.json: the parts every mode shares
+(output folder, ensemble, dataset, stage graph), then training (`mode=train`:
+device slots, scheduler, Dask, driver) or the profiling pass (`mode=profile`,
+pipeline/report/profile_run.py), then results.json, the summary and the
+report. The run owns what it starts (cluster, trainer processes, shared
+memory) and closes it whatever happens."""
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.utils import to_absolute_path
@@ -12,90 +16,92 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipeline.config import AUTO, ConfigError, Mode, check, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
-from pipeline.orchestration.devices import check_memory, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.data.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
-from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
 from pipeline.data.graph import StageGraph, build_graph
+from pipeline.delivery.topology import Topology
+from pipeline.measure.recorder import RunRecorder, write_json
+from pipeline.orchestration.devices import DeviceKind, check_memory, resolve_device, slot_devices, slot_memory_bytes
+from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
+from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
 from pipeline.orchestration.node import registered_agents
-from pipeline.training.rates import format_table, profile_ensemble, save_table
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
-from pipeline.measure.recorder import RunRecorder, print_summary, write_json
-from pipeline.scheduler import Cluster, ProfileMeasured, Scheduler, make_policy
-from pipeline.delivery.topology import TOPOLOGIES
+from pipeline.report.profile_run import profile_run
+from pipeline.report.summary import print_summary
+from pipeline.scheduler import Cluster, RatesMeasured, Scheduler, make_policy
+from pipeline.training.rates import format_table, measure_rate_table, save_table
 from pipeline.training.trainer import ModelSpec
 from stages.base import Split
-
 
 PROBE_BATCHES = 3  # topology=auto, several nodes: batches timed on one node before the first flotilla
 
 
-class ConfigError(ValueError):
-    pass
+@dataclass(frozen=True)
+class RunInputs:
+    """What every mode starts from."""
 
+    models: list[ModelSpec]
+    dataset: DatasetInfo
+    graph: StageGraph
 
-def expand_ensemble(ensemble: DictConfig | None) -> list[ModelSpec]:
-    """The ensemble's members; with lr_sweep, each model once per learning rate."""
-    if ensemble is None or not ensemble.models:
-        raise ConfigError("no ensemble chosen: add +ensemble=caltech256 (or another file in conf/ensemble/)")
-    models = []
-    for model in ensemble.models:
-        fields = OmegaConf.to_container(model, resolve=True)
-        for lr in ensemble.lr_sweep or [fields["lr"]]:
-            name = f"{fields['name']}_lr{lr:g}" if ensemble.lr_sweep else fields["name"]
-            models.append(ModelSpec(**{**fields, "name": name, "lr": float(lr)}))
-    names = [m.name for m in models]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigError(f"ensemble.models: the name {duplicates[0]!r} is used twice; names must be unique")
-    return models
-
-
-def check_output_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
-                          "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None
+    def dataset_summary(self, name: str) -> dict:
+        source = self.graph.source
+        return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
+                "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
+                "val_images": source.num_items(Split.VAL)}
 
 
 def run(cfg: DictConfig, output_dir: Path) -> dict:
+    """Run the configured mode; write results.json and the report into `output_dir`."""
     started = time.perf_counter()
     console = Console()
     check_output_dir(output_dir)
-    if cfg.on_error not in ("skip", "fail"):
-        raise ConfigError(f"on_error must be 'skip' or 'fail', got {cfg.on_error!r}")
-    if cfg.topology not in ("auto", *TOPOLOGIES):
-        raise ConfigError(f"topology={cfg.topology!r} is not one of auto, {', '.join(TOPOLOGIES)}")
+    check(cfg)
     models = expand_ensemble(cfg.ensemble)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
-    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
+    stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True)
+    inputs = RunInputs(models, dataset, build_graph(stages, {m.input for m in models}))
+    if cfg.mode == Mode.profile:
+        results = profile_run(cfg, inputs.models, inputs.graph, output_dir, console)
+    else:
+        results = train(cfg, inputs, output_dir, console)
+    results.update({"dataset": inputs.dataset_summary(d.name), "wall_s": time.perf_counter() - started,
+                    "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
+    write_json(output_dir / "results.json", results)
+    print_summary(console, results)
+    report = write_report(results, output_dir)
+    console.print(report.summary)
+    console.print(f"results: {output_dir / 'results.json'}   report: {report.html}" +
+                  (f"   checkpoints: {output_dir / 'checkpoints'}" if cfg.mode == Mode.train else ""))
+    return results
+
+
+def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> dict:
+    """mode=train: slots, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
+    models, graph = inputs.models, inputs.graph
     policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {m.name: m.slots for m in models})
     agents = _node_agents(cfg)
-    device_kind, slots, params, image_sizes = _place(cfg, models, graph, policy.needs_profile, agents)
+    device_kind, slots, params, image_sizes = _place(cfg, models, graph, policy.needs_rates, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    _print_header(console, cfg, dataset, graph, device_kind, len(slots), len(models), workers)
+    _print_header(console, cfg, inputs.dataset, graph, device_kind, len(slots), len(models), workers)
 
     nodes = cfg.cluster.nodes
     scheduler = Scheduler([m.name for m in models], Cluster(nodes=nodes, slots_per_node=len(slots) // nodes), policy,
                           cfg.seed)
     recorder = RunRecorder(models, params, image_sizes)
     results: dict = {}
-    if policy.needs_profile:
-        profile = _profile(cfg, models, graph, device_kind, list(slots.values()), image_sizes, output_dir)
-        console.print(format_table(profile))
-        first = [decision for name, rates in profile.rates.items()
-                 for decision in scheduler.handle(ProfileMeasured(0.0, name, rates))]
-        results["profile"] = {name: list(rates) for name, rates in profile.rates.items()}
+    if policy.needs_rates:
+        table = _measure_rates(cfg, models, graph, device_kind, list(slots.values()), image_sizes, output_dir)
+        console.print(format_table(table))
+        first = [decision for name, rates in table.rates.items()
+                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
+        results["rates"] = {name: list(rates) for name, rates in table.rates.items()}
     else:
         first = scheduler.start(0.0)
-    s = cfg.scheduler
+    s, t = cfg.scheduler, cfg.timeouts
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
     setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
                           cfg.trainer.threads, output_dir / "checkpoints", cfg.trainer.record_checksums,
@@ -107,36 +113,26 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
                      console=console) as progress:
         threads_of_node = node_threads(client, nodes)
         threads = sum(threads_of_node.values())
-        in_flight = {node: 2 * t if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
-                     for node, t in threads_of_node.items()}
-        delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight, cfg.transport.slots,
-                                 agents)
-        probed = _probe_seconds_per_image(client, graph, cfg) if cfg.topology == "auto" and nodes > 1 else None
-        topology = TopologyChoice(cfg.topology, cfg.transport.broadcast_groups, threads_of_node,
-                                  results.get("profile"), probed)
-        context = RunContext(graph, setup, delivery, topology, recorder, progress)
+        in_flight = {node: 2 * count if cfg.cluster.in_flight == AUTO else cfg.cluster.in_flight
+                     for node, count in threads_of_node.items()}
+        delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight,
+                                 cfg.delivery.ring_depth, agents, t.drain_s, t.exit_s)
+        auto = cfg.topology == Topology.auto
+        probed = _probe_seconds_per_image(client, graph, cfg) if auto and nodes > 1 else None
+        topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
+                                  results.get("rates"), probed)
+        context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s)
         driver = Driver(scheduler, {m.name: m for m in models}, slots, convergence, context, console)
         driver.run(first)
     training_s = time.perf_counter() - training_started
     results.update({
-        "dataset": {"name": d.name, "root": str(dataset.root), "synthetic": dataset.synthetic,
-                    "classes": len(graph.source.class_names), "train_images": graph.source.num_items(Split.TRAIN),
-                    "val_images": graph.source.num_items(Split.VAL)},
         "devices": {"kind": device_kind, "slots": len(slots)},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
                     "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
                       "flotillas": sorted({stint["flotilla"] for r in recorder.models.values() for stint in r.stints})},
         **recorder.as_dict(training_s),
-        "wall_s": time.perf_counter() - started,
-        "config": OmegaConf.to_container(cfg, resolve=True),
     })
-    write_json(output_dir / "results.json", results)
-    print_summary(console, results)
-    report = write_report(results, output_dir)
-    console.print(report.summary)
-    console.print(f"results: {output_dir / 'results.json'}   report: {report.html}   "
-                  f"checkpoints: {output_dir / 'checkpoints'}")
     return results
 
 
@@ -145,7 +141,8 @@ def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> floa
     measures it (RunRecorder.seconds_per_image) on a few batches of node 0; later
     flotillas use the run's own measurements."""
     probe = RunRecorder([], {}, {})
-    with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0) as executor:
+    with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0,
+                  drain_s=cfg.timeouts.drain_s) as executor:
         for index, output in executor.batches(Split.VAL, 0):
             probe.add_batch(output, train=False)
             if index == PROBE_BATCHES - 1:
@@ -154,7 +151,7 @@ def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> floa
 
 
 def _node_agents(cfg: DictConfig) -> dict[int, dict]:
-    """Node -> the agent of each real host (pipeline/orchestration/node.py) registered with the scheduler at
+    """Node -> the agent of each real host (python -m pipeline.node) registered with the scheduler at
     cluster.address; none: every node's hubs and trainers run here."""
     if not cfg.cluster.address:
         return {}
@@ -164,7 +161,7 @@ def _node_agents(cfg: DictConfig) -> dict[int, dict]:
         agents = registered_agents(client)
     if agents and sorted(agents) != list(range(cfg.cluster.nodes)):
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} but the scheduler at {cfg.cluster.address} has node "
-                          f"agents {sorted(agents)} (python -m pipeline.orchestration.node --node <i>): set cluster.nodes to their "
+                          f"agents {sorted(agents)} (python -m pipeline.node --node <i>): set cluster.nodes to their "
                           "count and number them 0, 1, ... without gaps")
     hosts = {(agent["gpus"], agent["gpu_memory"]) for agent in agents.values()}
     if len(hosts) > 1:
@@ -203,18 +200,18 @@ def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot
     return device_kind, slots, params, image_sizes
 
 
-def _profile(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_kind: str, devices: list[str],
-             image_sizes: dict[str, int], output_dir: Path):
-    s = cfg.scheduler
-    profile = profile_ensemble(models, len(graph.source.class_names), image_sizes, cfg.pipeline.batch_size,
-                               min(s.profile_max_slots, len(devices)), device_kind, devices, s.profile_steps,
-                               s.profile_warmup, cfg.trainer.threads, Path(to_absolute_path(s.profile_cache)))
-    save_table(profile, output_dir / "profile.json")
-    return profile
+def _measure_rates(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_kind: DeviceKind,
+                   devices: list[str], image_sizes: dict[str, int], output_dir: Path):
+    r = cfg.rates
+    table = measure_rate_table(models, len(graph.source.class_names), image_sizes, cfg.pipeline.batch_size,
+                               min(r.max_slots, len(devices)), device_kind, devices, r.steps, r.warmup,
+                               cfg.trainer.threads, Path(to_absolute_path(r.cache)), cfg.timeouts.report_s)
+    save_table(table, output_dir / "rates.json")
+    return table
 
 
-def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph: StageGraph, device_kind: str,
-                  slots: int, models: int, workers) -> None:
+def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph: StageGraph,
+                  device_kind: DeviceKind, slots: int, models: int, workers) -> None:
     source = graph.source
     size = (f"{len(source.class_names)} classes, {source.num_items(Split.TRAIN)} train / "
             f"{source.num_items(Split.VAL)} val images")
@@ -232,6 +229,6 @@ def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph
     where = f"Dask scheduler {cfg.cluster.address}" if cfg.cluster.address else \
         f"Dask LocalCluster {workers} workers x {cfg.cluster.threads_per_worker} thread"
     console.print(f"[bold]devices[/]  {slots} {device_kind.upper()} slot(s) "
-                  f"({'GPUs' if device_kind == 'cuda' else 'no CUDA device in use'}); preprocessing on {where}. "
-                  "Change with trainer.device=cuda|cpu, trainer.slots=N, cluster.workers=N, "
+                  f"({'GPUs' if device_kind == DeviceKind.cuda else 'no CUDA device in use'}); preprocessing on "
+                  f"{where}. Change with trainer.device=cuda|cpu, trainer.slots=N, cluster.workers=N, "
                   "cluster.address=tcp://host:8786")

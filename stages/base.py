@@ -41,6 +41,13 @@ class Spec:
         return self.kind.value + (f"{list(self.item_shape)}" if self.item_shape else "")
 
 
+class OnError(enum.StrEnum):
+    """What a data file that cannot be used does (config key `on_error`)."""
+
+    skip = "skip"  # left out of its batch, counted and listed in results.json
+    fail = "fail"  # stops the run, naming the file
+
+
 class Split(str, enum.Enum):
     TRAIN = "train"
     VAL = "val"
@@ -63,16 +70,17 @@ class BatchContext:
     split: Split
     epoch: int
     index: int
+    sequence: int = 0  # which sequence of epochs (each flotilla reads its own): it keys shuffles and augmentation
     part: int = 0  # this task makes share `part` of `parts` (contiguous chunks of the batch's items)
     parts: int = 1
     stage: str = ""  # name of the stage now running, set by the executor
-    on_error: str = "skip"  # what a bad data file does: "skip" (recorded) or "fail"
+    on_error: OnError = OnError.skip  # what a bad data file does
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     converted: list[tuple[str, str]] = field(default_factory=list)  # (path, what was done)
 
     def reject(self, path: str, reason: str) -> None:
         """A data file cannot be used: record it, or stop the run naming it."""
-        if self.on_error == "fail":
+        if self.on_error == OnError.fail:
             raise BadFileError(f"{path}: {reason} (on_error=fail; set on_error=skip to skip such files "
                                "and list them in results.json)")
         self.skipped.append((path, reason))
@@ -83,19 +91,25 @@ class BatchContext:
         return items[self.part * size:(self.part + 1) * size]
 
     def item_rng(self, path: str) -> random.Random:
-        """A generator fixed by (seed, split, epoch, stage, file): an item gets the
+        """A generator fixed by (seed, sequence, split, epoch, stage, file): an item gets the
         same augmentation whichever worker makes it, in whichever share of
         whichever batch, however often. Python's generator: one is made per
         image, and it is made about 5x faster than numpy's."""
-        key = f"{self.seed}/{self.split.value}/{self.epoch}/{self.stage}/{path}".encode()
+        key = f"{self.seed}/{self.sequence}/{self.split.value}/{self.epoch}/{self.stage}/{path}".encode()
         return random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
 
 
-class StageError(ValueError):
+class UserError(ValueError):
+    """A mistake in the user's config or data, not in the code: its message says
+    what is wrong, the value, the config key or file, and the fix. The command
+    prints it without a traceback and exits with code 2 (docs/configuration.md)."""
+
+
+class StageError(UserError):
     """Bad stage configuration."""
 
 
-class BadFileError(ValueError):
+class BadFileError(UserError):
     """A data file that cannot be used, under on_error=fail."""
 
 

@@ -1,6 +1,7 @@
 """Decode stage: file bytes to RGB images, with simplejpeg, Pillow or DALI (CPU)."""
 from __future__ import annotations
 
+import enum
 import io
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -11,7 +12,13 @@ from PIL import Image, UnidentifiedImageError
 
 from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage, StageError
 
-BACKENDS = ("simplejpeg", "pillow", "dali")
+
+class DecodeBackend(enum.StrEnum):
+    simplejpeg = "simplejpeg"  # libjpeg-turbo, at a reduced DCT scale when consumers need less
+    pillow = "pillow"
+    dali = "dali"  # a DALI CPU pipeline (device_id=None)
+
+
 JPEG_MAGIC = b"\xff\xd8"
 PNG_MAGIC = b"\x89PNG"
 
@@ -31,8 +38,8 @@ class Decode(Stage):
     consumer_side: int | None = field(init=False, default=None)  # set by the graph from the consumers
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise StageError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend not in DecodeBackend.__members__:  # a pipeline.stages override bypasses the schema
+            raise StageError(f"backend must be one of {', '.join(DecodeBackend)}, got {self.backend!r}")
         if self.min_size is not None and self.min_size < 1:
             raise StageError(f"min_size must be a positive pixel count or null, got {self.min_size}")
 

@@ -66,17 +66,19 @@ class ImageFolder(Stage):
     def output_spec(self, input_spec: Spec | None) -> Spec:
         return Spec(DataKind.ENCODED)
 
-    def order(self, split: Split, epoch: int, seed: int) -> np.ndarray:
-        """Item order of an epoch: a seeded shuffle for training, fixed for validation."""
+    def order(self, split: Split, epoch: int, seed: int, sequence: int = 0) -> np.ndarray:
+        """Item order of an epoch of a sequence: a shuffle keyed by (seed, sequence, epoch) for
+        training, fixed for validation."""
         n = len(self.files[split])
         if split is Split.VAL:
             return np.arange(n)
-        return np.random.default_rng([seed, epoch]).permutation(n)
+        return np.random.default_rng([seed, sequence, epoch]).permutation(n)
 
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
         # The permutation is recomputed per task (about 1 ms for 30K items):
         # cheaper than shipping it, and it keeps tasks independent of each other.
-        picks = self.order(ctx.split, ctx.epoch, ctx.seed)[ctx.index * self.batch_size:(ctx.index + 1) * self.batch_size]
+        order = self.order(ctx.split, ctx.epoch, ctx.seed, ctx.sequence)
+        picks = order[ctx.index * self.batch_size:(ctx.index + 1) * self.batch_size]
         items = [self.files[ctx.split][i] for i in ctx.share(list(picks))]
         data, labels, paths = [], [], []
         for path, label in items:

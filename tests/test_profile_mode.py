@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from pipeline.__main__ import MODES, run_mode
-from pipeline.report.profile_run import profile_run
-from pipeline.run import ConfigError
+from pipeline.config import ConfigError
+from pipeline.run import run
 from tests.conftest import compose_config
 
 SLEEP_S = 0.2  # per batch: a sleep needs no core, so a second worker really doubles the stage's throughput
@@ -22,22 +21,14 @@ def one_model(dataset, model: str, image_size: int, *extra: str) -> list[str]:
 
 def profile(overrides: list[str], output_dir):
     """A short pass keeps each profile run to seconds; the defaults are for people."""
-    return profile_run(compose_config(overrides), output_dir, batches=16, steps=3, warmup=2)
+    return run(compose_config(overrides + ["profile.batches=16", "profile.steps=3", "profile.warmup=2"]),
+               output_dir)
 
 
-def test_mode_picks_the_entry_point():
-    assert MODES["profile"] is profile_run and MODES["train"].__module__ == "pipeline.run"
-
-
-def test_unknown_mode_is_an_error_naming_the_key(tmp_path):
-    cfg = compose_config(["+ensemble=caltech256", "mode=benchmark"])
-    with pytest.raises(ConfigError, match=r"mode must be one of train, profile, got 'benchmark'"):
-        run_mode(cfg, tmp_path)
-
-
-def test_profile_pass_arguments_are_checked(tmp_path):
-    with pytest.raises(ValueError, match="batches must be an integer >= 1"):
-        profile_run(compose_config(["+ensemble=caltech256"]), tmp_path, batches=0)
+def test_profile_pass_settings_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"profile.batches=0: the pass moves at least one batch; "
+                                          r"set profile.batches=1 or more"):
+        run(compose_config(["+ensemble=caltech256", "mode=profile", "profile.batches=0"]), tmp_path)
 
 
 @pytest.mark.slow

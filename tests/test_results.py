@@ -2,12 +2,14 @@
 import numpy as np
 
 from pipeline.measure.recorder import RunRecorder
+from pipeline.training.reports import ValReport
 from pipeline.training.trainer import ModelSpec
 
 
 def val_event(model, probs):
-    return {"event": "val", "model": model, "rank": 0, "epoch": 0, "accuracy": 1.0,
-            "probs": np.asarray(probs, np.float32), "labels": np.array([0, 1])}
+    probs = np.asarray(probs, np.float32)
+    labels = np.array([0, 1])
+    return ValReport(model, 0, float((probs.argmax(1) == labels).mean()), probs, labels)
 
 
 def spec(name):
@@ -29,3 +31,18 @@ def test_ensemble_accuracy_waits_for_every_model_then_averages_softmax():
     assert recorder.ensemble_accuracy == {}
     recorder.add_report(val_event("b", [[0.9, 0.1], [0.0, 1.0]]))  # mean: [0.75, 0.25], [0.3, 0.7]
     assert recorder.ensemble_accuracy == {0: 1.0}
+
+
+def test_ensemble_beats_its_members_when_their_mistakes_differ():
+    """Three models each wrong on a different image: every one scores 2/3, the mean softmax 3/3."""
+    names = ["a", "b", "c"]
+    recorder = RunRecorder([spec(n) for n in names], dict.fromkeys(names, 1), dict.fromkeys(names, 32))
+    labels = np.array([0, 1, 0])
+    for index, name in enumerate(names):
+        recorder.joined(name, 0, ("cpu",), 0)
+        probs = np.where(np.eye(2, dtype=bool)[labels], 0.8, 0.2).astype(np.float32)  # right, sure of it
+        probs[index] = np.where(np.eye(2, dtype=bool)[labels[index]], 0.35, 0.65)  # wrong, less sure
+        recorder.add_report(ValReport(name, 0, float((probs.argmax(1) == labels).mean()), probs, labels))
+    results = recorder.as_dict(wall_s=1.0)
+    assert [m["final_val_accuracy"] for m in results["models"]] == [2 / 3] * 3
+    assert results["ensemble"]["val_accuracy"] == [1.0] and results["ensemble"]["final_val_accuracy"] == 1.0

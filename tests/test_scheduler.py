@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetG, FleetL,
-                                FormFlotilla, Homogeneous, ModelConverged, Profile, ProfileMeasured, Scheduler, Slot,
+                                FormFlotilla, Homogeneous, ModelConverged, RateTable, RatesMeasured, Scheduler, Slot,
                                 SlotFreed, Start, Stop, TrainerFailed, assign_slots, greedy_flotilla, make_policy)
 from pipeline.scheduler.planner import lookahead_flotilla
 from pipeline.scheduler.exact import optimal_time, run_round
@@ -15,17 +15,17 @@ SEED_RATES = {"DNN1": (100, 190, 270, 350), "DNN2": (80, 150, 220, 280),
               "DNN3": (80, 150, 200, 240), "DNN4": (40, 75, 105, 120)}
 
 
-def seed_profile() -> Profile:
-    profile = Profile()
+def seed_rates() -> RateTable:
+    table = RateTable()
     for model, rates in SEED_RATES.items():
-        profile.add(model, rates)
-    return profile
+        table.add(model, rates)
+    return table
 
 
 def started(scheduler: Scheduler, rates: dict[str, tuple]) -> list:
     decisions = []
     for model, r in rates.items():
-        decisions += scheduler.handle(ProfileMeasured(0.0, model, r))
+        decisions += scheduler.handle(RatesMeasured(0.0, model, r))
     return decisions
 
 
@@ -36,14 +36,14 @@ def of(kind, decisions):
 # ------------------------------------------------------------------ planner
 
 def test_worked_example_of_the_slides():
-    flotilla = greedy_flotilla(list(SEED_RATES), seed_profile(), Cluster(1, 4), [4])
+    flotilla = greedy_flotilla(list(SEED_RATES), seed_rates(), Cluster(1, 4), [4])
     assert flotilla == {"DNN1": 1, "DNN4": 3}
 
 
 def test_lookahead_scores_the_worked_example_by_completion_time():
     # equal work left per model: {DNN1:1, DNN4:3} takes 1/100, then DNN2 and DNN3 on 2 slots each 1/150;
     # {DNN2:1, DNN3:1, DNN4:2} takes 1/75, then DNN1 alone on 4 slots 1/350: 0.0162 < 0.0167
-    flotilla = lookahead_flotilla(list(SEED_RATES), seed_profile(), Cluster(1, 4), [4])
+    flotilla = lookahead_flotilla(list(SEED_RATES), seed_rates(), Cluster(1, 4), [4])
     assert flotilla == {"DNN2": 1, "DNN3": 1, "DNN4": 2}
 
 
@@ -72,9 +72,7 @@ def test_impossible_requests_say_what_and_how_to_fix():
         assign_slots({"a": 3}, [Slot(0, 0), Slot(0, 1), Slot(1, 0)])
     scheduler = Scheduler(["big"], Cluster(2, 2), FleetG())
     with pytest.raises(ValueError, match="must fit in one node of 2 slots"):
-        scheduler.handle(ProfileMeasured(0.0, "big", (0, 0, 0, 300)))
-    with pytest.raises(ValueError, match="unknown scheduler 'fleet'.*fleet_g"):
-        make_policy("fleet")
+        scheduler.handle(RatesMeasured(0.0, "big", (0, 0, 0, 300)))
     with pytest.raises(ValueError, match="unknown model 'x'"):
         scheduler.handle(EpochFinished(0.0, "x", 1))
 
@@ -214,11 +212,11 @@ def test_baseline_and_homogeneous_use_one_slot_per_model():
 
 
 def test_cpu_model_caps_rates_and_sharing_preprocesses_once():
-    profile = Profile()
-    profile.add("fast", (200,))
-    profile.add("slow", (150,))
+    table = RateTable()
+    table.add("fast", (200,))
+    table.add("slow", (150,))
     cluster = Cluster(1, 2, cores_per_node=2, prep_seconds_per_image=0.01)  # 100 images/s per slot
-    instance = Instance(profile, {"fast": 1, "slow": 1}, cluster, images_per_epoch=1000)
+    instance = Instance(table, {"fast": 1, "slow": 1}, cluster, images_per_epoch=1000)
     assert simulate(instance, Baseline()).end_time == pytest.approx(10.0)  # each capped at 100 images/s
     assert simulate(instance, FleetG()).end_time == pytest.approx(1000 / 150)  # one pipeline, 200 images/s
 
@@ -230,18 +228,18 @@ def test_exact_solver_is_a_lower_bound_of_fleet_g_and_matches_the_simulator():
         optimum = optimal_time(instance)
         assert optimum <= simulate(instance, FleetG()).end_time * (1 + 1e-9)
         assert optimum <= simulate(instance, FleetG(lookahead=0)).end_time * (1 + 1e-9)
-    profile = Profile()
-    profile.add("m", (100, 150))
-    alone = Instance(profile, {"m": 3}, Cluster(1, 2), images_per_epoch=300, checkpoint_seconds=1.0)
+    table = RateTable()
+    table.add("m", (100, 150))
+    alone = Instance(table, {"m": 3}, Cluster(1, 2), images_per_epoch=300, checkpoint_seconds=1.0)
     assert optimal_time(alone) == pytest.approx(3 * 300 / 150 + 1.0)
     assert simulate(alone, FleetG()).end_time == pytest.approx(optimal_time(alone))
 
 
 def test_round_model_stops_below_min_active_fraction():
-    profile = Profile()
+    table = RateTable()
     for model, rate in {"a": 100, "b": 50, "c": 100, "d": 100, "e": 100}.items():
-        profile.add(model, (rate,))
-    instance = Instance(profile, {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}, Cluster(1, 5), images_per_epoch=100)
+        table.add(model, (rate,))
+    instance = Instance(table, {"a": 1, "b": 2, "c": 3, "d": 3, "e": 3}, Cluster(1, 5), images_per_epoch=100)
     duration, left = run_round(dict.fromkeys("abcde", 1), instance.epochs, instance, 0.8)
     # epoch 1 at 50/s (b slows all), a leaves (4/5 active), epoch 2 at 50/s, b leaves (3/5): stop
     assert duration == pytest.approx(4.0)

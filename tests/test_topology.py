@@ -53,11 +53,6 @@ def test_duplicated_gives_every_member_its_own_pipeline():
     assert all(h.part == 0 for h in plan.hubs)
 
 
-def test_unknown_topology_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="topology='ring' is not one of auto, single_broadcast"):
-        plan_delivery("ring", PLACEMENT)
-
-
 @pytest.mark.parametrize("nodes, producer_rate, rates, expected", [
     (1, None, None, "single_broadcast"),  # one node: shared memory is all it takes
     (1, 50.0, {"A": 300.0, "B": 100.0}, "multi_broadcast"),  # 3x apart in speed
@@ -109,7 +104,7 @@ def _exchange(rank, world, address, results):
 def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
     context = mp.get_context("spawn")
     results = context.Queue()
-    from pipeline.orchestration.node import rendezvous_at
+    from pipeline.delivery.collective import rendezvous_at
 
     address = rendezvous_at()
     processes = [context.Process(target=_exchange, args=(rank, 3, address, results)) for rank in range(3)]
@@ -241,14 +236,14 @@ def _assert_every_batch_once_in_order_bit_identical(cfg, results):
 # --- real hosts: one node agent per host ---------------------------------------------------------
 
 def _start_agent(scheduler: str, node: int, log):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.orchestration.node", scheduler, "--node", str(node), "--workers", "1",
+    return subprocess.Popen([sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
                              "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
 def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
     """Two hosts as this machine twice: a Dask scheduler and one agent per node
-    (python -m pipeline.orchestration.node, each with its own Dask workers). The run, given only
+    (python -m pipeline.node, each with its own Dask workers). The run, given only
     the scheduler's address, finds the agents; each starts its node's hubs and
     trainers; all_shared's all-gather crosses the nodes; delivery holds its
     invariants; the agents' rings are gone after the run and they exit cleanly."""
@@ -268,7 +263,7 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
                 time.sleep(0.2)
             pids = {node: agent["pid"] for node, agent in registered_agents(client).items()}
             assert pids == {0: agents[0].pid, 1: agents[1].pid}
-            twice = subprocess.run([sys.executable, "-m", "pipeline.orchestration.node", cluster.scheduler_address, "--node", "0",
+            twice = subprocess.run([sys.executable, "-m", "pipeline.node", cluster.scheduler_address, "--node", "0",
                                     "--host", "127.0.0.1"], capture_output=True, text=True, timeout=120)
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
             cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",

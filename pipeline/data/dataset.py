@@ -2,6 +2,7 @@
 the configured root holds nothing (dataset.synthetic=auto)."""
 from __future__ import annotations
 
+import enum
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,9 +10,17 @@ from pathlib import Path
 from hydra.utils import to_absolute_path
 
 from pipeline.data.synthetic import generate_imagefolder, read_marker
+from stages.base import UserError
 
 
-class DatasetError(ValueError):
+class Synthetic(enum.StrEnum):
+    """dataset.synthetic: what a missing or empty dataset root does."""
+
+    auto = "auto"  # a labelled stand-in is generated there
+    never = "never"  # an error
+
+
+class DatasetError(UserError):
     pass
 
 
@@ -22,13 +31,11 @@ class DatasetInfo:
     generated_now: bool
 
 
-def prepare_dataset(root: str, synthetic: str, classes: int, images_per_class: int, seed: int) -> DatasetInfo:
+def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int, seed: int) -> DatasetInfo:
     path = Path(to_absolute_path(root))
-    if synthetic not in ("auto", "never"):
-        raise DatasetError(f"dataset.synthetic must be 'auto' or 'never', got {synthetic!r}")
     empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
     marker = read_marker(path) if path.is_dir() else None
-    if synthetic == "never":
+    if synthetic == Synthetic.never:
         if empty:
             raise DatasetError(f"dataset.root {path} is missing or empty; point dataset.root at an ImageFolder "
                                "tree (one sub-folder per class, e.g. 256_ObjectCategories) or set "

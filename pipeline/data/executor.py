@@ -25,16 +25,16 @@ from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray, remove_all
-from stages.base import BatchContext, Split
+from stages.base import BatchContext, OnError, Split, UserError
 
 
-def run_batch(graph_id: str, seed: int, split: Split, epoch: int, index: int, part: int, parts: int,
-              on_error: str, share_as: str | None) -> BatchOutput:
+def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int, index: int, part: int, parts: int,
+              on_error: OnError, share_as: str | None) -> BatchOutput:
     """Share `part` of `parts` of one batch through the graph `graph_id`; with `share_as`,
     the streams' arrays are left in this node's shared memory under that name prefix."""
     started = time.time()
-    context = BatchContext(seed=seed, split=split, epoch=epoch, index=index, part=part, parts=parts,
-                           on_error=on_error)
+    context = BatchContext(seed=seed, split=split, epoch=epoch, index=index, sequence=sequence, part=part,
+                           parts=parts, on_error=on_error)
     output = _GRAPHS[graph_id][0].run(context)
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
@@ -86,21 +86,22 @@ class Executor:
     `part` of its batch. Executors given the same `shared_keys` (and graph)
     share their batch tasks through Dask: a batch one of them has made, or is
     making, is not made again while some executor still holds it; each keeps
-    its last `retain` batches for the others."""
+    its last `retain` batches for the others. `sequence` keys the epochs'
+    shuffles (each flotilla reads its own sequence); on exit, tasks still
+    running get `drain_s` to finish writing."""
 
-    def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: str, in_flight: int,
+    def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: OnError, in_flight: int,
                  node: int | None = None, part: int = 0, parts: int = 1, shared_keys: str | None = None,
-                 retain: int = 0):
-        if in_flight < 1:
-            raise ValueError(f"cluster.in_flight must be >= 1 batch, got {in_flight}")
+                 retain: int = 0, sequence: int = 0, drain_s: float = 60.0):
         self.client, self.graph, self.seed, self.on_error, self.in_flight = client, graph, seed, on_error, in_flight
+        self.sequence, self.drain_s = sequence, drain_s
         self.part, self.parts = part, parts
         self.resources = {node_resource(node): 1} if node is not None else None
         self.run_id = shared_keys or uuid.uuid4().hex[:8]
         self.retained: deque = deque(maxlen=retain)  # futures kept after use, for executors sharing keys
         # The prefetch queue: (time.time(), batches made and waiting) as the consumer comes for the next.
-        # One batch of the in_flight window is the consumer's, so prefetch_slots = in_flight - 1 can wait.
-        self.prefetch_slots = in_flight - 1
+        # One batch of the in_flight window is the consumer's, so in_flight - 1 can wait.
+        self.prefetch_capacity = in_flight - 1
         self.ready: list[tuple[float, int]] = []
         self.plugin = f"graph-{self.run_id}-{uuid.uuid4().hex[:8]}"
         client.register_plugin(GraphOnWorkers(self.run_id, graph), name=self.plugin)
@@ -115,7 +116,7 @@ class Executor:
 
     def __exit__(self, *exc) -> None:
         try:  # a run stopped early: let tasks already running finish writing
-            wait(list(self.pending.values()), timeout=60)
+            wait(list(self.pending.values()), timeout=self.drain_s)
         except TimeoutError:
             pass
         self.pending.clear()
@@ -134,8 +135,8 @@ class Executor:
         total = self.graph.source.num_batches(split)
         following = self.graph.source.num_batches(then[0]) if then else 0
         for index in range(total):
-            if self.prefetch_slots:  # (a split's first take may find a whole window, prefetched: full)
-                waiting = min(self.prefetch_slots, sum(f.done() for f in self.pending.values()))
+            if self.prefetch_capacity:  # (a split's first take may find a whole window, prefetched: full)
+                waiting = min(self.prefetch_capacity, sum(f.done() for f in self.pending.values()))
                 self.ready = keep_sample(self.ready, (time.time(), waiting))
             for ahead in range(index, index + self.in_flight):
                 if ahead < total:
@@ -158,16 +159,12 @@ class Executor:
         name = f"{split.value}-{epoch}-{index}-{self.part}"
         share_as = f"{self.share_prefix}-{name}" if self.share_prefix else None
         self.pending[split, epoch, index] = self.client.submit(
-            run_batch, self.run_id, self.seed, split, epoch, index, self.part, self.parts, self.on_error,
-            share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
+            run_batch, self.run_id, self.seed, self.sequence, split, epoch, index, self.part, self.parts,
+            self.on_error, share_as, key=f"batch-{self.run_id}-{name}", pure=False, resources=self.resources)
 
 
 def worker_count(workers: int | str) -> int:
-    if workers == "auto":
-        return len(os.sched_getaffinity(0))
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"cluster.workers must be a positive integer or 'auto', got {workers!r}")
-    return workers
+    return len(os.sched_getaffinity(0)) if workers == "auto" else workers
 
 
 @contextmanager
@@ -182,7 +179,7 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
         return
     count = worker_count(workers)
     if not 1 <= nodes <= count:
-        raise ValueError(f"cluster.nodes={nodes} needs at least one worker per node, but cluster.workers gives "
+        raise UserError(f"cluster.nodes={nodes} needs at least one worker per node, but cluster.workers gives "
                          f"{count}; set cluster.nodes between 1 and {count} or raise cluster.workers")
     # Workers inherit this config: their sampling profiler would cost CPU for nothing.
     with dask.config.set({"distributed.worker.profile.enabled": False}), \
@@ -217,7 +214,7 @@ def node_threads(client: Client, nodes: int) -> dict[int, int]:
                 threads[node] += info["nthreads"]
     empty = [node for node, count in threads.items() if not count]
     if empty:
-        raise ValueError(f"cluster.nodes={nodes} but no Dask worker carries the resource "
+        raise UserError(f"cluster.nodes={nodes} but no Dask worker carries the resource "
                          f"{node_resource(empty[0])}; start each node's workers with "
                          f"`dask worker <scheduler> --resources {node_resource(empty[0])}=<threads>`")
     return threads

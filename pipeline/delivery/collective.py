@@ -6,7 +6,19 @@ uint8 tensor of fixed size, so each exchange is one collective call.
 """
 from __future__ import annotations
 
+import socket
+
 import numpy as np
+
+LOOPBACK = "127.0.0.1"
+
+
+def rendezvous_at(host: str = LOOPBACK) -> str:
+    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
 
 Streams = dict[str, tuple[np.ndarray, np.ndarray]]  # stream -> (images [n, h, w, c] uint8, labels [n] int64)
 

@@ -5,7 +5,8 @@ each batch (all_shared); the hubs of a group then exchange them over the
 group's process group (broadcast or all-gather, pipeline/delivery/collective.py),
 and every hub writes each batch once into its node's shared-memory rings,
 which its trainers read. The driver sends one command per split and one to
-stop; the hub reports each batch it published, and what it moved.
+stop; the hub reports each batch it published, and what it moved (typed
+messages, messages.py).
 """
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ import numpy as np
 
 from pipeline.data.executor import Executor, keep_sample
 from pipeline.data.graph import StageGraph
-from pipeline.delivery.topology import DeliveryGroup, Hub
-from pipeline.delivery.stream import MessageKind
+from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubStopped, RunSplit, SplitDone,
+                                        StopStreams)
 from pipeline.delivery.ring import Ring
+from pipeline.delivery.stream import MessageKind
+from pipeline.delivery.topology import DeliveryGroup, HubPlan
 from stages.base import BadFileError, Batch, Split
 
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
@@ -31,7 +34,7 @@ SHARED_WINDOW = 4
 
 @dataclass(frozen=True)
 class HubSpec:
-    hub: Hub
+    hub: HubPlan
     group: DeliveryGroup
     all_groups: tuple[tuple[int, ...], ...]  # every group's ranks: process groups are made in this order everywhere
     world: int  # hubs of the flotilla
@@ -45,21 +48,23 @@ class HubSpec:
     rings: dict[str, Ring]  # stream -> this node's ring for the group's trainers here
     record_checksums: bool
     shared_keys: str | None  # multi_broadcast: the groups' producers share batch tasks under these keys
+    sequence: int  # the flotilla's own sequence of epochs: its shuffles are its own
+    drain_s: float  # timeouts.drain_s: what running batch tasks get to finish when the hub closes
 
 
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
     """Process entry point. `abort` (an Event) ends it between batches."""
     try:
-        HubProcess(spec, events, abort).serve(commands)
+        Hub(spec, events, abort).serve(commands)
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is
-        events.put(("bad_file", spec.hub.rank, str(err)))
+        events.put(BadFile(spec.hub.rank, str(err)))
         raise
     except BaseException:
-        events.put(("error", spec.hub.rank, traceback.format_exc()))
+        events.put(HubFailed(spec.hub.rank, traceback.format_exc()))
         raise
 
 
-class HubProcess:
+class Hub:
     def __init__(self, spec: HubSpec, events, abort):
         self.spec, self.events, self.abort = spec, events, abort
         self.link = None
@@ -79,7 +84,7 @@ class HubProcess:
         self.writers = {stream: ring.writer() for stream, ring in spec.rings.items()}
         self.sent: dict[str, list] = {stream: [] for stream in spec.rings}
         self.publish_wait_s = self.exchange_s = 0.0
-        self.occupancy: list[tuple[float, int]] = []  # (time.time(), slots held by the slowest reader)
+        self.occupancy: list[tuple[float, int]] = []  # (time.time(), batches held by the slowest reader)
         self.latency_ms: list[float] = []  # per batch: exchange + writing into the rings (waits included)
 
     def serve(self, commands) -> None:
@@ -95,12 +100,14 @@ class HubProcess:
                                                             spec.in_flight, node=spec.hub.node, part=spec.hub.part,
                                                             parts=spec.group.parts, shared_keys=spec.shared_keys,
                                                             retain=SHARED_WINDOW * spec.in_flight
-                                                            if spec.shared_keys else 0))
-                for split, epoch in iter(commands.get, None):
-                    self._split(executor, Split(split), epoch)
+                                                            if spec.shared_keys else 0,
+                                                            sequence=spec.sequence, drain_s=spec.drain_s))
+                for command in iter(commands.get, StopStreams()):
+                    assert isinstance(command, RunSplit), command
+                    self._split(executor, command.split, command.epoch)
                 if not self.abort.is_set():
                     self._mark(MessageKind.STOP, 0, 0)
-                    self.events.put(("stopped", spec.hub.rank, self._summary(executor)))
+                    self.events.put(HubStopped(spec.hub.rank, self._summary(executor)))
         finally:
             if spec.world > 1:
                 import torch.distributed as dist
@@ -136,9 +143,9 @@ class HubProcess:
                     self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
             self.publish_wait_s += time.perf_counter() - started
             self.latency_ms = keep_sample(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
-            self.events.put(("batch", self.spec.hub.rank, split.value, index, _stats_only(output)))
+            self.events.put(BatchPublished(self.spec.hub.rank, split, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
-        self.events.put(("split_done", self.spec.hub.rank, split.value, None, None))
+        self.events.put(SplitDone(self.spec.hub.rank, split))
 
     def _mark(self, kind: MessageKind, split_id: int, epoch: int) -> None:
         empty_crc = zlib.crc32(b"", zlib.crc32(b""))
@@ -156,9 +163,9 @@ class HubProcess:
                 "ring_bytes": sum(w.bytes_written for w in self.writers.values()),
                 "sent_bytes": link.bytes_sent if link else 0, "received_bytes": link.bytes_received if link else 0,
                 "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
-                "ring_slots": {stream: ring.slots for stream, ring in self.spec.rings.items()},
+                "ring_depth": {stream: ring.depth for stream, ring in self.spec.rings.items()},
                 "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent,
-                "in_flight": self.spec.in_flight, "prefetch_slots": executor.prefetch_slots if executor else 0,
+                "in_flight": self.spec.in_flight, "prefetch_capacity": executor.prefetch_capacity if executor else 0,
                 "tasks_ready": executor.ready if executor else []}
 
 

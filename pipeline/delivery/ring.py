@@ -1,10 +1,11 @@
-"""Same-node delivery: a ring of slots in one shared-memory segment per stream.
+"""Same-node delivery: a ring of `depth` batch buffers in one shared-memory
+segment per stream.
 
 The driver creates a ring (segment, semaphores, detach flags) before it
-spawns anyone; the hub writes each batch once into a slot; every trainer
-maps the segment and gets numpy views of the slot (no copy). Per reader,
-two semaphores count slots filled and slots handed back; the writer takes a
-free slot from every attached reader before reusing it, so a slow reader
+spawns anyone; the hub writes each batch once into a buffer; every trainer
+maps the segment and gets numpy views of the buffer (no copy). Per reader,
+two semaphores count buffers filled and buffers handed back; the writer takes a
+free buffer from every attached reader before reusing it, so a slow reader
 throttles the writer instead of letting messages pile up: memory is the
 ring and nothing else.
 """
@@ -25,14 +26,14 @@ HEADER_BYTES = 64  # header padded to a cache line
 DETACH_POLL_S = 1.0  # how often a writer waiting on a reader checks that it is still attached
 
 
-def _slot_bytes(layout: StreamLayout) -> int:
+def _buffer_bytes(layout: StreamLayout) -> int:
     labels = 8 * layout.batch_capacity
     images = layout.item_bytes * layout.batch_capacity
     return -(-(HEADER_BYTES + labels + images) // 64) * 64
 
 
-def _slot_views(buf, layout: StreamLayout, slot: int, writable: bool):
-    base = slot * _slot_bytes(layout)
+def _buffer_views(buf, layout: StreamLayout, buffer: int, writable: bool):
+    base = buffer * _buffer_bytes(layout)
     header = np.ndarray((HEADER_FIELDS,), np.int64, buf, base)
     labels = np.ndarray((layout.batch_capacity,), np.int64, buf, base + HEADER_BYTES)
     images = np.ndarray((layout.batch_capacity, *layout.item_shape), np.uint8, buf,
@@ -54,24 +55,22 @@ class Ring:
     """One stream's ring on one node, for `consumers` readers. Picklable: the
     driver owns it (and unlinks it on close); hub and trainers get copies."""
 
-    def __init__(self, name: str, layout: StreamLayout, consumers: int, slots: int, context):
-        if slots < 2:
-            raise ValueError(f"transport.slots must be >= 2 (one being read, one being written), got {slots}")
-        self.name, self.layout, self.consumers, self.slots = name, layout, consumers, slots
-        self.size = slots * _slot_bytes(layout)
+    def __init__(self, name: str, layout: StreamLayout, consumers: int, depth: int, context):
+        self.name, self.layout, self.consumers, self.depth = name, layout, consumers, depth
+        self.size = depth * _buffer_bytes(layout)
         owned = SharedMemory(name=f"ensemble-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}", create=True,
                              size=self.size)
         self.segment = owned.name
         self._owned: SharedMemory | None = owned
         self.filled = [context.Semaphore(0) for _ in range(consumers)]
-        self.free = [context.Semaphore(slots) for _ in range(consumers)]
+        self.free = [context.Semaphore(depth) for _ in range(consumers)]
         self.detached = context.Array("b", consumers, lock=False)  # set by the driver: that reader is gone
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_owned": None}
 
     def reader(self, consumer: int) -> ShmReader:
-        return ShmReader(self.segment, self.layout, self.slots, self.filled[consumer], self.free[consumer])
+        return ShmReader(self.segment, self.layout, self.depth, self.filled[consumer], self.free[consumer])
 
     def writer(self) -> RingWriter:
         """The writing end, in the process that publishes (one per ring)."""
@@ -89,15 +88,15 @@ class Ring:
 
 
 class ShmReader(StreamReader):
-    def __init__(self, segment: str, layout: StreamLayout, slots: int, filled, free):
-        self.segment, self.layout, self.slots = segment, layout, slots
+    def __init__(self, segment: str, layout: StreamLayout, depth: int, filled, free):
+        self.segment, self.layout, self.depth = segment, layout, depth
         self.filled, self.free = filled, free
 
     def messages(self) -> Iterator[Message]:
-        buf = _map(self.segment, self.slots * _slot_bytes(self.layout), writable=False)
+        buf = _map(self.segment, self.depth * _buffer_bytes(self.layout), writable=False)
         for seq in range(1 << 62):
             self.filled.acquire()
-            header, labels, images = _slot_views(buf, self.layout, seq % self.slots, writable=False)
+            header, labels, images = _buffer_views(buf, self.layout, seq % self.depth, writable=False)
             kind, split, epoch, index, count = (int(v) for v in header)
             yield Message(MessageKind(kind), split, epoch, index, images[:count], labels[:count], self.free.release)
             if kind == MessageKind.STOP:
@@ -116,8 +115,8 @@ class RingWriter(StreamWriter):
         return [c for c in range(self.ring.consumers) if not self.ring.detached[c]]
 
     def occupancy(self) -> int:
-        """Slots the furthest-behind attached reader has yet to hand back."""
-        return max((self.ring.slots - self.ring.free[c].get_value() for c in self.attached), default=0)
+        """Buffers the furthest-behind attached reader has yet to hand back."""
+        return max((self.ring.depth - self.ring.free[c].get_value() for c in self.attached), default=0)
 
     def publish(self, kind: MessageKind, split: int, epoch: int, index: int,
                 images: np.ndarray | None = None, labels: np.ndarray | None = None) -> None:
@@ -129,13 +128,13 @@ class RingWriter(StreamWriter):
             while not self.ring.free[consumer].acquire(timeout=DETACH_POLL_S):
                 if self.ring.detached[consumer]:  # its trainer is gone: the others go on
                     break
-        header, slot_labels, slot_images = _slot_views(self.buf, layout, self.seq % self.ring.slots, True)
+        header, buffer_labels, buffer_images = _buffer_views(self.buf, layout, self.seq % self.ring.depth, True)
         if count:
-            slot_images[:count] = images
-            slot_labels[:count] = labels
+            buffer_images[:count] = images
+            buffer_labels[:count] = labels
             self.bytes_written += images.nbytes + labels.nbytes
         header[:] = (int(kind), split, epoch, index, count)
-        del header, slot_labels, slot_images
+        del header, buffer_labels, buffer_images
         for consumer in self.attached:
             self.ring.filled[consumer].release()
         self.seq += 1

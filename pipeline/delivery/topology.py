@@ -17,19 +17,30 @@ of a group exchange batches over the group's own process group:
 """
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass
 
-TOPOLOGIES = ("single_broadcast", "all_shared", "multi_broadcast", "duplicated")
+
+
+class Topology(enum.StrEnum):
+    """How a flotilla's batches reach its trainers (config key `topology`)."""
+
+    auto = "auto"  # chosen per flotilla (choose_topology)
+    single_broadcast = "single_broadcast"
+    all_shared = "all_shared"
+    multi_broadcast = "multi_broadcast"
+    duplicated = "duplicated"
+
+
+TOPOLOGIES = tuple(t for t in Topology if t is not Topology.auto)  # the ones a plan lays out
 SPREAD_FOR_GROUPS = 2.0  # auto: members this many times apart in speed get groups of their own
 
 
-class TopologyError(ValueError):
-    pass
-
-
 @dataclass(frozen=True)
-class Hub:
+class HubPlan:
+    """Where one hub of a plan runs and what it makes."""
+
     rank: int  # in the flotilla's process group of hubs
     group: int
     node: int
@@ -49,27 +60,23 @@ class DeliveryGroup:
 
 @dataclass(frozen=True)
 class DeliveryPlan:
-    topology: str
+    topology: Topology
     groups: tuple[DeliveryGroup, ...]
-    hubs: tuple[Hub, ...]
+    hubs: tuple[HubPlan, ...]
 
-    def hub_of(self, member: str, node: int) -> Hub:
+    def hub_of(self, member: str, node: int) -> HubPlan:
         group = next(i for i, g in enumerate(self.groups) if member in g.members)
         return next(h for h in self.hubs if h.group == group and h.node == node)
 
 
-def plan_delivery(topology: str, placement: dict[str, tuple[int, ...]], broadcast_groups: int = 2,
+def plan_delivery(topology: Topology, placement: dict[str, tuple[int, ...]], broadcast_groups: int = 2,
                   rates: dict[str, float] | None = None) -> DeliveryPlan:
     """`placement`: member -> the node of each of its trainers; `rates`:
     members' measured images/s, to group similar speeds (multi_broadcast)."""
-    if topology not in TOPOLOGIES:
-        raise TopologyError(f"topology={topology!r} is not one of auto, {', '.join(TOPOLOGIES)}")
     members = list(placement)
-    if topology == "duplicated":
+    if topology == Topology.duplicated:
         partition = [[m] for m in members]
-    elif topology == "multi_broadcast":
-        if broadcast_groups < 1:
-            raise TopologyError(f"transport.broadcast_groups must be >= 1, got {broadcast_groups}")
+    elif topology == Topology.multi_broadcast:
         by_speed = sorted(members, key=lambda m: -(rates or {}).get(m, 0.0))  # stable: config order on ties
         count = min(broadcast_groups, len(members))
         bounds = [-(-len(members) * i // count) for i in range(count + 1)]  # larger groups first
@@ -81,33 +88,33 @@ def plan_delivery(topology: str, placement: dict[str, tuple[int, ...]], broadcas
         trainers = Counter(node for m in group_members for node in placement[m])
         # The producer sits where most of the group's trainers are: least traffic.
         nodes = sorted(trainers, key=lambda node: (-trainers[node], node))
-        gather = topology == "all_shared"
+        gather = topology == Topology.all_shared
         ranks = tuple(range(len(hubs), len(hubs) + len(nodes)))
         for position, node in enumerate(nodes):
             part = position if gather else (0 if position == 0 else None)
-            hubs.append(Hub(ranks[position], index, node, part))
+            hubs.append(HubPlan(ranks[position], index, node, part))
         groups.append(DeliveryGroup(tuple(group_members), ranks, gather))
     return DeliveryPlan(topology, tuple(groups), tuple(hubs))
 
 
 def choose_topology(nodes: int, producer_rate: float | None, member_rates: dict[str, float] | None
-                    ) -> tuple[str, str]:
+                    ) -> tuple[Topology, str]:
     """topology=auto for one flotilla: (topology, why). `nodes`: nodes hosting
     its trainers; `producer_rate`: images/s one node's workers make;
     `member_rates`: each member's training images/s, if profiled."""
     rates = sorted((member_rates or {}).values())
     if len(rates) >= 2 and rates[0] > 0 and rates[-1] / rates[0] >= SPREAD_FOR_GROUPS:
-        return "multi_broadcast", (f"members' speeds differ {rates[-1] / rates[0]:.1f}x: groups of similar speed, "
+        return Topology.multi_broadcast, (f"members' speeds differ {rates[-1] / rates[0]:.1f}x: groups of similar speed, "
                                    "each fed at its own pace, instead of all held to the slowest")
     if nodes == 1:
-        return "single_broadcast", ("all trainers on one node: one producer writes each batch once into shared "
+        return Topology.single_broadcast, ("all trainers on one node: one producer writes each batch once into shared "
                                     "memory for all of them")
     # Trainers on a shared stream move together: the flotilla takes batches at its slowest member's rate.
     demand = rates[0] if rates else None
     if producer_rate is not None and demand is not None and producer_rate >= demand:
-        return "single_broadcast", (f"one node's workers make {producer_rate:.0f} images/s, the flotilla takes "
+        return Topology.single_broadcast, (f"one node's workers make {producer_rate:.0f} images/s, the flotilla takes "
                                     f"{demand:.0f}: one producer suffices and moves the fewest bytes")
     made = "unknown" if producer_rate is None else f"{producer_rate:.0f} images/s"
     taken = "unknown" if demand is None else f"{demand:.0f} images/s"
-    return "all_shared", (f"{nodes} nodes; one node's workers make {made}, the flotilla takes {taken}: every "
+    return Topology.all_shared, (f"{nodes} nodes; one node's workers make {made}, the flotilla takes {taken}: every "
                           "node's workers make a share of each batch")

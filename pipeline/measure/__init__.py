@@ -1,0 +1,6 @@
+"""Measurement: the run recorder (recorder.py) that folds what batch tasks,
+hubs and trainers report into results.json's figures.
+
+May import: training (reports, model specs), delivery, data, `stages`. Never
+orchestration or reports.
+"""

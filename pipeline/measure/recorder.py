@@ -1,4 +1,5 @@
-"""Collects what a run measured and writes results.json and the summary."""
+"""Collects what a run measured: the recorder behind results.json (the
+summary table and the report render it: pipeline/report/)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
 
 from pipeline.data.graph import BatchOutput, StageTiming
+from pipeline.training.reports import TrainerDone, TrainReport, ValReport
 from pipeline.training.trainer import ModelSpec
 
 
@@ -125,11 +125,11 @@ class RunRecorder:
         with self.lock:
             for rank, summary in summaries.items():
                 summary["occupancy"] = self._queue(f"flotilla {flotilla} hub {rank} ring",
-                                                   max(summary["ring_slots"].values(), default=1),
+                                                   max(summary["ring_depth"].values(), default=1),
                                                    summary.pop("occupancy"))
                 ready = summary.pop("tasks_ready")
                 if ready:
-                    self._queue(f"flotilla {flotilla} hub {rank} prefetch", summary["prefetch_slots"], ready)
+                    self._queue(f"flotilla {flotilla} hub {rank} prefetch", summary["prefetch_capacity"], ready)
                 latency = summary.pop("latency_ms")
                 summary["latency_ms"] = {f"p{q}": float(np.percentile(latency, q)) for q in (50, 95)} \
                     if latency else None
@@ -153,22 +153,23 @@ class RunRecorder:
             record = self.models[model]
             return [record.val_accuracy[e] for e in sorted(record.val_accuracy)]
 
-    def add_checksums(self, flotilla: int, event: dict) -> None:
+    def add_checksums(self, flotilla: int, done: TrainerDone) -> None:
         with self.lock:
-            self.checksums[f"{flotilla}/{event['model']}/{event['rank']}"] = event["checksums"]
+            self.checksums[f"{flotilla}/{done.model}/{done.rank}"] = done.checksums
 
-    def add_report(self, event: dict) -> None:
+    def add_report(self, report: TrainReport | ValReport) -> None:
         with self.lock:
-            record = self.models[event["model"]]
-            for start, end in event.get("spans", []):
-                self._span(f"trainer {event['model']}/{event['rank']}", "step", start, end)
-            if event["event"] == "train" and event["rank"] == 0:  # rank 0 speaks for its model's ranks
-                record.train_loss[event["epoch"]] = event["loss"]
-                record.images += event["images"] * len(record.stints[-1]["devices"])
-                record.step_s += event["step_s"]
-                record.wait_s += event["wait_s"]
-            elif event["event"] == "val":
-                self._add_validation(record, event)
+            record = self.models[report.model]
+            if isinstance(report, ValReport):
+                self._add_validation(record, report)
+                return
+            for start, end in report.spans:
+                self._span(f"trainer {report.model}/{report.rank}", "step", start, end)
+            if report.rank == 0:  # rank 0 speaks for its model's ranks
+                record.train_loss[report.epoch] = report.loss
+                record.images += report.images * len(record.stints[-1]["devices"])
+                record.step_s += report.step_s
+                record.wait_s += report.wait_s
 
     def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
         """Share of the training time each worker's threads spent in batch tasks."""
@@ -179,18 +180,18 @@ class RunRecorder:
             self.timeline.append({"lane": lane, "what": what, "start_s": round(start - self.origin, 4),
                                   "end_s": round(end - self.origin, 4)})
 
-    def _add_validation(self, record: ModelRecord, event: dict) -> None:
-        epoch = event["epoch"]
-        record.val_accuracy[epoch] = event["accuracy"]
-        record.last_probs = event["probs"]
+    def _add_validation(self, record: ModelRecord, report: ValReport) -> None:
+        epoch = report.epoch
+        record.val_accuracy[epoch] = report.accuracy
+        record.last_probs = report.probs
         if self.val_labels is None:
-            self.val_labels = event["labels"]
-        if not np.array_equal(self.val_labels, event["labels"]):
-            raise RuntimeError(f"model {event['model']} saw validation labels in another order: "
+            self.val_labels = report.labels
+        if not np.array_equal(self.val_labels, report.labels):
+            raise RuntimeError(f"model {report.model} saw validation labels in another order: "
                                "streams are out of step")
         # The ensemble's accuracy at an epoch, once every model has reached it.
         total, count = self.epoch_probs.get(epoch, (0.0, 0))
-        total, count = total + event["probs"], count + 1
+        total, count = total + report.probs, count + 1
         if count == len(self.models):
             self.epoch_probs.pop(epoch, None)  # absent when one model makes the whole ensemble
             self.ensemble_accuracy[epoch] = self._accuracy(total)
@@ -230,11 +231,11 @@ class RunRecorder:
                            for name, t in self.stages.items()},
             },
             "delivery": {"flotillas": {str(flotilla): info for flotilla, info in self.delivery.items()},
-                         "received": self.checksums},
-            "transport": {"streams": {
-                f"flotilla {f} {info['topology']} hub {rank} node {hub['node']}": {
-                    "bytes": hub["ring_bytes"] + hub["sent_bytes"], "latency_ms": hub["latency_ms"]}
-                for f, info in self.delivery.items() for rank, hub in info["hubs"].items()}},
+                         "received": self.checksums,
+                         "streams": {
+                             f"flotilla {f} {info['topology']} hub {rank} node {hub['node']}": {
+                                 "bytes": hub["ring_bytes"] + hub["sent_bytes"], "latency_ms": hub["latency_ms"]}
+                             for f, info in self.delivery.items() for rank, hub in info["hubs"].items()}},
             "timeline": self.timeline,
             "skipped": [{"path": p, "reason": r} for p, r in sorted(self.skipped.items())],
             "converted": [{"path": p, "what": w} for p, w in sorted(self.converted.items())],
@@ -243,30 +244,3 @@ class RunRecorder:
 
 def write_json(path: Path, results: dict) -> None:
     path.write_text(json.dumps(results, indent=2, default=str))
-
-
-def print_summary(console: Console, results: dict) -> None:
-    table = Table(title="Ensemble", title_justify="left")
-    for column in ("model", "input", "params", "slots", "val acc", "img/s", "data stall"):
-        table.add_column(column, justify="left" if column in ("model", "input") else "right")
-    for m in results["models"]:
-        table.add_row(m["name"], f"{m['input']} {m['image_size']}px", f"{m['params'] / 1e6:.2f}M", str(m["slots"]),
-                      _pct(m["final_val_accuracy"]), _num(m["images_per_s"]), _pct(m["data_stall_pct"], 1))
-    ensemble = results["ensemble"]
-    table.add_row("[bold]ensemble (mean softmax)", "", "", "", f"[bold]{_pct(ensemble['final_val_accuracy'])}", "", "")
-    console.print(table)
-    stages = Table(title="Pipeline stages (all epochs)", title_justify="left")
-    for column in ("stage", "items", "CPU s", "CPU share", "items/s per core"):
-        stages.add_column(column, justify="left" if column == "stage" else "right")
-    for name, s in results["pipeline"]["stages"].items():
-        stages.add_row(name, str(s["items"]), f"{s['cpu_s']:.2f}", _pct(s["cpu_share_pct"], 1),
-                       _num(s["items"] / s["cpu_s"] if s["cpu_s"] > 1e-3 else None))
-    console.print(stages)
-
-
-def _pct(value: float | None, scale: float = 100) -> str:
-    return "-" if value is None else f"{value * scale:.1f}%"
-
-
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.0f}"

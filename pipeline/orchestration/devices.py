@@ -1,29 +1,39 @@
 """The device slots of a run (GPUs, or CPU slots) and whether models fit them."""
 from __future__ import annotations
 
+import enum
 import os
 
 from pipeline.scheduler.cluster import Slot
 from pipeline.training.trainer import ModelSpec
+from stages.base import UserError
 
 # The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x
 # higher (workspaces, allocator slack), so a model must fit with this margin.
 MEMORY_HEADROOM = 1.5
 
 
-class SlotError(ValueError):
+class DeviceKind(enum.StrEnum):
+    """trainer.device: where trainers run."""
+
+    auto = "auto"  # CUDA if a GPU is visible, else CPU slots
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class SlotError(UserError):
     pass
 
 
-def resolve_device(requested: str, cuda_available: bool) -> str:
-    if requested not in ("auto", "cpu", "cuda"):
-        raise SlotError(f"trainer.device must be auto, cpu or cuda, got {requested!r}")
-    if requested == "cuda" and not cuda_available:
+def resolve_device(requested: DeviceKind, cuda_available: bool) -> DeviceKind:
+    """`auto` resolved: cuda or cpu."""
+    if requested == DeviceKind.cuda and not cuda_available:
         raise SlotError("trainer.device=cuda but no CUDA device is visible; use trainer.device=auto or cpu")
-    return "cuda" if requested == "cuda" or (requested == "auto" and cuda_available) else "cpu"
+    return DeviceKind.cuda if requested == DeviceKind.cuda or (requested == DeviceKind.auto and cuda_available) \
+        else DeviceKind.cpu
 
 
-def slot_devices(device_kind: str, gpu_count: int, slots: int | str, models: list[ModelSpec],
+def slot_devices(device_kind: DeviceKind, gpu_count: int, slots: int | str, models: list[ModelSpec],
                  nodes: int = 1, hosts: bool = False) -> dict[Slot, str]:
     """Slot -> device: every GPU, or on CPU `trainer.slots` CPU slots (auto: as
     many as the models ask for together, rounded up to fill `nodes` evenly),
@@ -33,10 +43,8 @@ def slot_devices(device_kind: str, gpu_count: int, slots: int | str, models: lis
         gpu_count *= nodes
     if slots == "auto":
         count = gpu_count if device_kind == "cuda" else -(-sum(m.slots for m in models) // nodes) * nodes
-    elif isinstance(slots, int) and slots >= 1:
-        count = slots
     else:
-        raise SlotError(f"trainer.slots must be a positive integer or 'auto', got {slots!r}")
+        count = slots
     if device_kind == "cuda" and count > gpu_count:
         raise SlotError(f"trainer.slots={count} but {'the hosts have' if hosts else 'this machine has'} "
                         f"{gpu_count} GPU(s); lower trainer.slots")

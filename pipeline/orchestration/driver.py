@@ -17,17 +17,18 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.progress import Progress
 
-from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.data.graph import StageGraph
+from pipeline.delivery.messages import SplitDone
+from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, plan_delivery
 from pipeline.measure.recorder import RunRecorder
+from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
-from pipeline.delivery.topology import DeliveryPlan, choose_topology, plan_delivery
+from pipeline.training.reports import TrainerDone, TrainerReport, ValReport
 from pipeline.training.trainer import ModelSpec
 from stages.base import Split
 
-REPORT_TIMEOUT_S = 1800  # a trainer silent this long during validation is taken as hung
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Convergence:
 class TopologyChoice:
     """topology=...: fixed, or `auto` (chosen per flotilla from measurements)."""
 
-    topology: str
+    topology: Topology
     broadcast_groups: int
     node_threads: dict[int, int]  # worker threads of each node
     profile: dict[str, list[float]] | None  # each model's profiled images/s on 1, 2, ... slots, if profiled
@@ -66,7 +67,7 @@ class TopologyChoice:
         # A member's speed on the slots it holds.
         rates = {m.model.name: self.profile[m.model.name][len(m.devices) - 1] for m in members} \
             if self.profile else None
-        if self.topology != "auto":
+        if self.topology != Topology.auto:
             topology, why = self.topology, f"topology={self.topology}"
         else:
             per_image = recorder.seconds_per_image() or self.probed_seconds_per_image
@@ -88,22 +89,74 @@ class RunContext:
     topology: TopologyChoice
     recorder: RunRecorder
     progress: Progress
+    report_s: float  # timeouts.report_s: a trainer silent this long when it owes a report is hung
+
+
+# Flotilla thread -> driver (the main thread): what happened.
+@dataclass(frozen=True)
+class EpochDone:
+    """Every member's validation of one epoch (members that failed meanwhile are left out)."""
+
+    thread: FlotillaThread
+    reports: list[ValReport]
+
+
+@dataclass(frozen=True)
+class MemberFailed:
+    thread: FlotillaThread
+    model: str
+    why: str
+
+
+@dataclass(frozen=True)
+class MemberLeft:
+    """A member stopped on the driver's command: its slots are free."""
+
+    thread: FlotillaThread
+    model: str
+
+
+@dataclass(frozen=True)
+class ThreadFailed:
+    thread: FlotillaThread
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class ThreadEnded:
+    thread: FlotillaThread
+
+
+ThreadEvent = EpochDone | MemberFailed | MemberLeft | ThreadFailed | ThreadEnded
+
+
+# Driver -> flotilla thread, after each epoch: members to stop, then go on.
+@dataclass(frozen=True)
+class StopMember:
+    model: str
+
+
+@dataclass(frozen=True)
+class Continue:
+    pass
 
 
 class FlotillaThread(threading.Thread):
+    """Runs one flotilla: its epochs, split by split, until no member is left."""
+
     def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue):
         super().__init__(name=f"flotilla-{flotilla_id}", daemon=True)
         self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
-        self.commands: queue.Queue = queue.Queue()
+        self.commands: queue.Queue[StopMember | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
 
     def run(self) -> None:
         try:
             self._train()
         except BaseException as err:  # handed to the main thread, which stops the run
-            self.events.put(("error", self, err))
+            self.events.put(ThreadFailed(self, err))
         finally:
-            self.events.put(("ended", self, None))
+            self.events.put(ThreadEnded(self))
 
     def _train(self) -> None:
         r = self.run_ctx
@@ -112,67 +165,64 @@ class FlotillaThread(threading.Thread):
         r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
                                  f"group(s), {len(plan.hubs)} hub(s) ({why})")
         r.recorder.delivery_plan(self.flotilla_id, plan, why)
-        with Flotilla(self.members, graph, plan, r.setup, r.delivery) as flotilla:
-            self.flotilla = flotilla
-            local_epoch = 0
+        with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
+            epoch = 0  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
             while flotilla.members and not self.stop_requested.is_set():
-                # Each flotilla epoch gets its own shuffle: flotillas do not replay each other's order.
-                epoch = self.flotilla_id * 1000 + local_epoch
                 # A trainer may report its validation before the driver hears that the hubs are done,
                 # and then die: its failure is told after the epoch it finished (it resumes from there).
                 early, failed_early = [], []
                 for split in (Split.TRAIN, Split.VAL):
-                    reports, failures = self._deliver(flotilla, graph, split, epoch, local_epoch)
+                    reports, failures = self._deliver(flotilla, graph, split, epoch)
                     early += reports
                     failed_early += failures
                 reports, failed = self._validation_reports(flotilla, early)
-                failed = failed_early + failed
                 # The epoch first: a trainer that reported and then died still finished it.
-                self.events.put(("epoch", self, reports))
-                for failure in failed:
-                    self.events.put(("failed", self, failure))
+                self.events.put(EpochDone(self, reports))
+                for model, why in failed_early + failed:
+                    self.events.put(MemberFailed(self, model, why))
                 self._carry_out(flotilla)
-                local_epoch += 1
+                epoch += 1
 
-    def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int, local_epoch: int
-                 ) -> tuple[list[dict], list[tuple[str, str]]]:
+    def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int
+                 ) -> tuple[list[ValReport], list[tuple[str, str]]]:
         """The hubs deliver one split's epoch; meanwhile trainers' reports are recorded and failed
         members leave. Returns the validation reports that came in, and the failures."""
         validation, failures = [], []
         r = self.run_ctx
         leads = {group.hubs[0]: 0 for group in flotilla.plan.groups}  # batches each group has delivered
-        task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {local_epoch + 1} {split.value}",
+        task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {epoch + 1} {split.value}",
                                    total=graph.source.num_batches(split))
         done: set[int] = set()
         tasks: set[tuple] = set()  # batch tasks recorded: (index, worker, start)
         flotilla.run_split(split, epoch)
         while len(done) < len(flotilla.plan.hubs) and flotilla.members:
-            for kind, rank, _, index, stats in flotilla.hub_progress(timeout=0.2):
-                if kind == "split_done":
-                    done.add(rank)
+            for event in flotilla.hub_progress(timeout=0.2):
+                if isinstance(event, SplitDone):
+                    done.add(event.hub)
                     continue
-                made = (index, stats.worker, stats.started) if stats is not None else None
-                if made and made not in tasks:  # a task shared by several producers counts once
-                    tasks.add(made)
+                made = event.made
+                key = (event.index, made.worker, made.started) if made is not None else None
+                if key and key not in tasks:  # a task shared by several producers counts once
+                    tasks.add(key)
                     # Images the flotilla received: one group's batches (the others get the same ones).
-                    counted = split is Split.TRAIN and flotilla.plan.hubs[rank].group == 0
-                    for path, reason in r.recorder.add_batch(stats, train=counted):
+                    counted = split is Split.TRAIN and flotilla.plan.hubs[event.hub].group == 0
+                    for path, reason in r.recorder.add_batch(made, train=counted):
                         r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
-                if rank in leads:
-                    leads[rank] += 1
+                if event.hub in leads:
+                    leads[event.hub] += 1
                     r.progress.update(task, completed=min(leads.values()))
             validation += self._forward(flotilla.poll())
             failures += self._drop_failed(flotilla)
         r.progress.remove_task(task)
         return validation, failures
 
-    def _forward(self, reports: list[dict]) -> list[dict]:
+    def _forward(self, reports: list[TrainerReport]) -> list[ValReport]:
         """Training reports go to the recorder; validation ones are returned."""
         validation = []
         for report in reports:
-            if report["event"] == "val":
+            if isinstance(report, ValReport):
                 validation.append(report)
-            elif report["event"] == "done":
+            elif isinstance(report, TrainerDone):
                 self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
             else:
                 self.run_ctx.recorder.add_report(report)
@@ -185,46 +235,47 @@ class FlotillaThread(threading.Thread):
             flotilla.remove(name)
         return failed
 
-    def _validation_reports(self, flotilla: Flotilla, early: list[dict]) -> tuple[list[dict], list[tuple[str, str]]]:
+    def _validation_reports(self, flotilla: Flotilla, early: list[ValReport]
+                            ) -> tuple[list[ValReport], list[tuple[str, str]]]:
         """Every member's validation result of this epoch, and the members that failed meanwhile."""
-        reports: dict[str, dict] = {report["model"]: report for report in early}
+        reports = {report.model: report for report in early}
         failed: list[tuple[str, str]] = []
-        deadline = time.monotonic() + REPORT_TIMEOUT_S
+        deadline = time.monotonic() + self.run_ctx.report_s
         while not set(flotilla.members) <= set(reports):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"flotilla {self.flotilla_id}: no validation report from "
-                                   f"{sorted(set(flotilla.members) - set(reports))} in {REPORT_TIMEOUT_S} s")
+                                   f"{sorted(set(flotilla.members) - set(reports))} in {self.run_ctx.report_s:g} s "
+                                   "(timeouts.report_s)")
             for report in self._forward(flotilla.poll(timeout=1.0)):
-                reports[report["model"]] = report
+                reports[report.model] = report
             failed += self._drop_failed(flotilla)
         return list(reports.values()), failed
 
     def _carry_out(self, flotilla: Flotilla) -> None:
         """Applies the main thread's decisions for this epoch: members to stop."""
-        leaving = []
-        for command, model in iter(self.commands.get, ("continue", None)):
-            leaving.append(model)
+        leaving = [command.model for command in iter(self.commands.get, Continue())]
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)
             self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
         for model in leaving:
             flotilla.remove(model)
-            self.events.put(("freed", self, model))
+            self.events.put(MemberLeft(self, model))
 
     def _await_done(self, flotilla: Flotilla) -> None:
         """After STOP: every hub's summary and every trainer's last report (its checksums), then exit."""
         waiting = {(name, rank) for name, m in flotilla.members.items() for rank in range(len(m.devices))}
-        deadline = time.monotonic() + REPORT_TIMEOUT_S
+        deadline = time.monotonic() + self.run_ctx.report_s
         while (waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}
                or len(flotilla.summaries) < len(flotilla.plan.hubs)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish")
+                raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish "
+                                   f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             flotilla.hub_progress(timeout=0.1)
             reports = flotilla.poll(timeout=0.5)
-            waiting -= {(r["model"], r["rank"]) for r in reports if r["event"] == "done"}
+            waiting -= {(r.model, r.rank) for r in reports if isinstance(r, TrainerDone)}
             self._forward(reports)
-        flotilla.join(timeout=30)
+        flotilla.join(timeout=self.run_ctx.delivery.exit_s)
 
 
 class Driver:
@@ -246,29 +297,30 @@ class Driver:
         try:
             self._carry_out(first_decisions)
             while not self.scheduler.done:
-                kind, thread, payload = self.events.get()
-                if kind == "error":
-                    raise payload
-                if kind == "epoch":
-                    self._epoch_finished(thread, payload)
-                elif kind == "failed":
-                    self._trainer_failed(*payload)
-                elif kind == "freed":
-                    self._free_slots(payload)
-                elif kind == "ended":
-                    thread.join()
-                    self.threads.pop(thread.flotilla_id, None)
+                event: ThreadEvent = self.events.get()
+                if isinstance(event, ThreadFailed):
+                    raise event.error
+                if isinstance(event, EpochDone):
+                    self._epoch_finished(event.thread, event.reports)
+                elif isinstance(event, MemberFailed):
+                    self._trainer_failed(event.model, event.why)
+                elif isinstance(event, MemberLeft):
+                    self._free_slots(event.model)
+                elif isinstance(event, ThreadEnded):
+                    event.thread.join()
+                    self.threads.pop(event.thread.flotilla_id, None)
         finally:
             for thread in self.threads.values():
                 thread.stop_requested.set()
-                thread.commands.put(("continue", None))
-            for thread in self.threads.values():
-                thread.join(timeout=120)
+                thread.commands.put(Continue())
+            delivery = self.run_ctx.delivery
+            for thread in self.threads.values():  # its hubs drain, then its processes exit
+                thread.join(timeout=delivery.drain_s + 2 * delivery.exit_s)
         # A flotilla thread may fail while closing, after the scheduler is done: that is an error too.
         while not self.events.empty():
-            kind, _, payload = self.events.get()
-            if kind == "error":
-                raise payload
+            event = self.events.get()
+            if isinstance(event, ThreadFailed):
+                raise event.error
 
     def _free_slots(self, model: str) -> None:
         for slot in self.assigned.pop(model, ()):
@@ -281,30 +333,29 @@ class Driver:
         self.gone.add(model)
         self._carry_out(self.scheduler.handle(TrainerFailed(self.now(), model, self.assigned[model][0], why)))
 
-    def _epoch_finished(self, thread: FlotillaThread, reports: list[dict]) -> None:
+    def _epoch_finished(self, thread: FlotillaThread, reports: list[ValReport]) -> None:
         if not reports:  # its members all failed during the epoch
-            thread.commands.put(("continue", None))
+            thread.commands.put(Continue())
             return
         decisions = []
         converged = []
-        for report in sorted(reports, key=lambda r: r["model"]):
+        for report in sorted(reports, key=lambda r: r.model):
             self.run_ctx.recorder.add_report(report)
-            epochs_done = report["epoch"] + 1
-            metrics = {"val_accuracy": report["accuracy"]}
-            decisions += self.scheduler.handle(EpochFinished(self.now(), report["model"], epochs_done, metrics))
-            reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report["model"]))
+            metrics = {"val_accuracy": report.accuracy}
+            decisions += self.scheduler.handle(EpochFinished(self.now(), report.model, report.epoch + 1, metrics))
+            reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report.model))
             if reason:
-                converged.append((report["model"], reason))
-        epoch = max(report["epoch"] for report in reports)
+                converged.append((report.model, reason))
+        epoch = max(report.epoch for report in reports)
         ensemble = self.run_ctx.recorder.ensemble_accuracy.get(epoch)
         self.console.print(f"flotilla {thread.flotilla_id}: val accuracy " + ", ".join(
-            f"{r['model']} {r['accuracy']:.1%} (epoch {r['epoch'] + 1})" for r in reports)
+            f"{r.model} {r.accuracy:.1%} (epoch {r.epoch + 1})" for r in reports)
             + (f"; [bold]ensemble {ensemble:.1%}[/] (epoch {epoch + 1})" if ensemble is not None else ""))
         for model, reason in converged:
             self.run_ctx.recorder.converged(model, reason)
             decisions += self.scheduler.handle(ModelConverged(self.now(), model))
         self._carry_out(decisions)
-        thread.commands.put(("continue", None))
+        thread.commands.put(Continue())
 
     def _carry_out(self, decisions: list) -> None:
         forming: dict[int, list[Member]] = {}
@@ -330,7 +381,7 @@ class Driver:
                     self.gone.discard(decision.model)
                     self._free_slots(decision.model)
                 else:
-                    self.threads[decision.flotilla].commands.put(("stop", decision.model))
+                    self.threads[decision.flotilla].commands.put(StopMember(decision.model))
             elif not isinstance(decision, Checkpoint):  # trainers checkpoint every epoch themselves
                 raise TypeError(f"the driver cannot carry out {decision!r}")
         for flotilla_id, members in forming.items():

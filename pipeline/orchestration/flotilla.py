@@ -18,11 +18,14 @@ from pathlib import Path
 
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.hub import HubSpec
-from pipeline.orchestration.node import node_processes
-from pipeline.delivery.topology import DeliveryPlan, Hub
-from pipeline.training.trainer import ModelSpec, TrainerSpec
+from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubStopped, RunSplit, SplitDone,
+                                        StopStreams)
 from pipeline.delivery.stream import StreamLayout
-from stages.base import BadFileError, Spec, Split
+from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
+from pipeline.orchestration.node import node_processes
+from pipeline.training.reports import TrainerError, TrainerReport
+from pipeline.training.trainer import ModelSpec, TrainerSpec
+from stages.base import BadFileError, OnError, Spec, Split
 
 
 @dataclass(frozen=True)
@@ -52,15 +55,18 @@ class DeliverySetup:
 
     scheduler: str  # Dask scheduler address
     seed: int
-    on_error: str
+    on_error: OnError
     in_flight: dict[int, int]  # node -> batch tasks a producer there keeps submitted
-    ring_slots: int
-    agents: dict[int, dict]  # node -> its host's agent (pipeline/orchestration/node.py); none: nodes simulated here
+    ring_depth: int  # batches each ring holds
+    agents: dict[int, dict]  # node -> its host's agent (python -m pipeline.node); none: nodes simulated here
+    drain_s: float  # timeouts.drain_s
+    exit_s: float  # timeouts.exit_s
 
 
 class Flotilla:
-    def __init__(self, members: list[Member], graph: StageGraph, plan: DeliveryPlan, setup: TrainingSetup,
-                 delivery: DeliverySetup):
+    def __init__(self, flotilla_id: int, members: list[Member], graph: StageGraph, plan: DeliveryPlan,
+                 setup: TrainingSetup, delivery: DeliverySetup):
+        self.id = flotilla_id
         self.members = {m.model.name: m for m in members}
         self.plan = plan
         self.nodes = {}  # node -> its NodeProcesses (or a proxy to it in the host's agent)
@@ -68,25 +74,25 @@ class Flotilla:
         self.summaries: dict[int, dict] = {}  # hub rank -> what it moved, once stopped
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
-                self.nodes[node] = node_processes(node, delivery.agents)
-            self._make_rings(graph, delivery.ring_slots)
+                self.nodes[node] = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s)
+            self._make_rings(graph, delivery.ring_depth)
             self._start_hubs(graph, setup, delivery)
             self._start_trainers(graph.sinks, setup)
         except BaseException:
             self.close()
             raise
 
-    def _hub(self, member: Member, rank: int) -> Hub:
+    def _hub(self, member: Member, rank: int) -> HubPlan:
         return self.plan.hub_of(member.model.name, member.nodes[rank])
 
-    def _make_rings(self, graph: StageGraph, slots: int) -> None:
+    def _make_rings(self, graph: StageGraph, depth: int) -> None:
         readers: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
             for rank in range(len(member.devices)):
                 readers[self._hub(member, rank).rank, member.model.input] += 1
         for (hub, stream), count in sorted(readers.items()):
             layout = StreamLayout(graph.source.batch_size, graph.sinks[stream].item_shape)
-            self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, slots)
+            self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, depth)
 
     def _start_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:
         rendezvous = self.nodes[self.plan.hubs[0].node].rendezvous()
@@ -94,7 +100,7 @@ class Flotilla:
         node_device = {node: device for m in self.members.values() for node, device in zip(m.nodes, m.devices)}
         # multi_broadcast groups make the same batches (of the whole flotilla's graph) under shared
         # task keys, so Dask makes each once while the groups keep within a window of each other.
-        shared = self.plan.topology == "multi_broadcast" and len(self.plan.groups) > 1
+        shared = self.plan.topology == Topology.multi_broadcast and len(self.plan.groups) > 1
         shared_keys = uuid.uuid4().hex[:8] if shared else None
         for hub in self.plan.hubs:
             group = self.plan.groups[hub.group]
@@ -102,7 +108,7 @@ class Flotilla:
             self.nodes[hub.node].start_hub(HubSpec(
                 hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node], delivery.scheduler,
                 graph.feeding(streams), delivery.seed, delivery.on_error, delivery.in_flight[hub.node], {},
-                setup.record_checksums, shared_keys))
+                setup.record_checksums, shared_keys, self.id, delivery.drain_s))
 
     def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)
@@ -135,32 +141,32 @@ class Flotilla:
         self.close()
 
     def run_split(self, split: Split, epoch: int) -> None:
-        """Every hub delivers the split's epoch; `hub_progress` says how far they are."""
+        """Every hub delivers the split's epoch (of this flotilla's sequence); `hub_progress` says how far."""
         for node in self.nodes.values():
-            node.run_split(split.value, epoch)
+            node.command_hubs(RunSplit(split, epoch))
 
-    def hub_progress(self, timeout: float) -> list[tuple]:
-        """Events from the hubs so far, waiting up to `timeout` (shared out over the nodes) for the first:
-        ("batch", rank, split, index, batch stats or None) or ("split_done", rank, ...).
+    def hub_progress(self, timeout: float) -> list[BatchPublished | SplitDone]:
+        """Progress of the hubs so far, waiting up to `timeout` (shared out over the nodes) for the first.
         A hub that failed stops the run: it carries every member of its group."""
         events = [event for node in self.nodes.values() for event in node.hub_progress(timeout / len(self.nodes))]
-        for kind, rank, *rest in events:
-            if kind == "bad_file":
-                raise BadFileError(rest[0])
-            if kind == "error":
-                raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) failed:\n{rest[0]}")
-            if kind == "stopped":
-                self.summaries[rank] = rest[0]
+        for event in events:
+            if isinstance(event, BadFile):
+                raise BadFileError(event.message)
+            if isinstance(event, HubFailed):
+                raise RuntimeError(f"hub {event.hub} (node {self.plan.hubs[event.hub].node}) failed:\n"
+                                   f"{event.traceback}")
+            if isinstance(event, HubStopped):
+                self.summaries[event.hub] = event.summary
         for node in self.nodes.values():
             for rank, code in node.hub_exit_codes().items():
                 if code not in (None, 0):
                     raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
-        return [event for event in events if event[0] in ("batch", "split_done")]
+        return [event for event in events if isinstance(event, (BatchPublished, SplitDone))]
 
     def stop(self) -> None:
         """The run is over for every member: hubs send STOP down the rings and report what they moved."""
         for node in self.nodes.values():
-            node.stop()
+            node.command_hubs(StopStreams())
 
     def remove(self, name: str) -> None:
         """Stop a member's trainers now; its last checkpoint is its state."""
@@ -170,13 +176,14 @@ class Flotilla:
         for node in sorted(set(member.nodes)):
             self.nodes[node].remove(name)
 
-    def poll(self, timeout: float | None = None) -> list[dict]:
-        """Reports from trainers so far (waiting up to `timeout`, shared out over the nodes, for the first)."""
-        events = [event for node in self.nodes.values() for event in node.poll((timeout or 0) / len(self.nodes))]
-        for event in events:
-            if event["event"] == "error":
-                self.errors[event["model"]] = f"rank {event['rank']} raised:\n{event['traceback']}"
-        return [event for event in events if event["event"] != "error"]
+    def poll(self, timeout: float | None = None) -> list[TrainerReport]:
+        """Reports from trainers so far (waiting up to `timeout`, shared out over the nodes, for the first);
+        errors are kept for `failed_members`."""
+        reports = [report for node in self.nodes.values() for report in node.poll((timeout or 0) / len(self.nodes))]
+        for report in reports:
+            if isinstance(report, TrainerError):
+                self.errors[report.model] = f"rank {report.rank} raised:\n{report.traceback}"
+        return [report for report in reports if not isinstance(report, TrainerError)]
 
     def join(self, timeout: float) -> None:
         for node in self.nodes.values():

@@ -5,7 +5,7 @@ rings between them on one node; pipeline/orchestration/flotilla.py drives one pe
 simulated nodes (`cluster.nodes` on a LocalCluster) it lives in the driver.
 On real hosts each host runs an agent:
 
-    python -m pipeline.orchestration.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2
+    python -m pipeline.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2
 
 It starts the host's Dask workers (resource node-<i>), registers itself in
 the Dask scheduler's metadata, and serves NodeProcesses to the driver over
@@ -14,7 +14,6 @@ that host's hubs and trainers are its children and its rings its memory.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing as mp
 import os
@@ -28,31 +27,25 @@ from collections import defaultdict
 from dataclasses import replace
 from multiprocessing.managers import BaseManager
 
+from pipeline.delivery.collective import LOOPBACK, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
+from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.training.trainer import TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.data.handoff import HANDOFF_PREFIX, remove_all
 from pipeline.delivery.ring import Ring
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
-HUB_EXIT_S = 60  # what a closing hub gets to wind down (Executor: tasks running finish) before it is killed
-LOOPBACK = "127.0.0.1"
 log = logging.getLogger(__name__)  # an agent shows it: what its host runs
-
-
-def rendezvous_at(host: str = LOOPBACK) -> str:
-    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
 class NodeProcesses:
     """A flotilla's hubs, trainers and rings on one node. Every method is a
     call the driver can make from another host (arguments and results pickle)."""
 
-    def __init__(self, node: int, host: str = LOOPBACK):
+    def __init__(self, node: int, drain_s: float, exit_s: float, host: str = LOOPBACK):
         self.node, self.host = node, host
+        self.drain_s, self.exit_s = drain_s, exit_s  # timeouts.*: what a closing hub, and any process, gets
         self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
         self.reports = self.context.Queue()  # trainers -> driver
         self.hub_events = self.context.Queue()  # hubs -> driver
@@ -65,8 +58,8 @@ class NodeProcesses:
         """init_method of a process group whose rank 0 runs on this node."""
         return rendezvous_at(self.host)
 
-    def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, slots: int) -> None:
-        self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, slots, self.context)
+    def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, depth: int) -> None:
+        self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, depth, self.context)
 
     def start_hub(self, spec: HubSpec) -> None:
         """`spec` with this node's rings of the hub filled in."""
@@ -89,20 +82,15 @@ class NodeProcesses:
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.model.name, spec.rank,
                  spec.device, process.pid)
 
-    def run_split(self, split: str, epoch: int) -> None:
+    def command_hubs(self, command: HubCommand) -> None:
         for _, commands in self.hubs.values():
-            commands.put((split, epoch))
+            commands.put(command)
 
-    def stop(self) -> None:
-        """The hubs send STOP down the rings and report what they moved."""
-        for _, commands in self.hubs.values():
-            commands.put(None)
-
-    def hub_progress(self, timeout: float) -> list[tuple]:
+    def hub_progress(self, timeout: float) -> list[HubEvent]:
         """The hubs' events so far, waiting up to `timeout` for the first."""
         return _drain(self.hub_events, timeout)
 
-    def poll(self, timeout: float) -> list[dict]:
+    def poll(self, timeout: float) -> list:
         """The trainers' reports so far, waiting up to `timeout` for the first."""
         return _drain(self.reports, timeout)
 
@@ -119,7 +107,7 @@ class NodeProcesses:
         trainers = self.trainers.pop(model, [])
         for _, ring, reader in trainers:
             ring.detach(reader)
-        _stop_processes([process for process, _, _ in trainers])
+        _stop_processes([process for process, _, _ in trainers], self.exit_s)
 
     def join(self, timeout: float) -> None:
         for process in [p for trainers in self.trainers.values() for p, _, _ in trainers] + \
@@ -130,7 +118,7 @@ class NodeProcesses:
         """Stops everything, whatever state it is in; unlinks the rings."""
         try:
             self.abort.set()
-            self.stop()
+            self.command_hubs(StopStreams())
             for model in list(self.trainers):
                 self.remove(model)
             for ring in self.rings.values():  # no hub waits on a trainer that is gone
@@ -138,8 +126,8 @@ class NodeProcesses:
                     ring.detach(reader)
             hubs = [process for process, _ in self.hubs.values()]
             for process in hubs:  # a hub in the middle of a split lets its batch tasks finish first
-                process.join(HUB_EXIT_S)
-            _stop_processes(hubs)
+                process.join(self.drain_s)
+            _stop_processes(hubs, self.exit_s)
             for process in hubs:  # hand-off files of batch tasks a stopped hub never took
                 remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
         finally:
@@ -161,12 +149,12 @@ def _drain(source, timeout: float) -> list:
     return items
 
 
-def _stop_processes(processes: list[mp.Process]) -> None:
+def _stop_processes(processes: list[mp.Process], exit_s: float) -> None:
     for process in processes:
         if process.is_alive():
             process.terminate()
     for process in processes:
-        process.join(5)
+        process.join(exit_s)
         if process.is_alive():
             process.kill()
             process.join()
@@ -179,19 +167,19 @@ class _Agent(BaseManager):
 _Agent.register("NodeProcesses", NodeProcesses)
 
 
-def node_processes(node: int, agents: dict[int, dict]):
+def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: float):
     """A flotilla's processes on `node`: in the agent registered for it, else in this process."""
     agent = agents.get(node)
     if agent is None:
-        return NodeProcesses(node)
+        return NodeProcesses(node, drain_s, exit_s)
     host, port = agent["address"].rsplit(":", 1)
     manager = _Agent(address=(host, int(port)), authkey=bytes.fromhex(agent["authkey"]))
     try:
         manager.connect()
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
-                           f"its host: python -m pipeline.orchestration.node <scheduler> --node {node}") from None
-    return manager.NodeProcesses(node, host)
+                           f"its host: python -m pipeline.node <scheduler> --node {node}") from None
+    return manager.NodeProcesses(node, drain_s, exit_s, host)
 
 
 def _answers(address: str) -> bool:
@@ -252,23 +240,3 @@ def _wait_for_workers(client, resource: str, count: int, timeout_s: float = 120)
         if time.monotonic() > deadline:
             raise TimeoutError(f"{count} Dask worker(s) with resource {resource} did not join in {timeout_s:.0f} s")
         time.sleep(0.2)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.orchestration.node", description=(
-        "Serve this host as one node of a multi-host run: its Dask workers, hubs and trainers. "
-        "Start one per host, then the driver with cluster.address=<scheduler> cluster.nodes=<hosts>."))
-    parser.add_argument("scheduler", help="the Dask scheduler's address, e.g. tcp://10.0.0.1:8786")
-    parser.add_argument("--node", type=int, required=True, help="this host's node number: 0, 1, ... (one each)")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="Dask workers (cores)")
-    parser.add_argument("--threads", type=int, default=1, help="threads per Dask worker")
-    parser.add_argument("--host", default=socket.gethostbyname(socket.gethostname()),
-                        help="the address other hosts reach this one at (process groups meet here)")
-    args = parser.parse_args(argv)
-    if args.node < 0 or args.workers < 1 or args.threads < 1:
-        parser.error("--node must be >= 0, --workers and --threads >= 1")
-    serve(args.scheduler, args.node, args.workers, args.threads, args.host)
-
-
-if __name__ == "__main__":
-    main()

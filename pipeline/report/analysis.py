@@ -290,16 +290,16 @@ def _transport_bound(results: dict, rate: float, limiter: ModelRow,
              else f"the workers' capacity at {workers.task_ms_per_image:.2f} ms of task time per image")
     ceiling = f"up to {predicted / rate:.1f}x input rate ({predicted:.0f} img/s, {limit})"
     in_flight = _in_flight(results, workers.threads)
-    slots = results.get("config", {}).get("transport", {}).get("slots")
+    depth = results.get("config", {}).get("delivery", {}).get("ring_depth")
     actions = [Action(f"cluster.in_flight={2 * in_flight}",
                       f"cluster.in_flight={2 * in_flight} (now {in_flight}): the workers idle while trainers "
                       f"wait, so more batches ahead keep them busy -> {ceiling}",
                       predicted / rate, predicted, f"cluster.in_flight={2 * in_flight}")]
-    if slots:
-        actions.append(Action(f"transport.slots={2 * slots}",
-                              f"transport.slots={2 * slots} (now {slots}): a deeper ring absorbs bursts between "
+    if depth:
+        actions.append(Action(f"delivery.ring_depth={2 * depth}",
+                              f"delivery.ring_depth={2 * depth} (now {depth}): a deeper ring absorbs bursts between "
                               f"producer and trainers -> {ceiling}; queue occupancy shows which of the two "
-                              "runs empty", predicted / rate, predicted, f"transport.slots={2 * slots}"))
+                              "runs empty", predicted / rate, predicted, f"delivery.ring_depth={2 * depth}"))
     return verdict, actions
 
 

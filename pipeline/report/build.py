@@ -13,7 +13,7 @@ from pipeline.report import plots
 from pipeline.report.analysis import Analysis, analyse
 from pipeline.report.measurements import OPTIONAL, occupancy_stats, recorded, stall_split, trace_events
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: "transport" -> "streams"; actions name delivery.ring_depth (was transport.slots)
 DASK_REPORT = "dask-report.html"  # Dask's performance report, when the run wrote one into its folder
 
 CSS = """
@@ -78,8 +78,8 @@ def report_dict(results: dict, analysis: Analysis, dask_report: str | None = Non
         report["occupancy"] = {name: occupancy_stats(queue) for name, queue in occupancy.items()}
     if results.get("differential"):
         report["differential"] = _stall_splits(results)
-    if results.get("transport", {}).get("streams"):
-        report["transport"] = results["transport"]["streams"]
+    if results.get("delivery", {}).get("streams"):
+        report["streams"] = results["delivery"]["streams"]
     return report
 
 
@@ -216,7 +216,7 @@ def _optional_sections(results: dict) -> str:
     busy = results.get("cluster", {}).get("worker_busy_pct")
     if busy:
         parts.append("<h2>Dask workers</h2>" + _table(["worker", "busy"], [[w, f"{b:.0f}%"] for w, b in busy.items()]))
-    streams = results.get("transport", {}).get("streams")
+    streams = results.get("delivery", {}).get("streams")
     if streams:
         rows = [[name, _mb(s.get("bytes")), _latency(s.get("latency_ms"))] for name, s in streams.items()]
         parts.append("<h2>Delivery</h2>" + _table(["stream", "MB moved", "latency p50 / p95 ms"], rows))

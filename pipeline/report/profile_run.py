@@ -1,13 +1,15 @@
 """`mode=profile`: a short profiling pass that writes the run's report
 without training.
 
-1. Pipeline pass: `batches` training batches (epoch after epoch if the data
+Called by pipeline/run.py with the run's ensemble and stage graph.
+
+1. Pipeline pass: `profile.batches` training batches (epoch after epoch if the data
    set has fewer) through the stage graph on Dask, consumed by the driver as
    fast as it can: the input rate, stage timings and worker utilisation of
    the report.
 2. Differential passes (DS-Analyzer's method), per model shape: a few timed
    training steps in this process, fed (a thread taking batches up to
-   transport.slots ahead, as a run's driver fills its ring) through the same
+   delivery.ring_depth ahead, as a hub fills its ring) through the same
    Dask hand-off by
    (a) in-memory synthetic batches, (b) decoded images held in memory (only
    the stages after decoding run), (c) the full graph from files. Time per
@@ -30,17 +32,15 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 
-from pipeline.data.dataset import prepare_dataset
-from pipeline.orchestration.devices import resolve_device
 from pipeline.data.executor import Executor, dask_client, dask_performance_report, worker_count
-from pipeline.data.graph import BatchOutput, StageGraph, build_graph
-from pipeline.report import write_report
+from pipeline.data.graph import BatchOutput, StageGraph
+from pipeline.measure.recorder import RunRecorder
+from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
-from pipeline.measure.recorder import RunRecorder, print_summary, write_json
-from pipeline.run import ConfigError, check_output_dir, expand_ensemble
+from pipeline.training.reports import TrainReport
 from pipeline.training.trainer import ModelSpec, SGDStep
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
@@ -48,29 +48,10 @@ from stages.read import ImageFolder
 CACHED_BATCHES = 4  # distinct decoded batches held in memory for the cached pass, cycled: augmenting costs the same
 
 
-def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: int = 10, warmup: int = 2) -> dict:
-    """Profile the configured pipeline and ensemble; write results.json and the report.
-
-    batches: training batches of the pipeline pass (the data set's epochs are
-        repeated when it has fewer).
-    steps: timed training steps per model shape in each differential pass,
-        after `warmup` untimed ones (worker and allocator start-up).
-    """
-    for name, value, least in (("batches", batches, 1), ("steps", steps, 1), ("warmup", warmup, 0)):
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"profile_run: {name} must be an integer >= {least}, got {value!r}")
-    started = time.perf_counter()
-    console = Console()
-    check_output_dir(output_dir)
-    if cfg.on_error not in ("skip", "fail"):
-        raise ConfigError(f"on_error must be 'skip' or 'fail', got {cfg.on_error!r}")
-    models = expand_ensemble(cfg.ensemble)
-    if cfg.pipeline.batch_size < 2:
-        raise ConfigError(f"pipeline.batch_size={cfg.pipeline.batch_size}: a training step needs at least 2 images "
-                          "(batch norm); set pipeline.batch_size=2 or more")
-    d = cfg.dataset
-    dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
-    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {m.input for m in models})
+def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, output_dir: Path,
+                console: Console) -> dict:
+    """Profile the configured pipeline and ensemble: the results of mode=profile (run.py writes them)."""
+    batches, steps, warmup = cfg.profile.batches, cfg.profile.steps, cfg.profile.warmup
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     device = _device(cfg.trainer.device)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
@@ -84,18 +65,19 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
     params = {m.name: trainees[_shape(m)].params for m in models}
     recorder = RunRecorder(models, params, image_sizes)
     differential: dict[str, dict] = {}
+    drain_s = cfg.timeouts.drain_s
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
             dask_performance_report(client, output_dir / DASK_REPORT, console):
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
-        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight) as executor:
+        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s) as executor:
             pass_started = time.perf_counter()
             for output in _batches(executor, batches):
                 for path, reason in recorder.add_batch(output, train=True):
                     console.print(f"[yellow]warning[/] skipped {path}: {reason}")
             pass_s = time.perf_counter() - pass_started
             if executor.ready:
-                recorder.add_queue("pipeline pass prefetch", executor.prefetch_slots, executor.ready)
+                recorder.add_queue("pipeline pass prefetch", executor.prefetch_capacity, executor.ready)
         console.print(f"pipeline pass: {recorder.train_images} images in {pass_s:.1f} s "
                       f"({recorder.train_images / pass_s:,.0f} img/s)")
         decoded = _fetch_outputs(graph, cfg.seed, cfg.on_error,
@@ -107,8 +89,8 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
             for kind, pass_graph in (("synthetic", _synthetic_graph(graph, stream, len(graph.source.class_names))),
                                      ("cached", _cached_graph(graph, stream, decoded)),
                                      ("files", graph.feeding({stream}))):
-                with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight) as executor:
-                    feed = _ahead(_batches(executor, warmup + steps), cfg.transport.slots)
+                with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s) as executor:
+                    feed = _ahead(_batches(executor, warmup + steps), cfg.delivery.ring_depth)
                     measured[kind] = trainee.train(feed, stream, warmup)
             rates = {f"{kind}_images_per_s": m.images / (m.wait_s + m.step_s) for kind, m in measured.items()}
             rates["compute_images_per_s"] = measured["synthetic"].images / measured["synthetic"].step_s
@@ -118,39 +100,27 @@ def profile_run(cfg: DictConfig, output_dir: Path, batches: int = 300, steps: in
             for index, model in enumerate(members):  # an lr_sweep's copies share their shape's measurements
                 differential[model.name] = rates
                 recorder.joined(model.name, 0, (device,), 0)
-                recorder.add_report({"event": "train", "model": model.name, "rank": 0, "epoch": 0,
-                                     "loss": files.loss, "images": files.images, "step_s": files.step_s,
-                                     "wait_s": files.wait_s, "spans": files.spans if index == 0 else []})
+                recorder.add_report(TrainReport(model.name, 0, 0, files.loss, files.images, files.step_s,
+                                                files.wait_s, files.spans if index == 0 else []))
 
-    source = graph.source
     results = {
         "mode": "profile",
         "profile_pass": {"batches": batches, "pass_s": pass_s, "steps": steps, "warmup": warmup,
                          "cached_batches": len(decoded)},
-        "dataset": {"name": d.name, "root": str(dataset.root), "synthetic": dataset.synthetic,
-                    "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
-                    "val_images": source.num_items(Split.VAL)},
         "devices": {"kind": device, "slots": 1},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
                     "worker_busy_pct": recorder.worker_busy_pct(pass_s, cfg.cluster.threads_per_worker)},
         **recorder.as_dict(pass_s),
         "differential": differential,
-        "wall_s": time.perf_counter() - started,
-        "config": OmegaConf.to_container(cfg, resolve=True),
     }
-    results["pipeline"]["cpu_s_per_epoch"] = _cpu_s_per_epoch(results["pipeline"]["stages"], source)
-    write_json(output_dir / "results.json", results)
-    print_summary(console, results)
-    report = write_report(results, output_dir)
-    console.print(report.summary)
-    console.print(f"results: {output_dir / 'results.json'}   report: {report.html}")
+    results["pipeline"]["cpu_s_per_epoch"] = _cpu_s_per_epoch(results["pipeline"]["stages"], graph.source)
     return results
 
 
-def _device(requested: str) -> str:
+def _device(requested: DeviceKind) -> str:
     import torch
 
-    return "cuda:0" if resolve_device(requested, torch.cuda.is_available()) == "cuda" else "cpu"
+    return "cuda:0" if resolve_device(requested, torch.cuda.is_available()) == DeviceKind.cuda else "cpu"
 
 
 def _shape(model: ModelSpec) -> tuple:
@@ -181,7 +151,7 @@ def _batches(executor: Executor, count: int) -> Iterator[BatchOutput]:
 
 def _ahead(feed: Iterator[BatchOutput], depth: int) -> Iterator[BatchOutput]:
     """The batches of `feed`, taken by a thread up to `depth` ahead of the consumer: the hand-off
-    overlaps training as in a run, where the driver fills a ring of transport.slots batches while
+    overlaps training as in a run, where a hub fills a ring of delivery.ring_depth batches while
     the trainer processes train."""
     ready: queue.Queue = queue.Queue(depth)
     stop = threading.Event()

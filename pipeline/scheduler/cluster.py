@@ -1,9 +1,15 @@
 """What the scheduler knows about the hardware and the models: the cluster and
-the profile table (training rate of each model on 1..k slots)."""
+the rate table (training rate of each model on 1..k slots)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from stages.base import UserError
+
+
+class PlacementError(UserError):
+    """A slot request the cluster cannot meet; the message says which and the fix."""
 
 
 @dataclass(frozen=True, order=True)
@@ -60,7 +66,7 @@ class Cluster:
 
 
 @dataclass
-class Profile:
+class RateTable:
     """Training rate (images/s) of each model on 1, 2, ..., k slots.
 
     A rate of 0 marks a slot count the model cannot run on (e.g. it does not
@@ -74,7 +80,7 @@ class Profile:
         rates = tuple(float(r) for r in rates)
         if not rates or any(r < 0 for r in rates) or max(rates) == 0:
             raise ValueError(
-                f"profile of model {model!r} must list its images/s on 1, 2, ... slots with at least "
+                f"rate table entry of model {model!r} must list its images/s on 1, 2, ... slots with at least "
                 f"one positive rate, got {rates}")
         self.rates[model] = rates
 
@@ -89,7 +95,7 @@ class Profile:
     def check_fits(self, cluster: Cluster) -> None:
         for model in self.rates:
             if not self.slot_counts(model, cluster.slots_per_node):
-                raise ValueError(
+                raise PlacementError(
                     f"model {model!r} has no positive training rate on 1..{cluster.slots_per_node} slots "
-                    f"(profile {self.rates[model]}), but a model must fit in one node of "
-                    f"{cluster.slots_per_node} slots; profile it on fewer slots or use nodes with more slots")
+                    f"(rates {self.rates[model]}), but a model must fit in one node of "
+                    f"{cluster.slots_per_node} slots; measure it on fewer slots or use nodes with more slots")

@@ -14,7 +14,7 @@ from pipeline.scheduler.cluster import Slot
 
 
 @dataclass(frozen=True)
-class ProfileMeasured:
+class RatesMeasured:
     """Images/s of `model` on 1, 2, ... slots. Planning starts once every model has one."""
 
     time: float
@@ -58,7 +58,7 @@ class TrainerFailed:
     error: str = ""
 
 
-Event = ProfileMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed
+Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed
 
 # ------------------------------------------------------------- decisions out
 
@@ -68,7 +68,7 @@ class FormFlotilla:
     """Create one shared preprocessing pipeline feeding these models.
 
     `members` maps model -> slot count; `rate` is the expected images/s (the
-    slowest member's profiled rate).
+    slowest member's measured rate).
     """
 
     flotilla: int

@@ -33,7 +33,7 @@ def run_round(members: dict[str, int], epochs_left: dict[str, int], instance: In
     total_slots, elapsed = sum(members.values()), 0.0
     prep = instance.cluster.prep_rate_per_slot
     while True:
-        rate = flotilla_rate(active, instance.profile, prep)
+        rate = flotilla_rate(active, instance.table, prep)
         step = min(left[m] for m in active)  # epochs until the next member converges
         elapsed += step * instance.images_per_epoch / rate
         for model in active:
@@ -46,17 +46,17 @@ def run_round(members: dict[str, int], epochs_left: dict[str, int], instance: In
 def optimal_time(instance: Instance, min_active_fraction: float = 0.8) -> float:
     """Least end-to-end time over all round sequences (see module doc)."""
     models = sorted(instance.epochs)
-    cluster, profile = instance.cluster, instance.profile
+    cluster, table = instance.cluster, instance.table
     if len(models) > MAX_MODELS or cluster.total_slots > MAX_SLOTS:
         raise ValueError(
             f"exact search is for up to {MAX_MODELS} models and {MAX_SLOTS} slots, got {len(models)} models "
             f"and {cluster.total_slots} slots; use a smaller instance or the greedy policies")
     k, n = cluster.slots_per_node, instance.images_per_epoch
     nodes = [k] * cluster.nodes
-    choices = [[0, *profile.slot_counts(m, k)] for m in models]
+    choices = [[0, *table.slot_counts(m, k)] for m in models]
     plans = [counts for counts in product(*choices) if any(counts) and fits([g for g in counts if g], nodes)]
-    fastest = [max(profile.rates[m][:k]) for m in models]
-    best_per_slot = [max(profile.rate(m, g) / g for g in profile.slot_counts(m, k)) for m in models]
+    fastest = [max(table.rates[m][:k]) for m in models]
+    best_per_slot = [max(table.rate(m, g) / g for g in table.slot_counts(m, k)) for m in models]
 
     def lower_bound(left: tuple[int, ...]) -> float:
         """No model beats its fastest rate, and the cluster's slot-seconds cannot

@@ -10,10 +10,10 @@ import random
 from dataclasses import dataclass, field
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
-                                       ModelConverged, ProfileMeasured, SlotFreed, Start, Stop, TrainerFailed)
+                                       ModelConverged, RatesMeasured, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.planner import assign_slots, flotilla_rate
 from pipeline.scheduler.policies import Policy
-from pipeline.scheduler.cluster import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 WAITING, RUNNING, CONVERGED, FAILED = "waiting", "running", "converged", "failed"
 FREE, BUSY, RELEASING = "free", "busy", "releasing"
@@ -30,7 +30,7 @@ class ModelState:
 
 
 @dataclass
-class Flotilla:
+class FlotillaState:
     members: dict[str, tuple[Slot, ...]]
     active: set[str]
 
@@ -46,7 +46,7 @@ class Flotilla:
 class Scheduler:
     """Plans flotillas for `models` on `cluster` with `policy`.
 
-    Planning starts when every model has a profile (for the policies that
+    Planning starts when every model's rates are in (for the policies that
     need one). A model whose trainers
     fail more than `max_failures` times is given up (status "failed").
     """
@@ -57,10 +57,10 @@ class Scheduler:
             raise ValueError(f"models must be a non-empty list of distinct names, got {models}")
         self.cluster, self.policy = cluster, policy
         self.checkpoint_every, self.max_failures = checkpoint_every, max_failures
-        self.profile = Profile()
+        self.table = RateTable()
         self.models = {m: ModelState() for m in models}
         self.slots = {s: FREE for s in cluster.slots}
-        self.flotillas: dict[int, Flotilla] = {}
+        self.flotillas: dict[int, FlotillaState] = {}
         self.next_flotilla = 0
         self.now = 0.0
         self.rng = random.Random(seed)
@@ -73,7 +73,7 @@ class Scheduler:
 
     def start(self, time: float) -> list[Decision]:
         """The driver is ready: the first plan, for policies that need no
-        profile (the others plan once the last profile has come in)."""
+        table (the others plan once the last model's rates have come in)."""
         self.now = max(self.now, time)
         return self._plan()
 
@@ -81,8 +81,8 @@ class Scheduler:
         if event.time < self.now:
             raise ValueError(f"event {event} is older than the scheduler's clock {self.now}; send events in time order")
         self.now = event.time
-        if isinstance(event, ProfileMeasured):
-            decisions = self._profile_measured(event)
+        if isinstance(event, RatesMeasured):
+            decisions = self._rates_measured(event)
         elif isinstance(event, EpochFinished):
             decisions = self._epoch_finished(event)
         elif isinstance(event, ModelConverged):
@@ -102,10 +102,10 @@ class Scheduler:
             raise ValueError(f"unknown model {name!r}; the scheduler was built for {sorted(self.models)}")
         return self.models[name]
 
-    def _profile_measured(self, event: ProfileMeasured) -> list[Decision]:
+    def _rates_measured(self, event: RatesMeasured) -> list[Decision]:
         self._model(event.model)
-        self.profile.add(event.model, event.rates)
-        self.profile.check_fits(self.cluster)
+        self.table.add(event.model, event.rates)
+        self.table.check_fits(self.cluster)
         return []
 
     def _epoch_finished(self, event: EpochFinished) -> list[Decision]:
@@ -178,18 +178,18 @@ class Scheduler:
         FLEET-G and homogeneous only once the cluster is idle."""
         waiting = [m for m, s in self.models.items() if s.status == WAITING]
         free = [s for s, state in self.slots.items() if state == FREE]
-        profiled = len(self.profile.rates) == len(self.models)
-        if (not waiting or not free or (self.policy.needs_profile and not profiled)
+        measured = len(self.table.rates) == len(self.models)
+        if (not waiting or not free or (self.policy.needs_rates and not measured)
                 or RELEASING in self.slots.values()
                 or (self.policy.waits_for_idle_cluster and self.flotillas)):
             return []
-        groups = self.policy.form(waiting, self.profile, self.cluster, free, self.rng)
+        groups = self.policy.form(waiting, self.table, self.cluster, free, self.rng)
         placement = assign_slots({m: g for group in groups for m, g in group.items()}, free)
         decisions: list[Decision] = []
         for group in groups:
             flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
-            self.flotillas[flotilla_id] = Flotilla({m: placement[m] for m in group}, set(group))
-            rate = flotilla_rate(group, self.profile, self.cluster.prep_rate_per_slot) if profiled else float("nan")
+            self.flotillas[flotilla_id] = FlotillaState({m: placement[m] for m in group}, set(group))
+            rate = flotilla_rate(group, self.table, self.cluster.prep_rate_per_slot) if measured else float("nan")
             decisions.append(FormFlotilla(flotilla_id, dict(group), rate))
             decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in group]
             for m in group:
@@ -201,5 +201,5 @@ class Scheduler:
         if not self.flotillas:
             raise RuntimeError(
                 f"no flotilla can start: waiting models {waiting} do not fit the free slots "
-                f"{sorted(map(str, free))}; check the profile against the cluster's slots per node")
+                f"{sorted(map(str, free))}; check the rate table against the cluster's slots per node")
         return decisions

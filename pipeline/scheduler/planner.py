@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipeline.scheduler.cluster import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 TOLERANCE = 0.2  # a member may be this much slower than the target (fraction)
 
 
-def flotilla_rate(members: dict[str, int], profile: Profile, prep_rate_per_slot: float) -> float:
+def flotilla_rate(members: dict[str, int], table: RateTable, prep_rate_per_slot: float) -> float:
     """Images/s of a flotilla: its slowest member's rate, capped by the
     preprocessing that the cores of its slots can supply (one shared pipeline)."""
-    slowest = min(profile.rate(model, slots) for model, slots in members.items())
+    slowest = min(table.rate(model, slots) for model, slots in members.items())
     return min(slowest, prep_rate_per_slot * sum(members.values()))
 
 
@@ -59,7 +59,7 @@ def free_per_node(free_slots: list[Slot]) -> list[int]:
     return list(counts.values())
 
 
-def greedy_flotilla(pending: list[str], profile: Profile, cluster: Cluster, free_nodes: list[int],
+def greedy_flotilla(pending: list[str], table: RateTable, cluster: Cluster, free_nodes: list[int],
                     tolerance: float = TOLERANCE, reference: tuple[str, int] | None = None) -> dict[str, int]:
     """FLEET's greedy flotilla creation on the free slots (`free_nodes`: free
     slots per node). See docs/scheduler.md for the worked example.
@@ -81,26 +81,26 @@ def greedy_flotilla(pending: list[str], profile: Profile, cluster: Cluster, free
     """
     k = cluster.slots_per_node
     if reference is None:
-        startable = [(profile.rate(m, g), -i, m, g) for i, m in enumerate(pending)
-                     for g in profile.slot_counts(m, k)[:1] if fits([g], free_nodes)]
+        startable = [(table.rate(m, g), -i, m, g) for i, m in enumerate(pending)
+                     for g in table.slot_counts(m, k)[:1] if fits([g], free_nodes)]
         if not startable:
             return {}
         _, _, *fastest = max(startable)
-        reference = critical_model(pending, profile, cluster, free_nodes) or tuple(fastest)
+        reference = critical_model(pending, table, cluster, free_nodes) or tuple(fastest)
     reference_model, reference_slots = reference
-    target = profile.rate(reference_model, reference_slots)
+    target = table.rate(reference_model, reference_slots)
     members = {reference_model: reference_slots}
-    ranking = sorted((abs(profile.rate(m, g) - target) / target, g, i, m)
+    ranking = sorted((abs(table.rate(m, g) - target) / target, g, i, m)
                      for i, m in enumerate(pending) if m != reference_model
-                     for g in profile.slot_counts(m, k))
+                     for g in table.slot_counts(m, k))
     for _, g, _, model in ranking:
-        if (model not in members and profile.rate(model, g) >= (1 - tolerance) * target
+        if (model not in members and table.rate(model, g) >= (1 - tolerance) * target
                 and fits([*members.values(), g], free_nodes)):
             members[model] = g
-    return upgrade_bottleneck(members, profile, cluster, free_nodes)
+    return upgrade_bottleneck(members, table, cluster, free_nodes)
 
 
-def lookahead_flotilla(pending: list[str], profile: Profile, cluster: Cluster, free_nodes: list[int],
+def lookahead_flotilla(pending: list[str], table: RateTable, cluster: Cluster, free_nodes: list[int],
                        tolerance: float = TOLERANCE) -> dict[str, int]:
     """The best of the greedy's flotillas, one per possible reference (every
     pending model on every slot count that fits), scored by the completion
@@ -113,20 +113,20 @@ def lookahead_flotilla(pending: list[str], profile: Profile, cluster: Cluster, f
     policies use it only for small pending sets (`FleetG.lookahead`).
     """
     k = cluster.slots_per_node
-    candidates = [greedy_flotilla(pending, profile, cluster, free_nodes, tolerance, (m, g))
-                  for m in pending for g in profile.slot_counts(m, k) if fits([g], free_nodes)]
+    candidates = [greedy_flotilla(pending, table, cluster, free_nodes, tolerance, (m, g))
+                  for m in pending for g in table.slot_counts(m, k) if fits([g], free_nodes)]
     if not candidates:
         return {}
     prep = cluster.prep_rate_per_slot
 
     def score(flotilla: dict[str, int]) -> float:
         rest = [m for m in pending if m not in flotilla]
-        return 1 / flotilla_rate(flotilla, profile, prep) + remaining_time(rest, profile, cluster, tolerance)
+        return 1 / flotilla_rate(flotilla, table, prep) + remaining_time(rest, table, cluster, tolerance)
 
     return min(candidates, key=score)
 
 
-def remaining_time(pending: list[str], profile: Profile, cluster: Cluster, tolerance: float = TOLERANCE) -> float:
+def remaining_time(pending: list[str], table: RateTable, cluster: Cluster, tolerance: float = TOLERANCE) -> float:
     """Time (per unit of work left in every model) to train `pending` from an
     idle cluster, round after round: each round takes the greedy flotilla,
     over all references, that minimises its own time plus `lower_bound` of
@@ -134,30 +134,30 @@ def remaining_time(pending: list[str], profile: Profile, cluster: Cluster, toler
     k, whole = cluster.slots_per_node, [cluster.slots_per_node] * cluster.nodes
     prep, total = cluster.prep_rate_per_slot, 0.0
     while pending:
-        candidates = [greedy_flotilla(pending, profile, cluster, whole, tolerance, (m, g))
-                      for m in pending for g in profile.slot_counts(m, k)]
+        candidates = [greedy_flotilla(pending, table, cluster, whole, tolerance, (m, g))
+                      for m in pending for g in table.slot_counts(m, k)]
         options = []
         for flotilla in candidates:
             rest = [m for m in pending if m not in flotilla]
-            time = 1 / flotilla_rate(flotilla, profile, prep)
-            options.append((time + lower_bound(rest, profile, cluster), time, rest))
+            time = 1 / flotilla_rate(flotilla, table, prep)
+            options.append((time + lower_bound(rest, table, cluster), time, rest))
         _, time, pending = min(options, key=lambda o: o[:2])
         total += time
     return total
 
 
-def lower_bound(pending: list[str], profile: Profile, cluster: Cluster) -> float:
+def lower_bound(pending: list[str], table: RateTable, cluster: Cluster) -> float:
     """No model beats its fastest rate, and the slot-seconds cannot beat every
     model on its most slot-efficient count (per unit of work per model)."""
     if not pending:
         return 0.0
     k = cluster.slots_per_node
-    alone = max(1 / max(profile.rates[m][:k]) for m in pending)
-    packed = sum(1 / max(profile.rate(m, g) / g for g in profile.slot_counts(m, k)) for m in pending)
+    alone = max(1 / max(table.rates[m][:k]) for m in pending)
+    packed = sum(1 / max(table.rate(m, g) / g for g in table.slot_counts(m, k)) for m in pending)
     return max(alone, packed / cluster.total_slots)
 
 
-def critical_model(pending: list[str], profile: Profile, cluster: Cluster,
+def critical_model(pending: list[str], table: RateTable, cluster: Cluster,
                    free_nodes: list[int]) -> tuple[str, int] | None:
     """The slowest model and its fastest slot count, if it is critical: with
     equal work left for every pending model (convergence is unknown ahead),
@@ -165,26 +165,26 @@ def critical_model(pending: list[str], profile: Profile, cluster: Cluster,
     (each model on its most slot-efficient count). Such a model must start
     now, as fast as it can, or it becomes the tail of the run."""
     k = min(cluster.slots_per_node, max(free_nodes))
-    fastest = {m: max((profile.rate(m, g), -g) for g in profile.slot_counts(m, k))
-               for m in pending if profile.slot_counts(m, k)}
+    fastest = {m: max((table.rate(m, g), -g) for g in table.slot_counts(m, k))
+               for m in pending if table.slot_counts(m, k)}
     if not fastest:
         return None
-    packed = sum(1 / max(profile.rate(m, g) / g for g in profile.slot_counts(m, cluster.slots_per_node))
+    packed = sum(1 / max(table.rate(m, g) / g for g in table.slot_counts(m, cluster.slots_per_node))
                  for m in pending) / sum(free_nodes)
     slowest = min(fastest, key=lambda m: fastest[m])
     rate, minus_slots = fastest[slowest]
     return (slowest, -minus_slots) if 1 / rate > packed else None
 
 
-def upgrade_bottleneck(members: dict[str, int], profile: Profile, cluster: Cluster,
+def upgrade_bottleneck(members: dict[str, int], table: RateTable, cluster: Cluster,
                        free_nodes: list[int]) -> dict[str, int]:
     """Spend slots left over after the ranking: give the slowest member one
     more slot while that raises the flotilla rate and still fits."""
     members = dict(members)
     while True:
-        slowest = min(members, key=lambda m: (profile.rate(m, members[m]), m))
+        slowest = min(members, key=lambda m: (table.rate(m, members[m]), m))
         more = members[slowest] + 1
-        if (profile.rate(slowest, more) <= profile.rate(slowest, members[slowest])
+        if (table.rate(slowest, more) <= table.rate(slowest, members[slowest])
                 or not fits([*members.values(), 1], free_nodes)
                 or not fits([g for m, g in members.items() if m != slowest] + [more], free_nodes)):
             return members

@@ -8,30 +8,31 @@ rules every policy shares (convergence releases slots, stop below
 
 from __future__ import annotations
 
+import enum
 import random
 from dataclasses import dataclass
 from typing import ClassVar
 
 from pipeline.scheduler.planner import TOLERANCE, fits, free_per_node, greedy_flotilla, lookahead_flotilla
-from pipeline.scheduler.cluster import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 
 
 @dataclass
 class Shared:
     """Data sharing without scheduling (the SC18 setting): every model at once
     in one flotilla, on the slots its config asks for, until each converges.
-    Needs no profile."""
+    Needs no rate table."""
 
     slots: dict[str, int]  # model -> slots it asks for (ensemble.models[].slots)
     min_active_fraction: float = 0.0  # the flotilla runs until its last model converges
     waits_for_idle_cluster: ClassVar[bool] = True
-    needs_profile: ClassVar[bool] = False
+    needs_rates: ClassVar[bool] = False
 
-    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+    def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
         group = {model: self.slots[model] for model in pending}
         if not fits(list(group.values()), free_per_node(free_slots)):
-            raise ValueError(
+            raise PlacementError(
                 f"scheduler=shared puts every model on its own slots at once: {sum(group.values())} slots "
                 f"asked, {len(free_slots)} free; raise trainer.slots, lower the models' slots, or use "
                 "scheduler=fleet_g to train them in turns")
@@ -47,12 +48,12 @@ class FleetG:
     tolerance: float = TOLERANCE  # a member may be this much slower than the flotilla's target rate
     lookahead: int = 8  # up to this many waiting models, pick the flotilla by lookahead (0: greedy alone)
     waits_for_idle_cluster: ClassVar[bool] = True
-    needs_profile: ClassVar[bool] = True
+    needs_rates: ClassVar[bool] = True
 
-    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+    def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
         plan = lookahead_flotilla if len(pending) <= self.lookahead else greedy_flotilla
-        flotilla = plan(pending, profile, cluster, free_per_node(free_slots), self.tolerance)
+        flotilla = plan(pending, table, cluster, free_per_node(free_slots), self.tolerance)
         return [flotilla] if flotilla else []
 
 
@@ -73,11 +74,11 @@ class Baseline:
 
     min_active_fraction: float = 0.0  # a one-model flotilla ends with its model
     waits_for_idle_cluster: ClassVar[bool] = False
-    needs_profile: ClassVar[bool] = True
+    needs_rates: ClassVar[bool] = True
 
-    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+    def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
-        return [{model: slots} for model, slots in _random_fill(pending, profile, cluster, free_slots, rng)]
+        return [{model: slots} for model, slots in _random_fill(pending, table, cluster, free_slots, rng)]
 
 
 @dataclass
@@ -88,15 +89,15 @@ class Homogeneous:
 
     min_active_fraction: float = 0.0
     waits_for_idle_cluster: ClassVar[bool] = True
-    needs_profile: ClassVar[bool] = True
+    needs_rates: ClassVar[bool] = True
 
-    def form(self, pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+    def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
-        flotilla = dict(_random_fill(pending, profile, cluster, free_slots, rng))
+        flotilla = dict(_random_fill(pending, table, cluster, free_slots, rng))
         return [flotilla] if flotilla else []
 
 
-def _random_fill(pending: list[str], profile: Profile, cluster: Cluster, free_slots: list[Slot],
+def _random_fill(pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
                  rng: random.Random) -> list[tuple[str, int]]:
     """Random waiting models, each on its smallest runnable slot count (1 for
     most), while they fit the free slots."""
@@ -104,7 +105,7 @@ def _random_fill(pending: list[str], profile: Profile, cluster: Cluster, free_sl
     rng.shuffle(order)
     nodes, chosen = free_per_node(free_slots), []
     for model in order:
-        slots = profile.slot_counts(model, cluster.slots_per_node)[0]
+        slots = table.slot_counts(model, cluster.slots_per_node)[0]
         if fits([*(g for _, g in chosen), slots], nodes):
             chosen.append((model, slots))
     return chosen
@@ -112,19 +113,27 @@ def _random_fill(pending: list[str], profile: Profile, cluster: Cluster, free_sl
 
 Policy = Shared | FleetG | FleetL | Baseline | Homogeneous
 
-POLICIES = {"shared": Shared, "fleet_g": FleetG, "fleet_l": FleetL, "baseline": Baseline,
-            "homogeneous": Homogeneous}
+
+class PolicyName(enum.StrEnum):
+    """scheduler.policy (set by scheduler=<name>)."""
+
+    shared = "shared"
+    fleet_g = "fleet_g"
+    fleet_l = "fleet_l"
+    baseline = "baseline"
+    homogeneous = "homogeneous"
 
 
-def make_policy(name: str, min_active_fraction: float = 0.8, requested_slots: dict[str, int] | None = None) -> Policy:
+POLICIES = {PolicyName.shared: Shared, PolicyName.fleet_g: FleetG, PolicyName.fleet_l: FleetL,
+            PolicyName.baseline: Baseline, PolicyName.homogeneous: Homogeneous}
+
+
+def make_policy(name: PolicyName, min_active_fraction: float = 0.8,
+                requested_slots: dict[str, int] | None = None) -> Policy:
     """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l
     only, `requested_slots` (model -> slots) to shared only."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduler {name!r} (config key `scheduler`); choose one of {sorted(POLICIES)}")
-    if not 0 <= min_active_fraction <= 1:
-        raise ValueError(f"min_active_fraction must be in [0, 1], got {min_active_fraction}; FLEET uses 0.8")
-    if name == "shared":
+    if name == PolicyName.shared:
         return Shared(dict(requested_slots or {}))
-    if name in ("fleet_g", "fleet_l"):
+    if name in (PolicyName.fleet_g, PolicyName.fleet_l):
         return POLICIES[name](min_active_fraction=min_active_fraction)
     return POLICIES[name]()

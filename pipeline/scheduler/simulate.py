@@ -1,9 +1,9 @@
-"""Event-driven simulator: drives the real `Scheduler` from a profile table and
+"""Event-driven simulator: drives the real `Scheduler` from a rate table and
 per-model convergence epochs, with a CPU model, and draws Gantt charts.
 
 Execution model (the exact solver in `exact.py` uses the same one):
 * a flotilla's members consume one shared stream in lockstep, at the flotilla
-  rate: its slowest active member's profiled rate, capped by the preprocessing
+  rate: its slowest active member's measured rate, capped by the preprocessing
   its pipeline gets (cores of its busy slots / cost per image);
 * a model converges at the end of its `epochs[model]`-th epoch;
 * a stopped model's slots come back `checkpoint_seconds` later.
@@ -17,18 +17,18 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, ModelConverged,
-                                       ProfileMeasured, SlotFreed, Start, Stop)
+                                       RatesMeasured, SlotFreed, Start, Stop)
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import flotilla_rate
 from pipeline.scheduler.policies import Policy
-from pipeline.scheduler.cluster import Cluster, Profile, Slot
+from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 
 @dataclass
 class Instance:
-    """An ensemble to train: profiles, epochs until each model converges, and the cluster."""
+    """An ensemble to train: rate table, epochs until each model converges, and the cluster."""
 
-    profile: Profile
+    table: RateTable
     epochs: dict[str, int]
     cluster: Cluster
     images_per_epoch: int
@@ -79,8 +79,8 @@ class _Simulation:
         self.now = 0.0
 
     def run(self) -> SimResult:
-        for model, rates in self.instance.profile.rates.items():
-            self.send(ProfileMeasured(0.0, model, rates))
+        for model, rates in self.instance.table.rates.items():
+            self.send(RatesMeasured(0.0, model, rates))
         while self.queue:
             self.now, _, kind, payload = heapq.heappop(self.queue)
             if kind == "free":
@@ -137,7 +137,7 @@ class _Simulation:
             return
         self.settle(flotilla)
         members = {m: len(s) for m, s in flotilla.members.items()}
-        flotilla.rate = flotilla_rate(members, self.instance.profile, self.instance.cluster.prep_rate_per_slot)
+        flotilla.rate = flotilla_rate(members, self.instance.table, self.instance.cluster.prep_rate_per_slot)
         flotilla.version += 1
         left = max(self.instance.images_per_epoch - flotilla.progress, 0.0)
         self.push(self.now + left / flotilla.rate, "epoch", (flotilla_id, flotilla.version))
@@ -175,13 +175,13 @@ def random_instance(rng: random.Random, models: int, cluster: Cluster,
     `single_slot_rates`, sublinear data-parallel scaling
     rate(g) = rate(1) * g / (1 + s * (g - 1)) with s uniform in [0.05, 0.35],
     convergence epochs uniform in `epochs`."""
-    profile, converge = Profile(), {}
+    table, converge = RateTable(), {}
     for i in range(models):
         name = f"dnn{i + 1:03d}" if models > 9 else f"dnn{i + 1}"
         rate, slowdown = rng.uniform(*single_slot_rates), rng.uniform(0.05, 0.35)
-        profile.add(name, [rate * g / (1 + slowdown * (g - 1)) for g in range(1, cluster.slots_per_node + 1)])
+        table.add(name, [rate * g / (1 + slowdown * (g - 1)) for g in range(1, cluster.slots_per_node + 1)])
         converge[name] = rng.randint(*epochs)
-    return Instance(profile, converge, cluster, images_per_epoch, checkpoint_seconds)
+    return Instance(table, converge, cluster, images_per_epoch, checkpoint_seconds)
 
 
 def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:

@@ -1,11 +1,12 @@
-"""Profiles for the FLEET scheduler: each model's training rate (images/s) on
-1..k device slots, measured by short real runs and cached on disk.
+"""Rate measurement for the FLEET scheduler: each model's training rate
+(images/s) on 1..k device slots, measured by short real runs and cached on
+disk; the scheduler's rate table (pipeline/scheduler/cluster.py) is made of them.
 
 A run on k slots starts k trainer processes (spawned) that train the model
 data-parallel (DDP over NCCL on CUDA, gloo on CPU), each rank taking its 1/k
 share of every batch, exactly as `pipeline.training.trainer` does: uint8 NHWC batches
 copied to the device and normalised there, forward, backward, SGD step. The
-batches are synthetic and already in memory, so the profile measures training,
+batches are synthetic and already in memory, so a measurement times training,
 never input. Rate = images per batch / median step time, where a step's time
 is that of its slowest rank (the allreduce makes every rank wait for it); the
 median ignores the odd step stalled by the OS or a collective's first use.
@@ -14,7 +15,7 @@ The cache is a JSON file of entries keyed by what decides the rate: the
 model's shape (arch, depth, width, growth rate, classes), image size, batch
 size, and the hardware (device kind and name, cores, threads per trainer,
 torch version). Learning rate and friends do not change the speed and are
-left out, so a hyper-parameter sweep is profiled once.
+left out, so a hyper-parameter sweep is measured once.
 """
 from __future__ import annotations
 
@@ -28,20 +29,19 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.orchestration.node import rendezvous_at
-from pipeline.scheduler.cluster import Profile
+from pipeline.delivery.collective import rendezvous_at
+from pipeline.scheduler.cluster import RateTable
+from stages.base import UserError
 from pipeline.training.trainer import ModelSpec, SGDStep
 
 
-REPORT_TIMEOUT_S = 600  # a profile run silent this long is taken as hung
-
-
-class ProfilingError(RuntimeError):
-    pass
+class RateError(UserError):
+    """A rate measurement that cannot be made as asked, or a cache that cannot be read."""
 
 
 def measure_rates(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, slot_counts: list[int],
-                  device_kind: str, devices: list[str], steps: int, warmup: int, threads: int) -> dict[int, float]:
+                  device_kind: str, devices: list[str], steps: int, warmup: int, threads: int,
+                  report_s: float = 600.0) -> dict[int, float]:
     """Images/s of `model` trained on each of `slot_counts` slots.
 
     batch_size: images per step, split over the slots (as a flotilla's batch is).
@@ -49,17 +49,18 @@ def measure_rates(model: ModelSpec, num_classes: int, image_size: int, batch_siz
         a run on k slots uses the first k.
     steps: timed steps per run, after `warmup` untimed ones.
     threads: torch threads per trainer process.
+    report_s: a rank silent this long is taken as hung (timeouts.report_s).
     """
     _check_request(slot_counts, device_kind, devices, batch_size, steps, warmup, threads)
     return {slots: batch_size / _median_step_seconds(model, num_classes, image_size, batch_size,
-                                                     devices[:slots], steps, warmup, threads)
+                                                     devices[:slots], steps, warmup, threads, report_s)
             for slots in slot_counts}
 
 
-def profile_ensemble(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int], batch_size: int,
-                     max_slots: int, device_kind: str, devices: list[str], steps: int, warmup: int, threads: int,
-                     cache_path: Path) -> Profile:
-    """The scheduler's profile table: each model's rate on 1..max_slots slots.
+def measure_rate_table(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int], batch_size: int,
+                       max_slots: int, device_kind: str, devices: list[str], steps: int, warmup: int, threads: int,
+                       cache_path: Path, report_s: float = 600.0) -> RateTable:
+    """The scheduler's rate table: each model's rate on 1..max_slots slots.
 
     image_sizes: input side in px of each model, by name. Rates already in the
     cache at `cache_path` are read from it; the rest are measured and added.
@@ -67,11 +68,11 @@ def profile_ensemble(models: list[ModelSpec], num_classes: int, image_sizes: dic
     _check_request(list(range(1, max_slots + 1)), device_kind, devices, batch_size, steps, warmup, threads)
     hardware = describe_hardware(device_kind, devices, threads)
     cache = _read_cache(Path(cache_path))
-    profile = Profile()
+    table = RateTable()
     for model in models:
         if model.name not in image_sizes:
-            raise ProfilingError(f"no image size for model {model.name!r}; image_sizes has "
-                                 f"{sorted(image_sizes)}: add the side in px of the images it trains on")
+            raise RateError(f"no image size for model {model.name!r}; image_sizes has "
+                            f"{sorted(image_sizes)}: add the side in px of the images it trains on")
         key = cache_key(model, num_classes, image_sizes[model.name], batch_size, hardware)
         entry = next((e for e in cache if e["key"] == key), None)
         if entry is None:
@@ -80,11 +81,11 @@ def profile_ensemble(models: list[ModelSpec], num_classes: int, image_sizes: dic
         missing = [k for k in range(1, max_slots + 1) if str(k) not in entry["images_per_s"]]
         if missing:
             measured = measure_rates(model, num_classes, image_sizes[model.name], batch_size, missing,
-                                     device_kind, devices, steps, warmup, threads)
+                                     device_kind, devices, steps, warmup, threads, report_s)
             entry["images_per_s"].update({str(k): rate for k, rate in measured.items()})
-            _write_json(Path(cache_path), cache)  # after each model: an interrupted profile keeps its work
-        profile.add(model.name, [entry["images_per_s"][str(k)] for k in range(1, max_slots + 1)])
-    return profile
+            _write_json(Path(cache_path), cache)  # after each model: an interrupted measurement keeps its work
+        table.add(model.name, [entry["images_per_s"][str(k)] for k in range(1, max_slots + 1)])
+    return table
 
 
 def cache_key(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, hardware: dict) -> dict:
@@ -103,16 +104,16 @@ def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dic
             "threads": threads, "torch": torch.__version__}
 
 
-def format_table(profile: Profile) -> str:
+def format_table(table: RateTable) -> str:
     """Model x slots: images/s, and the speedup over 1 slot."""
-    most_slots = max((len(rates) for rates in profile.rates.values()), default=0)
+    most_slots = max((len(rates) for rates in table.rates.values()), default=0)
     header = ["model"] + [f"{k} slot{'s' if k > 1 else ''}" for k in range(1, most_slots + 1)]
     rows = [header]
-    for model in profile.rates:
-        one_slot = profile.rate(model, 1)
+    for model in table.rates:
+        one_slot = table.rate(model, 1)
         cells = [model]
         for k in range(1, most_slots + 1):
-            rate = profile.rate(model, k)
+            rate = table.rate(model, k)
             if rate == 0:  # the model cannot run on k slots
                 cells.append("-")
             elif k == 1 or one_slot == 0:
@@ -126,31 +127,29 @@ def format_table(profile: Profile) -> str:
     return "\n".join(["training images/s on k slots (speedup vs 1 slot)", *lines])
 
 
-def save_table(profile: Profile, path: Path) -> None:
+def save_table(table: RateTable, path: Path) -> None:
     _write_json(Path(path), {model: {str(k): rate for k, rate in enumerate(rates, 1)}
-                             for model, rates in profile.rates.items()})
+                             for model, rates in table.rates.items()})
 
 
 def _check_request(slot_counts: list[int], device_kind: str, devices: list[str], batch_size: int, steps: int,
                    warmup: int, threads: int) -> None:
-    if device_kind not in ("cpu", "cuda"):
-        raise ProfilingError(f"device_kind must be 'cpu' or 'cuda', got {device_kind!r}")
     if device_kind == "cuda":
         _check_gpus(devices)
     elif any(d != "cpu" for d in devices):
-        raise ProfilingError(f"devices {devices} are not all CPU slots; with device_kind='cpu' list each as 'cpu'")
+        raise RateError(f"devices {devices} are not all CPU slots; with device_kind='cpu' list each as 'cpu'")
     if not slot_counts or any(not isinstance(k, int) or k < 1 for k in slot_counts):
-        raise ProfilingError(f"slot counts must be positive integers, got {slot_counts}; e.g. [1, 2]")
+        raise RateError(f"slot counts must be positive integers, got {slot_counts}; e.g. [1, 2]")
     if max(slot_counts) > len(devices):
-        raise ProfilingError(f"cannot profile on {max(slot_counts)} slots: only {len(devices)} device(s) given "
-                             f"({devices}); profile on at most {len(devices)} slots or pass more devices")
+        raise RateError(f"cannot measure rates on {max(slot_counts)} slots: only {len(devices)} device(s) given "
+                        f"({devices}); measure on at most {len(devices)} slots or pass more devices")
     for name, value, least in [("steps", steps, 1), ("warmup", warmup, 0), ("threads", threads, 1)]:
         if not isinstance(value, int) or value < least:
-            raise ProfilingError(f"{name} must be an integer >= {least}, got {value!r}")
+            raise RateError(f"{name} must be an integer >= {least}, got {value!r}")
     if not isinstance(batch_size, int) or batch_size < 2 * max(slot_counts):
         # batch norm needs two images per rank, as in the trainer
-        raise ProfilingError(f"batch_size={batch_size!r} is too small for {max(slot_counts)} slots: each slot "
-                             f"needs at least 2 images; use batch_size >= {2 * max(slot_counts)}")
+        raise RateError(f"batch_size={batch_size!r} is too small for {max(slot_counts)} slots: each slot "
+                        f"needs at least 2 images; use batch_size >= {2 * max(slot_counts)}")
 
 
 def _check_gpus(devices: list[str]) -> None:
@@ -159,25 +158,25 @@ def _check_gpus(devices: list[str]) -> None:
     visible = torch.cuda.device_count()
     valid = {f"cuda:{i}" for i in range(visible)}
     if any(d not in valid for d in devices):
-        raise ProfilingError(f"devices {devices} are not all visible GPUs: this machine has {visible} "
-                             f"({sorted(valid) or 'none'}); list those, or use device_kind='cpu'")
+        raise RateError(f"devices {devices} are not all visible GPUs: this machine has {visible} "
+                        f"({sorted(valid) or 'none'}); list those, or use device_kind='cpu'")
     if len(set(devices)) < len(devices):
-        raise ProfilingError(f"devices {devices} repeat a GPU, but NCCL needs one GPU per rank; list each once")
+        raise RateError(f"devices {devices} repeat a GPU, but NCCL needs one GPU per rank; list each once")
 
 
 def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, devices: list[str],
-                         steps: int, warmup: int, threads: int) -> float:
+                         steps: int, warmup: int, threads: int, report_s: float) -> float:
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
     rendezvous = rendezvous_at()
-    processes = [context.Process(target=_train_steps, name=f"profile-{model.name}-{rank}",
+    processes = [context.Process(target=_train_steps, name=f"rates-{model.name}-{rank}",
                                  args=(model, num_classes, image_size, batch_size, rank, devices, rendezvous,
                                        steps, warmup, threads, reports), daemon=True)
                  for rank in range(len(devices))]
     try:
         for process in processes:
             process.start()
-        step_seconds = [_next_report(reports, processes, model, len(devices)) for _ in processes]
+        step_seconds = [_next_report(reports, processes, model, len(devices), report_s) for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
             process.join(5)
@@ -189,24 +188,24 @@ def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, ba
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
-def _next_report(reports, processes, model: ModelSpec, slots: int) -> list[float]:
-    deadline = time.monotonic() + REPORT_TIMEOUT_S
+def _next_report(reports, processes, model: ModelSpec, slots: int, report_s: float) -> list[float]:
+    deadline = time.monotonic() + report_s
     while True:
         try:
             report = reports.get(timeout=1)
         except queue.Empty:
             dead = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode not in (None, 0)]
             if dead:
-                raise ProfilingError(f"profiling {model.name} on {slots} slot(s): {', '.join(dead)} died "
-                                     "without a report (out of memory?)") from None
+                raise RuntimeError(f"measuring {model.name} on {slots} slot(s): {', '.join(dead)} died "
+                                   "without a report (out of memory?)") from None
             if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
-                raise ProfilingError(f"profiling {model.name} on {slots} slot(s): a rank sent no report in "
-                                     f"{REPORT_TIMEOUT_S} s; lower scheduler.profile_steps or check the "
-                                     "devices") from None
+                raise RuntimeError(f"measuring {model.name} on {slots} slot(s): a rank sent no report in "
+                                   f"{report_s:g} s (timeouts.report_s); lower rates.steps or check the "
+                                   "devices") from None
             continue
         if "error" in report:
-            raise ProfilingError(f"profiling {model.name} on {slots} slot(s) failed in rank {report['rank']}:\n"
-                                 f"{report['error']}")
+            raise RuntimeError(f"measuring {model.name} on {slots} slot(s) failed in rank {report['rank']}:\n"
+                               f"{report['error']}")
         return report["step_seconds"]
 
 
@@ -277,12 +276,12 @@ def _read_cache(path: Path) -> list[dict]:
     try:
         entries = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ProfilingError(f"profile cache {path} is not valid JSON ({error}); delete it to profile again") \
+        raise RateError(f"rate cache {path} is not valid JSON ({error}); delete it to measure again") \
             from None
     if not isinstance(entries, list) or not all(isinstance(e, dict) and {"key", "images_per_s"} <= e.keys()
                                                 for e in entries):
-        raise ProfilingError(f"profile cache {path} is not a list of {{key, images_per_s}} entries; "
-                             "delete it to profile again")
+        raise RateError(f"rate cache {path} is not a list of {{key, images_per_s}} entries; "
+                        "delete it to measure again")
     return entries
 
 

@@ -1,8 +1,9 @@
 """A trainer: one process per device slot, fed by a transport stream.
 
-It knows torch, the consumer end of the transport and checkpoints; never
-Dask. A model on g slots runs g trainers under DDP, each taking its 1/g
-share of every batch. Reports go to the driver through a queue.
+It knows torch, the reading end of a ring (pipeline/delivery/stream.py) and
+checkpoints; never Dask. A model on g slots runs g trainers under DDP, each
+taking its 1/g share of every batch. Typed reports (reports.py) go to the
+driver through a queue.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from pipeline.delivery.stream import MessageKind
+from pipeline.training.reports import TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
 
@@ -90,7 +94,7 @@ def trainer_main(spec: TrainerSpec, reader, reports) -> None:
     try:
         Trainer(spec, reports).consume(reader)
     except BaseException:  # the driver names the model and shows the traceback
-        reports.put({"event": "error", "model": spec.model.name, "rank": spec.rank, "traceback": traceback.format_exc()})
+        reports.put(TrainerError(spec.model.name, spec.rank, traceback.format_exc()))
         raise
 
 
@@ -150,8 +154,6 @@ class Trainer:
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
 
     def consume(self, reader) -> None:
-        from pipeline.delivery.stream import MessageKind
-
         waited = time.perf_counter()
         for message in reader.messages():
             self.wait_time += time.perf_counter() - waited
@@ -177,8 +179,7 @@ class Trainer:
                     self._finish_validation()
                     self.epoch += 1
             waited = time.perf_counter()
-        self.reports.put({"event": "done", "model": self.spec.model.name, "rank": self.spec.rank,
-                          "checksums": self.checksums})
+        self.reports.put(TrainerDone(self.spec.model.name, self.spec.rank, self.checksums))
 
     def _take(self, message) -> None:
         self.torch.tensor(message.images, device=self.device)  # the one copy a real step makes
@@ -219,9 +220,8 @@ class Trainer:
         self.val_labels.append(labels)
 
     def _report_train(self) -> None:
-        self.reports.put({"event": "train", "model": self.spec.model.name, "rank": self.spec.rank, "epoch": self.epoch,
-                          "loss": self.loss_sum / max(self.seen, 1), "images": self.seen,
-                          "step_s": self.step_time, "wait_s": self.wait_time, "spans": self.spans})
+        self.reports.put(TrainReport(self.spec.model.name, self.spec.rank, self.epoch, self.loss_sum / max(self.seen, 1),
+                                     self.seen, self.step_time, self.wait_time, self.spans))
         self._reset_epoch()
 
     def _finish_validation(self) -> None:
@@ -231,8 +231,7 @@ class Trainer:
         labels = np.concatenate(self.val_labels) if self.val_labels else np.zeros(0, np.int64)
         accuracy = float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")
         self._checkpoint(accuracy)  # before the report: the driver may stop this process once it has it
-        self.reports.put({"event": "val", "model": self.spec.model.name, "epoch": self.epoch, "accuracy": accuracy,
-                          "probs": probs, "labels": labels})
+        self.reports.put(ValReport(self.spec.model.name, self.epoch, accuracy, probs, labels))
         self.val_probs, self.val_labels = [], []
 
     def _checkpoint(self, accuracy: float) -> None:

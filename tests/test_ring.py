@@ -38,7 +38,7 @@ def segments():
 
 
 def test_every_reader_gets_every_message_in_order_and_bit_identical():
-    ring = Ring("s", LAYOUT, consumers=3, slots=3, context=CTX)
+    ring = Ring("s", LAYOUT, consumers=3, depth=3, context=CTX)
     writer = ring.writer()
     results = CTX.Queue()
     readers = [CTX.Process(target=read_all, args=(ring.reader(i), results, 0.0)) for i in range(3)]
@@ -60,8 +60,8 @@ def test_every_reader_gets_every_message_in_order_and_bit_identical():
 
 
 def test_slow_reader_holds_the_writer_to_the_ring_size():
-    slots = 2
-    ring = Ring("s", LAYOUT, consumers=2, slots=slots, context=CTX)
+    depth = 2
+    ring = Ring("s", LAYOUT, consumers=2, depth=depth, context=CTX)
     writer = ring.writer()
     results = CTX.Queue()
     readers = [CTX.Process(target=read_all, args=(ring.reader(i), results, delay)) for i, delay in
@@ -77,14 +77,14 @@ def test_slow_reader_holds_the_writer_to_the_ring_size():
     for process in readers:
         process.join(10)
     ring.close()
-    # Message i + slots can only be written once the slow reader released message i.
-    for i in range(len(published_at) - slots):
-        assert published_at[i + slots] >= slow[i][4]
+    # Message i + depth can only be written once the slow reader released message i.
+    for i in range(len(published_at) - depth):
+        assert published_at[i + depth] >= slow[i][4]
     assert [s[1] for s in slow[:-1]] == list(range(20))
 
 
 def test_a_detached_reader_is_not_waited_for():
-    ring = Ring("s", LAYOUT, consumers=2, slots=2, context=CTX)
+    ring = Ring("s", LAYOUT, consumers=2, depth=2, context=CTX)
     writer = ring.writer()
     results = CTX.Queue()
     live = CTX.Process(target=read_all, args=(ring.reader(1), results, 0.0))
@@ -104,7 +104,7 @@ def test_a_detached_reader_is_not_waited_for():
 
 
 def test_oversized_batch_is_refused():
-    ring = Ring("s", LAYOUT, consumers=1, slots=2, context=CTX)
+    ring = Ring("s", LAYOUT, consumers=1, depth=2, context=CTX)
     with pytest.raises(ValueError, match="exceeds its capacity 4"):
         ring.writer().publish(MessageKind.BATCH, 0, 0, 0, np.zeros((5, 8, 8, 3), np.uint8), np.zeros(5, np.int64))
     ring.close()

@@ -1,12 +1,12 @@
 """Profiling: short real DDP runs on CPU slots (gloo), the on-disk cache, the
-profile table and the errors. Behaviour only: nothing here asserts speed."""
+rate table and the errors. Behaviour only: nothing here asserts speed."""
 import json
 
 import pytest
 
-from pipeline.training import rates as profiling
-from pipeline.training.rates import ProfilingError, format_table, measure_rates, profile_ensemble, save_table
-from pipeline.scheduler import Profile
+from pipeline.training import rates as rate_measurement
+from pipeline.training.rates import RateError, format_table, measure_rate_table, measure_rates, save_table
+from pipeline.scheduler import RateTable
 from pipeline.training.trainer import ModelSpec
 
 TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
@@ -20,19 +20,28 @@ def measure_tiny(**changes):
 
 
 @pytest.mark.slow
-def test_rates_are_positive_on_one_and_two_cpu_slots():
-    rates = measure_tiny()
-    assert set(rates) == {1, 2} and all(rate > 0 for rate in rates.values())
+def test_rates_are_images_per_second_of_the_timed_steps_on_one_and_two_cpu_slots():
+    """A rate is batch / median step, and the timed steps lie inside the call: a median step is at
+    most twice the mean, so each rate is at least batch x steps / (2 x the call's seconds). A rate in
+    the wrong unit (images per ms), or of the wrong quantity (a rank's share of the batch), fails."""
+    started = time.perf_counter()
+    rates = measure_tiny(steps=4)
+    elapsed = time.perf_counter() - started
+    assert set(rates) == {1, 2}
+    for slots, rate in rates.items():
+        assert 16 * 4 / (2 * elapsed) <= rate < float("inf"), (slots, rate, elapsed)
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_rates_are_positive_on_gpus_with_nccl():
+def test_rates_on_gpus_with_nccl():
     import torch
 
     gpus = [f"cuda:{i}" for i in range(min(torch.cuda.device_count(), 2))]
+    started = time.perf_counter()
     rates = measure_tiny(slot_counts=list(range(1, len(gpus) + 1)), device_kind="cuda", devices=gpus)
-    assert all(rate > 0 for rate in rates.values())
+    elapsed = time.perf_counter() - started
+    assert all(16 * 2 / (2 * elapsed) <= rate < float("inf") for rate in rates.values()), (rates, elapsed)
 
 
 @pytest.fixture
@@ -42,58 +51,58 @@ def measured(monkeypatch) -> list[tuple[str, list[int]]]:
     calls = []
 
     def fake_measure(model, num_classes, image_size, batch_size, slot_counts, device_kind, devices, steps, warmup,
-                     threads):
+                     threads, report_s):
         calls.append((model.name, slot_counts))
         return {k: 100.0 * k for k in slot_counts}
 
-    monkeypatch.setattr(profiling, "measure_rates", fake_measure)
+    monkeypatch.setattr(rate_measurement, "measure_rates", fake_measure)
     return calls
 
 
-def profile(models, cache_path, max_slots=2, threads=1):
-    return profile_ensemble(models, num_classes=4, image_sizes={m.name: 32 for m in models}, batch_size=16,
+def rate_table(models, cache_path, max_slots=2, threads=1):
+    return measure_rate_table(models, num_classes=4, image_sizes={m.name: 32 for m in models}, batch_size=16,
                             max_slots=max_slots, device_kind="cpu", devices=["cpu"] * max_slots, steps=2, warmup=1,
                             threads=threads, cache_path=cache_path)
 
 
 def test_second_call_reads_the_cache(measured, tmp_path):
-    cache = tmp_path / "profiles.json"
-    first = profile([TINY, DENSE], cache)
+    cache = tmp_path / "rates.json"
+    first = rate_table([TINY, DENSE], cache)
     assert measured == [("tiny", [1, 2]), ("dense", [1, 2])]
     assert first.rates == {"tiny": (100.0, 200.0), "dense": (100.0, 200.0)}
     written = cache.read_text()
-    assert profile([TINY, DENSE], cache).rates == first.rates
+    assert rate_table([TINY, DENSE], cache).rates == first.rates
     assert len(measured) == 2 and cache.read_text() == written
 
 
 def test_changed_model_config_or_hardware_is_measured_again(measured, tmp_path):
-    cache = tmp_path / "profiles.json"
-    profile([TINY], cache)
+    cache = tmp_path / "rates.json"
+    rate_table([TINY], cache)
     wider = ModelSpec(**(TINY.__dict__ | {"width": 16}))
-    profile([TINY, wider], cache)
-    profile([TINY], cache, threads=2)
+    rate_table([TINY, wider], cache)
+    rate_table([TINY], cache, threads=2)
     assert measured == [("tiny", [1, 2]), ("tiny", [1, 2]), ("tiny", [1, 2])]
     assert len(json.loads(cache.read_text())) == 3
 
 
 def test_only_missing_slot_counts_are_measured_and_names_do_not_matter(measured, tmp_path):
-    cache = tmp_path / "profiles.json"
-    profile([TINY], cache)
+    cache = tmp_path / "rates.json"
+    rate_table([TINY], cache)
     renamed_sweep_member = ModelSpec(**(TINY.__dict__ | {"name": "tiny-lr0.01", "lr": 0.01}))
-    table = profile([renamed_sweep_member], cache, max_slots=3)
+    table = rate_table([renamed_sweep_member], cache, max_slots=3)
     assert measured == [("tiny", [1, 2]), ("tiny-lr0.01", [3])]
     assert table.rates == {"tiny-lr0.01": (100.0, 200.0, 300.0)}
 
 
 def test_table_lists_every_model_and_slot_count_with_speedups(tmp_path):
-    table = Profile()
+    table = RateTable()
     table.add("resnet10", [100, 190, 270])
     table.add("densenet40", [40, 75])
     text = format_table(table)
     for expected in ["resnet10", "densenet40", "1 slot", "2 slots", "3 slots", "190.0 (1.90x)", "75.0 (1.88x)"]:
         assert expected in text
-    save_table(table, tmp_path / "out" / "profile.json")
-    saved = json.loads((tmp_path / "out" / "profile.json").read_text())
+    save_table(table, tmp_path / "out" / "rates.json")
+    saved = json.loads((tmp_path / "out" / "rates.json").read_text())
     assert saved == {"resnet10": {"1": 100, "2": 190, "3": 270}, "densenet40": {"1": 40, "2": 75}}
 
 
@@ -105,27 +114,26 @@ def test_table_lists_every_model_and_slot_count_with_speedups(tmp_path):
     ({"warmup": -1}, "warmup must be an integer >= 0, got -1"),
     ({"threads": 0}, "threads must be an integer >= 1, got 0"),
     ({"batch_size": 3}, "batch_size=3 is too small for 2 slots"),
-    ({"device_kind": "tpu"}, "device_kind must be 'cpu' or 'cuda', got 'tpu'"),
     ({"devices": ["cpu", "cuda:0"]}, "are not all CPU slots"),
     ({"device_kind": "cuda", "devices": ["cuda:0", "cuda:0", "cuda:99"]}, "are not all visible GPUs"),
 ])
 def test_bad_requests_are_clear_errors_before_any_run(changes, message):
-    with pytest.raises(ProfilingError) as error:
+    with pytest.raises(RateError) as error:
         measure_tiny(**changes)
     assert message in str(error.value)
 
 
 def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured, tmp_path):
-    with pytest.raises(ProfilingError, match="no image size for model 'dense'"):
-        profile_ensemble([DENSE], 4, {"tiny": 32}, 16, 1, "cpu", ["cpu"], 2, 1, 1, tmp_path / "profiles.json")
+    with pytest.raises(RateError, match="no image size for model 'dense'"):
+        measure_rate_table([DENSE], 4, {"tiny": 32}, 16, 1, "cpu", ["cpu"], 2, 1, 1, tmp_path / "rates.json")
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text("{not json")
-    with pytest.raises(ProfilingError, match="corrupt.json is not valid JSON.*delete it"):
-        profile([TINY], corrupt)
+    with pytest.raises(RateError, match="corrupt.json is not valid JSON.*delete it"):
+        rate_table([TINY], corrupt)
 
 
 @pytest.mark.slow
 def test_a_failing_trainer_process_is_reported_with_its_traceback():
     bad_depth = ModelSpec(**(TINY.__dict__ | {"name": "resnet11", "depth": 11}))
-    with pytest.raises(ProfilingError, match="(?s)profiling resnet11 on 1 slot.*resnet depth must be one of"):
+    with pytest.raises(RuntimeError, match="(?s)measuring resnet11 on 1 slot.*resnet depth must be one of"):
         measure_tiny(model=bad_depth, slot_counts=[1])

@@ -1,0 +1,66 @@
+"""What passes between a flotilla (the driver's side) and its hubs: commands
+down, events up, each a typed message (they pickle across processes and hosts)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.data.graph import BatchOutput
+from stages.base import Split
+
+
+@dataclass(frozen=True)
+class RunSplit:
+    """Deliver every batch of `split` in epoch `epoch` of the flotilla's sequence."""
+
+    split: Split
+    epoch: int
+
+
+@dataclass(frozen=True)
+class StopStreams:
+    """No more splits: send STOP down the rings and report what was moved."""
+
+
+HubCommand = RunSplit | StopStreams
+
+
+@dataclass(frozen=True)
+class BatchPublished:
+    """A batch is in the hub's rings. `made`: its batch task's measurements without the image
+    bytes, from a producing hub (None from a hub that only receives)."""
+
+    hub: int
+    split: Split
+    index: int
+    made: BatchOutput | None
+
+
+@dataclass(frozen=True)
+class SplitDone:
+    hub: int
+    split: Split
+
+
+@dataclass(frozen=True)
+class HubStopped:
+    """The hub sent STOP; what it moved (the recorder's delivery record)."""
+
+    hub: int
+    summary: dict
+
+
+@dataclass(frozen=True)
+class HubFailed:
+    hub: int
+    traceback: str
+
+
+@dataclass(frozen=True)
+class BadFile:
+    """A data file under on_error=fail: the run stops naming it."""
+
+    hub: int
+    message: str
+
+
+HubEvent = BatchPublished | SplitDone | HubStopped | HubFailed | BadFile

@@ -1,0 +1,32 @@
+"""The summary tables a run prints at its end: the ensemble's models and the pipeline's stages."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_summary(console: Console, results: dict) -> None:
+    table = Table(title="Ensemble", title_justify="left")
+    for column in ("model", "input", "params", "slots", "val acc", "img/s", "data stall"):
+        table.add_column(column, justify="left" if column in ("model", "input") else "right")
+    for m in results["models"]:
+        table.add_row(m["name"], f"{m['input']} {m['image_size']}px", f"{m['params'] / 1e6:.2f}M", str(m["slots"]),
+                      _pct(m["final_val_accuracy"]), _num(m["images_per_s"]), _pct(m["data_stall_pct"], 1))
+    ensemble = results["ensemble"]
+    table.add_row("[bold]ensemble (mean softmax)", "", "", "", f"[bold]{_pct(ensemble['final_val_accuracy'])}", "", "")
+    console.print(table)
+    stages = Table(title="Pipeline stages (all epochs)", title_justify="left")
+    for column in ("stage", "items", "CPU s", "CPU share", "items/s per core"):
+        stages.add_column(column, justify="left" if column == "stage" else "right")
+    for name, s in results["pipeline"]["stages"].items():
+        stages.add_row(name, str(s["items"]), f"{s['cpu_s']:.2f}", _pct(s["cpu_share_pct"], 1),
+                       _num(s["items"] / s["cpu_s"] if s["cpu_s"] > 1e-3 else None))
+    console.print(stages)
+
+
+def _pct(value: float | None, scale: float = 100) -> str:
+    return "-" if value is None else f"{value * scale:.1f}%"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"

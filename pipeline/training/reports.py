@@ -1,0 +1,53 @@
+"""What a trainer tells the driver, over its node's queue: one typed report
+per event (they pickle across processes and hosts)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Checksum = tuple[int, int, int, int, int]  # (message kind, split, epoch, index, CRC of images and labels)
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """An epoch's training split is done (every rank sends one)."""
+
+    model: str
+    rank: int
+    epoch: int  # the model's own epoch count, whichever flotilla it trains in
+    loss: float  # mean training loss of this rank's rows
+    images: int  # rows this rank trained on
+    step_s: float  # inside training steps
+    wait_s: float  # waiting for the next batch
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of steps, time.time()
+
+
+@dataclass(frozen=True)
+class ValReport:
+    """An epoch's validation is done and checkpointed (rank 0 only)."""
+
+    model: str
+    epoch: int
+    accuracy: float
+    probs: np.ndarray  # softmax of every validation image, in stream order
+    labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class TrainerDone:
+    """The stream said STOP; with trainer.record_checksums, what this rank received."""
+
+    model: str
+    rank: int
+    checksums: list[Checksum]
+
+
+@dataclass(frozen=True)
+class TrainerError:
+    model: str
+    rank: int
+    traceback: str
+
+
+TrainerReport = TrainReport | ValReport | TrainerDone | TrainerError
