@@ -63,13 +63,13 @@ def test_in_flight_tasks_are_bounded(tiny_dataset):
 
 
 def test_prefetch_queue_fills_when_the_consumer_is_slow_and_empties_when_it_is_fast(tiny_dataset):
-    import time
+    from dask.distributed import wait
 
     graph = build_graph(stages(tiny_dataset, slow=0.1), {"out"})
     with dask_client(None, 1, 1) as client, Executor(client, graph, 0, "skip", in_flight=3) as executor:
-        assert executor.prefetch_slots == 2  # of the 3 in flight, one is the consumer's
+        assert executor.prefetch_capacity == 2  # of the 3 in flight, one is the consumer's
         for _ in executor.batches(Split.TRAIN, 0):
-            time.sleep(0.5)  # a slow trainer: the batches in flight are made before it comes back
+            wait(list(executor.pending.values()))  # a slow trainer: back once the batches in flight are made
         slow = [held for _, held in executor.ready]
         executor.ready.clear()
         list(executor.batches(Split.TRAIN, 1))  # a fast one: it comes back while the worker makes the next

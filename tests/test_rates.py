@@ -1,12 +1,13 @@
-"""Profiling: short real DDP runs on CPU slots (gloo), the on-disk cache, the
-rate table and the errors. Behaviour only: nothing here asserts speed."""
+"""Rate measurement: short real DDP runs on CPU slots (gloo), the on-disk
+cache, the rate table and the errors. Behaviour only: nothing here asserts speed."""
 import json
+import time
 
 import pytest
 
+from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.rates import RateError, format_table, measure_rate_table, measure_rates, save_table
-from pipeline.scheduler import RateTable
 from pipeline.training.trainer import ModelSpec
 
 TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")

@@ -130,14 +130,11 @@ PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [d
 PAUSE_S = 4.0  # every trainer stopped (SIGSTOP) this long: the slowest consumers there are
 
 
-def _pause_then_kill_a_worker_then_a_trainer(out):
-    """Once C has checkpointed its first epoch: stop every trainer for PAUSE_S
-    (producers must wait, not pile batches up), then SIGKILL a Dask worker
-    (mid-epoch), then C's trainer."""
-    checkpoints = out / "checkpoints"
-    deadline = time.monotonic() + 600
-    while not (checkpoints / VICTIM / "epoch1.pt").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+def _pause_then_kill_a_worker_then_a_trainer(reported: threading.Event):
+    """Once the driver has C's first epoch (reported after its checkpoint): stop every
+    trainer for PAUSE_S (producers must wait, not pile batches up), then SIGKILL a
+    Dask worker (mid-epoch), then C's trainer."""
+    assert reported.wait(timeout=600)
     trainers = [p for p in mp.active_children() if p.name.startswith("trainer-")]
     for process in trainers:
         os.kill(process.pid, signal.SIGSTOP)
@@ -146,16 +143,16 @@ def _pause_then_kill_a_worker_then_a_trainer(out):
         os.kill(process.pid, signal.SIGCONT)
     workers = [p for p in mp.active_children() if "Dask Worker" in p.name]
     os.kill(workers[-1].pid, signal.SIGKILL)
-    time.sleep(0.2)  # C's report of epoch 1, sent right after its checkpoint, reaches the driver
     for process in mp.active_children():
         if process.name == f"trainer-{VICTIM}-0":
             os.kill(process.pid, signal.SIGKILL)
 
 
-def _reference_crc(graph, seed, stream, split_id, epoch, index, cache={}):
-    key = (id(graph), stream, split_id, epoch, index)
+def _reference_crc(graph, seed, sequence, stream, split_id, epoch, index, cache={}):
+    key = (id(graph), sequence, stream, split_id, epoch, index)
     if key not in cache:
-        out = graph.run(BatchContext(seed=seed, split=list(Split)[split_id], epoch=epoch, index=index))
+        out = graph.run(BatchContext(seed=seed, split=list(Split)[split_id], epoch=epoch, index=index,
+                                     sequence=sequence))
         batch = out.streams[stream]
         cache[key] = zlib.crc32(batch.labels.tobytes(), zlib.crc32(np.ascontiguousarray(batch.data).tobytes()))
     return cache[key]
@@ -164,8 +161,10 @@ def _reference_crc(graph, seed, stream, split_id, epoch, index, cache={}):
 @pytest.mark.slow
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through_faults(topology, tiny_dataset,
-                                                                                         tmp_path):
+                                                                                         tmp_path, monkeypatch):
+    from pipeline.orchestration.flotilla import Flotilla
     from pipeline.run import run
+    from pipeline.training.reports import ValReport
 
     out = tmp_path / "out"
     cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", f"topology={topology}",
@@ -175,7 +174,16 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
                           "trainer.record_checksums=true", *PACED])
     rings = lambda: {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{os.getpid()}-")}
     before = rings()
-    killer = threading.Thread(target=_pause_then_kill_a_worker_then_a_trainer, args=(out,), daemon=True)
+    reported, poll = threading.Event(), Flotilla.poll
+
+    def poll_and_tell(self, timeout=None):  # the event the faults wait for: the driver has C's first epoch
+        reports = poll(self, timeout)
+        if any(isinstance(r, ValReport) and r.model == VICTIM and r.epoch == 0 for r in reports):
+            reported.set()
+        return reports
+
+    monkeypatch.setattr(Flotilla, "poll", poll_and_tell)
+    killer = threading.Thread(target=_pause_then_kill_a_worker_then_a_trainer, args=(reported,), daemon=True)
     killer.start()
     results = run(cfg, out)
     killer.join(timeout=5)
@@ -199,7 +207,7 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     assert paused_to - paused_from >= PAUSE_S - 0.1
     made = [span for span in results["timeline"] if span["what"] == "task"
             and paused_from + 1.0 < span["start_s"] < paused_to - 0.2]
-    bound = sum(max(hub["ring_slots"].values()) + hub["in_flight"] + 1 for hub in flotillas["0"]["hubs"].values()
+    bound = sum(max(hub["ring_depth"].values()) + hub["in_flight"] + 1 for hub in flotillas["0"]["hubs"].values()
                 if hub["part"] is not None)  # the pause falls in the first flotilla (C is killed after it)
     assert len(made) <= bound, (len(made), bound)
 
@@ -226,7 +234,8 @@ def _assert_every_batch_once_in_order_bit_identical(cfg, results):
         expected, epochs = [], sorted({m[2] for m in messages if m[0] == 0})
         for epoch in epochs:
             for split_id in (0, 1):
-                expected += [(0, split_id, epoch, i, _reference_crc(graph, cfg.seed, stream, split_id, epoch, i))
+                expected += [(0, split_id, epoch, i, _reference_crc(graph, cfg.seed, int(flotilla), stream, split_id,
+                                                                    epoch, i))
                              for i in range(batches[split_id])]
                 expected.append((1, split_id, epoch, 0, zlib.crc32(b"", zlib.crc32(b""))))
         assert [tuple(m) for m in messages[:-1]] == expected, trainer

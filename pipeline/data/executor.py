@@ -25,7 +25,7 @@ from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray, remove_all
-from stages.base import BatchContext, OnError, Split, UserError
+from stages.base import BadFileError, BatchContext, OnError, Split, UserError
 
 
 def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int, index: int, part: int, parts: int,
@@ -35,7 +35,10 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
     started = time.time()
     context = BatchContext(seed=seed, split=split, epoch=epoch, index=index, sequence=sequence, part=part,
                            parts=parts, on_error=on_error)
-    output = _GRAPHS[graph_id][0].run(context)
+    try:
+        output = _GRAPHS[graph_id][0].run(context)
+    except BadFileError as err:  # the user's data, not a failed task: raised where the batch is taken
+        return BatchOutput({}, {}, bad_file=str(err))
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
         for stream, batch in output.streams.items():
@@ -145,6 +148,8 @@ class Executor:
                     self._submit(then[0], then[1], ahead - total)
             future = self.pending.pop((split, epoch, index))
             output = future.result()
+            if output.bad_file:
+                raise BadFileError(output.bad_file)
             self.retained.append(future)
             for batch in output.streams.values():
                 if isinstance(batch.data, SharedArray):

@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from stages.base import Batch, BatchContext, Role, Spec, Stage, StageError
+from stages.base import Batch, BatchContext, Role, Spec, Stage, StageError, UserError
 from stages.read import ImageFolder
 
 CONFIG_ROOT = "pipeline.stages"
 RESERVED = ("_target_", "inputs")
 
 
-class GraphError(ValueError):
+class GraphError(UserError):
     """The stage graph in the config is invalid; the message names the key and the fix."""
 
 
@@ -48,6 +48,7 @@ class BatchOutput:
     worker: str = ""  # where the batch task ran, and when (time.time()): the run's timeline
     started: float = 0.0
     ended: float = 0.0
+    bad_file: str | None = None  # on_error=fail met a bad file: what to tell the user, and nothing else
 
 
 @dataclass

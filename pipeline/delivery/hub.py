@@ -53,15 +53,16 @@ class HubSpec:
 
 
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
-    """Process entry point. `abort` (an Event) ends it between batches."""
+    """Process entry point. `abort` (an Event) ends it between batches. A failure is told to the
+    driver, which reports it once; the process then exits with code 1 without a traceback of its own."""
     try:
         Hub(spec, events, abort).serve(commands)
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is
         events.put(BadFile(spec.hub.rank, str(err)))
-        raise
+        raise SystemExit(1) from None
     except BaseException:
         events.put(HubFailed(spec.hub.rank, traceback.format_exc()))
-        raise
+        raise SystemExit(1) from None
 
 
 class Hub:

@@ -101,7 +101,7 @@ def choose_topology(nodes: int, producer_rate: float | None, member_rates: dict[
                     ) -> tuple[Topology, str]:
     """topology=auto for one flotilla: (topology, why). `nodes`: nodes hosting
     its trainers; `producer_rate`: images/s one node's workers make;
-    `member_rates`: each member's training images/s, if profiled."""
+    `member_rates`: each member's training images/s, if measured."""
     rates = sorted((member_rates or {}).values())
     if len(rates) >= 2 and rates[0] > 0 and rates[-1] / rates[0] >= SPREAD_FOR_GROUPS:
         return Topology.multi_broadcast, (f"members' speeds differ {rates[-1] / rates[0]:.1f}x: groups of similar speed, "

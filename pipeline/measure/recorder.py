@@ -46,6 +46,7 @@ class ModelRecord:
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
             "train_loss": [self.train_loss[e] for e in sorted(self.train_loss)],
+            "images": self.images,  # trained on, all slots and epochs
             "images_per_s": self.images / self.step_s if self.step_s else None,
             "data_stall_pct": 100 * self.wait_s / (self.wait_s + self.step_s) if self.step_s else None,
         }

@@ -59,14 +59,14 @@ class TopologyChoice:
     topology: Topology
     broadcast_groups: int
     node_threads: dict[int, int]  # worker threads of each node
-    profile: dict[str, list[float]] | None  # each model's profiled images/s on 1, 2, ... slots, if profiled
+    rates: dict[str, list[float]] | None  # each model's measured images/s on 1, 2, ... slots, if measured
     probed_seconds_per_image: float | None  # worker seconds per image, measured before the run (auto, several nodes)
 
     def plan(self, members: list[Member], recorder: RunRecorder) -> tuple[DeliveryPlan, str]:
         placement = {m.model.name: m.nodes for m in members}
         # A member's speed on the slots it holds.
-        rates = {m.model.name: self.profile[m.model.name][len(m.devices) - 1] for m in members} \
-            if self.profile else None
+        rates = {m.model.name: self.rates[m.model.name][len(m.devices) - 1] for m in members} \
+            if self.rates else None
         if self.topology != Topology.auto:
             topology, why = self.topology, f"topology={self.topology}"
         else:

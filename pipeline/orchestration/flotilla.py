@@ -149,6 +149,10 @@ class Flotilla:
         """Progress of the hubs so far, waiting up to `timeout` (shared out over the nodes) for the first.
         A hub that failed stops the run: it carries every member of its group."""
         events = [event for node in self.nodes.values() for event in node.hub_progress(timeout / len(self.nodes))]
+        dead = [(rank, code) for node in self.nodes.values() for rank, code in node.hub_exit_codes().items()
+                if code not in (None, 0)]
+        if dead:  # what a hub said before it exited explains it best: take what is left of its words first
+            events += [event for node in self.nodes.values() for event in node.hub_progress(0)]
         for event in events:
             if isinstance(event, BadFile):
                 raise BadFileError(event.message)
@@ -157,10 +161,8 @@ class Flotilla:
                                    f"{event.traceback}")
             if isinstance(event, HubStopped):
                 self.summaries[event.hub] = event.summary
-        for node in self.nodes.values():
-            for rank, code in node.hub_exit_codes().items():
-                if code not in (None, 0):
-                    raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
+        for rank, code in dead:
+            raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
         return [event for event in events if isinstance(event, (BatchPublished, SplitDone))]
 
     def stop(self) -> None:

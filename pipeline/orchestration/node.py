@@ -25,6 +25,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
+from multiprocessing import connection
 from multiprocessing.managers import BaseManager
 
 from pipeline.delivery.collective import LOOPBACK, rendezvous_at
@@ -47,8 +48,8 @@ class NodeProcesses:
         self.node, self.host = node, host
         self.drain_s, self.exit_s = drain_s, exit_s  # timeouts.*: what a closing hub, and any process, gets
         self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
-        self.reports = self.context.Queue()  # trainers -> driver
-        self.hub_events = self.context.Queue()  # hubs -> driver
+        self.reports = Inbox(self.context)  # trainers -> driver
+        self.hub_events = Inbox(self.context)  # hubs -> driver
         self.abort = self.context.Event()  # tells hubs to leave between batches
         self.hubs: dict[int, tuple[mp.Process, object]] = {}  # hub rank -> (process, its command queue)
         self.trainers: dict[str, list[tuple[mp.Process, Ring, int]]] = defaultdict(list)  # model -> (.., reader)
@@ -66,7 +67,7 @@ class NodeProcesses:
         rank = spec.hub.rank
         spec = replace(spec, rings={stream: ring for (hub, stream), ring in self.rings.items() if hub == rank})
         commands = self.context.Queue()
-        process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events, self.abort),
+        process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events.channel(), self.abort),
                                        name=f"hub-{rank}-node{self.node}", daemon=True)
         process.start()
         self.hubs[rank] = (process, commands)
@@ -75,7 +76,7 @@ class NodeProcesses:
     def start_trainer(self, spec: TrainerSpec, hub: int, reader: int) -> None:
         """A trainer reading as `reader` from hub `hub`'s ring of its model's stream."""
         ring = self.rings[hub, spec.model.input]
-        process = self.context.Process(target=trainer_main, args=(spec, ring.reader(reader), self.reports),
+        process = self.context.Process(target=trainer_main, args=(spec, ring.reader(reader), self.reports.channel()),
                                        name=f"trainer-{spec.model.name}-{spec.rank}", daemon=True)
         process.start()
         self.trainers[spec.model.name].append((process, ring, reader))
@@ -88,11 +89,11 @@ class NodeProcesses:
 
     def hub_progress(self, timeout: float) -> list[HubEvent]:
         """The hubs' events so far, waiting up to `timeout` for the first."""
-        return _drain(self.hub_events, timeout)
+        return self.hub_events.drain(timeout)
 
     def poll(self, timeout: float) -> list:
         """The trainers' reports so far, waiting up to `timeout` for the first."""
-        return _drain(self.reports, timeout)
+        return self.reports.drain(timeout)
 
     def hub_exit_codes(self) -> dict[int, int | None]:
         """Hub rank -> its exit code (None: running)."""
@@ -133,20 +134,40 @@ class NodeProcesses:
         finally:
             for ring in self.rings.values():
                 ring.close()
-            for q in [self.reports, self.hub_events] + [commands for _, commands in self.hubs.values()]:
+            for q in self.reports.queues + self.hub_events.queues + [commands for _, commands in self.hubs.values()]:
                 q.close()
                 q.join_thread()
 
 
-def _drain(source, timeout: float) -> list:
+class Inbox:
+    """Messages from many child processes, one queue each. A shared queue would not do: its
+    writers share a lock, and a child killed while holding it (SIGKILL, the OOM killer) would
+    silence every other child for good."""
+
+    def __init__(self, context):
+        self.context = context
+        self.queues: list = []
+
+    def channel(self):
+        """A new queue for one child to write to."""
+        self.queues.append(self.context.Queue())
+        return self.queues[-1]
+
+    def drain(self, timeout: float) -> list:
+        """Whatever the children sent so far, waiting up to `timeout` for the first."""
+        # A queue's reading end (`_reader`) is what multiprocessing itself waits on.
+        if timeout and not any(q._reader.poll() for q in self.queues):
+            connection.wait([q._reader for q in self.queues], timeout)
+        return [item for q in self.queues for item in _take_all(q)]
+
+
+def _take_all(source) -> list:
     items = []
     try:
-        items.append(source.get(timeout=timeout) if timeout else source.get_nowait())
         while True:
             items.append(source.get_nowait())
     except queue.Empty:
-        pass
-    return items
+        return items
 
 
 def _stop_processes(processes: list[mp.Process], exit_s: float) -> None:

@@ -27,12 +27,27 @@ import queue
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.delivery.collective import rendezvous_at
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.trainer import ModelSpec, SGDStep
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """A measuring rank's report: its timed steps' durations."""
+
+    rank: int
+    seconds: list[float]
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    traceback: str
 
 
 class RateError(UserError):
@@ -203,10 +218,10 @@ def _next_report(reports, processes, model: ModelSpec, slots: int, report_s: flo
                                    f"{report_s:g} s (timeouts.report_s); lower rates.steps or check the "
                                    "devices") from None
             continue
-        if "error" in report:
-            raise RuntimeError(f"measuring {model.name} on {slots} slot(s) failed in rank {report['rank']}:\n"
-                               f"{report['error']}")
-        return report["step_seconds"]
+        if isinstance(report, RankFailed):
+            raise RuntimeError(f"measuring {model.name} on {slots} slot(s) failed in rank {report.rank}:\n"
+                               f"{report.traceback}")
+        return report.seconds
 
 
 def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, rank: int,
@@ -247,11 +262,11 @@ def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size
                 step_seconds.append(time.perf_counter() - started)
         # Report first: tearing down a gloo group can hang once the peer has
         # exited, and the parent kills what has not ended soon after the reports.
-        reports.put({"rank": rank, "step_seconds": step_seconds})
+        reports.put(StepTimes(rank, step_seconds))
         if world > 1:
             dist.destroy_process_group()
     except BaseException:
-        reports.put({"rank": rank, "error": traceback.format_exc()})
+        reports.put(RankFailed(rank, traceback.format_exc()))
         raise
 
 

@@ -60,7 +60,7 @@ class TrainerSpec:
 
 
 class SGDStep:
-    """A training step as every trainer takes it (trainers, FLEET profiling, profile
+    """A training step as every trainer takes it (trainers, rate measurement, profile
     mode): a uint8 NHWC batch normalised on the device, cross-entropy, Nesterov SGD."""
 
     def __init__(self, net, model: ModelSpec, device):
@@ -93,9 +93,9 @@ def trainer_main(spec: TrainerSpec, reader, reports) -> None:
     """Process entry point: train until the stream says STOP."""
     try:
         Trainer(spec, reports).consume(reader)
-    except BaseException:  # the driver names the model and shows the traceback
+    except BaseException:  # the driver names the model and shows the traceback, once
         reports.put(TrainerError(spec.model.name, spec.rank, traceback.format_exc()))
-        raise
+        raise SystemExit(1) from None
 
 
 class Trainer:
