@@ -24,8 +24,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from pipeline.data.dataset import Synthetic
 from pipeline.delivery.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
+from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import ModelSpec, Precision
 from stages.base import OnError, UserError
 from stages.decode import DecodeBackend
 
@@ -110,6 +111,10 @@ class TrainerConf:
     epochs: int = 4  # the most epochs a model trains (it may converge earlier: scheduler.*)
     device: DeviceKind = DeviceKind.auto  # auto (CUDA if present) | cuda | cpu
     slots: Union[int, str] = AUTO  # device slots: auto = every GPU, or on CPU one slot per model slot requested
+    grouping: Grouping = Grouping.auto  # models outnumbering the slots share them: auto (fuse where measured
+    # faster, else pack) | pack (step in turn) | fuse (one architecture's models as one fused array) |
+    # separate (never share: fails when models outnumber slots)
+    precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     threads: int = 1  # torch threads per CPU trainer process
     slot_memory_gb: Optional[float] = None  # memory one slot may use; null: the GPU's, or RAM / slots on CPU
     record_checksums: bool = False  # trainers report a CRC of every message received (delivery tests)

@@ -6,9 +6,8 @@ report. The run owns what it starts (cluster, trainer processes, shared
 memory) and closes it whatever happens."""
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydra.utils import to_absolute_path
@@ -22,7 +21,8 @@ from pipeline.data.executor import Executor, dask_client, dask_performance_repor
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.topology import Topology
 from pipeline.measure.recorder import RunRecorder, write_json
-from pipeline.orchestration.devices import DeviceKind, check_memory, resolve_device, slot_devices, slot_memory_bytes
+from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
+from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
 from pipeline.orchestration.node import registered_agents
@@ -30,9 +30,10 @@ from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
-from pipeline.scheduler import Cluster, RatesMeasured, Scheduler, make_policy
-from pipeline.training.rates import format_table, measure_rate_table, save_table
-from pipeline.training.trainer import ModelSpec
+from pipeline.scheduler import POLICIES, Cluster, RatesMeasured, RateTable, Scheduler, make_policy
+from pipeline.scheduler.groups import Grouping
+from pipeline.training.rates import Measurement, format_table, measure_rate_table, save_table
+from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
 
 PROBE_BATCHES = 3  # topology=auto, several nodes: batches timed on one node before the first flotilla
@@ -80,21 +81,23 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
 
 
 def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> dict:
-    """mode=train: slots, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
+    """mode=train: slots, groups, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
     models, graph = inputs.models, inputs.graph
-    policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {m.name: m.slots for m in models})
+    needs_rates = POLICIES[cfg.scheduler.policy].needs_rates
     agents = _node_agents(cfg)
-    device_kind, slots, params, image_sizes = _place(cfg, models, graph, policy.needs_rates, agents)
+    device_kind, slots, slot_bytes = _devices(cfg, models, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, inputs.dataset, graph, device_kind, len(slots), len(models), workers)
-
-    nodes = cfg.cluster.nodes
-    scheduler = Scheduler([m.name for m in models], Cluster(nodes=nodes, slots_per_node=len(slots) // nodes), policy,
-                          cfg.seed)
-    recorder = RunRecorder(models, params, image_sizes)
     results: dict = {}
-    if policy.needs_rates:
-        table = _measure_rates(cfg, models, graph, device_kind, list(slots.values()), image_sizes, output_dir)
+    groups, table, sizes = _group(cfg, models, graph, device_kind, slots, slot_bytes, needs_rates, output_dir,
+                                  console, results)
+    policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups})
+    nodes = cfg.cluster.nodes
+    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=nodes, slots_per_node=len(slots) // nodes), policy,
+                          cfg.seed)
+    image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
+    recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes)
+    if table is not None:
         console.print(format_table(table))
         first = [decision for name, rates in table.rates.items()
                  for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
@@ -104,8 +107,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     s, t = cfg.scheduler, cfg.timeouts
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
     setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
-                          cfg.trainer.threads, output_dir / "checkpoints", cfg.trainer.record_checksums,
-                          cfg.trainer.consume_only)
+                          cfg.trainer.threads, cfg.trainer.precision, output_dir / "checkpoints",
+                          cfg.trainer.record_checksums, cfg.trainer.consume_only)
     training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes) as client, \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
@@ -122,7 +125,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
                                   results.get("rates"), probed)
         context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s)
-        driver = Driver(scheduler, {m.name: m for m in models}, slots, convergence, context, console)
+        driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console)
         driver.run(first)
     training_s = time.perf_counter() - training_started
     results.update({
@@ -136,6 +139,40 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     return results
 
 
+def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_kind: DeviceKind,
+           slots: dict, slot_bytes: int, needs_rates: bool, output_dir: Path, console: Console, results: dict):
+    """The slot groups (trainer.grouping), checked against a slot's memory, and, for the policies that
+    need one, their rate table (each model measured alone first: its cost decides who shares a slot)."""
+    classes = len(graph.source.class_names)
+    image_sizes = {name: spec.item_shape[0] for name, spec in graph.sinks.items()}
+    batch = cfg.pipeline.batch_size
+    sizes = measure_sizes(models, classes, image_sizes, batch)
+    alone = [GroupSpec(m.name, (m,), False) for m in models]
+    # Each model must fit alone on the fewest slots it may get: 1 when the scheduler chooses.
+    fewest = [GroupSpec(m.name, (replace(m, slots=1),), False) for m in models] if needs_rates else alone
+    check_group_memory(fewest, sizes, slot_bytes)
+    r = cfg.rates
+    how = Measurement(classes, image_sizes, batch, device_kind, list(slots.values()), r.steps, r.warmup,
+                      cfg.trainer.threads, cfg.trainer.precision, cfg.timeouts.report_s)
+    cache = Path(to_absolute_path(r.cache))
+    max_slots = min(r.max_slots, len(slots))
+    single_rates = measure_rate_table(alone, max_slots, how, cache) if needs_rates else None
+    groups = plan_groups(models, sizes, len(slots), cfg.trainer.grouping, single_rates)
+    if cfg.trainer.grouping == Grouping.auto:
+        groups, measured = choose_fusion(groups, how, cache)
+        if measured:
+            results["grouping"] = measured
+    check_group_memory(groups, sizes, slot_bytes)
+    shared = [g for g in groups if len(g.members) > 1]
+    for g in shared:
+        console.print(f"[bold]{g.name}[/]: {len(g.members)} models {g.mode} on one slot: "
+                      + ", ".join(m.name for m in g.members))
+    table = None
+    if needs_rates:
+        table = RateTable({g.name: single_rates.rates[g.name] for g in groups if len(g.members) == 1})
+        table.rates.update(measure_rate_table(shared, max_slots, how, cache).rates)
+        save_table(table, output_dir / "rates.json")
+    return groups, table, sizes
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:
     """topology=auto on several nodes: worker seconds per image, measured as a run
     measures it (RunRecorder.seconds_per_image) on a few batches of node 0; later
@@ -170,14 +207,10 @@ def _node_agents(cfg: DictConfig) -> dict[int, dict]:
     return agents
 
 
-def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot_count: bool,
-           agents: dict[int, dict]):
-    """Device slots, and each model's size; checks every model fits a slot at
-    the smallest slot count it may get (1 when the scheduler chooses). With
-    node agents, the GPUs are those of their hosts."""
+def _devices(cfg: DictConfig, models: list[ModelSpec], agents: dict[int, dict]):
+    """Device slots (slot -> device) and the memory of each. With node agents, the GPUs are those of
+    their hosts."""
     import torch
-
-    from pipeline.training.models import build_model, count_parameters, estimate_training_bytes
 
     if agents:
         host = next(iter(agents.values()))  # they are alike (_node_agents)
@@ -187,27 +220,7 @@ def _place(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, any_slot
         gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
     device_kind = resolve_device(cfg.trainer.device, gpus > 0)
     slots = slot_devices(device_kind, gpus, cfg.trainer.slots, models, cfg.cluster.nodes, hosts=bool(agents))
-    classes = len(graph.source.class_names)
-    image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
-    params, needs = {}, {}
-    for m in models:
-        model = build_model(m.arch, m.depth, m.width, m.growth_rate, classes, image_size=image_sizes[m.name])
-        params[m.name] = count_parameters(model)
-        fewest_slots = 1 if any_slot_count else m.slots
-        needs[m.name] = estimate_training_bytes(model, image_sizes[m.name],
-                                                math.ceil(cfg.pipeline.batch_size / fewest_slots))
-    check_memory(needs, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory))
-    return device_kind, slots, params, image_sizes
-
-
-def _measure_rates(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_kind: DeviceKind,
-                   devices: list[str], image_sizes: dict[str, int], output_dir: Path):
-    r = cfg.rates
-    table = measure_rate_table(models, len(graph.source.class_names), image_sizes, cfg.pipeline.batch_size,
-                               min(r.max_slots, len(devices)), device_kind, devices, r.steps, r.warmup,
-                               cfg.trainer.threads, Path(to_absolute_path(r.cache)), cfg.timeouts.report_s)
-    save_table(table, output_dir / "rates.json")
-    return table
+    return device_kind, slots, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory)
 
 
 def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph: StageGraph,

@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline.data.graph import BatchOutput, StageTiming
 from pipeline.training.reports import TrainerDone, TrainReport, ValReport
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import GroupSpec, ModelSpec
 
 
 MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline
@@ -42,6 +42,7 @@ class ModelRecord:
             "name": m.name, "arch": m.arch, "depth": m.depth, "width": m.width, "growth_rate": m.growth_rate,
             "lr": m.lr, "input": m.input, "image_size": self.image_size, "params": self.params,
             "slots": len(last["devices"]), "devices": list(last["devices"]), "flotillas": self.stints,
+            "group": last.get("group"), "group_mode": last.get("group_mode"),
             "epochs": len(epochs), "converged": self.converged, "failures": self.failures,
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
@@ -136,10 +137,12 @@ class RunRecorder:
                     if latency else None
                 self.delivery[flotilla]["hubs"][rank] = summary
 
-    def joined(self, model: str, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
+    def joined(self, group: GroupSpec, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
         with self.lock:
-            self.models[model].stints.append({"flotilla": flotilla, "devices": list(devices),
-                                              "start_epoch": start_epoch})
+            for model in group.members:
+                self.models[model.name].stints.append({
+                    "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch, "group": group.name,
+                    "group_members": [m.name for m in group.members], "group_mode": group.mode})
 
     def converged(self, model: str, reason: str) -> None:
         with self.lock:
@@ -156,7 +159,8 @@ class RunRecorder:
 
     def add_checksums(self, flotilla: int, done: TrainerDone) -> None:
         with self.lock:
-            self.checksums[f"{flotilla}/{done.model}/{done.rank}"] = done.checksums
+            for stream, checksums in done.checksums.items():
+                self.checksums[f"{flotilla}/{done.group}/{done.rank}/{stream}"] = checksums
 
     def add_report(self, report: TrainReport | ValReport) -> None:
         with self.lock:
@@ -164,8 +168,8 @@ class RunRecorder:
             if isinstance(report, ValReport):
                 self._add_validation(record, report)
                 return
-            for start, end in report.spans:
-                self._span(f"trainer {report.model}/{report.rank}", "step", start, end)
+            for start, end in report.spans:  # a group's steps come once, with its first member's report
+                self._span(f"trainer {record.stints[-1]['group']}/{report.rank}", "step", start, end)
             if report.rank == 0:  # rank 0 speaks for its model's ranks
                 record.train_loss[report.epoch] = report.loss
                 record.images += report.images * len(record.stints[-1]["devices"])
@@ -211,8 +215,15 @@ class RunRecorder:
         last = [r.last_probs for r in self.models.values() if r.last_probs is not None]
         epochs = max((m["epochs"] for m in models), default=0)
         busy = sum(t.cpu_s for t in self.stages.values())
+        groups = {}  # each slot group as it last trained: its members then, packed or fused
+        for record in self.models.values():
+            if record.stints:
+                stint = record.stints[-1]
+                groups[stint["group"]] = {"members": stint["group_members"], "mode": stint["group_mode"],
+                                          "devices": stint["devices"], "flotilla": stint["flotilla"]}
         return {
             "models": models,
+            "groups": groups,
             "ensemble": {
                 "val_accuracy": [self.ensemble_accuracy[e] for e in sorted(self.ensemble_accuracy)],
                 "final_val_accuracy": self._accuracy(np.sum(last, axis=0)) if len(last) == len(self.models)

@@ -5,11 +5,12 @@ import enum
 import os
 
 from pipeline.scheduler.cluster import Slot
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import ModelSpec
 from stages.base import UserError
 
 # The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x
-# higher (workspaces, allocator slack), so a model must fit with this margin.
+# higher (workspaces, allocator slack), so a group must fit with this margin
+# (pipeline/orchestration/grouping.py checks it).
 MEMORY_HEADROOM = 1.5
 
 
@@ -68,14 +69,3 @@ def slot_memory_bytes(device_kind: str, slots: int, configured_gb: float | None,
     if device_kind == "cuda":
         return int(gpu_memory or 0)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // slots
-
-
-def check_memory(needs: dict[str, int], slot_bytes: int) -> None:
-    """`needs`: estimated training bytes of each model on one of its slots."""
-    for name, need in needs.items():
-        if need * MEMORY_HEADROOM > slot_bytes:
-            raise SlotError(
-                f"model {name} needs about {need * MEMORY_HEADROOM / 2**30:.2f} GiB per slot to train "
-                f"(estimate x{MEMORY_HEADROOM} headroom) but a slot has {slot_bytes / 2**30:.2f} GiB; lower "
-                "pipeline.batch_size, make the model smaller (depth/width), give it more slots (its slots key), "
-                "or set trainer.slot_memory_gb")

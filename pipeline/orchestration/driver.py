@@ -26,7 +26,7 @@ from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlot
                                 SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
 from pipeline.training.reports import TrainerDone, TrainerReport, ValReport
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import GroupSpec
 from stages.base import Split
 
 
@@ -59,13 +59,13 @@ class TopologyChoice:
     topology: Topology
     broadcast_groups: int
     node_threads: dict[int, int]  # worker threads of each node
-    rates: dict[str, list[float]] | None  # each model's measured images/s on 1, 2, ... slots, if measured
+    rates: dict[str, list[float]] | None  # each group's measured images/s on 1, 2, ... slots, if measured
     probed_seconds_per_image: float | None  # worker seconds per image, measured before the run (auto, several nodes)
 
     def plan(self, members: list[Member], recorder: RunRecorder) -> tuple[DeliveryPlan, str]:
-        placement = {m.model.name: m.nodes for m in members}
+        placement = {m.group.name: m.nodes for m in members}
         # A member's speed on the slots it holds.
-        rates = {m.model.name: self.rates[m.model.name][len(m.devices) - 1] for m in members} \
+        rates = {m.group.name: self.rates[m.group.name][len(m.devices) - 1] for m in members} \
             if self.rates else None
         if self.topology != Topology.auto:
             topology, why = self.topology, f"topology={self.topology}"
@@ -104,16 +104,16 @@ class EpochDone:
 @dataclass(frozen=True)
 class MemberFailed:
     thread: FlotillaThread
-    model: str
+    group: str
     why: str
 
 
 @dataclass(frozen=True)
 class MemberLeft:
-    """A member stopped on the driver's command: its slots are free."""
+    """A member (a group) stopped on the driver's command: its slots are free."""
 
     thread: FlotillaThread
-    model: str
+    group: str
 
 
 @dataclass(frozen=True)
@@ -130,9 +130,17 @@ class ThreadEnded:
 ThreadEvent = EpochDone | MemberFailed | MemberLeft | ThreadFailed | ThreadEnded
 
 
-# Driver -> flotilla thread, after each epoch: members to stop, then go on.
+# Driver -> flotilla thread, after each epoch: groups to stop, models to release from their groups, then go on.
 @dataclass(frozen=True)
 class StopMember:
+    group: str
+
+
+@dataclass(frozen=True)
+class ReleaseModel:
+    """`model` has converged; the rest of its group trains on."""
+
+    group: str
     model: str
 
 
@@ -147,7 +155,7 @@ class FlotillaThread(threading.Thread):
     def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue):
         super().__init__(name=f"flotilla-{flotilla_id}", daemon=True)
         self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
-        self.commands: queue.Queue[StopMember | Continue] = queue.Queue()
+        self.commands: queue.Queue[StopMember | ReleaseModel | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
 
     def run(self) -> None:
@@ -160,7 +168,7 @@ class FlotillaThread(threading.Thread):
 
     def _train(self) -> None:
         r = self.run_ctx
-        graph = r.graph.feeding({member.model.input for member in self.members})
+        graph = r.graph.feeding({stream for member in self.members for stream in member.group.inputs})
         plan, why = r.topology.plan(self.members, r.recorder)
         r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
                                  f"group(s), {len(plan.hubs)} hub(s) ({why})")
@@ -178,8 +186,8 @@ class FlotillaThread(threading.Thread):
                 reports, failed = self._validation_reports(flotilla, early)
                 # The epoch first: a trainer that reported and then died still finished it.
                 self.events.put(EpochDone(self, reports))
-                for model, why in failed_early + failed:
-                    self.events.put(MemberFailed(self, model, why))
+                for group, why in failed_early + failed:
+                    self.events.put(MemberFailed(self, group, why))
                 self._carry_out(flotilla)
                 epoch += 1
 
@@ -229,7 +237,7 @@ class FlotillaThread(threading.Thread):
         return validation
 
     def _drop_failed(self, flotilla: Flotilla) -> list[tuple[str, str]]:
-        """Members whose trainer failed leave at once: (name, why) of each."""
+        """Groups whose trainer failed leave at once: (name, why) of each."""
         failed = list(flotilla.failed_members().items())
         for name, _ in failed:
             flotilla.remove(name)
@@ -237,30 +245,35 @@ class FlotillaThread(threading.Thread):
 
     def _validation_reports(self, flotilla: Flotilla, early: list[ValReport]
                             ) -> tuple[list[ValReport], list[tuple[str, str]]]:
-        """Every member's validation result of this epoch, and the members that failed meanwhile."""
+        """Every model's validation result of this epoch, and the groups that failed meanwhile."""
         reports = {report.model: report for report in early}
         failed: list[tuple[str, str]] = []
         deadline = time.monotonic() + self.run_ctx.report_s
-        while not set(flotilla.members) <= set(reports):
+        training = lambda: {m.name for member in flotilla.members.values() for m in member.group.members}
+        while not training() <= set(reports):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"flotilla {self.flotilla_id}: no validation report from "
-                                   f"{sorted(set(flotilla.members) - set(reports))} in {self.run_ctx.report_s:g} s "
+                                   f"{sorted(training() - set(reports))} in {self.run_ctx.report_s:g} s "
                                    "(timeouts.report_s)")
             for report in self._forward(flotilla.poll(timeout=1.0)):
                 reports[report.model] = report
             failed += self._drop_failed(flotilla)
-        return list(reports.values()), failed
+        return [report for name, report in reports.items() if name in training()], failed
 
     def _carry_out(self, flotilla: Flotilla) -> None:
-        """Applies the main thread's decisions for this epoch: members to stop."""
-        leaving = [command.model for command in iter(self.commands.get, Continue())]
+        """Applies the main thread's decisions for this epoch: models to release, groups to stop."""
+        commands = list(iter(self.commands.get, Continue()))
+        for command in commands:
+            if isinstance(command, ReleaseModel) and command.group in flotilla.members:
+                flotilla.release(command.group, command.model)  # before the next batch is published
+        leaving = [command.group for command in commands if isinstance(command, StopMember)]
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)
             self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
-        for model in leaving:
-            flotilla.remove(model)
-            self.events.put(MemberLeft(self, model))
+        for group in leaving:
+            flotilla.remove(group)
+            self.events.put(MemberLeft(self, group))
 
     def _await_done(self, flotilla: Flotilla) -> None:
         """After STOP: every hub's summary and every trainer's last report (its checksums), then exit."""
@@ -273,20 +286,26 @@ class FlotillaThread(threading.Thread):
                                    f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             flotilla.hub_progress(timeout=0.1)
             reports = flotilla.poll(timeout=0.5)
-            waiting -= {(r.model, r.rank) for r in reports if isinstance(r, TrainerDone)}
+            waiting -= {(r.group, r.rank) for r in reports if isinstance(r, TrainerDone)}
             self._forward(reports)
         flotilla.join(timeout=self.run_ctx.delivery.exit_s)
 
 
 class Driver:
-    def __init__(self, scheduler: Scheduler, models: dict[str, ModelSpec], slot_devices: dict[Slot, str],
+    """Carries out the scheduler's decisions. The scheduler places groups (a group of one is a model);
+    convergence is each model's own: a converged model leaves its group, and the group leaves its
+    flotilla (ModelConverged to the scheduler) with its last model."""
+
+    def __init__(self, scheduler: Scheduler, groups: dict[str, GroupSpec], slot_devices: dict[Slot, str],
                  convergence: Convergence, run: RunContext, console: Console):
-        self.scheduler, self.models, self.slot_devices = scheduler, models, slot_devices
+        self.scheduler, self.groups, self.slot_devices = scheduler, groups, slot_devices
+        self.group_of = {m.name: group.name for group in groups.values() for m in group.members}
         self.convergence, self.run_ctx, self.console = convergence, run, console
         self.events: queue.Queue = queue.Queue()
         self.threads: dict[int, FlotillaThread] = {}  # running
         self.assigned: dict[str, tuple[Slot, ...]] = {}
-        self.gone: set[str] = set()  # models whose trainers failed: their flotilla already let them go
+        self.gone: set[str] = set()  # groups whose trainers failed: their flotilla already let them go
+        self.converged: set[str] = set()  # models
         self.started = time.monotonic()
         self.log: list[dict] = []  # every decision, for results.json
 
@@ -303,9 +322,9 @@ class Driver:
                 if isinstance(event, EpochDone):
                     self._epoch_finished(event.thread, event.reports)
                 elif isinstance(event, MemberFailed):
-                    self._trainer_failed(event.model, event.why)
+                    self._trainer_failed(event.group, event.why)
                 elif isinstance(event, MemberLeft):
-                    self._free_slots(event.model)
+                    self._free_slots(event.group)
                 elif isinstance(event, ThreadEnded):
                     event.thread.join()
                     self.threads.pop(event.thread.flotilla_id, None)
@@ -322,38 +341,50 @@ class Driver:
             if isinstance(event, ThreadFailed):
                 raise event.error
 
-    def _free_slots(self, model: str) -> None:
-        for slot in self.assigned.pop(model, ()):
+    def _free_slots(self, group: str) -> None:
+        for slot in self.assigned.pop(group, ()):
             self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
 
-    def _trainer_failed(self, model: str, why: str) -> None:
-        self.console.print(f"[red]trainer of {model} failed[/] ({why.strip().splitlines()[-1]}); "
+    def _trainer_failed(self, group: str, why: str) -> None:
+        self.console.print(f"[red]trainer of {group} failed[/] ({why.strip().splitlines()[-1]}); "
                            "the scheduler resumes it from its last checkpoint")
-        self.run_ctx.recorder.failed(model, why)
-        self.gone.add(model)
-        self._carry_out(self.scheduler.handle(TrainerFailed(self.now(), model, self.assigned[model][0], why)))
+        for model in self.groups[group].members:
+            self.run_ctx.recorder.failed(model.name, why)
+        self.gone.add(group)
+        self._carry_out(self.scheduler.handle(TrainerFailed(self.now(), group, self.assigned[group][0], why)))
 
     def _epoch_finished(self, thread: FlotillaThread, reports: list[ValReport]) -> None:
         if not reports:  # its members all failed during the epoch
             thread.commands.put(Continue())
             return
-        decisions = []
-        converged = []
+        decisions, converging = [], []
+        by_group: dict[str, list[ValReport]] = {}
         for report in sorted(reports, key=lambda r: r.model):
             self.run_ctx.recorder.add_report(report)
-            metrics = {"val_accuracy": report.accuracy}
-            decisions += self.scheduler.handle(EpochFinished(self.now(), report.model, report.epoch + 1, metrics))
+            by_group.setdefault(self.group_of[report.model], []).append(report)
             reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report.model))
             if reason:
-                converged.append((report.model, reason))
+                converging.append((report.model, reason))
+        for group, group_reports in by_group.items():
+            accuracy = sum(r.accuracy for r in group_reports) / len(group_reports)
+            decisions += self.scheduler.handle(EpochFinished(self.now(), group, group_reports[0].epoch + 1,
+                                                             {"val_accuracy": accuracy}))
         epoch = max(report.epoch for report in reports)
         ensemble = self.run_ctx.recorder.ensemble_accuracy.get(epoch)
         self.console.print(f"flotilla {thread.flotilla_id}: val accuracy " + ", ".join(
             f"{r.model} {r.accuracy:.1%} (epoch {r.epoch + 1})" for r in reports)
             + (f"; [bold]ensemble {ensemble:.1%}[/] (epoch {epoch + 1})" if ensemble is not None else ""))
-        for model, reason in converged:
+        for model, reason in converging:
             self.run_ctx.recorder.converged(model, reason)
-            decisions += self.scheduler.handle(ModelConverged(self.now(), model))
+            self.converged.add(model)
+        for group in sorted({self.group_of[model] for model, _ in converging}):
+            if all(m.name in self.converged for m in self.groups[group].members):
+                decisions += self.scheduler.handle(ModelConverged(self.now(), group))
+                continue
+            for model, reason in converging:  # the rest of its group trains on
+                if self.group_of[model] == group:
+                    self.console.print(f"flotilla {thread.flotilla_id}: {model} leaves {group} ({reason})")
+                    thread.commands.put(ReleaseModel(group, model))
         self._carry_out(decisions)
         thread.commands.put(Continue())
 
@@ -372,9 +403,10 @@ class Driver:
                 self.gone.discard(decision.model)
                 slots = self.assigned[decision.model]
                 devices = tuple(self.slot_devices[s] for s in slots)
-                forming[decision.flotilla].append(Member(self.models[decision.model], devices,
-                                                         tuple(s.node for s in slots), decision.resume_epoch))
-                self.run_ctx.recorder.joined(decision.model, decision.flotilla, devices, decision.resume_epoch)
+                group = self.groups[decision.model].without(self.converged)  # its models still training
+                forming[decision.flotilla].append(Member(group, devices, tuple(s.node for s in slots),
+                                                         decision.resume_epoch))
+                self.run_ctx.recorder.joined(group, decision.flotilla, devices, decision.resume_epoch)
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
                 if decision.model in self.gone:  # its trainers are already stopped
@@ -388,4 +420,3 @@ class Driver:
             thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events)
             self.threads[flotilla_id] = thread
             thread.start()
-

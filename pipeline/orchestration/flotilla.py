@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipeline.data.graph import StageGraph
@@ -24,13 +24,16 @@ from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
 from pipeline.orchestration.node import node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
-from pipeline.training.trainer import ModelSpec, TrainerSpec
+from pipeline.training.group import GroupSpec, Precision
+from pipeline.training.trainer import TrainerSpec
 from stages.base import BadFileError, OnError, Spec, Split
 
 
 @dataclass(frozen=True)
 class Member:
-    model: ModelSpec
+    """A group (pipeline/training/group.py) on its slots: one trainer per slot."""
+
+    group: GroupSpec
     devices: tuple[str, ...]  # one per slot, rank order: "cpu" or "cuda:<i>"
     nodes: tuple[int, ...]  # the node of each slot
     start_epoch: int = 0  # epochs trained before: resume from its checkpoint
@@ -44,6 +47,7 @@ class TrainingSetup:
     epochs: int  # the most epochs a model trains
     steps_per_epoch: int
     threads: int
+    precision: Precision
     checkpoint_dir: Path
     record_checksums: bool
     consume_only: bool
@@ -67,10 +71,10 @@ class Flotilla:
     def __init__(self, flotilla_id: int, members: list[Member], graph: StageGraph, plan: DeliveryPlan,
                  setup: TrainingSetup, delivery: DeliverySetup):
         self.id = flotilla_id
-        self.members = {m.model.name: m for m in members}
+        self.members = {m.group.name: m for m in members}
         self.plan = plan
         self.nodes = {}  # node -> its NodeProcesses (or a proxy to it in the host's agent)
-        self.errors: dict[str, str] = {}  # model -> traceback of a trainer that failed
+        self.errors: dict[str, str] = {}  # group -> traceback of a trainer that failed
         self.summaries: dict[int, dict] = {}  # hub rank -> what it moved, once stopped
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
@@ -83,13 +87,14 @@ class Flotilla:
             raise
 
     def _hub(self, member: Member, rank: int) -> HubPlan:
-        return self.plan.hub_of(member.model.name, member.nodes[rank])
+        return self.plan.hub_of(member.group.name, member.nodes[rank])
 
     def _make_rings(self, graph: StageGraph, depth: int) -> None:
         readers: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
             for rank in range(len(member.devices)):
-                readers[self._hub(member, rank).rank, member.model.input] += 1
+                for stream in member.group.inputs:
+                    readers[self._hub(member, rank).rank, stream] += 1
         for (hub, stream), count in sorted(readers.items()):
             layout = StreamLayout(graph.source.batch_size, graph.sinks[stream].item_shape)
             self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, depth)
@@ -104,7 +109,8 @@ class Flotilla:
         shared_keys = uuid.uuid4().hex[:8] if shared else None
         for hub in self.plan.hubs:
             group = self.plan.groups[hub.group]
-            streams = {self.members[name].model.input for name in (self.members if shared else group.members)}
+            streams = {stream for name in (self.members if shared else group.members)
+                       for stream in self.members[name].group.inputs}
             self.nodes[hub.node].start_hub(HubSpec(
                 hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node], delivery.scheduler,
                 graph.feeding(streams), delivery.seed, delivery.on_error, delivery.in_flight[hub.node], {},
@@ -113,19 +119,21 @@ class Flotilla:
     def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
-            model = member.model
-            rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the model's process group
+            group = member.group
+            rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the group's process group
             for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
-                spec = TrainerSpec(model, setup.num_classes, sinks[model.input].item_shape[0], setup.epochs,
-                                   member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
-                                   setup.threads, str(setup.checkpoint_dir), setup.record_checksums,
-                                   setup.consume_only)
-                key = (self._hub(member, rank).rank, model.input)
-                self.nodes[node].start_trainer(spec, key[0], next_reader[key])
-                next_reader[key] += 1
+                spec = TrainerSpec(group, setup.num_classes, {s: sinks[s].item_shape[0] for s in group.inputs},
+                                   setup.epochs, member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
+                                   setup.threads, setup.precision, str(setup.checkpoint_dir),
+                                   setup.record_checksums, setup.consume_only)
+                hub = self._hub(member, rank).rank
+                readers = {stream: next_reader[hub, stream] for stream in group.inputs}
+                self.nodes[node].start_trainer(spec, hub, readers)
+                for stream in group.inputs:
+                    next_reader[hub, stream] += 1
 
     def failed_members(self) -> dict[str, str]:
-        """Members with a trainer that reported an error or died: name -> why."""
+        """Groups with a trainer that reported an error or died: name -> why."""
         failed = {name: self.errors[name] for name in self.members if name in self.errors}
         for node in self.nodes.values():
             for name, trainers in node.trainer_exit_codes().items():
@@ -170,8 +178,15 @@ class Flotilla:
         for node in self.nodes.values():
             node.command_hubs(StopStreams())
 
+    def release(self, group: str, model: str) -> None:
+        """`model` leaves `group`, whose other models train on; its last checkpoint is its state."""
+        member = self.members[group]
+        self.members[group] = replace(member, group=member.group.without({model}))
+        for node in sorted(set(member.nodes)):
+            self.nodes[node].release(group, model)
+
     def remove(self, name: str) -> None:
-        """Stop a member's trainers now; its last checkpoint is its state."""
+        """Stop a group's trainers now; the last checkpoints of its models are their state."""
         member = self.members.pop(name, None)
         if member is None:  # already gone (it failed)
             return
@@ -184,7 +199,7 @@ class Flotilla:
         reports = [report for node in self.nodes.values() for report in node.poll((timeout or 0) / len(self.nodes))]
         for report in reports:
             if isinstance(report, TrainerError):
-                self.errors[report.model] = f"rank {report.rank} raised:\n{report.traceback}"
+                self.errors[report.group] = f"rank {report.rank} raised:\n{report.traceback}"
         return [report for report in reports if not isinstance(report, TrainerError)]
 
     def join(self, timeout: float) -> None:

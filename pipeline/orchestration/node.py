@@ -24,20 +24,27 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import connection
 from multiprocessing.managers import BaseManager
 
 from pipeline.delivery.collective import LOOPBACK, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
-from pipeline.training.trainer import TrainerSpec, trainer_main
+from pipeline.training.trainer import ReleaseMember, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.data.handoff import HANDOFF_PREFIX, remove_all
 from pipeline.delivery.ring import Ring
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
 log = logging.getLogger(__name__)  # an agent shows it: what its host runs
+
+
+@dataclass
+class TrainerProcess:
+    process: mp.Process
+    readers: list[tuple[Ring, int]]  # (ring, reader index) of each stream it reads
+    commands: connection.Connection  # the driver's end of its command pipe
 
 
 class NodeProcesses:
@@ -52,7 +59,7 @@ class NodeProcesses:
         self.hub_events = Inbox(self.context)  # hubs -> driver
         self.abort = self.context.Event()  # tells hubs to leave between batches
         self.hubs: dict[int, tuple[mp.Process, object]] = {}  # hub rank -> (process, its command queue)
-        self.trainers: dict[str, list[tuple[mp.Process, Ring, int]]] = defaultdict(list)  # model -> (.., reader)
+        self.trainers: dict[str, list[TrainerProcess]] = defaultdict(list)  # group -> its trainers here
         self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
 
     def rendezvous(self) -> str:
@@ -73,15 +80,25 @@ class NodeProcesses:
         self.hubs[rank] = (process, commands)
         log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, process.pid)
 
-    def start_trainer(self, spec: TrainerSpec, hub: int, reader: int) -> None:
-        """A trainer reading as `reader` from hub `hub`'s ring of its model's stream."""
-        ring = self.rings[hub, spec.model.input]
-        process = self.context.Process(target=trainer_main, args=(spec, ring.reader(reader), self.reports.channel()),
-                                       name=f"trainer-{spec.model.name}-{spec.rank}", daemon=True)
+    def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int]) -> None:
+        """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream."""
+        taken = [(self.rings[hub, stream], reader) for stream, reader in readers.items()]
+        commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
+        process = self.context.Process(
+            target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
+            args=(spec, {stream: self.rings[hub, stream].reader(i) for stream, i in readers.items()}, commands,
+                  self.reports.channel()))
         process.start()
-        self.trainers[spec.model.name].append((process, ring, reader))
-        log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.model.name, spec.rank,
+        commands.close()  # the child's end
+        self.trainers[spec.group.name].append(TrainerProcess(process, taken, command_sender))
+        log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, process.pid)
+
+    def release(self, group: str, model: str) -> None:
+        """`model` leaves `group`: its trainers free it before their next batch (the command is in their pipe
+        when this returns, before any later batch is published)."""
+        for trainer in self.trainers.get(group, []):
+            trainer.commands.send(ReleaseMember(model))
 
     def command_hubs(self, command: HubCommand) -> None:
         for _, commands in self.hubs.values():
@@ -100,18 +117,22 @@ class NodeProcesses:
         return {rank: process.exitcode for rank, (process, _) in self.hubs.items()}
 
     def trainer_exit_codes(self) -> dict[str, list[tuple[str, int | None]]]:
-        """Model -> (process name, exit code) of each of its trainers here (None: running)."""
-        return {name: [(p.name, p.exitcode) for p, _, _ in trainers] for name, trainers in self.trainers.items()}
+        """Group -> (process name, exit code) of each of its trainers here (None: running)."""
+        return {name: [(t.process.name, t.process.exitcode) for t in trainers]
+                for name, trainers in self.trainers.items()}
 
-    def remove(self, model: str) -> None:
-        """Stop a model's trainers here; no hub waits on their readers any more."""
-        trainers = self.trainers.pop(model, [])
-        for _, ring, reader in trainers:
-            ring.detach(reader)
-        _stop_processes([process for process, _, _ in trainers], self.exit_s)
+    def remove(self, group: str) -> None:
+        """Stop a group's trainers here; no hub waits on their readers any more."""
+        trainers = self.trainers.pop(group, [])
+        for trainer in trainers:
+            for ring, reader in trainer.readers:
+                ring.detach(reader)
+        _stop_processes([t.process for t in trainers], self.exit_s)
+        for trainer in trainers:
+            trainer.commands.close()
 
     def join(self, timeout: float) -> None:
-        for process in [p for trainers in self.trainers.values() for p, _, _ in trainers] + \
+        for process in [t.process for trainers in self.trainers.values() for t in trainers] + \
                 [p for p, _ in self.hubs.values()]:
             process.join(timeout)
 

@@ -41,7 +41,7 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.trainer import ModelSpec, SGDStep
+from pipeline.training.group import ModelSpec, SGDStep, normalise
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -296,7 +296,7 @@ class _Trainee:
         self.net = build_model(model.arch, model.depth, model.width, model.growth_rate, classes,
                                image_size=image_size).to(self.device).to(memory_format=torch.channels_last)
         self.params = count_parameters(self.net)
-        self.step = SGDStep(self.net, model, self.device)
+        self.step = SGDStep(self.net, model)
 
     def train(self, feed: Iterator[BatchOutput], stream: str, warmup: int) -> _Pass:
         torch = self.torch
@@ -327,6 +327,6 @@ class _Trainee:
         return timed
 
     def _step(self, images: np.ndarray, labels: np.ndarray) -> float:
-        x = self.step.normalise(images)
+        x = normalise(images, self.device)
         y = self.torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
         return float(self.step(x, y).detach())  # waits for the device: the step's time is its own

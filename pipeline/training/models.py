@@ -94,12 +94,48 @@ def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) 
     cannot train on one value per channel, and must not update its running
     statistics here), and leaves every module's mode as it found it.
     """
+    state, activations = estimate_training_parts(model, image_size, batch_size)
+    return state + activations
+
+
+def estimate_training_parts(model: nn.Module, image_size: int, batch_size: int) -> tuple[int, int]:
+    """`estimate_training_bytes` in its two parts: (state, activations). A group's
+    members keep their states together but, stepped in turn, hold one member's
+    activations at a time (a fused array: all of its members' at once)."""
     _require_positive_int("image_size", image_size)
     _require_positive_int("batch_size", batch_size)
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     state_bytes = 3 * _nbytes(trained) + _nbytes(frozen) + _nbytes(model.buffers())
-    return state_bytes + batch_size * _saved_activation_bytes_per_image(model, image_size)
+    return state_bytes, batch_size * _saved_activation_bytes_per_image(model, image_size)
+
+
+def estimate_step_flops(model: nn.Module, image_size: int) -> float:
+    """Multiply-adds of one image's training step (forward + backward, about 3x the
+    forward's convolutions and matmuls): the cost used to balance slots when no
+    rate was measured. A count, not a time: only ratios between models matter."""
+    _require_positive_int("image_size", image_size)
+    total = 0
+
+    def count(module: nn.Module, _, output: torch.Tensor) -> None:
+        nonlocal total
+        spatial = output[0, 0].numel() if output.dim() == 4 else 1  # output pixels per channel
+        total += module.weight.numel() * spatial
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.eval()
+        first_parameter = next(model.parameters())
+        with torch.no_grad():
+            model(torch.zeros(1, 3, image_size, image_size, dtype=first_parameter.dtype,
+                              device=first_parameter.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, training in modes.items():
+            module.training = training
+    return 3.0 * total
 
 
 def _saved_activation_bytes_per_image(model: nn.Module, image_size: int) -> int:
@@ -235,6 +271,8 @@ class ResNet(nn.Module):
 class DenseLayer(nn.Module):
     """BN-ReLU-1x1 conv (4k) - BN-ReLU-3x3 conv (k); its k channels join the block's input."""
 
+    members: int = 1  # models computed at once; pipeline/training/fusion.py sets it in a fused array
+
     def __init__(self, in_channels: int, growth_rate: int):
         super().__init__()
         bottleneck = BOTTLENECK_FACTOR * growth_rate
@@ -248,7 +286,16 @@ class DenseLayer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, self.new_features(x)], dim=1)
+        return _concat_channels(x, self.new_features(x), self.members)
+
+
+def _concat_channels(x: torch.Tensor, new: torch.Tensor, members: int) -> torch.Tensor:
+    """torch.cat([x, new], dim=1), keeping each member's channels together in a fused array."""
+    if members == 1:
+        return torch.cat([x, new], dim=1)
+    # Concatenated with channels as the last dim, so that the result is channels_last (the trainer's layout).
+    x, new = (t.movedim(1, -1).unflatten(-1, (members, -1)) for t in (x, new))
+    return torch.cat([x, new], dim=-1).flatten(-2).movedim(-1, 1)
 
 
 class Transition(nn.Sequential):

@@ -1,21 +1,25 @@
-"""Rate measurement for the FLEET scheduler: each model's training rate
-(images/s) on 1..k device slots, measured by short real runs and cached on
-disk; the scheduler's rate table (pipeline/scheduler/cluster.py) is made of them.
+"""Rate measurement for the scheduler: each group's training rate (images/s;
+every model of a group trains on every image) on 1..k device slots, measured
+by short real runs and cached on disk; the scheduler's rate table
+(pipeline/scheduler/cluster.py) is made of them. A group of one is a model;
+a group of several holds one slot, and is measured packed or fused as it
+will train (with trainer.grouping=auto, both, to choose).
 
-A run on k slots starts k trainer processes (spawned) that train the model
-data-parallel (DDP over NCCL on CUDA, gloo on CPU), each rank taking its 1/k
-share of every batch, exactly as `pipeline.training.trainer` does: uint8 NHWC batches
-copied to the device and normalised there, forward, backward, SGD step. The
-batches are synthetic and already in memory, so a measurement times training,
-never input. Rate = images per batch / median step time, where a step's time
-is that of its slowest rank (the allreduce makes every rank wait for it); the
-median ignores the odd step stalled by the OS or a collective's first use.
+A run on k slots starts k trainer processes (spawned) that step the group
+with `GroupStep`, data-parallel (DDP over NCCL on CUDA, gloo on CPU) when
+k > 1, each rank taking its 1/k share of every batch, exactly as the trainer
+does: uint8 NHWC batches normalised on the device, forward, backward, SGD
+step. The batches are synthetic and already in memory, so a measurement
+times training, never input. Rate = images per batch / median step time,
+where a step's time is that of its slowest rank (the allreduce makes every
+rank wait for it); the median ignores the odd step stalled by the OS or a
+collective's first use.
 
 The cache is a JSON file of entries keyed by what decides the rate: the
-model's shape (arch, depth, width, growth rate, classes), image size, batch
-size, and the hardware (device kind and name, cores, threads per trainer,
-torch version). Learning rate and friends do not change the speed and are
-left out, so a hyper-parameter sweep is measured once.
+members' shapes (arch, depth, width, growth rate), whether they fuse, the
+classes, image sizes, batch size, precision and the hardware (device kind
+and name, cores, threads per trainer, torch version). Learning rates and
+names do not change the speed and are left out, so a sweep is measured once.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from pathlib import Path
 from pipeline.delivery.collective import rendezvous_at
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
-from pipeline.training.trainer import ModelSpec, SGDStep
+from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
 
 
 @dataclass(frozen=True)
@@ -54,58 +58,56 @@ class RateError(UserError):
     """A rate measurement that cannot be made as asked, or a cache that cannot be read."""
 
 
-def measure_rates(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, slot_counts: list[int],
-                  device_kind: str, devices: list[str], steps: int, warmup: int, threads: int,
-                  report_s: float = 600.0) -> dict[int, float]:
-    """Images/s of `model` trained on each of `slot_counts` slots.
+@dataclass(frozen=True)
+class Measurement:
+    """What every measurement of a run shares."""
 
-    batch_size: images per step, split over the slots (as a flotilla's batch is).
-    devices: the slots to use, in rank order ("cuda:<i>", or "cpu" repeated);
-        a run on k slots uses the first k.
-    steps: timed steps per run, after `warmup` untimed ones.
-    threads: torch threads per trainer process.
-    report_s: a rank silent this long is taken as hung (timeouts.report_s).
-    """
-    _check_request(slot_counts, device_kind, devices, batch_size, steps, warmup, threads)
-    return {slots: batch_size / _median_step_seconds(model, num_classes, image_size, batch_size,
-                                                     devices[:slots], steps, warmup, threads, report_s)
-            for slots in slot_counts}
+    num_classes: int
+    image_sizes: dict[str, int]  # stream -> side of its images in px
+    batch_size: int  # images per step, split over the slots (as a flotilla's batch is)
+    device_kind: str
+    devices: list[str]  # the slots to use, in rank order ("cuda:<i>", or "cpu" repeated); k slots use the first k
+    steps: int  # timed steps per run, after `warmup` untimed ones
+    warmup: int
+    threads: int  # torch threads per trainer process
+    precision: Precision = Precision.fp32
+    report_s: float = 600.0  # a rank silent this long is taken as hung (timeouts.report_s)
 
 
-def measure_rate_table(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int], batch_size: int,
-                       max_slots: int, device_kind: str, devices: list[str], steps: int, warmup: int, threads: int,
-                       cache_path: Path, report_s: float = 600.0) -> RateTable:
-    """The scheduler's rate table: each model's rate on 1..max_slots slots.
+def measure_rates(group: GroupSpec, slot_counts: list[int], how: Measurement) -> dict[int, float]:
+    """Images/s of `group` trained on each of `slot_counts` slots."""
+    _check_request(group, slot_counts, how)
+    return {slots: how.batch_size / _median_step_seconds(group, how.devices[:slots], how) for slots in slot_counts}
 
-    image_sizes: input side in px of each model, by name. Rates already in the
-    cache at `cache_path` are read from it; the rest are measured and added.
-    """
-    _check_request(list(range(1, max_slots + 1)), device_kind, devices, batch_size, steps, warmup, threads)
-    hardware = describe_hardware(device_kind, devices, threads)
+
+def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement, cache_path: Path) -> RateTable:
+    """The scheduler's rate table: each group's rate on 1..max_slots slots (a group of several: on 1).
+
+    Rates already in the cache at `cache_path` are read from it; the rest are measured and added."""
+    hardware = describe_hardware(how.device_kind, how.devices, how.threads)
     cache = _read_cache(Path(cache_path))
     table = RateTable()
-    for model in models:
-        if model.name not in image_sizes:
-            raise RateError(f"no image size for model {model.name!r}; image_sizes has "
-                            f"{sorted(image_sizes)}: add the side in px of the images it trains on")
-        key = cache_key(model, num_classes, image_sizes[model.name], batch_size, hardware)
+    for group in groups:
+        counts = list(range(1, max_slots + 1)) if len(group.members) == 1 else [1]
+        _check_request(group, counts, how)
+        key = cache_key(group, how, hardware)
         entry = next((e for e in cache if e["key"] == key), None)
         if entry is None:
             entry = {"key": key, "images_per_s": {}}
             cache.append(entry)
-        missing = [k for k in range(1, max_slots + 1) if str(k) not in entry["images_per_s"]]
+        missing = [k for k in counts if str(k) not in entry["images_per_s"]]
         if missing:
-            measured = measure_rates(model, num_classes, image_sizes[model.name], batch_size, missing,
-                                     device_kind, devices, steps, warmup, threads, report_s)
+            measured = measure_rates(group, missing, how)
             entry["images_per_s"].update({str(k): rate for k, rate in measured.items()})
-            _write_json(Path(cache_path), cache)  # after each model: an interrupted measurement keeps its work
-        table.add(model.name, [entry["images_per_s"][str(k)] for k in range(1, max_slots + 1)])
+            _write_json(Path(cache_path), cache)  # after each group: an interrupted measurement keeps its work
+        table.add(group.name, [entry["images_per_s"][str(k)] for k in counts])
     return table
 
 
-def cache_key(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, hardware: dict) -> dict:
-    return {"arch": model.arch, "depth": model.depth, "width": model.width, "growth_rate": model.growth_rate,
-            "num_classes": num_classes, "image_size": image_size, "batch_size": batch_size, **hardware}
+def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
+    members = sorted([m.arch, m.depth, m.width, m.growth_rate, how.image_sizes[m.input]] for m in group.members)
+    return {"members": members, "fuse": group.fuse and len(group.members) > 1, "num_classes": how.num_classes,
+            "batch_size": how.batch_size, "precision": str(how.precision), **hardware}
 
 
 def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dict:
@@ -120,16 +122,16 @@ def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dic
 
 
 def format_table(table: RateTable) -> str:
-    """Model x slots: images/s, and the speedup over 1 slot."""
+    """Group x slots: images/s, and the speedup over 1 slot."""
     most_slots = max((len(rates) for rates in table.rates.values()), default=0)
-    header = ["model"] + [f"{k} slot{'s' if k > 1 else ''}" for k in range(1, most_slots + 1)]
+    header = ["group"] + [f"{k} slot{'s' if k > 1 else ''}" for k in range(1, most_slots + 1)]
     rows = [header]
     for model in table.rates:
         one_slot = table.rate(model, 1)
         cells = [model]
         for k in range(1, most_slots + 1):
             rate = table.rate(model, k)
-            if rate == 0:  # the model cannot run on k slots
+            if rate == 0:  # it cannot run on k slots
                 cells.append("-")
             elif k == 1 or one_slot == 0:
                 cells.append(f"{rate:.1f}")
@@ -147,9 +149,9 @@ def save_table(table: RateTable, path: Path) -> None:
                              for model, rates in table.rates.items()})
 
 
-def _check_request(slot_counts: list[int], device_kind: str, devices: list[str], batch_size: int, steps: int,
-                   warmup: int, threads: int) -> None:
-    if device_kind == "cuda":
+def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement) -> None:
+    devices = how.devices
+    if how.device_kind == "cuda":
         _check_gpus(devices)
     elif any(d != "cpu" for d in devices):
         raise RateError(f"devices {devices} are not all CPU slots; with device_kind='cpu' list each as 'cpu'")
@@ -158,12 +160,18 @@ def _check_request(slot_counts: list[int], device_kind: str, devices: list[str],
     if max(slot_counts) > len(devices):
         raise RateError(f"cannot measure rates on {max(slot_counts)} slots: only {len(devices)} device(s) given "
                         f"({devices}); measure on at most {len(devices)} slots or pass more devices")
-    for name, value, least in [("steps", steps, 1), ("warmup", warmup, 0), ("threads", threads, 1)]:
+    if len(group.members) > 1 and max(slot_counts) > 1:
+        raise RateError(f"group {group.name} holds one slot; measure it on [1]")
+    for m in group.members:
+        if m.input not in how.image_sizes:
+            raise RateError(f"no image size for stream {m.input!r} of model {m.name!r}; image_sizes has "
+                            f"{sorted(how.image_sizes)}: add the side in px of the images it trains on")
+    for name, value, least in [("steps", how.steps, 1), ("warmup", how.warmup, 0), ("threads", how.threads, 1)]:
         if not isinstance(value, int) or value < least:
             raise RateError(f"{name} must be an integer >= {least}, got {value!r}")
-    if not isinstance(batch_size, int) or batch_size < 2 * max(slot_counts):
+    if not isinstance(how.batch_size, int) or how.batch_size < 2 * max(slot_counts):
         # batch norm needs two images per rank, as in the trainer
-        raise RateError(f"batch_size={batch_size!r} is too small for {max(slot_counts)} slots: each slot "
+        raise RateError(f"batch_size={how.batch_size!r} is too small for {max(slot_counts)} slots: each slot "
                         f"needs at least 2 images; use batch_size >= {2 * max(slot_counts)}")
 
 
@@ -179,19 +187,17 @@ def _check_gpus(devices: list[str]) -> None:
         raise RateError(f"devices {devices} repeat a GPU, but NCCL needs one GPU per rank; list each once")
 
 
-def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, devices: list[str],
-                         steps: int, warmup: int, threads: int, report_s: float) -> float:
+def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement) -> float:
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
     rendezvous = rendezvous_at()
-    processes = [context.Process(target=_train_steps, name=f"rates-{model.name}-{rank}",
-                                 args=(model, num_classes, image_size, batch_size, rank, devices, rendezvous,
-                                       steps, warmup, threads, reports), daemon=True)
+    processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
+                                 args=(group, rank, devices, rendezvous, how, reports), daemon=True)
                  for rank in range(len(devices))]
     try:
         for process in processes:
             process.start()
-        step_seconds = [_next_report(reports, processes, model, len(devices), report_s) for _ in processes]
+        step_seconds = [_next_report(reports, processes, group, len(devices), how.report_s) for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
             process.join(5)
@@ -203,7 +209,7 @@ def _median_step_seconds(model: ModelSpec, num_classes: int, image_size: int, ba
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
-def _next_report(reports, processes, model: ModelSpec, slots: int, report_s: float) -> list[float]:
+def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: float) -> list[float]:
     deadline = time.monotonic() + report_s
     while True:
         try:
@@ -211,54 +217,50 @@ def _next_report(reports, processes, model: ModelSpec, slots: int, report_s: flo
         except queue.Empty:
             dead = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"measuring {model.name} on {slots} slot(s): {', '.join(dead)} died "
+                raise RuntimeError(f"measuring {group.name} on {slots} slot(s): {', '.join(dead)} died "
                                    "without a report (out of memory?)") from None
             if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
-                raise RuntimeError(f"measuring {model.name} on {slots} slot(s): a rank sent no report in "
+                raise RuntimeError(f"measuring {group.name} on {slots} slot(s): a rank sent no report in "
                                    f"{report_s:g} s (timeouts.report_s); lower rates.steps or check the "
                                    "devices") from None
             continue
         if isinstance(report, RankFailed):
-            raise RuntimeError(f"measuring {model.name} on {slots} slot(s) failed in rank {report.rank}:\n"
+            raise RuntimeError(f"measuring {group.name} on {slots} slot(s) failed in rank {report.rank}:\n"
                                f"{report.traceback}")
         return report.seconds
 
 
-def _train_steps(model: ModelSpec, num_classes: int, image_size: int, batch_size: int, rank: int,
-                 devices: list[str], rendezvous: str, steps: int, warmup: int, threads: int, reports) -> None:
+def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
+                 reports) -> None:
     """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
     try:
         import numpy as np
         import torch
         import torch.distributed as dist
 
-        from pipeline.training.models import build_model
-
-        torch.set_num_threads(threads)
-        torch.manual_seed(0)
+        torch.set_num_threads(how.threads)
         device, world = torch.device(devices[rank]), len(devices)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        net = build_model(model.arch, model.depth, model.width, model.growth_rate, num_classes,
-                          image_size=image_size).to(device, memory_format=torch.channels_last)
         if world > 1:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous,
-                                    rank=rank, world_size=world)
-            net = torch.nn.parallel.DistributedDataParallel(
-                net, device_ids=[device.index] if device.type == "cuda" else None)
+            join_process_group(rendezvous, rank, world, device)
+        step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
+                         world)
         # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.
         random = np.random.default_rng(rank)
-        images = random.integers(0, 256, (batch_size, image_size, image_size, 3), dtype=np.uint8)[rank::world]
-        labels = torch.from_numpy(random.integers(0, num_classes, batch_size)[rank::world].copy())
-        train_step = SGDStep(net, model, device)
-        net.train()
+        batches = {}
+        for stream in group.inputs:
+            side = how.image_sizes[stream]
+            images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)[rank::world]
+            labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rank::world].copy())
+            batches[stream] = (images, labels)
         step_seconds = []
-        for step in range(warmup + steps):
+        for number in range(how.warmup + how.steps):
             _synchronize(torch, device)
             started = time.perf_counter()
-            train_step(train_step.normalise(images), labels.to(device, non_blocking=True))
+            step.train({s: (normalise(x, device), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
             _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
-            if step >= warmup:
+            if number >= how.warmup:
                 step_seconds.append(time.perf_counter() - started)
         # Report first: tearing down a gloo group can hang once the peer has
         # exited, and the parent kills what has not ended soon after the reports.

@@ -11,7 +11,7 @@ Checksum = tuple[int, int, int, int, int]  # (message kind, split, epoch, index,
 
 @dataclass(frozen=True)
 class TrainReport:
-    """An epoch's training split is done (every rank sends one)."""
+    """An epoch's training split is done (every rank sends one per model of its group)."""
 
     model: str
     rank: int
@@ -20,7 +20,8 @@ class TrainReport:
     images: int  # rows this rank trained on
     step_s: float  # inside training steps
     wait_s: float  # waiting for the next batch
-    spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of steps, time.time()
+    spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of the group's steps,
+    # time.time(); sent with the first member's report only
 
 
 @dataclass(frozen=True)
@@ -36,16 +37,16 @@ class ValReport:
 
 @dataclass(frozen=True)
 class TrainerDone:
-    """The stream said STOP; with trainer.record_checksums, what this rank received."""
+    """The streams said STOP; with trainer.record_checksums, what this rank received of each stream."""
 
-    model: str
+    group: str
     rank: int
-    checksums: list[Checksum]
+    checksums: dict[str, list[Checksum]]
 
 
 @dataclass(frozen=True)
 class TrainerError:
-    model: str
+    group: str
     rank: int
     traceback: str
 

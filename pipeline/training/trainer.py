@@ -1,249 +1,298 @@
-"""A trainer: one process per device slot, fed by a transport stream.
+"""A trainer: one process per device slot, training the group placed there.
 
-It knows torch, the reading end of a ring (pipeline/delivery/stream.py) and
-checkpoints; never Dask. A model on g slots runs g trainers under DDP, each
-taking its 1/g share of every batch. Typed reports (reports.py) go to the
-driver through a queue.
+It knows torch, the reading ends of rings (pipeline/delivery/stream.py) and
+checkpoints; never Dask. Its group (pipeline/training/group.py) may read
+several streams: it takes one message of each, in step (hubs publish every
+stream's batch i before batch i + 1). A model on g slots runs g trainers
+under DDP, each taking its 1/g share of every batch. Typed reports
+(reports.py) go to the driver through a queue; the driver's commands
+(`ReleaseMember`) come through a pipe and are read before each message.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 import traceback
-import warnings
 import zlib
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.delivery.stream import MessageKind
+from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
 from pipeline.training.reports import TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
-
-# ImageNet statistics: batches arrive as uint8 and are normalised on the device.
-MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    arch: str
-    depth: int
-    width: int
-    growth_rate: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    slots: int
-    input: str  # stream name
+STAGING_BUFFERS = 2  # pinned buffers per stream: one being copied to the GPU while the next fills
 
 
 @dataclass(frozen=True)
 class TrainerSpec:
-    model: ModelSpec
+    group: GroupSpec
     num_classes: int
-    image_size: int  # side of the stream's images; picks the model's stem
-    epochs: int  # the most epochs the model trains (the learning-rate schedule's length)
-    start_epoch: int  # epochs trained before; > 0 resumes from the model's checkpoint
+    image_sizes: dict[str, int]  # stream -> side of its images (picks each model's stem)
+    epochs: int  # the most epochs a model trains (the learning-rate schedule's length)
+    start_epoch: int  # epochs trained before; > 0 resumes every member from its checkpoint
     steps_per_epoch: int  # for the learning-rate schedule
-    rank: int  # within the model's data-parallel group
-    rendezvous: str  # init_method of the model's process group (used when slots > 1)
+    rank: int  # within the group's data-parallel ranks (a group of several has one)
+    rendezvous: str  # init_method of the process group (used when the group spans slots)
     device: str  # "cpu" or "cuda:<i>"
     threads: int
+    precision: Precision
     checkpoint_dir: str
     record_checksums: bool
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
 
 
-class SGDStep:
-    """A training step as every trainer takes it (trainers, rate measurement, profile
-    mode): a uint8 NHWC batch normalised on the device, cross-entropy, Nesterov SGD."""
+@dataclass(frozen=True)
+class ReleaseMember:
+    """Driver -> trainer: `model` has left the group (converged or stopped); free it, train the others."""
 
-    def __init__(self, net, model: ModelSpec, device):
-        import torch
-
-        self.torch, self.net, self.device = torch, net, device
-        self.optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
-                                         weight_decay=model.weight_decay, nesterov=True)
-        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-
-    def normalise(self, images: np.ndarray):
-        """uint8 NHWC (a view that may be released after) -> normalised float NCHW on the device."""
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
-            x = self.torch.from_numpy(images)
-        x = x.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
-        return (x - self.mean) / self.std
-
-    def __call__(self, x, y):
-        """One step on a normalised batch; the loss, on the device."""
-        loss = self.torch.nn.functional.cross_entropy(self.net(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss
+    model: str
 
 
-def trainer_main(spec: TrainerSpec, reader, reports) -> None:
-    """Process entry point: train until the stream says STOP."""
+def trainer_main(spec: TrainerSpec, readers: dict, commands, reports) -> None:
+    """Process entry point: train until the streams say STOP."""
     try:
-        Trainer(spec, reports).consume(reader)
-    except BaseException:  # the driver names the model and shows the traceback, once
-        reports.put(TrainerError(spec.model.name, spec.rank, traceback.format_exc()))
+        Trainer(spec, reports, commands).consume(readers)
+    except BaseException:  # the driver names the group and shows the traceback, once
+        reports.put(TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-class Trainer:
-    def __init__(self, spec: TrainerSpec, reports):
+class DeviceFeed:
+    """Copies each batch out of its ring buffer onto the device, and hands the buffer back only once the
+    copy has finished. On a GPU the copy goes through pinned staging memory, asynchronously; a CUDA
+    event marks its end. On CPU the copy is synchronous and the buffer goes back at once.
+
+    `new_event` makes the copy-done marker (anything with record() and query()); tests inject their own.
+    """
+
+    def __init__(self, device, new_event=None):
         import torch
-        import torch.distributed as dist
 
-        from pipeline.training.models import build_model
+        self.torch, self.device = torch, device
+        self.on_gpu = device.type == "cuda"
+        self.new_event = new_event or ((lambda: torch.cuda.Event()) if self.on_gpu else None)
+        self.pending: deque = deque()  # (event, what to call once it has passed), oldest first
+        self.staging: dict[str, list] = {}  # stream -> [(pinned images, pinned labels, event of last copy)]
+        self.turn = 0
 
-        self.torch, self.spec, self.reports = torch, spec, reports
+    def _stage(self, stream: str, images: np.ndarray) -> list:
+        """The stream's pinned buffers (pinned: the only host memory a GPU copies from asynchronously),
+        made with its first batch, remade if a larger one comes."""
+        buffers = self.staging.get(stream)
+        if buffers is None or len(buffers[0][1]) < len(images):
+            self.flush()
+            torch = self.torch
+            buffers = self.staging[stream] = [(torch.empty(images.shape, dtype=torch.uint8).pin_memory(),
+                                               torch.empty(len(images), dtype=torch.int64).pin_memory(), None)
+                                              for _ in range(STAGING_BUFFERS)]
+        return buffers
+
+    def copy(self, stream: str, images: np.ndarray, labels: np.ndarray, release) -> tuple:
+        """(uint8 NHWC images, labels) on the device; `release` is called once they no longer need the buffer."""
+        torch = self.torch
+        self.collect()
+        if not self.on_gpu:
+            x, y = torch.from_numpy(images.copy()), torch.from_numpy(labels.copy())
+        else:
+            buffers = self._stage(stream, images)
+            host_x, host_y, busy = buffers[self.turn % STAGING_BUFFERS]
+            if busy is not None:
+                busy.synchronize()  # its previous copy must be done before it is overwritten (it always is by now)
+            count = len(labels)
+            host_x[:count].copy_(torch.from_numpy(images))
+            host_y[:count].copy_(torch.from_numpy(labels))
+            x = host_x[:count].to(self.device, non_blocking=True)
+            y = host_y[:count].to(self.device, non_blocking=True)
+        if self.new_event is None:
+            release()
+        else:
+            event = self.new_event()
+            event.record()
+            self.pending.append((event, release))
+            if self.on_gpu:
+                buffers[self.turn % STAGING_BUFFERS] = (host_x, host_y, event)
+        self.turn += 1
+        return x, y
+
+    def collect(self) -> None:
+        """Hand back every buffer whose copy has finished."""
+        while self.pending and self.pending[0][0].query():
+            self.pending.popleft()[1]()
+
+    def flush(self) -> None:
+        """Wait for every copy and hand back every buffer (at the end of a split)."""
+        while self.pending:
+            event, release = self.pending.popleft()
+            event.synchronize()
+            release()
+
+
+class Trainer:
+    def __init__(self, spec: TrainerSpec, reports, commands=None):
+        import torch
+
+        self.torch, self.spec, self.reports, self.commands = torch, spec, reports, commands
         torch.set_num_threads(spec.threads)
-        torch.manual_seed(0)  # members differ by architecture and hyper-parameters, not by luck of the init
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        m = spec.model
-        self.model = build_model(m.arch, m.depth, m.width, m.growth_rate, spec.num_classes,
-                                 image_size=spec.image_size).to(self.device)
-        self.model = self.model.to(memory_format=torch.channels_last)
-        self.world = m.slots
-        self.net = self.model
+            torch.backends.cudnn.benchmark = True  # fixed shapes: autotune each convolution once
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        self.world = spec.group.slots
         if self.world > 1:
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method=spec.rendezvous,
-                                    rank=spec.rank, world_size=self.world)
-            self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.step = SGDStep(self.net, m, self.device)
-        self.optimizer = self.step.optimizer
-        total_steps = max(1, spec.epochs * spec.steps_per_epoch)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
-        self.checksums: list[tuple[int, int, int, int, int]] = []
-        self.epoch = spec.start_epoch  # the model's own epoch count, whichever flotilla it is in
+            join_process_group(spec.rendezvous, spec.rank, self.world, self.device)
+        self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
+                              spec.epochs * spec.steps_per_epoch, spec.precision, self.world)
+        self.members = list(self.step.names)
+        self.feed = DeviceFeed(self.device)
+        self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
+        self.epoch = spec.start_epoch  # the group's own epoch count, whichever flotilla it is in
         if spec.start_epoch:
             self._resume()
-        self.val_probs: list[np.ndarray] = []  # rank 0's validation softmax and labels, batch by batch
-        self.val_labels: list[np.ndarray] = []
+        self.val_probs: dict[str, list] = {name: [] for name in self.members}  # rank 0's, batch by batch
+        self.val_labels: dict[str, list] = {stream: [] for stream in spec.group.inputs}
         self._reset_epoch()
 
-    def checkpoint_path(self, epochs_done: int) -> Path:
-        return Path(self.spec.checkpoint_dir) / self.spec.model.name / f"epoch{epochs_done}.pt"
+    def checkpoint_path(self, model: str, epochs_done: int) -> Path:
+        return Path(self.spec.checkpoint_dir) / model / f"epoch{epochs_done}.pt"
 
     def _resume(self) -> None:
-        path = self.checkpoint_path(self.spec.start_epoch)
-        if not path.is_file():
-            raise RuntimeError(f"cannot resume {self.spec.model.name} after {self.spec.start_epoch} epochs: "
-                               f"{path} is missing")
-        state = self.torch.load(path, map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
+        for name in self.members:
+            path = self.checkpoint_path(name, self.spec.start_epoch)
+            if not path.is_file():
+                raise RuntimeError(f"cannot resume {name} after {self.spec.start_epoch} epochs: {path} is missing")
+            self.step.load(name, self.torch.load(path, map_location=self.device, weights_only=False))
 
     def _reset_epoch(self) -> None:
         """Training counters, reported and cleared at the end of each epoch's training split."""
-        self.loss_sum, self.seen, self.step_time, self.wait_time = 0.0, 0, 0.0, 0.0
+        self.loss_sums = {name: self.torch.zeros((), device=self.device) for name in self.members}
+        self.seen, self.step_time, self.wait_time = 0, 0.0, 0.0
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
 
-    def consume(self, reader) -> None:
+    def _obey(self) -> None:
+        """The driver's commands so far (sent before the batches they apply to)."""
+        while self.commands is not None and self.commands.poll():
+            command = self.commands.recv()
+            if isinstance(command, ReleaseMember) and command.model in self.members:
+                self.members.remove(command.model)
+                self.step.release(command.model)
+                del self.loss_sums[command.model], self.val_probs[command.model]
+
+    def consume(self, readers: dict) -> None:
+        streams = sorted(readers)
         waited = time.perf_counter()
-        for message in reader.messages():
+        for messages in zip(*(readers[s].messages() for s in streams)):
             self.wait_time += time.perf_counter() - waited
+            self._obey()
+            batch = dict(zip(streams, messages))
+            first = messages[0]
+            if any((m.kind, m.split, m.epoch, m.index) != (first.kind, first.split, first.epoch, first.index)
+                   for m in messages):
+                raise RuntimeError("the streams of this group are out of step: "
+                                   + ", ".join(f"{s} {m.kind.name} {m.split}/{m.epoch}/{m.index}"
+                                               for s, m in batch.items()))
             if self.spec.record_checksums:
-                self.checksums.append((int(message.kind), message.split, message.epoch, message.index,
-                                       zlib.crc32(message.labels.tobytes(), zlib.crc32(message.images.tobytes()))))
-            if message.kind == MessageKind.BATCH:
+                for stream, m in batch.items():
+                    self.checksums[stream].append((int(m.kind), m.split, m.epoch, m.index, zlib.crc32(
+                        m.labels.tobytes(), zlib.crc32(m.images.tobytes()))))
+            if first.kind == MessageKind.BATCH:
                 started, wall_started = time.perf_counter(), time.time()
-                if self.spec.consume_only:
-                    self._take(message)
-                elif message.split == 0:
-                    self._train_step(message)
+                if first.split == 0:
+                    self._train_step(batch)
                 else:
-                    self._validate(message)
+                    self._validate(batch)
                 self.step_time += time.perf_counter() - started
                 if len(self.spans) < MAX_SPANS_PER_EPOCH:
                     self.spans.append((wall_started, time.time()))
             else:
-                message.release()
-                if message.kind == MessageKind.END and message.split == 0:
+                for m in messages:
+                    m.release()
+                self.feed.flush()
+                if first.kind == MessageKind.END and first.split == 0:
                     self._report_train()
-                elif message.kind == MessageKind.END:
+                elif first.kind == MessageKind.END:
                     self._finish_validation()
                     self.epoch += 1
             waited = time.perf_counter()
-        self.reports.put(TrainerDone(self.spec.model.name, self.spec.rank, self.checksums))
+        self.reports.put(TrainerDone(self.spec.group.name, self.spec.rank, self.checksums))
 
-    def _take(self, message) -> None:
-        self.torch.tensor(message.images, device=self.device)  # the one copy a real step makes
-        if message.split == 0:
-            self.seen += len(message.labels)
-        message.release()
+    def _on_device(self, batch: dict, rows=slice(None)) -> dict[str, tuple]:
+        """Each stream's (uint8 images, labels) on the device; the ring buffers go back once copied."""
+        return {stream: self.feed.copy(stream, m.images[rows], m.labels[rows], m.release)
+                for stream, m in batch.items()}
 
-    def _train_step(self, message) -> None:
-        torch = self.torch
-        count = len(message.labels)
+    def _train_step(self, batch: dict) -> None:
+        count = len(next(iter(batch.values())).labels)
         # Every rank sees every batch and takes rows rank, rank+g, ...; a batch
         # too small to give each rank two rows (batch norm needs two) is
         # skipped by all ranks alike, like a DataLoader's drop_last remainder.
-        rows = slice(self.spec.rank, None, self.world)
         if count < 2 * self.world:
-            message.release()
+            for m in batch.values():
+                m.release()
             return
-        x = self.step.normalise(message.images[rows])
-        y = torch.from_numpy(message.labels[rows].copy()).to(self.device)
-        message.release()  # x and y are copies on the device: the slot may be reused
-        self.net.train()
-        loss = self.step(x, y)
-        self.schedule.step()
-        self.loss_sum += float(loss.detach()) * len(y)
-        self.seen += len(y)
+        rows = slice(self.spec.rank, None, self.world)
+        copied = self._on_device(batch, rows)
+        rows_here = len(range(count)[rows])
+        self.seen += rows_here
+        if self.spec.consume_only or not self.members:
+            return
+        inputs = {stream: (normalise(x, self.device), y) for stream, (x, y) in copied.items()}
+        for name, loss in self.step.train(inputs).items():
+            self.loss_sums[name] += loss * rows_here  # stays on the device: read once, at the end of the split
 
-    def _validate(self, message) -> None:
+    def _validate(self, batch: dict) -> None:
         if self.spec.rank != 0:  # one rank per model evaluates; the others only keep pace
-            message.release()
+            for m in batch.values():
+                m.release()
             return
-        torch = self.torch
-        x = self.step.normalise(message.images)
-        labels = message.labels.copy()
-        message.release()
-        self.model.eval()
-        with torch.no_grad():
-            self.val_probs.append(torch.softmax(self.model(x).float(), dim=1).cpu().numpy())
-        self.val_labels.append(labels)
+        copied = self._on_device(batch)
+        if self.spec.consume_only:
+            return
+        for stream, (_, y) in copied.items():
+            self.val_labels[stream].append(y)
+        probs = self.step.predict({stream: normalise(x, self.device) for stream, (x, _) in copied.items()})
+        for name, p in probs.items():
+            self.val_probs[name].append(p)
 
     def _report_train(self) -> None:
-        self.reports.put(TrainReport(self.spec.model.name, self.spec.rank, self.epoch, self.loss_sum / max(self.seen, 1),
-                                     self.seen, self.step_time, self.wait_time, self.spans))
+        for number, name in enumerate(self.members):  # the group's step and wait times are every member's
+            loss = float(self.loss_sums[name]) / max(self.seen, 1)
+            self.reports.put(TrainReport(name, self.spec.rank, self.epoch, loss, self.seen, self.step_time,
+                                         self.wait_time, self.spans if number == 0 else []))
         self._reset_epoch()
 
     def _finish_validation(self) -> None:
         if self.spec.rank != 0:
             return
-        probs = np.concatenate(self.val_probs) if self.val_probs else np.zeros((0, self.spec.num_classes), np.float32)
-        labels = np.concatenate(self.val_labels) if self.val_labels else np.zeros(0, np.int64)
-        accuracy = float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")
-        self._checkpoint(accuracy)  # before the report: the driver may stop this process once it has it
-        self.reports.put(ValReport(self.spec.model.name, self.epoch, accuracy, probs, labels))
-        self.val_probs, self.val_labels = [], []
+        torch = self.torch
+        labels = {stream: torch.cat(ys).cpu().numpy() if ys else np.zeros(0, np.int64)
+                  for stream, ys in self.val_labels.items()}
+        for name in self.members:
+            model = next(m for m in self.spec.group.members if m.name == name)
+            chunks = self.val_probs[name]
+            probs = torch.cat(chunks).cpu().numpy() if chunks else np.zeros((0, self.spec.num_classes), np.float32)
+            truth = labels[model.input]
+            accuracy = float((probs.argmax(1) == truth).mean()) if len(truth) else float("nan")
+            self._checkpoint(name, accuracy)  # before the report: the driver may stop this process once it has it
+            self.reports.put(ValReport(name, self.epoch, accuracy, probs, truth))
+            self.val_probs[name] = []
+        self.val_labels = {stream: [] for stream in self.val_labels}
 
-    def _checkpoint(self, accuracy: float) -> None:
-        """checkpoints/<model>/epoch<k>.pt after k epochs. The one before is
-        kept too: the scheduler may resume from it if this trainer dies before
-        its report of epoch k reaches the driver."""
+    def _checkpoint(self, name: str, accuracy: float) -> None:
+        """checkpoints/<model>/epoch<k>.pt after k epochs: a plain model's state (it loads without the group).
+        The one before is kept too: the scheduler may resume from it if this trainer dies before its report
+        of epoch k reaches the driver."""
         epochs_done = self.epoch + 1
-        path = self.checkpoint_path(epochs_done)
+        path = self.checkpoint_path(name, epochs_done)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        self.torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                         "schedule": self.schedule.state_dict(), "epochs_done": epochs_done,
-                         "val_accuracy": accuracy, "spec": self.spec.model.__dict__}, tmp)
+        model = next(m for m in self.spec.group.members if m.name == name)
+        self.torch.save({**self.step.state(name), "epochs_done": epochs_done, "val_accuracy": accuracy,
+                         "spec": model.__dict__}, tmp)
         os.replace(tmp, path)  # never a half-written checkpoint
-        self.checkpoint_path(epochs_done - 2).unlink(missing_ok=True)
+        self.checkpoint_path(name, epochs_done - 2).unlink(missing_ok=True)

@@ -1,0 +1,308 @@
+"""What a trainer trains: a group of models on one slot, stepped on the same batch.
+
+A group of one is a model (data-parallel over its slots when it has several).
+A larger group holds one slot: its members are packed (each its own module
+and optimiser, stepped in turn, so the peak holds one member's activations)
+or, for members of one family (architecture, shape and stream), fused into
+arrays (pipeline/training/fusion.py). Every member keeps its own
+hyper-parameters, schedule, checkpoint and convergence, and can leave the
+group alone. Trainers, rate measurement and the benchmark all step groups
+through `GroupStep`, so what is measured is what trains.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+# ImageNet statistics: batches arrive as uint8 and are normalised on the device.
+MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str
+    depth: int
+    width: int
+    growth_rate: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    slots: int
+    input: str  # stream name
+
+    @property
+    def family(self) -> tuple:
+        """Models of one family differ only in hyper-parameters and weights: they can fuse."""
+        return self.arch, self.depth, self.width, self.growth_rate if self.arch == "densenet" else 0, self.input
+
+
+class Precision(enum.StrEnum):
+    """trainer.precision: the dtype of forward and backward (weights and optimiser stay fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"  # autocast to bfloat16
+    fp16 = "fp16"  # autocast to float16, with a gradient scaler
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    members: tuple[ModelSpec, ...]
+    fuse: bool  # members of one family train as a fused array
+
+    def __post_init__(self) -> None:
+        if len(self.members) > 1 and any(m.slots > 1 for m in self.members):
+            raise ValueError(f"group {self.name}: a data-parallel model trains alone on its slots")
+
+    @property
+    def slots(self) -> int:
+        return self.members[0].slots
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(sorted({m.input for m in self.members}))
+
+    @property
+    def mode(self) -> str:
+        """For reports: alone, packed, fused, or fused+packed."""
+        if len(self.members) == 1:
+            return "alone"
+        units = self.units()
+        if all(len(u) == 1 for u in units):
+            return "packed"
+        return "fused" if len(units) == 1 else "fused+packed"
+
+    def units(self) -> list[tuple[ModelSpec, ...]]:
+        """What steps as one: each fused array (a family of two or more, when fusing), each other member alone."""
+        if not self.fuse:
+            return [(m,) for m in self.members]
+        families: dict[tuple, list[ModelSpec]] = {}
+        for m in self.members:
+            families.setdefault(m.family, []).append(m)
+        return [tuple(f) for f in families.values()]
+
+    def without(self, names: set[str]) -> GroupSpec:
+        return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.fuse)
+
+
+def cosine(total_steps: int):
+    """The learning-rate factor after `step` steps: cosine annealing to 0 over the run."""
+    total = max(1, total_steps)
+    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+
+class SGDStep:
+    """One model's training step (trainers, rate measurement, profile mode): cross-entropy, Nesterov SGD."""
+
+    def __init__(self, net, model: ModelSpec):
+        import torch
+
+        self.net = net
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
+                                         weight_decay=model.weight_decay, nesterov=True)
+
+    def __call__(self, x, y):
+        """One step on a normalised batch; the loss, on the device."""
+        import torch
+
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+
+def normalise(images, device):
+    """uint8 NHWC (numpy, or a tensor on the device) -> normalised float NCHW on `device`, channels_last."""
+    import torch
+
+    if isinstance(images, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
+            images = torch.from_numpy(images)
+    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()  # NHWC memory: channels_last
+    mean, std = _statistics(x.device)
+    return (x - mean) / std
+
+
+@functools.cache
+def _statistics(device):
+    """MEAN and STD on `device`, made once (making them is a copy from the host)."""
+    import torch
+
+    return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
+
+
+def join_process_group(rendezvous: str, rank: int, world: int, device) -> None:
+    """A data-parallel model's ranks meet: NCCL between GPUs, gloo between CPU slots."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous, rank=rank,
+                            world_size=world)
+
+
+class _Solo:
+    """One model: its module (DDP when it spans slots), optimiser and schedule."""
+
+    def __init__(self, model: ModelSpec, net, world: int, device, schedule):
+        import torch
+
+        self.names, self.input = (model.name,), model.input
+        self.module = net
+        self.net = net if world == 1 else torch.nn.parallel.DistributedDataParallel(
+            net, device_ids=[device.index] if device.type == "cuda" else None)
+        self.step = SGDStep(self.net, model)
+        self.optimizer = self.step.optimizer
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def losses(self, x, y):
+        import torch
+
+        return torch.nn.functional.cross_entropy(self.net(x), y).unsqueeze(0)
+
+    def logits(self, x):
+        return self.module(x).unsqueeze(0)
+
+    def member_state(self, index: int) -> dict:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_member_state(self, index: int, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class _Array:
+    """A fused array of one family's members."""
+
+    def __init__(self, models: tuple[ModelSpec, ...], nets: list, schedule):
+        import torch
+
+        from pipeline.training.fusion import FusedArray
+
+        self.names, self.input = tuple(m.name for m in models), models[0].input
+        self.array = FusedArray(nets, [m.lr for m in models], [m.momentum for m in models],
+                                [m.weight_decay for m in models])
+        self.module = self.net = self.array.module
+        self.optimizer = self.array.optimizer
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def losses(self, x, y):
+        return self.array.losses(self.net(x), y)
+
+    def logits(self, x):
+        return self.net(x)
+
+    def member_state(self, index: int) -> dict:
+        return self.array.member_state(index)
+
+    def load_member_state(self, index: int, state: dict) -> None:
+        self.array.load_member_state(index, state)
+
+    def drop(self, index: int) -> None:
+        self.array.drop(index)
+        self.module = self.net = self.array.module
+        self.names = self.names[:index] + self.names[index + 1:]
+
+
+class GroupStep:
+    """Trains a group's members on one batch per stream, each on its own stream's batch.
+
+    `total_steps` is the length of every member's cosine schedule. A data-parallel
+    model (a group of one on `world` slots) joins its process group first
+    (`join_process_group`). Losses stay on the device: a step never waits for it.
+    """
+
+    def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,
+                 precision: Precision = Precision.fp32, world: int = 1):
+        import torch
+
+        from pipeline.training.models import build_model
+
+        self.torch, self.group, self.device = torch, group, torch.device(device)
+        self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
+        self.units: list[_Solo | _Array] = []
+        for unit in group.units():
+            torch.manual_seed(0)  # members differ by architecture and hyper-parameters, not by luck of the init
+            nets = [build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes,
+                                image_size=image_sizes[m.input]).to(self.device, memory_format=torch.channels_last)
+                    for m in unit]
+            if len(unit) == 1:
+                self.units.append(_Solo(unit[0], nets[0], world, self.device, cosine(total_steps)))
+            else:
+                self.units.append(_Array(unit, nets, cosine(total_steps)))
+                self.units[-1].module.to(memory_format=torch.channels_last)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for unit in self.units for name in unit.names]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return self.torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train(self, batches: dict[str, tuple]) -> dict[str, object]:
+        """One step of every member on its stream's (x, y); each member's loss, a 0-d tensor on the device."""
+        losses = {}
+        for unit in self.units:
+            x, y = batches[unit.input]
+            unit.net.train()
+            with self._autocast():
+                unit_losses = unit.losses(x, y)
+            unit.optimizer.zero_grad(set_to_none=True)
+            self.scaler.scale(unit_losses.sum()).backward()  # members' parameters are disjoint: own gradients
+            self.scaler.step(unit.optimizer)
+            unit.schedule.step()
+            losses.update(zip(unit.names, unit_losses.detach().float()))
+        self.scaler.update()
+        return losses
+
+    def predict(self, inputs: dict[str, object]) -> dict[str, object]:
+        """Each member's softmax on its stream's x, [N, classes] on the device."""
+        torch, probs = self.torch, {}
+        for unit in self.units:
+            unit.net.eval()
+            with torch.no_grad(), self._autocast():
+                logits = unit.logits(inputs[unit.input])
+            probs.update(zip(unit.names, torch.softmax(logits.float(), dim=-1)))
+        return probs
+
+    def _find(self, name: str) -> tuple[_Solo | _Array, int]:
+        for unit in self.units:
+            if name in unit.names:
+                return unit, unit.names.index(name)
+        raise KeyError(f"{name} is not in group {self.group.name} (members: {self.names})")
+
+    def state(self, name: str) -> dict:
+        """A member's checkpoint: a plain model's state dict (it loads without the group), its SGD state
+        and how many steps its schedule has taken."""
+        unit, index = self._find(name)
+        return {**unit.member_state(index), "schedule_steps": unit.schedule.last_epoch}
+
+    def load(self, name: str, state: dict) -> None:
+        """Resume a member from `state`; the group's members resume together, after the same steps."""
+        unit, index = self._find(name)
+        unit.load_member_state(index, state)
+        unit.schedule.last_epoch = state["schedule_steps"]
+        factors = [fn(state["schedule_steps"]) for fn in unit.schedule.lr_lambdas]
+        for param_group, base, factor in zip(unit.optimizer.param_groups, unit.schedule.base_lrs, factors):
+            param_group["lr"] = base * factor
+
+    def release(self, name: str) -> None:
+        """A member leaves (converged, stopped): its module, optimiser and memory go."""
+        unit, index = self._find(name)
+        if len(unit.names) == 1:
+            self.units.remove(unit)
+        else:
+            unit.drop(index)
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()  # its memory back to the device, for whoever needs it
