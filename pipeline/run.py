@@ -31,7 +31,6 @@ from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
 from pipeline.scheduler import POLICIES, Cluster, RatesMeasured, RateTable, Scheduler, make_policy
-from pipeline.scheduler.groups import Grouping
 from pipeline.training.rates import Measurement, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
@@ -147,9 +146,9 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
     image_sizes = {name: spec.item_shape[0] for name, spec in graph.sinks.items()}
     batch = cfg.pipeline.batch_size
     sizes = measure_sizes(models, classes, image_sizes, batch)
-    alone = [GroupSpec(m.name, (m,), False) for m in models]
+    alone = [GroupSpec(m.name, (m,)) for m in models]
     # Each model must fit alone on the fewest slots it may get: 1 when the scheduler chooses.
-    fewest = [GroupSpec(m.name, (replace(m, slots=1),), False) for m in models] if needs_rates else alone
+    fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
     check_group_memory(fewest, sizes, slot_bytes)
     r = cfg.rates
     how = Measurement(classes, image_sizes, batch, device_kind, list(slots.values()), r.steps, r.warmup,
@@ -158,10 +157,9 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
     max_slots = min(r.max_slots, len(slots))
     single_rates = measure_rate_table(alone, max_slots, how, cache) if needs_rates else None
     groups = plan_groups(models, sizes, len(slots), cfg.trainer.grouping, single_rates)
-    if cfg.trainer.grouping == Grouping.auto:
-        groups, measured = choose_fusion(groups, how, cache)
-        if measured:
-            results["grouping"] = measured
+    groups, measured = choose_fusion(groups, cfg.trainer.grouping, sizes, slot_bytes, how, cache)
+    if measured:
+        results["grouping"] = measured
     check_group_memory(groups, sizes, slot_bytes)
     shared = [g for g in groups if len(g.members) > 1]
     for g in shared:

@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline.orchestration.devices import SlotError, slot_devices
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import ModelSpec
 
 MODEL = ModelSpec("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
 

@@ -7,17 +7,26 @@ import pytest
 
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
-from pipeline.training.rates import RateError, format_table, measure_rate_table, measure_rates, save_table
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.rates import (Measurement, RateError, format_table, measure_rate_table, measure_rates,
+                                     save_table)
 
 TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
 DENSE = ModelSpec("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")
 
 
-def measure_tiny(**changes):
-    settings = dict(model=TINY, num_classes=4, image_size=32, batch_size=16, slot_counts=[1, 2],
-                    device_kind="cpu", devices=["cpu", "cpu"], steps=2, warmup=1, threads=1)
-    return measure_rates(**(settings | changes))
+def alone(model):
+    return GroupSpec(model.name, (model,))
+
+
+def how(**changes):
+    settings = dict(num_classes=4, image_sizes={"main": 32}, batch_size=16, device_kind="cpu",
+                    devices=["cpu", "cpu"], steps=2, warmup=1, threads=1)
+    return Measurement(**(settings | changes))
+
+
+def measure_tiny(group=alone(TINY), slot_counts=(1, 2), **changes):
+    return measure_rates(group, list(slot_counts), how(**changes))
 
 
 @pytest.mark.slow
@@ -51,19 +60,17 @@ def measured(monkeypatch) -> list[tuple[str, list[int]]]:
     measurement and returns 100 images/s per slot."""
     calls = []
 
-    def fake_measure(model, num_classes, image_size, batch_size, slot_counts, device_kind, devices, steps, warmup,
-                     threads, report_s):
-        calls.append((model.name, slot_counts))
+    def fake_measure(group, slot_counts, how):
+        calls.append((group.name, slot_counts))
         return {k: 100.0 * k for k in slot_counts}
 
     monkeypatch.setattr(rate_measurement, "measure_rates", fake_measure)
     return calls
 
 
-def rate_table(models, cache_path, max_slots=2, threads=1):
-    return measure_rate_table(models, num_classes=4, image_sizes={m.name: 32 for m in models}, batch_size=16,
-                            max_slots=max_slots, device_kind="cpu", devices=["cpu"] * max_slots, steps=2, warmup=1,
-                            threads=threads, cache_path=cache_path)
+def rate_table(models, cache_path, max_slots=2, threads=1, fuse=None):
+    groups = [alone(m) for m in models] if fuse is None else [GroupSpec("group0", tuple(models), 3 if fuse else 1)]
+    return measure_rate_table(groups, max_slots, how(devices=["cpu"] * max_slots, threads=threads), cache_path)
 
 
 def test_second_call_reads_the_cache(measured, tmp_path):
@@ -124,9 +131,25 @@ def test_bad_requests_are_clear_errors_before_any_run(changes, message):
     assert message in str(error.value)
 
 
+def test_a_group_of_several_is_measured_on_one_slot_packed_and_fused_apart(measured, tmp_path):
+    """A group's rate is its own cache entry (members' shapes, fusion), whatever the names: a second sweep
+    of the same shapes reads it."""
+    cache = tmp_path / "rates.json"
+    sweep = [ModelSpec(**(TINY.__dict__ | {"name": f"t{i}", "lr": 0.1 / (i + 1)})) for i in range(3)]
+    packed = rate_table(sweep, cache, fuse=False)
+    fused = rate_table(sweep, cache, fuse=True)
+    renamed = [ModelSpec(**(m.__dict__ | {"name": m.name + "-again"})) for m in sweep]
+    rate_table(renamed, cache, fuse=True)
+    assert measured == [("group0", [1]), ("group0", [1])]
+    assert packed.rates == fused.rates == {"group0": (100.0,)}
+    with pytest.raises(RateError, match="group group0 holds one slot"):
+        measure_tiny(GroupSpec("group0", tuple(sweep), 3), slot_counts=[1, 2])
+
+
 def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured, tmp_path):
-    with pytest.raises(RateError, match="no image size for model 'dense'"):
-        measure_rate_table([DENSE], 4, {"tiny": 32}, 16, 1, "cpu", ["cpu"], 2, 1, 1, tmp_path / "rates.json")
+    alt = ModelSpec(**(DENSE.__dict__ | {"input": "alt"}))
+    with pytest.raises(RateError, match="no image size for stream 'alt' of model 'dense'"):
+        measure_rate_table([alone(alt)], 1, how(), tmp_path / "rates.json")
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text("{not json")
     with pytest.raises(RateError, match="corrupt.json is not valid JSON.*delete it"):
@@ -137,4 +160,4 @@ def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured
 def test_a_failing_trainer_process_is_reported_with_its_traceback():
     bad_depth = ModelSpec(**(TINY.__dict__ | {"name": "resnet11", "depth": 11}))
     with pytest.raises(RuntimeError, match="(?s)measuring resnet11 on 1 slot.*resnet depth must be one of"):
-        measure_tiny(model=bad_depth, slot_counts=[1])
+        measure_tiny(alone(bad_depth), slot_counts=[1])

@@ -3,7 +3,7 @@ import numpy as np
 
 from pipeline.measure.recorder import RunRecorder
 from pipeline.training.reports import ValReport
-from pipeline.training.trainer import ModelSpec
+from pipeline.training.group import GroupSpec, ModelSpec
 
 
 def val_event(model, probs):
@@ -16,9 +16,13 @@ def spec(name):
     return ModelSpec(name, "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
 
 
+def alone(name):
+    return GroupSpec(name, (spec(name),))
+
+
 def test_ensemble_of_one_model_gets_its_accuracy():
     recorder = RunRecorder([spec("m")], {"m": 1}, {"m": 32})
-    recorder.joined("m", 0, ("cpu",), 0)
+    recorder.joined(alone("m"), 0, ("cpu",), 0)
     recorder.add_report(val_event("m", [[0.9, 0.1], [0.2, 0.8]]))
     assert recorder.ensemble_accuracy == {0: 1.0}
 
@@ -26,7 +30,7 @@ def test_ensemble_of_one_model_gets_its_accuracy():
 def test_ensemble_accuracy_waits_for_every_model_then_averages_softmax():
     recorder = RunRecorder([spec("a"), spec("b")], {"a": 1, "b": 1}, {"a": 32, "b": 32})
     for name in ("a", "b"):
-        recorder.joined(name, 0, ("cpu",), 0)
+        recorder.joined(alone(name), 0, ("cpu",), 0)
     recorder.add_report(val_event("a", [[0.6, 0.4], [0.6, 0.4]]))
     assert recorder.ensemble_accuracy == {}
     recorder.add_report(val_event("b", [[0.9, 0.1], [0.0, 1.0]]))  # mean: [0.75, 0.25], [0.3, 0.7]
@@ -39,7 +43,7 @@ def test_ensemble_beats_its_members_when_their_mistakes_differ():
     recorder = RunRecorder([spec(n) for n in names], dict.fromkeys(names, 1), dict.fromkeys(names, 32))
     labels = np.array([0, 1, 0])
     for index, name in enumerate(names):
-        recorder.joined(name, 0, ("cpu",), 0)
+        recorder.joined(alone(name), 0, ("cpu",), 0)
         probs = np.where(np.eye(2, dtype=bool)[labels], 0.8, 0.2).astype(np.float32)  # right, sure of it
         probs[index] = np.where(np.eye(2, dtype=bool)[labels[index]], 0.35, 0.65)  # wrong, less sure
         recorder.add_report(ValReport(name, 0, float((probs.argmax(1) == labels).mean()), probs, labels))

@@ -186,28 +186,6 @@ def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_pat
         assert all(1 <= len(stint["devices"]) <= 2 for stint in model["flotillas"])  # rates on 1..2 slots
 
 
-def test_trainer_resumes_from_its_checkpoint(tmp_path):
-    import queue
-
-    import torch
-
-    from pipeline.training.trainer import ModelSpec, Trainer, TrainerSpec
-
-    model = ModelSpec("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
-    spec = lambda start: TrainerSpec(model, 3, 32, 4, start, 10, 0, "", "cpu", 1, str(tmp_path), False, False)
-    first = Trainer(spec(0), queue.Queue())
-    with torch.no_grad():  # weights a fresh model would not have
-        for parameter in first.model.parameters():
-            parameter.add_(1.0)
-    first._checkpoint(accuracy=0.5)
-    resumed = Trainer(spec(1), queue.Queue())
-    assert resumed.epoch == 1
-    for a, b in zip(first.model.state_dict().values(), resumed.model.state_dict().values()):
-        assert torch.equal(a, b)
-    with pytest.raises(RuntimeError, match="cannot resume m after 2 epochs"):
-        Trainer(spec(2), queue.Queue())
-
-
 def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, monkeypatch):
     """Kill one trainer once the driver has its first epoch's report (sent after the checkpoint):
     the model leaves its flotilla, the scheduler starts it again from that checkpoint, and it finishes."""

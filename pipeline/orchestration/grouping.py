@@ -35,19 +35,19 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
                   batch_size: int) -> dict[str, ModelSize]:
     from pipeline.training.models import build_model, count_parameters, estimate_step_flops, estimate_training_parts
 
-    sizes = {}
+    by_family: dict[tuple, ModelSize] = {}  # a sweep's members weigh the same: one build per family
     for m in models:
-        side = image_sizes[m.input]
-        net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=side)
-        state, activations = estimate_training_parts(net, side, batch_size)
-        sizes[m.name] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
-    return sizes
+        if m.family not in by_family:
+            side = image_sizes[m.input]
+            net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=side)
+            state, activations = estimate_training_parts(net, side, batch_size)
+            by_family[m.family] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
+    return {m.name: by_family[m.family] for m in models}
 
 
 def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int, grouping: Grouping,
                 single_rates: RateTable | None) -> list[GroupSpec]:
-    """The groups sharing `slots` slots; with `single_rates`, balanced by measured cost. Fusion is
-    set as `grouping` says; `auto` fuses nothing yet (`choose_fusion` decides by measuring)."""
+    """The groups sharing `slots` slots, packed; with `single_rates`, balanced by measured cost."""
     def cost(m: ModelSpec) -> float:
         if single_rates is not None:
             return 1 / single_rates.rate(m.name, 1)
@@ -55,22 +55,38 @@ def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int
 
     named = {m.name: m for m in models}
     candidates = [Candidate(m.name, m.slots, m.family, cost(m)) for m in models]
-    return [GroupSpec(group_name(names, i), tuple(named[n] for n in names), grouping == Grouping.fuse)
+    return [GroupSpec(group_name(names, i), tuple(named[n] for n in names))
             for i, names in enumerate(form_groups(candidates, slots, grouping))]
 
 
-def choose_fusion(groups: list[GroupSpec], how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
-    """trainer.grouping=auto: each group with a family to fuse is measured packed and fused on one slot
-    and trains as the faster. Returns the groups and, per group measured, both rates (images/s)."""
+def fused(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int) -> GroupSpec:
+    """`group` with its families fused into the largest arrays that fit a slot (a fused array holds
+    all its members' activations at once); packed if none of two or more fits."""
+    for size in range(group.largest_family, 1, -1):
+        candidate = replace(group, array_size=size)
+        if group_bytes(candidate, sizes) * MEMORY_HEADROOM <= slot_bytes:
+            return candidate
+    return group
+
+
+def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, ModelSize], slot_bytes: int,
+                  how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
+    """Fusion as trainer.grouping says: `fuse` fuses every family that fits; `auto` measures each group
+    with a family to fuse packed and fused on one slot and keeps the faster. Returns the groups and,
+    per group measured, both rates (images/s)."""
+    if grouping == Grouping.fuse:
+        return [fused(g, sizes, slot_bytes) for g in groups], {}
+    if grouping != Grouping.auto:
+        return groups, {}
     chosen, measured = [], {}
     for group in groups:
-        if all(len(unit) == 1 for unit in replace(group, fuse=True).units()):
-            chosen.append(group)  # nothing to fuse
+        variant = fused(group, sizes, slot_bytes)
+        if variant.array_size == 1:
+            chosen.append(group)  # nothing to fuse, or no array fits
             continue
-        variants = [replace(group, fuse=False), replace(group, fuse=True)]
-        rates = [measure_rate_table([v], 1, how, cache).rate(group.name, 1) for v in variants]
-        measured[group.name] = {"packed": rates[0], "fused": rates[1]}
-        chosen.append(variants[rates[1] > rates[0]])
+        rates = [measure_rate_table([v], 1, how, cache).rate(group.name, 1) for v in (group, variant)]
+        measured[group.name] = {"packed": rates[0], "fused": rates[1], "array_size": variant.array_size}
+        chosen.append(variant if rates[1] > rates[0] else group)
     return chosen, measured
 
 

@@ -56,7 +56,7 @@ class Precision(enum.StrEnum):
 class GroupSpec:
     name: str
     members: tuple[ModelSpec, ...]
-    fuse: bool  # members of one family train as a fused array
+    array_size: int = 1  # members of one family fuse into arrays of at most this many (1: packed, none fused)
 
     def __post_init__(self) -> None:
         if len(self.members) > 1 and any(m.slots > 1 for m in self.members):
@@ -80,17 +80,23 @@ class GroupSpec:
             return "packed"
         return "fused" if len(units) == 1 else "fused+packed"
 
+    @property
+    def largest_family(self) -> int:
+        families: dict[tuple, int] = {}
+        for m in self.members:
+            families[m.family] = families.get(m.family, 0) + 1
+        return max(families.values())
+
     def units(self) -> list[tuple[ModelSpec, ...]]:
-        """What steps as one: each fused array (a family of two or more, when fusing), each other member alone."""
-        if not self.fuse:
-            return [(m,) for m in self.members]
+        """What steps as one: fused arrays (a family's members, `array_size` at a time), the rest alone."""
         families: dict[tuple, list[ModelSpec]] = {}
         for m in self.members:
             families.setdefault(m.family, []).append(m)
-        return [tuple(f) for f in families.values()]
+        size = max(1, self.array_size)
+        return [tuple(f[i:i + size]) for f in families.values() for i in range(0, len(f), size)]
 
     def without(self, names: set[str]) -> GroupSpec:
-        return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.fuse)
+        return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.array_size)
 
 
 def cosine(total_steps: int):
@@ -231,15 +237,19 @@ class GroupStep:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
         self.units: list[_Solo | _Array] = []
         for unit in group.units():
-            torch.manual_seed(0)  # members differ by architecture and hyper-parameters, not by luck of the init
-            nets = [build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes,
-                                image_size=image_sizes[m.input]).to(self.device, memory_format=torch.channels_last)
-                    for m in unit]
+            nets = [self._build(build_model, m, num_classes, image_sizes[m.input]) for m in unit]
             if len(unit) == 1:
                 self.units.append(_Solo(unit[0], nets[0], world, self.device, cosine(total_steps)))
             else:
                 self.units.append(_Array(unit, nets, cosine(total_steps)))
                 self.units[-1].module.to(memory_format=torch.channels_last)
+
+    def _build(self, build_model, m: ModelSpec, num_classes: int, image_size: int):
+        # The same seed for every model: members differ by architecture and hyper-parameters, not by
+        # luck of the init, whatever group they train in.
+        self.torch.manual_seed(0)
+        net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=image_size)
+        return net.to(self.device, memory_format=self.torch.channels_last)
 
     @property
     def names(self) -> list[str]:

@@ -106,7 +106,8 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
     members = sorted([m.arch, m.depth, m.width, m.growth_rate, how.image_sizes[m.input]] for m in group.members)
-    return {"members": members, "fuse": group.fuse and len(group.members) > 1, "num_classes": how.num_classes,
+    arrays = sorted(len(unit) for unit in group.units() if len(unit) > 1)
+    return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
             "batch_size": how.batch_size, "precision": str(how.precision), **hardware}
 
 

@@ -1,0 +1,115 @@
+"""Slot groups: who shares a slot (pure), and the placement of the shipped ensembles on 1-8 GPUs of a
+given memory, as a run plans it (no GPU needed: the plan is made before any device is touched)."""
+import pytest
+
+from pipeline.config import expand_ensemble
+from pipeline.orchestration.devices import DeviceKind, slot_devices
+from pipeline.orchestration.grouping import check_group_memory, choose_fusion, group_bytes, measure_sizes, plan_groups
+from pipeline.scheduler import Cluster, Scheduler, Start, make_policy
+from pipeline.scheduler.cluster import PlacementError
+from pipeline.scheduler.groups import Candidate, Grouping, form_groups
+from pipeline.training.group import GroupSpec, ModelSpec
+from tests.conftest import compose_config
+
+H100_BYTES = 80 * 2**30
+
+
+def candidate(name, family="r", cost=1.0, slots=1):
+    return Candidate(name, slots, (family,), cost)
+
+
+def test_models_that_fit_the_slots_stay_alone_and_separate_never_shares():
+    models = [candidate(f"m{i}") for i in range(3)]
+    assert form_groups(models, 3, Grouping.auto) == [("m0",), ("m1",), ("m2",)]
+    assert form_groups(models, 1, Grouping.separate) == [("m0",), ("m1",), ("m2",)]
+
+
+def test_shared_slots_carry_equal_cost_and_keep_a_family_together():
+    """Two families of 4 equal models on 2 slots: one family per slot (they can fuse), not mixed."""
+    models = [candidate(f"r{i}", "r") for i in range(4)] + [candidate(f"d{i}", "d") for i in range(4)]
+    groups = form_groups(models, 2, Grouping.fuse)
+    assert sorted(map(sorted, groups)) == [["d0", "d1", "d2", "d3"], ["r0", "r1", "r2", "r3"]]
+
+
+def test_unequal_costs_are_balanced():
+    models = [candidate("a", "a", 3), candidate("b", "b", 2), candidate("c", "c", 2), candidate("d", "d", 1)]
+    loads = sorted(sum({"a": 3, "b": 2, "c": 2, "d": 1}[m] for m in group)
+                   for group in form_groups(models, 2, Grouping.pack))
+    assert loads == [4, 4]
+
+
+def test_a_data_parallel_model_keeps_its_slots_and_the_rest_share_what_is_left():
+    models = [candidate("ddp", slots=2), *(candidate(f"m{i}", f"f{i}") for i in range(3))]
+    groups = form_groups(models, 3, Grouping.pack)
+    assert groups[0] == ("ddp",) and sorted(name for g in groups[1:] for name in g) == ["m0", "m1", "m2"]
+    assert len(groups) == 2
+    with pytest.raises(PlacementError, match="leave none for the other 3"):
+        form_groups(models, 2, Grouping.pack)
+
+
+def spec(name, arch="resnet", width=8, input="main"):
+    return ModelSpec(name, arch, 10 if arch == "resnet" else 16, width, 4, 0.1, 0.9, 5e-4, 1, input)
+
+
+def test_a_group_fuses_each_family_in_arrays_and_packs_the_rest():
+    group = GroupSpec("g", (spec("a"), spec("b"), spec("c"), spec("w", width=16), spec("d", "densenet")), 2)
+    assert [[m.name for m in unit] for unit in group.units()] == [["a", "b"], ["c"], ["w"], ["d"]]
+    assert group.mode == "fused+packed" and GroupSpec("g", group.members).mode == "packed"
+    assert group.without({"a"}).members == group.members[1:] and group.inputs == ("main",)
+
+
+def test_a_fused_array_needs_its_members_activations_at_once_packed_members_one_at_a_time():
+    sizes = measure_sizes([spec("a")], 4, {"main": 32}, 16)
+    one = sizes["a"]
+    group = GroupSpec("g", tuple(spec(n) for n in "abc"))
+    sizes = {n: one for n in "abc"}
+    assert group_bytes(group, sizes) == 3 * one.state_bytes + one.activation_bytes
+    assert group_bytes(GroupSpec("g", group.members, 3), sizes) == 3 * one.state_bytes + 3 * one.activation_bytes
+
+
+def place(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES, grouping: Grouping | None = None):
+    """The run's plan on `gpus` GPUs of `gpu_bytes` (run.py's steps before any device is used): slots,
+    groups, the memory check, and the shared policy's first flotilla. Returns the groups and the
+    slots each was started on."""
+    cfg = compose_config(overrides)
+    models = expand_ensemble(cfg.ensemble)
+    grouping = grouping or cfg.trainer.grouping
+    slots = slot_devices(DeviceKind.cuda, gpus, cfg.trainer.slots, models)
+    image_sizes = {"main": cfg.pipeline.image_size, "alt": cfg.pipeline.alt_image_size}
+    sizes = measure_sizes(models, cfg.dataset.synthetic_classes, image_sizes, cfg.pipeline.batch_size)
+    groups = plan_groups(models, sizes, len(slots), grouping, None)
+    groups, measured = choose_fusion(groups, grouping, sizes, gpu_bytes, how=None, cache=None)
+    assert not measured  # nothing here measures: auto has no family to fuse, fuse and pack need no rates
+    check_group_memory(groups, sizes, gpu_bytes)
+    policy = make_policy(cfg.scheduler.policy, requested_slots={g.name: g.slots for g in groups})
+    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(slots)), policy)
+    starts = [d for d in scheduler.start(0.0) if isinstance(d, Start)]
+    assert {d.model for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}
+    placed = {name: scheduler.flotillas[0].members[name] for name in scheduler.flotillas[0].members}
+    return groups, placed
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+def test_the_default_command_is_placed_on_1_to_8_gpus(gpus):
+    groups, placed = place(["+ensemble=caltech256"], gpus)
+    members = sorted(m.name for g in groups for m in g.members)
+    assert members == ["densenet40_k12", "densenet40_k8", "resnet10_w16", "resnet10_w24"]
+    assert len(groups) == min(4, gpus)
+    used = [slot for slots in placed.values() for slot in slots]
+    assert len(used) == len(set(used)) == len(groups)  # one group per GPU, none shared
+
+
+@pytest.mark.parametrize("grouping", [Grouping.fuse, Grouping.pack])
+def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(grouping):
+    groups, placed = place(["+ensemble=caltech256_paper"], 8, grouping=grouping)
+    assert sum(len(g.members) for g in groups) == 100 and len(groups) == len(placed) == 8
+    if grouping == Grouping.fuse:  # sweeps fuse: most models train in arrays
+        fused = sum(len(unit) for g in groups for unit in g.units() if len(unit) > 1)
+        assert fused >= 90, [g.mode for g in groups]
+    else:
+        assert all(g.mode == "packed" for g in groups)
+
+
+def test_a_group_too_large_for_a_gpu_is_a_clear_error():
+    with pytest.raises(Exception, match=r"group group0 \(100 models.*trainer.slots"):
+        place(["+ensemble=caltech256_paper"], 1, 8 * 2**30, Grouping.pack)

@@ -1,0 +1,145 @@
+"""The trainer process's parts, in this process: checkpoints and resume of every member of a group, the
+device feed's hand-back of ring buffers, and steps that never wait for the device."""
+import queue
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
+from pipeline.training.models import build_model
+from pipeline.training.trainer import DeviceFeed, ReleaseMember, Trainer, TrainerSpec
+
+
+def model(name, width=8, lr=0.1):
+    return ModelSpec(name, "resnet", 10, width, 12, lr, 0.9, 5e-4, 1, "main")
+
+
+def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
+    return TrainerSpec(group, 3, {"main": 32}, 4, start, 10, 0, "", "cpu", 1, precision, str(tmp_path), False, False)
+
+
+def batch(seed=0, count=8, side=32):
+    random = np.random.default_rng(seed)
+    return (random.integers(0, 256, (count, side, side, 3), dtype=np.uint8),
+            random.integers(0, 3, count).astype(np.int64))
+
+
+@pytest.mark.parametrize("array_size", [1, 2])
+def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(tmp_path, array_size):
+    group = GroupSpec("g", (model("a", lr=0.1), model("b", lr=0.02), model("c", width=4)), array_size)
+    first = Trainer(trainer_spec(group, tmp_path), queue.Queue())
+    images, labels = batch()
+    first.step.train({"main": (normalise(images, first.device), torch.from_numpy(labels))})
+    for name in first.members:
+        first._checkpoint(name, accuracy=0.5)
+    resumed = Trainer(trainer_spec(group, tmp_path, start=1), queue.Queue())
+    assert resumed.epoch == 1
+    x = normalise(batch(1)[0], first.device)
+    before, after = first.step.predict({"main": x}), resumed.step.predict({"main": x})
+    for name in "abc":
+        assert torch.allclose(before[name], after[name], atol=1e-6), name
+        saved = torch.load(tmp_path / name / "epoch1.pt", weights_only=False)
+        plain = build_model("resnet", 10, saved["spec"]["width"], 12, 3, image_size=32)
+        plain.load_state_dict(saved["model"])  # strict: a member's checkpoint is a plain model's
+        plain.eval()
+        with torch.no_grad():
+            assert torch.allclose(torch.softmax(plain(x), 1), after[name], atol=1e-5), name
+        assert saved["schedule_steps"] == 1
+    # The learning rates went on from where they were, each member's own.
+    for unit_before, unit_after in zip(first.step.units, resumed.step.units):
+        assert [g["lr"] for g in unit_before.optimizer.param_groups] == \
+               [g["lr"] for g in unit_after.optimizer.param_groups]
+    with pytest.raises(RuntimeError, match="cannot resume a after 2 epochs"):
+        Trainer(trainer_spec(group, tmp_path, start=2), queue.Queue())
+
+
+def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
+    """The command pipe: a member released between batches is gone before the next one; the others'
+    weights then match a group that never had it."""
+    members = (model("a"), model("b", lr=0.02), model("c", lr=0.05))
+    images, labels = batch()
+    inputs = lambda trainer: {"main": (normalise(images, trainer.device), torch.from_numpy(labels))}
+    sent, received = [], []
+
+    class Pipe:  # the driver's end, as the trainer sees it
+        def poll(self):
+            return bool(sent)
+
+        def recv(self):
+            received.append(sent.pop(0))
+            return received[-1]
+
+    trainer = Trainer(trainer_spec(GroupSpec("g", members, 3), tmp_path), queue.Queue(), Pipe())
+    without = Trainer(trainer_spec(GroupSpec("g", (members[0], members[2]), 2), tmp_path), queue.Queue())
+    for t in (trainer, without):
+        t.step.train(inputs(t))
+    sent.append(ReleaseMember("b"))
+    trainer._obey()
+    assert trainer.members == ["a", "c"] and trainer.step.names == ["a", "c"] and not sent
+    for t in (trainer, without):
+        t.step.train(inputs(t))
+    x = normalise(batch(2)[0], trainer.device)
+    left, never = trainer.step.predict({"main": x}), without.step.predict({"main": x})
+    assert set(left) == {"a", "c"}
+    for name in "ac":
+        assert torch.allclose(left[name], never[name], atol=1e-5), name
+
+
+class FakeEvent:
+    """A copy-done marker the test completes by hand."""
+
+    made = []
+
+    def __init__(self):
+        self.done = False
+        FakeEvent.made.append(self)
+
+    def record(self):
+        pass
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_a_ring_buffer_goes_back_only_once_its_copy_has_finished():
+    FakeEvent.made.clear()
+    released = []
+    feed = DeviceFeed(torch.device("cpu"), new_event=FakeEvent)
+    images, labels = batch()
+    x, y = feed.copy("main", images, labels, lambda: released.append(1))
+    assert torch.equal(x, torch.from_numpy(images)) and torch.equal(y, torch.from_numpy(labels))
+    feed.copy("main", images, labels, lambda: released.append(2))
+    assert released == []  # neither copy has finished
+    FakeEvent.made[0].done = True
+    feed.copy("main", images, labels, lambda: released.append(3))
+    assert released == [1]  # the first, and only it, at the next batch
+    feed.flush()  # the end of a split waits for every copy
+    assert released == [1, 2, 3]
+
+
+@pytest.mark.parametrize("precision", [Precision.fp32, Precision.bf16])
+@pytest.mark.parametrize("array_size", [1, 2])
+def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, array_size):
+    """No host synchronisation inside a step: every way a tensor's value reaches Python is counted
+    (item, float, bool, tolist, numpy, cpu, cuda.synchronize) and none may happen."""
+    group = GroupSpec("g", (model("a"), model("b", lr=0.02), model("w", width=4)), array_size)
+    step = GroupStep(group, 3, {"main": 32}, torch.device("cpu"), 10, precision)
+    images, labels = batch()
+    inputs = {"main": (normalise(images, torch.device("cpu")), torch.from_numpy(labels))}
+    step.train(inputs)  # the first step builds the optimisers' state: counted too, in the next
+    syncs = []
+    for name in ("item", "__float__", "__bool__", "tolist", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (syncs.append(_n),
+                                                                                           _o(self, *a, **k))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append("cuda.synchronize"))
+    losses = step.train(inputs)
+    assert syncs == []
+    assert set(losses) == {"a", "b", "w"} and all(loss.dim() == 0 for loss in losses.values())
+    monkeypatch.undo()
+    assert all(np.isfinite(float(loss)) for loss in losses.values())  # and the check above could fail:
+    assert float(losses["a"]) > 0  # reading a loss is a synchronisation, counted when patched
