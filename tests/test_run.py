@@ -107,10 +107,11 @@ def test_synthetic_stand_in_is_generated_once_and_labelled(tmp_path):
 
 
 def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
-    """What a user types: two jobs, synthetic data generated, results written."""
+    """What a user types: two jobs, synthetic data generated, results written. The first job puts the
+    default ensemble's 4 models on one CPU slot: one trainer packs them (no family to fuse)."""
     command = [sys.executable, "-m", "pipeline", "-m", "+ensemble=caltech256", f"dataset.root={tmp_path / 'data'}",
                "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",
-               "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1", "seed=0,1",
+               "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1", "trainer.slots=1,auto",
                f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = job.communicate(timeout=600)  # Popen, not run: the rings are named by the job's pid
@@ -119,7 +120,11 @@ def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
     assert "trainer.device=cuda" in stdout and "+ensemble=caltech256_paper" in stdout
     jobs = sorted((tmp_path / "multirun").glob("*/results.json"))
     assert len(jobs) == 2
-    assert [json.loads(j.read_text())["config"]["seed"] for j in jobs] == [0, 1]
+    one_slot, auto = [json.loads(j.read_text()) for j in jobs]
+    assert (one_slot["config"]["trainer"]["slots"], auto["config"]["trainer"]["slots"]) == (1, "auto")
+    assert [(g["mode"], len(g["members"])) for g in one_slot["groups"].values()] == [("packed", 4)]
+    assert all(m["epochs"] == 1 for m in one_slot["models"]) and len(one_slot["models"]) == 4
+    assert sorted(g["mode"] for g in auto["groups"].values()) == ["alone"] * 4
     assert shm_segments(job.pid) == set()  # the jobs' rings (named by the driver's pid) are gone
 
 
@@ -214,3 +219,71 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, mo
     assert model["epochs"] == 3 and model["converged"] == "reached trainer.epochs=3"
     others = [m for m in results["models"] if m["name"] != victim]
     assert all(m["epochs"] == 3 and not m["failures"] for m in others)
+
+
+
+GROUPED = ("[{name: fa, arch: resnet, depth: 10, width: 8, input: main, lr: 0.1},"
+           " {name: fb, arch: resnet, depth: 10, width: 8, input: main, lr: 0.05},"
+           " {name: pa, arch: resnet, depth: 10, width: 16, input: main, lr: 0.1},"
+           " {name: pb, arch: densenet, depth: 16, width: 16, growth_rate: 8, input: alt, lr: 0.1}]")
+
+
+def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_group(tmp_path_factory,
+                                                                                     monkeypatch):
+    """4 models on 2 CPU slots with trainer.grouping=fuse: the two of one family fuse, the dearest model
+    trains alone, the densenet packs next to the array; every one learns (4 classes: chance is 25%).
+    fb converges after 3 epochs (its history is made to look complete): it leaves the array, whose
+    other member trains on in the same process, and its checkpoint loads as a plain model."""
+    import torch
+
+    from pipeline.data.synthetic import generate_imagefolder
+    from pipeline.measure.recorder import RunRecorder
+    from pipeline.training.models import build_model
+
+    root = tmp_path_factory.mktemp("data") / "learnable"
+    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80))
+    accuracies = RunRecorder.accuracies
+
+    def fb_done_after_3(recorder, model):
+        history = accuracies(recorder, model)
+        return history + history[-1:] * 2 if model == "fb" and len(history) == 3 else history
+
+    monkeypatch.setattr(RunRecorder, "accuracies", fb_done_after_3)
+    out = tmp_path_factory.mktemp("grouped")
+    results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
+                                  "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
+                                  "pipeline.alt_image_size=24", "trainer.epochs=5", "trainer.slots=2",
+                                  "cluster.workers=2", "trainer.grouping=fuse"]), out)
+    groups = {name: (group["mode"], sorted(group["members"])) for name, group in results["groups"].items()}
+    assert sorted(groups.values()) == [("alone", ["pa"]), ("fused+packed", ["fa", "fb", "pb"])], groups
+    models = {m["name"]: m for m in results["models"]}
+    for name, model in models.items():
+        assert max(model["val_accuracy"]) >= 0.75, (name, model["val_accuracy"])  # 3x chance
+        assert len(model["flotillas"]) == 1 and not model["failures"]  # one trainer process, never restarted
+    assert [len(models[n]["val_accuracy"]) for n in ("fa", "fb", "pa", "pb")] == [5, 3, 5, 5]
+    assert models["fb"]["converged"] and models["fa"]["group_mode"] == "fused+packed"
+    saved = torch.load(out / "checkpoints" / "fb" / "epoch3.pt", weights_only=False)
+    build_model("resnet", 10, 8, 0, 4, image_size=32).load_state_dict(saved["model"])  # strict
+    assert not (out / "checkpoints" / "fb" / "epoch4.pt").exists()
+
+
+def test_the_paper_ensembles_structure_trains_on_two_cpu_slots(tiny_dataset, tmp_path):
+    """+ensemble=caltech256_paper as shipped (5 architectures x 20 learning rates = 100 models), made small
+    by overrides only (images, widths), on trainer.slots=2 with trainer.grouping=auto: the slots are shared,
+    each group measured packed and fused and trained the faster way; every model trains its epoch."""
+    small_widths = ["ensemble.models.0.width=4", "ensemble.models.1.width=4", "ensemble.models.2.width=4",
+                    "ensemble.models.3.width=8", "ensemble.models.3.growth_rate=4", "ensemble.models.4.width=8",
+                    "ensemble.models.4.growth_rate=4"]
+    results = run(compose_config([
+        "+ensemble=caltech256_paper", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
+        "pipeline.batch_size=8", "pipeline.image_size=16", "pipeline.alt_image_size=16", "trainer.epochs=1",
+        "trainer.slots=2", "trainer.device=cpu", "cluster.workers=2", "rates.steps=1", "rates.warmup=0",
+        f"rates.cache={tmp_path / 'rates.json'}", *small_widths]), tmp_path / "out")
+    assert len(results["models"]) == 100 and all(m["epochs"] == 1 for m in results["models"])
+    assert len(results["groups"]) == 2
+    assert sum(len(g["members"]) for g in results["groups"].values()) == 100
+    measured = results["grouping"]
+    assert set(measured) == set(results["groups"])  # every group had families to fuse: both ways measured
+    for name, group in results["groups"].items():
+        faster = "fused" if measured[name]["fused"] > measured[name]["packed"] else "packed"
+        assert (group["mode"] != "packed") == (faster == "fused"), (name, group["mode"], measured[name])
