@@ -1,4 +1,5 @@
-"""CUDA paths: trainers on GPUs, NCCL for a model on two GPUs. Skipped without CUDA."""
+"""CUDA paths, from one GPU up: trainers on GPUs (groups when the models outnumber them), NCCL for a
+model on two GPUs and between hubs, and models that learn in bf16. Skipped without CUDA."""
 import pytest
 
 from pipeline.run import run
@@ -8,8 +9,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_ensemble_trains_on_gpus_with_nccl_for_models_and_hubs(tiny_dataset, tmp_path):
-    """With 2+ GPUs: a model on two GPUs (DDP over NCCL) and two simulated nodes whose hubs
-    all-gather over NCCL; every trainer still gets exactly what its hubs published."""
+    """Every GPU in use. With 2+: a model on two GPUs (DDP over NCCL) and two simulated nodes whose hubs
+    all-gather over NCCL; with fewer GPUs than models, groups share them. Every trainer still gets
+    exactly what its hubs published, stream by stream."""
     import torch
 
     gpus = torch.cuda.device_count()
@@ -21,9 +23,25 @@ def test_ensemble_trains_on_gpus_with_nccl_for_models_and_hubs(tiny_dataset, tmp
     results = run(compose_config(overrides), tmp_path)
     assert results["devices"]["kind"] == "cuda"
     assert all(d.startswith("cuda:") for m in results["models"] for d in m["devices"])
-    stream_of = {m["name"]: m["input"] for m in results["models"]}
     for trainer, received in results["delivery"]["received"].items():
-        flotilla, model, _ = trainer.split("/")
+        flotilla, _, _, stream = trainer.split("/")
         hubs = results["delivery"]["flotillas"][flotilla]["hubs"].values()
-        sent = [hub["sent_checksums"][stream_of[model]] for hub in hubs if stream_of[model] in hub["sent_checksums"]]
+        sent = [hub["sent_checksums"][stream] for hub in hubs if stream in hub["sent_checksums"]]
         assert sent and all(received == s for s in sent)
+    assert all(m["epochs"] == 1 for m in results["models"])
+
+
+def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
+    from pipeline.data.synthetic import generate_imagefolder
+    from tests.test_run import GROUPED
+
+    root = tmp_path_factory.mktemp("data") / "learnable"
+    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80))
+    results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
+                                  "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
+                                  "pipeline.alt_image_size=24", "trainer.epochs=5", "trainer.slots=1",
+                                  "trainer.device=cuda", "trainer.precision=bf16", "trainer.grouping=fuse",
+                                  "cluster.workers=2"]), tmp_path_factory.mktemp("out"))
+    assert [g["mode"] for g in results["groups"].values()] == ["fused+packed"]
+    for model in results["models"]:
+        assert max(model["val_accuracy"]) >= 0.75, (model["name"], model["val_accuracy"])  # chance: 25%

@@ -54,8 +54,9 @@ def test_every_trainer_received_every_batch_once_in_order_bit_identical(full_run
     trainers = {m["name"]: (m["input"], m["slots"]) for m in results["models"]}
     assert len(delivery["received"]) == sum(slots for _, slots in trainers.values()) == 5
     for trainer, received in delivery["received"].items():
-        flotilla, model, _ = trainer.split("/")
-        assert [tuple(r) for r in received] == sent_on(results, flotilla, trainers[model][0]), trainer
+        flotilla, model, _, stream = trainer.split("/")
+        assert stream == trainers[model][0]
+        assert [tuple(r) for r in received] == sent_on(results, flotilla, stream), trainer
     batches = [s for s in sent_on(results, "0", "main") if s[0] == 0]
     per_epoch = sum(math.ceil(results["dataset"][f"{split}_images"] / 16) for split in ("train", "val"))
     assert len(batches) == 2 * per_epoch == len({(s[1], s[2], s[3]) for s in batches})

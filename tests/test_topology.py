@@ -229,8 +229,8 @@ def _assert_every_batch_once_in_order_bit_identical(cfg, results):
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {"main", "alt"})
     batches = {0: graph.source.num_batches(Split.TRAIN), 1: graph.source.num_batches(Split.VAL)}
     for trainer, messages in results["delivery"]["received"].items():
-        flotilla, name, _ = trainer.split("/")
-        stream = models[name]["input"]
+        flotilla, name, _, stream = trainer.split("/")
+        assert stream == models[name]["input"]
         expected, epochs = [], sorted({m[2] for m in messages if m[0] == 0})
         for epoch in epochs:
             for split_id in (0, 1):

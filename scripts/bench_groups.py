@@ -1,0 +1,131 @@
+"""Benchmark of slot groups (docs/benchmarks.md says how to read it): k models of one
+architecture, differing only in learning rate, trained on the same batches
+
+* separate: one process per model, all at once, sharing the machine (on CPU each
+  process gets cores / k threads, at least 1; on a GPU they share it);
+* packed: one process, the k models stepped in turn (`GroupStep`, array_size 1);
+* fused: one process, the k models as one fused array (array_size k).
+
+Every mode trains with the trainer's own step (pipeline/training/group.py) on
+synthetic uint8 batches already in memory, so it times training, not input.
+Reported per mode: images/s per model and in total, the ratio to separate,
+peak resident memory (all processes together) and, on CUDA, peak allocated.
+
+    python scripts/bench_groups.py --out bench_results/groups
+    python scripts/bench_groups.py --device cuda --arch resnet --depth 18 --width 64 --ks 1 4 8 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
+
+MODES = ("separate", "packed", "fused")
+
+
+def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: int, steps: int, warmup: int,
+           precision: str, start, results) -> None:
+    """Process entry point: warmup + steps of `group`; reports seconds of the timed steps and peak memory."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dev = torch.device(device)
+    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision))
+    random = np.random.default_rng(0)
+    images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)
+    labels = torch.from_numpy(random.integers(0, 10, batch)).to(dev)
+    x = normalise(images, dev)
+    for _ in range(warmup):
+        step.train({"main": (x, labels)})
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    start.wait()  # every process of a mode times the same stretch of wall time
+    started = time.perf_counter()
+    for _ in range(steps):
+        step.train({"main": (x, labels)})
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - started
+    allocated = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+    results.put((seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, allocated))
+
+
+def measure(mode: str, k: int, args, image_size: int) -> dict:
+    models = [ModelSpec(f"m{i}", args.arch, args.depth, args.width, args.growth_rate, 0.1 / (i + 1), 0.9, 5e-4, 1,
+                        "main") for i in range(k)]
+    if mode == "separate":
+        groups = [GroupSpec(m.name, (m,)) for m in models]
+        threads = max(1, args.cores // k)
+    else:
+        groups = [GroupSpec("group", tuple(models), k if mode == "fused" else 1)]
+        threads = args.cores
+    context = mp.get_context("spawn")
+    start, results = context.Barrier(len(groups)), context.Queue()
+    processes = [context.Process(target=_train, args=(g, image_size, args.batch, args.device, threads, args.steps,
+                                                      args.warmup, args.precision, start, results))
+                 for g in groups]
+    for p in processes:
+        p.start()
+    reports = [results.get(timeout=args.timeout) for _ in processes]
+    for p in processes:
+        p.join()
+    # Each model trains batch x steps images; a separate process's own time counts for its model.
+    per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
+    return {"mode": mode, "k": k, "image_size": image_size, "threads_per_process": threads,
+            "images_per_s_per_model": float(np.mean(per_model)), "images_per_s_total": float(np.sum(per_model)),
+            "peak_rss_bytes": int(sum(rss for _, rss, _ in reports)),
+            "peak_allocated_bytes": int(sum(a for _, _, a in reports))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--arch", default="resnet")
+    parser.add_argument("--depth", type=int, default=10)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--growth-rate", type=int, default=12)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8, 20])
+    parser.add_argument("--image-sizes", type=int, nargs="+", default=[64, 224], help="default and paper sizes")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--precision", default="fp32", choices=[p.value for p in Precision])
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads in all")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/groups"))
+    args = parser.parse_args()
+    rows = []
+    print(f"{args.arch}{args.depth} w{args.width}, batch {args.batch}, {args.device}, {args.cores} core(s)")
+    print(f"{'px':>4} {'k':>3} {'mode':>9} {'img/s/model':>12} {'img/s total':>12} {'vs separate':>12} "
+          f"{'peak RSS GiB':>13} {'RSS vs 1 model':>15}" + (" alloc GiB" if args.device != "cpu" else ""))
+    for image_size in args.image_sizes:
+        one = None  # one model alone: the memory yardstick
+        for k in args.ks:
+            baseline = None
+            for mode in MODES if k > 1 else ("separate",):
+                row = measure(mode, k, args, image_size)
+                rows.append(row)
+                baseline = baseline or row
+                one = one or row
+                print(f"{image_size:>4} {k:>3} {mode:>9} {row['images_per_s_per_model']:>12.1f} "
+                      f"{row['images_per_s_total']:>12.1f} "
+                      f"{row['images_per_s_total'] / baseline['images_per_s_total']:>11.2f}x "
+                      f"{row['peak_rss_bytes'] / 2**30:>13.2f} {row['peak_rss_bytes'] / one['peak_rss_bytes']:>14.2f}x"
+                      + (f" {row['peak_allocated_bytes'] / 2**30:9.2f}" if args.device != "cpu" else ""), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "groups.json").write_text(json.dumps({
+        "machine": {"platform": platform.platform(), "cores": args.cores, "device": args.device},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
