@@ -19,6 +19,7 @@ from pipeline.config import AUTO, ConfigError, Mode, check, check_output_dir, ex
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
 from pipeline.data.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
 from pipeline.data.graph import StageGraph, build_graph
+from pipeline.delivery.collective import exchange_bytes
 from pipeline.delivery.topology import Topology
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
@@ -31,6 +32,8 @@ from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
 from pipeline.scheduler import POLICIES, Cluster, RatesMeasured, RateTable, Scheduler, make_policy
+from pipeline.scheduler.groups import Grouping
+from pipeline.scheduler.policies import PolicyName
 from pipeline.training.rates import Measurement, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
@@ -145,6 +148,8 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
     classes = len(graph.source.class_names)
     image_sizes = {name: spec.item_shape[0] for name, spec in graph.sinks.items()}
     batch = cfg.pipeline.batch_size
+    if device_kind == DeviceKind.cuda and cfg.cluster.nodes > 1:  # a hub on the GPU lends it its exchange buffers
+        slot_bytes -= exchange_bytes({n: s.item_shape for n, s in graph.sinks.items()}, batch, cfg.cluster.nodes)
     sizes = measure_sizes(models, classes, image_sizes, batch)
     alone = [GroupSpec(m.name, (m,)) for m in models]
     # Each model must fit alone on the fewest slots it may get: 1 when the scheduler chooses.
@@ -156,8 +161,11 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
     cache = Path(to_absolute_path(r.cache))
     max_slots = min(r.max_slots, len(slots))
     single_rates = measure_rate_table(alone, max_slots, how, cache) if needs_rates else None
-    groups = plan_groups(models, sizes, len(slots), cfg.trainer.grouping, single_rates)
-    groups, measured = choose_fusion(groups, cfg.trainer.grouping, sizes, slot_bytes, how, cache)
+    grouping = cfg.trainer.grouping
+    if grouping == Grouping.auto and cfg.scheduler.policy != PolicyName.shared:
+        grouping = Grouping.separate  # policies that take turns share slots over time; pack or fuse on request
+    groups = plan_groups(models, sizes, len(slots), grouping, single_rates)
+    groups, measured = choose_fusion(groups, grouping, sizes, slot_bytes, how, cache)
     if measured:
         results["grouping"] = measured
     check_group_memory(groups, sizes, slot_bytes)

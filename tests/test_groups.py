@@ -113,3 +113,40 @@ def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(group
 def test_a_group_too_large_for_a_gpu_is_a_clear_error():
     with pytest.raises(Exception, match=r"group group0 \(100 models.*trainer.slots"):
         place(["+ensemble=caltech256_paper"], 1, 8 * 2**30, Grouping.pack)
+
+
+def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monkeypatch):
+    """scheduler=fleet_g with trainer.grouping=pack on 2 slots: every model is measured alone (its cost
+    decides who shares), then each group of several on one slot; the planner's members are the groups."""
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    from pipeline.data.graph import build_graph
+    from pipeline.run import _group
+    from pipeline.scheduler import FormFlotilla, RatesMeasured
+    from pipeline.training import rates as rate_measurement
+
+    measured = []
+
+    def fake_measure(group, slot_counts, how):  # stands in for the real runs: a group is slower per image
+        measured.append((tuple(m.name for m in group.members), slot_counts))
+        return {k: 100.0 * k / len(group.members) for k in slot_counts}
+
+    monkeypatch.setattr(rate_measurement, "measure_rates", fake_measure)
+    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "scheduler=fleet_g",
+                          "trainer.slots=2", "trainer.grouping=pack", f"rates.cache={tmp_path / 'rates.json'}",
+                          "pipeline.image_size=32", "pipeline.alt_image_size=24"])
+    models = expand_ensemble(cfg.ensemble)
+    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
+                        {m.input for m in models})
+    slots = slot_devices(DeviceKind.cpu, 0, 2, models)
+    groups, table, _ = _group(cfg, models, graph, DeviceKind.cpu, slots, 2**34, True, tmp_path, Console(), {})
+    assert len(groups) == 2 and all(len(g.members) == 2 and g.mode == "packed" for g in groups)
+    assert measured[:4] == [((m.name,), [1, 2]) for m in models]
+    assert sorted(measured[4:]) == sorted((tuple(m.name for m in g.members), [1]) for g in groups)
+    assert table.rates == {g.name: (50.0,) for g in groups}
+    policy = make_policy(cfg.scheduler.policy)
+    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=2), policy)
+    decisions = [d for name, rates in table.rates.items() for d in scheduler.handle(RatesMeasured(0.0, name, rates))]
+    formed = [d for d in decisions if isinstance(d, FormFlotilla)]
+    assert formed and set(formed[0].members) == {g.name for g in groups}

@@ -266,6 +266,8 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     saved = torch.load(out / "checkpoints" / "fb" / "epoch3.pt", weights_only=False)
     build_model("resnet", 10, 8, 0, 4, image_size=32).load_state_dict(saved["model"])  # strict
     assert not (out / "checkpoints" / "fb" / "epoch4.pt").exists()
+    html = (out / "report.html").read_text()
+    assert "<h3>Slot groups</h3>" in html and "fused+packed" in html
 
 
 def test_the_paper_ensembles_structure_trains_on_two_cpu_slots(tiny_dataset, tmp_path):

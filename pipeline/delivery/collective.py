@@ -60,35 +60,50 @@ class BatchCodec:
                                 for position, (stream, (images, labels)) in enumerate(views.items(), start=1)}
 
 
+def exchange_bytes(item_shapes: dict[str, tuple[int, ...]], batch_size: int, hubs: int) -> int:
+    """Device memory a hub's exchange buffers take (GroupLink: one buffer per hub of its group, plus its
+    own share): what a GPU hosting a hub lends it, counted in the memory check."""
+    return (hubs + 1) * BatchCodec(item_shapes, batch_size).size
+
+
 class GroupLink:
     """A delivery group's hubs: `ranks` in the hubs' world, `group` their
     process group; a broadcast's root is ranks[0], an all-gather's shares
-    come in rank order (share i from ranks[i])."""
+    come in rank order (share i from ranks[i]). Exchange buffers are made
+    once (pinned on the host when the exchange runs on a GPU); a batch
+    received is valid until the next exchange (the hub writes it into its
+    rings at once)."""
 
     def __init__(self, group, ranks: tuple[int, ...], item_shapes: dict[str, tuple[int, ...]], batch_size: int,
                  gather: bool, device: str):
         import torch
 
-        self.torch, self.group, self.ranks, self.gather, self.device = torch, group, ranks, gather, device
+        self.torch, self.group, self.ranks, self.gather = torch, group, ranks, gather
+        self.device = torch.device(device)
         self.codec = BatchCodec(item_shapes, -(-batch_size // len(ranks)) if gather else batch_size)
         self.bytes_sent = self.bytes_received = 0
-
-    def _buffer(self):
-        return self.torch.empty(self.codec.size, dtype=self.torch.uint8)
+        on_gpu = self.device.type == "cuda"
+        host = lambda: torch.empty(self.codec.size, dtype=torch.uint8, pin_memory=on_gpu)
+        device_copy = (lambda t: torch.empty_like(t, device=self.device)) if on_gpu else (lambda t: t)
+        self.host = [host() for _ in ranks]  # one per share (an all-gather's); a broadcast uses the first
+        self.on_device = [device_copy(t) for t in self.host]
+        self.mine_host = host()
+        self.mine = device_copy(self.mine_host)
 
     def broadcast(self, rank: int, index: int, streams: Streams | None) -> Streams:
         """The root passes its batch; every hub returns it."""
         import torch.distributed as dist
 
-        buf = self._buffer()
+        host, on_device = self.host[0], self.on_device[0]
         if rank == self.ranks[0]:
-            self.codec.pack(index, streams, buf.numpy())
+            self.codec.pack(index, streams, host.numpy())
             self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
+            on_device.copy_(host)
         else:
             self.bytes_received += self.codec.size
-        on_device = buf.to(self.device)
         dist.broadcast(on_device, src=self.ranks[0], group=self.group)
-        received_index, received = self.codec.unpack(on_device.cpu().numpy())
+        host.copy_(on_device)
+        received_index, received = self.codec.unpack(host.numpy())
         if received_index != index:  # hubs must walk the epoch in step; anything else is a bug
             raise RuntimeError(f"hub {rank} expected batch {index}, the broadcast carried {received_index}")
         return received
@@ -97,13 +112,14 @@ class GroupLink:
         """Every hub passes its share; every hub returns the whole batch."""
         import torch.distributed as dist
 
-        mine = self._buffer()
-        self.codec.pack(index, share, mine.numpy())
-        gathered = [self._buffer().to(self.device) for _ in self.ranks]
-        dist.all_gather(gathered, mine.to(self.device), group=self.group)
+        self.codec.pack(index, share, self.mine_host.numpy())
+        self.mine.copy_(self.mine_host)
+        dist.all_gather(self.on_device, self.mine, group=self.group)
         self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
         self.bytes_received += self.codec.size * (len(self.ranks) - 1)
-        shares = [self.codec.unpack(buf.cpu().numpy()) for buf in gathered]
+        for host, on_device in zip(self.host, self.on_device):
+            host.copy_(on_device)
+        shares = [self.codec.unpack(buf.numpy()) for buf in self.host]
         if any(got != index for got, _ in shares):
             raise RuntimeError(f"all-gather of batch {index} carried batches {[got for got, _ in shares]}")
         return {stream: (np.concatenate([s[stream][0] for _, s in shares]),

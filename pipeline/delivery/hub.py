@@ -74,6 +74,10 @@ class Hub:
 
             from pipeline.delivery.collective import GroupLink
 
+            if spec.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.set_device(spec.device)  # NCCL's buffers and streams on this hub's GPU, not GPU 0
             dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo",
                                     init_method=spec.rendezvous, rank=spec.hub.rank, world_size=spec.world)
             # new_group is collective over the world: every hub makes every group, in the same order.

@@ -258,7 +258,7 @@ class FlotillaThread(threading.Thread):
             for report in self._forward(flotilla.poll(timeout=1.0)):
                 reports[report.model] = report
             failed += self._drop_failed(flotilla)
-        return [report for name, report in reports.items() if name in training()], failed
+        return list(reports.values()), failed  # a model that reported and then failed finished its epoch
 
     def _carry_out(self, flotilla: Flotilla) -> None:
         """Applies the main thread's decisions for this epoch: models to release, groups to stop."""

@@ -49,6 +49,8 @@ class ModelRow:
     vs_fastest: float | None  # images_per_s / the flotilla's fastest model's
     val_accuracy: list[float]
     sets_pace: bool  # the slowest of its flotilla: its rate is the flotilla's
+    group: str | None = None  # the slot group it trained in, and how: alone, packed, fused, fused+packed
+    group_mode: str | None = None
 
 
 @dataclass
@@ -180,7 +182,7 @@ def _model_rows(models: list[dict]) -> list[ModelRow]:
                 vs_slowest=rate / slowest if rate and slowest else None,
                 vs_fastest=rate / fastest if rate and fastest else None,
                 val_accuracy=list(m.get("val_accuracy", [])),
-                sets_pace=bool(rate) and rate == slowest))
+                sets_pace=bool(rate) and rate == slowest, group=m.get("group"), group_mode=m.get("group_mode")))
     return rows
 
 

@@ -188,9 +188,10 @@ def _stages_section(analysis: Analysis) -> str:
 def _models_section(results: dict, analysis: Analysis) -> str:
     if not analysis.models:
         return "<h2>Trainers</h2><p>No trainer reports.</p>"
-    headers = ["model", "input", "slots", "flotilla", "img/s (compute)", "data stall", "vs slowest", "vs fastest",
-               "final val acc"]
-    rows = [[m.name + (" (sets the pace)" if m.sets_pace else ""), m.input or "-", str(m.slots), str(m.flotilla),
+    headers = ["model", "input", "group", "slots", "flotilla", "img/s (compute)", "data stall", "vs slowest",
+               "vs fastest", "final val acc"]
+    rows = [[m.name + (" (sets the pace)" if m.sets_pace else ""), m.input or "-",
+             f"{m.group} ({m.group_mode})" if m.group else "-", str(m.slots), str(m.flotilla),
              _num(m.images_per_s, "{:,.1f}"), _num(m.data_stall_pct, "{:.1f}%"), _num(m.vs_slowest, "{:.2f}x"),
              _num(m.vs_fastest, "{:.2f}x"), _num(m.val_accuracy[-1] * 100 if m.val_accuracy else None, "{:.1f}%")]
             for m in analysis.models]
@@ -198,9 +199,23 @@ def _models_section(results: dict, analysis: Analysis) -> str:
     trained = ensemble or any(m.val_accuracy for m in analysis.models)  # a profile run validates nothing
     return ("<h2>Trainers</h2>" + _table(headers, rows)
             + "<p class=\"note\">Compute rate: images over time in training steps (waits excluded). A flotilla "
-              "moves at the pace of its slowest member, so its faster members also wait.</p>"
+              "moves at the pace of its slowest member, so its faster members also wait. The members of a slot "
+              "group step together: they share its rate and stall.</p>" + _groups_section(results)
             + _img(plots.stall_chart(analysis.models), "data stall per trainer")
             + (_img(plots.accuracy_chart(analysis.models, ensemble), "accuracy per epoch") if trained else ""))
+
+
+def _groups_section(results: dict) -> str:
+    """Each slot group that trained several models: who, how (packed or fused), where."""
+    shared = {name: g for name, g in results.get("groups", {}).items() if len(g["members"]) > 1}
+    if not shared:
+        return ""
+    measured = results.get("grouping", {})
+    rows = [[name, g["mode"], str(len(g["members"])), ", ".join(g["devices"]),
+             (f"{measured[name]['packed']:,.1f} / {measured[name]['fused']:,.1f}" if name in measured else "-"),
+             ", ".join(g["members"])] for name, g in shared.items()]
+    return ("<h3>Slot groups</h3>"
+            + _table(["group", "mode", "models", "devices", "img/s packed / fused (measured)", "members"], rows))
 
 
 def _optional_sections(results: dict) -> str:

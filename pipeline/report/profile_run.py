@@ -41,7 +41,7 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.group import ModelSpec, SGDStep, normalise
+from pipeline.training.group import GroupSpec, ModelSpec, SGDStep, normalise
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -99,7 +99,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
             files = measured["files"]
             for index, model in enumerate(members):  # an lr_sweep's copies share their shape's measurements
                 differential[model.name] = rates
-                recorder.joined(model.name, 0, (device,), 0)
+                recorder.joined(GroupSpec(model.name, (model,)), 0, (device,), 0)
                 recorder.add_report(TrainReport(model.name, 0, 0, files.loss, files.images, files.step_s,
                                                 files.wait_s, files.spans if index == 0 else []))
 

@@ -7,13 +7,16 @@ from rich.table import Table
 
 def print_summary(console: Console, results: dict) -> None:
     table = Table(title="Ensemble", title_justify="left")
-    for column in ("model", "input", "params", "slots", "val acc", "img/s", "data stall"):
-        table.add_column(column, justify="left" if column in ("model", "input") else "right")
+    for column in ("model", "input", "group", "params", "slots", "val acc", "img/s", "data stall"):
+        table.add_column(column, justify="left" if column in ("model", "input", "group") else "right")
     for m in results["models"]:
-        table.add_row(m["name"], f"{m['input']} {m['image_size']}px", f"{m['params'] / 1e6:.2f}M", str(m["slots"]),
-                      _pct(m["final_val_accuracy"]), _num(m["images_per_s"]), _pct(m["data_stall_pct"], 1))
+        group = f"{m['group']} ({m['group_mode']})" if m.get("group_mode") not in (None, "alone") else "-"
+        table.add_row(m["name"], f"{m['input']} {m['image_size']}px", group, f"{m['params'] / 1e6:.2f}M",
+                      str(m["slots"]), _pct(m["final_val_accuracy"]), _num(m["images_per_s"]),
+                      _pct(m["data_stall_pct"], 1))
     ensemble = results["ensemble"]
-    table.add_row("[bold]ensemble (mean softmax)", "", "", "", f"[bold]{_pct(ensemble['final_val_accuracy'])}", "", "")
+    table.add_row("[bold]ensemble (mean softmax)", "", "", "", "", f"[bold]{_pct(ensemble['final_val_accuracy'])}",
+                  "", "")
     console.print(table)
     stages = Table(title="Pipeline stages (all epochs)", title_justify="left")
     for column in ("stage", "items", "CPU s", "CPU share", "items/s per core"):
