@@ -165,10 +165,11 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
     if grouping == Grouping.auto and cfg.scheduler.policy != PolicyName.shared:
         grouping = Grouping.separate  # policies that take turns share slots over time; pack or fuse on request
     groups = plan_groups(models, sizes, len(slots), grouping, single_rates)
-    groups, measured = choose_fusion(groups, grouping, sizes, slot_bytes, how, cache)
+    lanes = cfg.trainer.threads if device_kind == DeviceKind.cpu else 1  # units a CPU trainer steps at once
+    groups, measured = choose_fusion(groups, grouping, sizes, slot_bytes, lanes, how, cache)
     if measured:
         results["grouping"] = measured
-    check_group_memory(groups, sizes, slot_bytes)
+    check_group_memory(groups, sizes, slot_bytes, lanes)
     shared = [g for g in groups if len(g.members) > 1]
     for g in shared:
         console.print(f"[bold]{g.name}[/]: {len(g.members)} models {g.mode} on one slot: "

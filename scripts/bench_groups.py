@@ -4,7 +4,8 @@ architecture, differing only in learning rate, trained on the same batches
 * separate: one process per model, all at once, sharing the machine (on CPU each
   process gets cores / k threads, at least 1; on a GPU they share it);
 * packed: one process, the k models stepped in turn (`GroupStep`, array_size 1);
-* fused: one process, the k models as one fused array (array_size k).
+* fused: one process, the k models as one fused array (array_size k; on CPU one
+  array per thread, stepped side by side, as the planner makes them).
 
 Every mode trains with the trainer's own step (pipeline/training/group.py) on
 synthetic uint8 batches already in memory, so it times training, not input.
@@ -39,7 +40,7 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
-    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision))
+    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads)
     random = np.random.default_rng(0)
     images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)
     labels = torch.from_numpy(random.integers(0, 10, batch)).to(dev)
@@ -66,7 +67,9 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         groups = [GroupSpec(m.name, (m,)) for m in models]
         threads = max(1, args.cores // k)
     else:
-        groups = [GroupSpec("group", tuple(models), k if mode == "fused" else 1)]
+        # On CPU the planner splits a family into one array per thread, stepped side by side (grouping.py).
+        lanes = args.cores if args.device == "cpu" else 1
+        groups = [GroupSpec("group", tuple(models), -(-k // lanes) if mode == "fused" else 1)]
         threads = args.cores
     context = mp.get_context("spawn")
     start, results = context.Barrier(len(groups)), context.Queue()

@@ -65,6 +65,8 @@ def test_a_fused_array_needs_its_members_activations_at_once_packed_members_one_
     sizes = {n: one for n in "abc"}
     assert group_bytes(group, sizes) == 3 * one.state_bytes + one.activation_bytes
     assert group_bytes(GroupSpec("g", group.members, 3), sizes) == 3 * one.state_bytes + 3 * one.activation_bytes
+    # on 2 CPU threads two units step side by side
+    assert group_bytes(group, sizes, lanes=2) == 3 * one.state_bytes + 2 * one.activation_bytes
 
 
 def place(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES, grouping: Grouping | None = None):
@@ -78,7 +80,7 @@ def place(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES, grouping
     image_sizes = {"main": cfg.pipeline.image_size, "alt": cfg.pipeline.alt_image_size}
     sizes = measure_sizes(models, cfg.dataset.synthetic_classes, image_sizes, cfg.pipeline.batch_size)
     groups = plan_groups(models, sizes, len(slots), grouping, None)
-    groups, measured = choose_fusion(groups, grouping, sizes, gpu_bytes, how=None, cache=None)
+    groups, measured = choose_fusion(groups, grouping, sizes, gpu_bytes, lanes=1, how=None, cache=None)
     assert not measured  # nothing here measures: auto has no family to fuse, fuse and pack need no rates
     check_group_memory(groups, sizes, gpu_bytes)
     policy = make_policy(cfg.scheduler.policy, requested_slots={g.name: g.slots for g in groups})

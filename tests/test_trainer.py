@@ -122,12 +122,13 @@ def test_a_ring_buffer_goes_back_only_once_its_copy_has_finished():
 
 
 @pytest.mark.parametrize("precision", [Precision.fp32, Precision.bf16])
-@pytest.mark.parametrize("array_size", [1, 2])
-def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, array_size):
+@pytest.mark.parametrize("array_size, threads", [(1, 1), (2, 1), (1, 2)])  # (1, 2): units step side by side
+def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, array_size, threads):
     """No host synchronisation inside a step: every way a tensor's value reaches Python is counted
     (item, float, bool, tolist, numpy, cpu, cuda.synchronize) and none may happen."""
     group = GroupSpec("g", (model("a"), model("b", lr=0.02), model("w", width=4)), array_size)
-    step = GroupStep(group, 3, {"main": 32}, torch.device("cpu"), 10, precision)
+    step = GroupStep(group, 3, {"main": 32}, torch.device("cpu"), 10, precision, threads=threads)
+    assert (step.pool is not None) == (threads > 1)
     images, labels = batch()
     inputs = {"main": (normalise(images, torch.device("cpu")), torch.from_numpy(labels))}
     step.train(inputs)  # the first step builds the optimisers' state: counted too, in the next

@@ -59,28 +59,29 @@ def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int
             for i, names in enumerate(form_groups(candidates, slots, grouping))]
 
 
-def fused(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int) -> GroupSpec:
+def fused(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int, lanes: int) -> GroupSpec:
     """`group` with its families fused into the largest arrays that fit a slot (a fused array holds
-    all its members' activations at once); packed if none of two or more fits."""
-    for size in range(group.largest_family, 1, -1):
+    all its members' activations at once), and on CPU no larger than one per thread (`lanes`: units
+    step side by side there, pipeline/training/group.py); packed if no array of two or more fits."""
+    for size in range(-(-group.largest_family // lanes), 1, -1):
         candidate = replace(group, array_size=size)
-        if group_bytes(candidate, sizes) * MEMORY_HEADROOM <= slot_bytes:
+        if group_bytes(candidate, sizes, lanes) * MEMORY_HEADROOM <= slot_bytes:
             return candidate
     return group
 
 
 def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, ModelSize], slot_bytes: int,
-                  how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
+                  lanes: int, how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
     """Fusion as trainer.grouping says: `fuse` fuses every family that fits; `auto` measures each group
     with a family to fuse packed and fused on one slot and keeps the faster. Returns the groups and,
     per group measured, both rates (images/s)."""
     if grouping == Grouping.fuse:
-        return [fused(g, sizes, slot_bytes) for g in groups], {}
+        return [fused(g, sizes, slot_bytes, lanes) for g in groups], {}
     if grouping != Grouping.auto:
         return groups, {}
     chosen, measured = [], {}
     for group in groups:
-        variant = fused(group, sizes, slot_bytes)
+        variant = fused(group, sizes, slot_bytes, lanes)
         if variant.array_size == 1:
             chosen.append(group)  # nothing to fuse, or no array fits
             continue
@@ -90,18 +91,19 @@ def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, 
     return chosen, measured
 
 
-def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize]) -> int:
-    """A group's memory on one of its slots: every member's state, and the activations of the largest
-    unit stepped at once (members step in turn; a fused array holds all its members' at once).
-    A data-parallel model holds its 1/g share of the batch's activations."""
+def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
+    """A group's memory on one of its slots: every member's state, and the activations of the units
+    stepped at once: the largest one, or on CPU the `lanes` largest side by side (a fused array holds all
+    its members' activations). A data-parallel model holds its 1/g share of the batch's activations."""
     state = sum(sizes[m.name].state_bytes for m in group.members)
-    activations = max(sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units())
-    return state + math.ceil(activations / group.slots)
+    units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
+    return state + math.ceil(sum(units[:lanes]) / group.slots)
 
 
-def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slot_bytes: int) -> None:
+def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slot_bytes: int,
+                       lanes: int = 1) -> None:
     for group in groups:
-        need = group_bytes(group, sizes) * MEMORY_HEADROOM
+        need = group_bytes(group, sizes, lanes) * MEMORY_HEADROOM
         if need > slot_bytes:
             what = f"model {group.name}" if len(group.members) == 1 else \
                 f"group {group.name} ({len(group.members)} models: {', '.join(m.name for m in group.members)})"

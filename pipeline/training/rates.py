@@ -246,7 +246,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         if world > 1:
             join_process_group(rendezvous, rank, world, device)
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
-                         world)
+                         world, how.threads)
         # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.
         random = np.random.default_rng(rank)
         batches = {}

@@ -147,7 +147,7 @@ class Trainer:
         if self.world > 1:
             join_process_group(spec.rendezvous, spec.rank, self.world, self.device)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
-                              spec.epochs * spec.steps_per_epoch, spec.precision, self.world)
+                              spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads)
         self.members = list(self.step.names)
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
