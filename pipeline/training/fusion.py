@@ -35,11 +35,11 @@ from pipeline.training.models import DenseLayer
 class FusedLinear(nn.Module):
     """k Linear(in, out) as one batched matmul: [N, k*in] -> [k, N, out]."""
 
-    def __init__(self, members: int, in_features: int, out_features: int, device=None):
+    def __init__(self, members: int, in_features: int, out_features: int, device=None, dtype=None):
         super().__init__()
         self.members = members
-        self.weight = nn.Parameter(torch.empty(members, out_features, in_features, device=device))
-        self.bias = nn.Parameter(torch.empty(members, out_features, device=device))
+        self.weight = nn.Parameter(torch.empty(members, out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(members, out_features, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.unflatten(1, (self.members, -1)).transpose(0, 1)  # [k, N, in]
@@ -230,32 +230,33 @@ class FusedArray:
 
 
 def _fused_structure(plain: nn.Module, members: int) -> nn.Module:
-    """`plain` (on the meta device) with each layer replaced by its fused form, names unchanged."""
+    """`plain` (on the meta device) with each layer replaced by its fused form, names and dtype unchanged."""
     fused = copy.deepcopy(plain)
+    factory = {"device": "meta", "dtype": next(plain.parameters()).dtype}
     first_conv = next(m for m in fused.modules() if isinstance(m, nn.Conv2d))
     for parent in list(fused.modules()):
         if isinstance(parent, DenseLayer):
             parent.members = members
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Conv2d):
-                setattr(parent, name, _fused_conv(child, members, shares_input=child is first_conv))
+                setattr(parent, name, _fused_conv(child, members, child is first_conv, factory))
             elif isinstance(child, nn.BatchNorm2d):
                 setattr(parent, name, nn.BatchNorm2d(members * child.num_features, child.eps, child.momentum,
-                                                     child.affine, child.track_running_stats, device="meta"))
+                                                     child.affine, child.track_running_stats, **factory))
             elif isinstance(child, nn.Linear):
-                setattr(parent, name, FusedLinear(members, child.in_features, child.out_features, device="meta"))
+                setattr(parent, name, FusedLinear(members, child.in_features, child.out_features, **factory))
             elif list(child.parameters(recurse=False)) or list(child.buffers(recurse=False)):
                 raise TypeError(f"cannot fuse {type(child).__name__}: only Conv2d, BatchNorm2d and Linear hold state")
     return fused
 
 
-def _fused_conv(conv: nn.Conv2d, members: int, shares_input: bool) -> nn.Conv2d:
+def _fused_conv(conv: nn.Conv2d, members: int, shares_input: bool, factory: dict) -> nn.Conv2d:
     if shares_input:  # every member sees the same images: one ordinary conv, 3 -> k*C_out
         in_channels, groups = conv.in_channels, 1
     else:
         in_channels, groups = members * conv.in_channels, members * conv.groups
     return nn.Conv2d(in_channels, members * conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                     conv.dilation, groups, conv.bias is not None, conv.padding_mode, device="meta")
+                     conv.dilation, groups, conv.bias is not None, conv.padding_mode, **factory)
 
 
 def _memory_format(module: nn.Module) -> torch.memory_format:
