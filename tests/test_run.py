@@ -285,6 +285,10 @@ def test_the_paper_ensembles_structure_trains_on_two_cpu_slots(tiny_dataset, tmp
     assert len(results["models"]) == 100 and all(m["epochs"] == 1 for m in results["models"])
     assert len(results["groups"]) == 2
     assert sum(len(g["members"]) for g in results["groups"].values()) == 100
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    # 100 models on 2 CPU slots: a group sets the pace, and the advice is more slots (fewer models on each), not DDP
+    assert report["verdict"]["bound"] == "compute", report["verdict"]
+    assert [a["override"] for a in report["actions"]] == ["trainer.slots=3"], report["actions"]
     measured = results["grouping"]
     assert set(measured) == set(results["groups"])  # every group had families to fuse: both ways measured
     for name, group in results["groups"].items():

@@ -219,6 +219,14 @@ def _compute_bound(results: dict, limiter: ModelRow, models: list[ModelRow],
             f"({limiter.images_per_s:.1f} img/s), sets the pace and waits for data only "
             f"{limiter.data_stall_pct:.1f}% of its time")
     verdict = Verdict("compute", None, limiter.name, limiter.data_stall_pct, line)
+    if limiter.group_mode not in (None, "alone"):  # it shares a slot: more slots split its group, no DDP
+        group = results.get("groups", {}).get(limiter.group, {})
+        slots = results.get("devices", {}).get("slots", 1) + 1
+        change = f"trainer.slots={slots}"
+        text = (f"{change}: {limiter.name} trains in {limiter.group} ({len(group.get('members', []))} models "
+                f"{limiter.group_mode} on one slot), which sets the pace; more slots put fewer models on each "
+                "(a group's step takes about the sum of its members' steps)")
+        return verdict, [Action(change, text, None, None, change)]
     # Twice the slots, at best twice the rate (linear DDP scaling); the next slowest member and the
     # workers' capacity then cap the flotilla.
     slots = 2 * limiter.slots
