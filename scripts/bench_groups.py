@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.orchestration.grouping import fused, measure_sizes
 from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
 
 MODES = ("separate", "packed", "fused")
@@ -67,9 +69,11 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         groups = [GroupSpec(m.name, (m,)) for m in models]
         threads = max(1, args.cores // k)
     else:
-        # On CPU the planner splits a family into one array per thread, stepped side by side (grouping.py).
-        lanes = args.cores if args.device == "cpu" else 1
-        groups = [GroupSpec("group", tuple(models), -(-k // lanes) if mode == "fused" else 1)]
+        group = GroupSpec("group", tuple(models))
+        if mode == "fused":  # arrays as the planner makes them (on CPU: one per thread, side by side)
+            lanes = args.cores if args.device == "cpu" else 1
+            group = fused(group, measure_sizes(models, 10, {"main": image_size}, args.batch), math.inf, lanes)
+        groups = [group]
         threads = args.cores
     context = mp.get_context("spawn")
     start, results = context.Barrier(len(groups)), context.Queue()
@@ -84,6 +88,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
     # Each model trains batch x steps images; a separate process's own time counts for its model.
     per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
     return {"mode": mode, "k": k, "image_size": image_size, "threads_per_process": threads,
+            "array_size": groups[0].array_size,
             "images_per_s_per_model": float(np.mean(per_model)), "images_per_s_total": float(np.sum(per_model)),
             "peak_rss_bytes": int(sum(rss for _, rss, _ in reports)),
             "peak_allocated_bytes": int(sum(a for _, _, a in reports))}

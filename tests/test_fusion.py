@@ -67,6 +67,12 @@ def batches(image_size: int, steps: int, seed: int = 0) -> list[tuple[torch.Tens
              torch.randint(0, NUM_CLASSES, (BATCH,), generator=generator)) for _ in range(steps)]
 
 
+def fused_and_apart(config, image_size=16) -> tuple[list[nn.Module], FusedArray, list[torch.optim.SGD]]:
+    """Three plain models, the fused array made of their weights, and the SGD that trains each apart."""
+    models = plain_models(config, image_size)
+    return models, FusedArray(models, **HYPER), sgds(models, **HYPER)
+
+
 def sgds(models, lrs, momenta, weight_decays) -> list[torch.optim.SGD]:
     return [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=True)
             for m, lr, momentum, weight_decay in zip(models, lrs, momenta, weight_decays)]
@@ -248,9 +254,7 @@ def test_fused_state_holds_each_members_tensors_member_major(config, image_size,
 @pytest.mark.usefixtures("float64")
 @EVERY_MODEL_AND_STEM
 def test_fused_training_equals_training_each_model_apart(config, image_size):
-    models = plain_models(config, image_size)
-    array = FusedArray(models, **HYPER)
-    optimizers = sgds(models, **HYPER)
+    models, array, optimizers = fused_and_apart(config, image_size)
     data = batches(image_size, steps=5)
     fused_losses = train_fused(array, data)
     torch.testing.assert_close(fused_losses, train_apart(models, optimizers, data), **TRAINING_TOLERANCE)
@@ -290,9 +294,7 @@ def test_member_state_is_a_plain_models_checkpoint_that_trains_on_alone(config, 
 def test_a_member_resumes_from_a_model_trained_alone(array_steps, alone_steps):
     # The fused optimiser may or may not hold momentum already, and the loaded one may or may not.
     image_size = 16
-    models = plain_models(DENSENET, image_size)
-    array = FusedArray(models, **HYPER)
-    optimizers = sgds(models, **HYPER)
+    models, array, optimizers = fused_and_apart(DENSENET, image_size)
     (alone,) = plain_models(DENSENET, image_size, seeds=(9,))
     (alone_optimizer,) = sgds([alone], [0.03], [0.7], [1e-3])
     data = batches(image_size, steps=array_steps + 2)
@@ -314,9 +316,7 @@ def test_a_member_resumes_from_a_model_trained_alone(array_steps, alone_steps):
 @EVERY_MODEL
 def test_after_a_member_leaves_the_others_train_on_as_if_apart(config, dropped):
     image_size = 16
-    models = plain_models(config, image_size)
-    array = FusedArray(models, **HYPER)
-    optimizers = sgds(models, **HYPER)
+    models, array, optimizers = fused_and_apart(config, image_size)
     data = batches(image_size, steps=5)
     train_fused(array, data[:2])
     train_apart(models, optimizers, data[:2])
@@ -341,9 +341,7 @@ def test_after_a_member_leaves_the_others_train_on_as_if_apart(config, dropped):
 @EVERY_MODEL
 def test_lr_schedule_and_grad_scaler_drive_every_members_lr_across_a_drop(config):
     image_size = 16
-    models = plain_models(config, image_size)
-    array = FusedArray(models, **HYPER)
-    optimizers = sgds(models, **HYPER)
+    models, array, optimizers = fused_and_apart(config, image_size)
 
     def factor(step):
         return 0.5**step

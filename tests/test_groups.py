@@ -3,7 +3,7 @@ given memory, as a run plans it (no GPU needed: the plan is made before any devi
 import pytest
 
 from pipeline.config import expand_ensemble
-from pipeline.orchestration.devices import DeviceKind, slot_devices
+from pipeline.orchestration.devices import DeviceKind, SlotError, slot_devices
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, group_bytes, measure_sizes, plan_groups
 from pipeline.scheduler import Cluster, Scheduler, Start, make_policy
 from pipeline.scheduler.cluster import PlacementError
@@ -113,7 +113,7 @@ def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(group
 
 
 def test_a_group_too_large_for_a_gpu_is_a_clear_error():
-    with pytest.raises(Exception, match=r"group group0 \(100 models.*trainer.slots"):
+    with pytest.raises(SlotError, match=r"group group0 \(100 models.*trainer.slots"):
         place(["+ensemble=caltech256_paper"], 1, 8 * 2**30, Grouping.pack)
 
 

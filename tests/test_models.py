@@ -129,17 +129,17 @@ def test_a_few_sgd_steps_fit_a_small_batch(config):
 @SMALL_MODELS
 def test_training_estimate_grows_with_batch_size_and_width(config):
     model = small_model(config)
-    by_batch = [estimate_training_bytes(model, 32, batch) for batch in (1, 8, 64)]
+    by_batch = [estimate_training_bytes(model, 32, batch).total for batch in (1, 8, 64)]
     assert by_batch == sorted(set(by_batch))
     wider = small_model(config, width=2 * config[2])
-    assert estimate_training_bytes(wider, 32, 8) > by_batch[1]
+    assert estimate_training_bytes(wider, 32, 8).total > by_batch[1]
 
 
 @SMALL_MODELS
 def test_training_estimate_is_dominated_by_activations_at_large_batch(config):
     model = small_model(config)
     weights_gradients_and_momentum = 3 * 4 * count_parameters(model)
-    assert estimate_training_bytes(model, 32, 256) > 10 * weights_gradients_and_momentum
+    assert estimate_training_bytes(model, 32, 256).total > 10 * weights_gradients_and_momentum
 
 
 @SMALL_MODELS
@@ -148,9 +148,9 @@ def test_training_estimate_scales_the_activations_autograd_saves_in_training(con
     """The estimate's per-image pass (eval mode, batch 1) predicts what a
     training-mode forward at batch 8 actually keeps for backward."""
     model = small_model(config, image_size).train()
-    activations_of_8 = estimate_training_bytes(model, image_size, 9) - estimate_training_bytes(
+    activations_of_8 = estimate_training_bytes(model, image_size, 9).total - estimate_training_bytes(
         model, image_size, 1
-    )
+    ).total
     state = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
     saved = {}
 

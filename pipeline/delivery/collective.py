@@ -84,6 +84,7 @@ class GroupLink:
         self.bytes_sent = self.bytes_received = 0
         on_gpu = self.device.type == "cuda"
         host = lambda: torch.empty(self.codec.size, dtype=torch.uint8, pin_memory=on_gpu)
+        # gloo exchanges host memory: there the device buffer is the host one (copy_ onto itself returns at once)
         device_copy = (lambda t: torch.empty_like(t, device=self.device)) if on_gpu else (lambda t: t)
         self.host = [host() for _ in ranks]  # one per share (an all-gather's); a broadcast uses the first
         self.on_device = [device_copy(t) for t in self.host]

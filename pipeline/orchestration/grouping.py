@@ -33,14 +33,14 @@ class ModelSize:
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
                   batch_size: int) -> dict[str, ModelSize]:
-    from pipeline.training.models import build_model, count_parameters, estimate_step_flops, estimate_training_parts
+    from pipeline.training.models import build_model, count_parameters, estimate_step_flops, estimate_training_bytes
 
     by_family: dict[tuple, ModelSize] = {}  # a sweep's members weigh the same: one build per family
     for m in models:
         if m.family not in by_family:
             side = image_sizes[m.input]
             net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=side)
-            state, activations = estimate_training_parts(net, side, batch_size)
+            state, activations = estimate_training_bytes(net, side, batch_size)
             by_family[m.family] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
     return {m.name: by_family[m.family] for m in models}
 

@@ -82,15 +82,15 @@ class NodeProcesses:
 
     def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int]) -> None:
         """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream."""
-        taken = [(self.rings[hub, stream], reader) for stream, reader in readers.items()]
+        taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
         commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
         process = self.context.Process(
             target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
-            args=(spec, {stream: self.rings[hub, stream].reader(i) for stream, i in readers.items()}, commands,
+            args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,
                   self.reports.channel()))
         process.start()
         commands.close()  # the child's end
-        self.trainers[spec.group.name].append(TrainerProcess(process, taken, command_sender))
+        self.trainers[spec.group.name].append(TrainerProcess(process, list(taken.values()), command_sender))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, process.pid)
 

@@ -41,7 +41,7 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.group import GroupSpec, ModelSpec, SGDStep, normalise
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, by_family, normalise
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -55,14 +55,16 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     device = _device(cfg.trainer.device)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    shapes = _by_shape(models)
+    families = by_family(models)  # models differing only in hyper-parameters are measured once
     console.print(f"[bold]profile mode[/]  {batches} batches through the pipeline on "
-                  f"{cfg.cluster.address or f'{workers} Dask workers'}, then {len(shapes)} model shape(s) x 3 "
+                  f"{cfg.cluster.address or f'{workers} Dask workers'}, then {len(families)} model shape(s) x 3 "
                   f"differential passes of {steps} steps on {device}; no training (mode=train trains)")
 
-    trainees = {shape: _Trainee(members[0], len(graph.source.class_names), image_sizes[members[0].name], device,
-                                cfg.trainer.threads) for shape, members in shapes.items()}
-    params = {m.name: trainees[_shape(m)].params for m in models}
+    # The schedule of a real run's first steps: the passes train as a run would begin.
+    total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
+    trainees = {family: _Trainee(members[0], len(graph.source.class_names), image_sizes[members[0].name], device,
+                                cfg.trainer.threads, total_steps) for family, members in families.items()}
+    params = {m.name: trainees[m.family].params for m in models}
     recorder = RunRecorder(models, params, image_sizes)
     differential: dict[str, dict] = {}
     drain_s = cfg.timeouts.drain_s
@@ -82,8 +84,8 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
                       f"({recorder.train_images / pass_s:,.0f} img/s)")
         decoded = _fetch_outputs(graph, cfg.seed, cfg.on_error,
                                  min(CACHED_BATCHES, graph.source.num_batches(Split.TRAIN)))
-        for shape, members in shapes.items():
-            trainee = trainees[shape]
+        for family, members in families.items():
+            trainee = trainees[family]
             stream = members[0].input
             measured = {}
             for kind, pass_graph in (("synthetic", _synthetic_graph(graph, stream, len(graph.source.class_names))),
@@ -121,18 +123,6 @@ def _device(requested: DeviceKind) -> str:
     import torch
 
     return "cuda:0" if resolve_device(requested, torch.cuda.is_available()) == DeviceKind.cuda else "cpu"
-
-
-def _shape(model: ModelSpec) -> tuple:
-    """What decides a model's speed: models differing in learning rate only are measured once."""
-    return model.arch, model.depth, model.width, model.growth_rate, model.input
-
-
-def _by_shape(models: list[ModelSpec]) -> dict[tuple, list[ModelSpec]]:
-    shapes: dict[tuple, list[ModelSpec]] = {}
-    for model in models:
-        shapes.setdefault(_shape(model), []).append(model)
-    return shapes
 
 
 def _batches(executor: Executor, count: int) -> Iterator[BatchOutput]:
@@ -285,18 +275,18 @@ class _Pass:
 
 class _Trainee:
     """One model trained as pipeline.training.trainer does it (uint8 NHWC in, normalised
-    on the device, SGD step), on one device, fed by this process."""
+    on the device, the trainer's own step), on one device, fed by this process."""
 
-    def __init__(self, model: ModelSpec, classes: int, image_size: int, device: str, threads: int):
+    def __init__(self, model: ModelSpec, classes: int, image_size: int, device: str, threads: int,
+                 total_steps: int):
         import torch
 
-        from pipeline.training.models import build_model, count_parameters
+        from pipeline.training.models import count_parameters
 
-        self.torch, self.device, self.threads = torch, torch.device(device), threads
-        self.net = build_model(model.arch, model.depth, model.width, model.growth_rate, classes,
-                               image_size=image_size).to(self.device).to(memory_format=torch.channels_last)
-        self.params = count_parameters(self.net)
-        self.step = SGDStep(self.net, model)
+        self.torch, self.device, self.threads, self.model = torch, torch.device(device), threads, model
+        self.step = GroupStep(GroupSpec(model.name, (model,)), classes, {model.input: image_size}, self.device,
+                              total_steps)
+        self.params = count_parameters(self.step.units[0].module)
 
     def train(self, feed: Iterator[BatchOutput], stream: str, warmup: int) -> _Pass:
         torch = self.torch
@@ -305,7 +295,6 @@ class _Trainee:
         timed = _Pass(0, 0.0, 0.0, 0.0, [])
         loss_sum = 0.0
         try:
-            self.net.train()
             waited = time.perf_counter()
             for number, output in enumerate(feed):
                 batch = output.streams[stream]
@@ -329,4 +318,5 @@ class _Trainee:
     def _step(self, images: np.ndarray, labels: np.ndarray) -> float:
         x = normalise(images, self.device)
         y = self.torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
-        return float(self.step(x, y).detach())  # waits for the device: the step's time is its own
+        losses = self.step.train({self.model.input: (x, y)})
+        return float(losses[self.model.name])  # waits for the device: the step's time is its own

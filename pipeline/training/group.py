@@ -6,8 +6,8 @@ and optimiser, stepped in turn, so the peak holds one member's activations)
 or, for members of one family (architecture, shape and stream), fused into
 arrays (pipeline/training/fusion.py). Every member keeps its own
 hyper-parameters, schedule, checkpoint and convergence, and can leave the
-group alone. Trainers, rate measurement and the benchmark all step groups
-through `GroupStep`, so what is measured is what trains.
+group alone. Trainers, rate measurement, profile mode and the benchmark all
+step groups through `GroupStep`, so what is measured is what trains.
 """
 from __future__ import annotations
 
@@ -42,6 +42,14 @@ class ModelSpec:
     def family(self) -> tuple:
         """Models of one family differ only in hyper-parameters and weights: they can fuse."""
         return self.arch, self.depth, self.width, self.growth_rate if self.arch == "densenet" else 0, self.input
+
+
+def by_family(models) -> dict[tuple, list[ModelSpec]]:
+    """Models by family, in the order given."""
+    families: dict[tuple, list[ModelSpec]] = {}
+    for m in models:
+        families.setdefault(m.family, []).append(m)
+    return families
 
 
 class Precision(enum.StrEnum):
@@ -82,18 +90,12 @@ class GroupSpec:
 
     @property
     def largest_family(self) -> int:
-        families: dict[tuple, int] = {}
-        for m in self.members:
-            families[m.family] = families.get(m.family, 0) + 1
-        return max(families.values())
+        return max(map(len, by_family(self.members).values()))
 
     def units(self) -> list[tuple[ModelSpec, ...]]:
         """What steps as one: fused arrays (a family's members, `array_size` at a time), the rest alone."""
-        families: dict[tuple, list[ModelSpec]] = {}
-        for m in self.members:
-            families.setdefault(m.family, []).append(m)
         size = max(1, self.array_size)
-        return [tuple(f[i:i + size]) for f in families.values() for i in range(0, len(f), size)]
+        return [tuple(f[i:i + size]) for f in by_family(self.members).values() for i in range(0, len(f), size)]
 
     def without(self, names: set[str]) -> GroupSpec:
         return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.array_size)
@@ -103,27 +105,6 @@ def cosine(total_steps: int):
     """The learning-rate factor after `step` steps: cosine annealing to 0 over the run."""
     total = max(1, total_steps)
     return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-
-
-class SGDStep:
-    """One model's training step (trainers, rate measurement, profile mode): cross-entropy, Nesterov SGD."""
-
-    def __init__(self, net, model: ModelSpec):
-        import torch
-
-        self.net = net
-        self.optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
-                                         weight_decay=model.weight_decay, nesterov=True)
-
-    def __call__(self, x, y):
-        """One step on a normalised batch; the loss, on the device."""
-        import torch
-
-        loss = torch.nn.functional.cross_entropy(self.net(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss
 
 
 def normalise(images, device):
@@ -165,8 +146,8 @@ class _Solo:
         self.module = net
         self.net = net if world == 1 else torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[device.index] if device.type == "cuda" else None)
-        self.step = SGDStep(self.net, model)
-        self.optimizer = self.step.optimizer
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
+                                         weight_decay=model.weight_decay, nesterov=True)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def losses(self, x, y):
@@ -234,33 +215,32 @@ class GroupStep:
 
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
         self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
-        self.fp16 = precision == Precision.fp16
         self.units: list[_Solo | _Array] = []
         for unit in group.units():
             nets = [self._build(build_model, m, num_classes, image_sizes[m.input]) for m in unit]
             if len(unit) == 1:
                 self.units.append(_Solo(unit[0], nets[0], world, self.device, cosine(total_steps)))
-            else:
+            else:  # the array takes the nets' memory format (channels_last)
                 self.units.append(_Array(unit, nets, cosine(total_steps)))
-                self.units[-1].module.to(memory_format=torch.channels_last)
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
-            unit.scaler = torch.amp.GradScaler(self.device.type, enabled=self.fp16)
+            unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
         self.pool = None
         self._plan_lanes()
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
         measured on 2 cores, small convolutions use a second intra-op thread poorly (a model alone runs
-        0.55x as fast as two one-thread processes), independent units use it fully."""
+        0.55-0.76x as fast as two one-thread processes), independent units use it fully."""
         import concurrent.futures
 
         lanes = self.threads if self.device.type == "cpu" and len(self.units) >= self.threads > 1 else 1
-        self.torch.set_num_threads(1 if lanes > 1 else self.threads)
         if lanes > 1 and self.pool is None:
+            self.torch.set_num_threads(1)
             self.pool = concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="unit")
-        elif lanes == 1 and self.pool is not None:
+        elif lanes == 1 and self.pool is not None:  # members left: the rest step in turn, on every thread
             self.pool.shutdown()
             self.pool = None
+            self.torch.set_num_threads(self.threads)
 
     def _build(self, build_model, m: ModelSpec, num_classes: int, image_size: int):
         # The same seed for every model: members differ by architecture and hyper-parameters, not by

@@ -15,6 +15,7 @@ image size still works at any size the pipeline produces.
 """
 
 import itertools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -79,7 +80,19 @@ def describe(model: nn.Module) -> str:
     return f"{name}: {count_parameters(model) / 1e6:.2f}M params"
 
 
-def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) -> int:
+class TrainingBytes(NamedTuple):
+    """What a training step holds, in two parts: a group's members keep their states together but,
+    stepped in turn, hold one member's activations at a time (a fused array: all its members' at once)."""
+
+    state: int  # parameters, their gradients and momentum buffers, other buffers
+    activations: int  # saved for backward, for the whole batch
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations
+
+
+def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) -> TrainingBytes:
     """Estimate the memory one SGD-with-momentum training step holds.
 
     Counts parameters, their gradients and momentum buffers, the model's
@@ -90,24 +103,13 @@ def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) 
     it leaves out the transient gradients and buffers of the backward pass,
     workspaces (cuDNN, oneDNN) and allocator slack: on CPU, the peak resident
     memory of a step measured 1.2-2.8x the estimate. Plan with headroom.
-    The pass runs where the model's parameters are, in eval mode (batch-norm
-    cannot train on one value per channel, and must not update its running
-    statistics here), and leaves every module's mode as it found it.
     """
-    state, activations = estimate_training_parts(model, image_size, batch_size)
-    return state + activations
-
-
-def estimate_training_parts(model: nn.Module, image_size: int, batch_size: int) -> tuple[int, int]:
-    """`estimate_training_bytes` in its two parts: (state, activations). A group's
-    members keep their states together but, stepped in turn, hold one member's
-    activations at a time (a fused array: all of its members' at once)."""
     _require_positive_int("image_size", image_size)
     _require_positive_int("batch_size", batch_size)
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     state_bytes = 3 * _nbytes(trained) + _nbytes(frozen) + _nbytes(model.buffers())
-    return state_bytes, batch_size * _saved_activation_bytes_per_image(model, image_size)
+    return TrainingBytes(state_bytes, batch_size * _saved_activation_bytes_per_image(model, image_size))
 
 
 def estimate_step_flops(model: nn.Module, image_size: int) -> float:
@@ -123,26 +125,16 @@ def estimate_step_flops(model: nn.Module, image_size: int) -> float:
         total += module.weight.numel() * spatial
 
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    modes = {module: module.training for module in model.modules()}
     try:
-        model.eval()
-        first_parameter = next(model.parameters())
         with torch.no_grad():
-            model(torch.zeros(1, 3, image_size, image_size, dtype=first_parameter.dtype,
-                              device=first_parameter.device))
+            _forward_one_image(model, image_size)
     finally:
         for hook in hooks:
             hook.remove()
-        for module, training in modes.items():
-            module.training = training
     return 3.0 * total
 
 
 def _saved_activation_bytes_per_image(model: nn.Module, image_size: int) -> int:
-    first_parameter = next(model.parameters())
-    image = torch.zeros(
-        1, 3, image_size, image_size, dtype=first_parameter.dtype, device=first_parameter.device
-    )
     state = itertools.chain(model.parameters(), model.buffers())
     state_storages = {tensor.untyped_storage().data_ptr() for tensor in state}
     # By address, so that a tensor saved by several ops counts once; holding
@@ -155,15 +147,24 @@ def _saved_activation_bytes_per_image(model: nn.Module, image_size: int) -> int:
             saved_storages[storage.data_ptr()] = storage
         return tensor
 
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        _forward_one_image(model, image_size)
+    return sum(storage.nbytes() for storage in saved_storages.values())
+
+
+def _forward_one_image(model: nn.Module, image_size: int) -> None:
+    """A zero image through `model`, where its parameters are, in eval mode (batch norm cannot train
+    on one value per channel, and must not update its running statistics here); every module's
+    mode is left as it was found."""
+    first_parameter = next(model.parameters())
+    image = torch.zeros(1, 3, image_size, image_size, dtype=first_parameter.dtype, device=first_parameter.device)
     modes = {module: module.training for module in model.modules()}
     try:
         model.eval()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
-            model(image)
+        model(image)
     finally:
         for module, training in modes.items():
             module.training = training
-    return sum(storage.nbytes() for storage in saved_storages.values())
 
 
 def _nbytes(tensors) -> int:

@@ -77,20 +77,21 @@ class DeviceFeed:
         self.on_gpu = device.type == "cuda"
         self.new_event = new_event or ((lambda: torch.cuda.Event()) if self.on_gpu else None)
         self.pending: deque = deque()  # (event, what to call once it has passed), oldest first
-        self.staging: dict[str, list] = {}  # stream -> [(pinned images, pinned labels, event of last copy)]
-        self.turn = 0
+        # stream -> its pinned buffers, [images, labels, event of their last copy], next to use first
+        self.staging: dict[str, deque] = {}
 
     def _stage(self, stream: str, images: np.ndarray) -> list:
-        """The stream's pinned buffers (pinned: the only host memory a GPU copies from asynchronously),
-        made with its first batch, remade if a larger one comes."""
+        """The stream's next pinned buffers (pinned: the only host memory a GPU copies from
+        asynchronously), made with its first batch, remade if a larger one comes; they go to the back."""
         buffers = self.staging.get(stream)
         if buffers is None or len(buffers[0][1]) < len(images):
             self.flush()
             torch = self.torch
-            buffers = self.staging[stream] = [(torch.empty(images.shape, dtype=torch.uint8).pin_memory(),
-                                               torch.empty(len(images), dtype=torch.int64).pin_memory(), None)
-                                              for _ in range(STAGING_BUFFERS)]
-        return buffers
+            buffers = self.staging[stream] = deque(
+                [torch.empty(images.shape, dtype=torch.uint8).pin_memory(),
+                 torch.empty(len(images), dtype=torch.int64).pin_memory(), None] for _ in range(STAGING_BUFFERS))
+        buffers.rotate(-1)
+        return buffers[-1]
 
     def copy(self, stream: str, images: np.ndarray, labels: np.ndarray, release) -> tuple:
         """(uint8 NHWC images, labels) on the device; `release` is called once they no longer need the buffer."""
@@ -99,8 +100,8 @@ class DeviceFeed:
         if not self.on_gpu:
             x, y = torch.from_numpy(images.copy()), torch.from_numpy(labels.copy())
         else:
-            buffers = self._stage(stream, images)
-            host_x, host_y, busy = buffers[self.turn % STAGING_BUFFERS]
+            staged = self._stage(stream, images)
+            host_x, host_y, busy = staged
             if busy is not None:
                 busy.synchronize()  # its previous copy must be done before it is overwritten (it always is by now)
             count = len(labels)
@@ -115,8 +116,7 @@ class DeviceFeed:
             event.record()
             self.pending.append((event, release))
             if self.on_gpu:
-                buffers[self.turn % STAGING_BUFFERS] = (host_x, host_y, event)
-        self.turn += 1
+                staged[2] = event
         return x, y
 
     def collect(self) -> None:
@@ -148,7 +148,7 @@ class Trainer:
             join_process_group(spec.rendezvous, spec.rank, self.world, self.device)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
                               spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads)
-        self.members = list(self.step.names)
+        self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
         self.epoch = spec.start_epoch  # the group's own epoch count, whichever flotilla it is in
@@ -157,6 +157,11 @@ class Trainer:
         self.val_probs: dict[str, list] = {name: [] for name in self.members}  # rank 0's, batch by batch
         self.val_labels: dict[str, list] = {stream: [] for stream in spec.group.inputs}
         self._reset_epoch()
+
+    @property
+    def members(self) -> list[str]:
+        """The group's models still training here."""
+        return self.step.names
 
     def checkpoint_path(self, model: str, epochs_done: int) -> Path:
         return Path(self.spec.checkpoint_dir) / model / f"epoch{epochs_done}.pt"
@@ -179,7 +184,6 @@ class Trainer:
         while self.commands is not None and self.commands.poll():
             command = self.commands.recv()
             if isinstance(command, ReleaseMember) and command.model in self.members:
-                self.members.remove(command.model)
                 self.step.release(command.model)
                 del self.loss_sums[command.model], self.val_probs[command.model]
 
@@ -273,10 +277,9 @@ class Trainer:
         labels = {stream: torch.cat(ys).cpu().numpy() if ys else np.zeros(0, np.int64)
                   for stream, ys in self.val_labels.items()}
         for name in self.members:
-            model = next(m for m in self.spec.group.members if m.name == name)
             chunks = self.val_probs[name]
             probs = torch.cat(chunks).cpu().numpy() if chunks else np.zeros((0, self.spec.num_classes), np.float32)
-            truth = labels[model.input]
+            truth = labels[self.models[name].input]
             accuracy = float((probs.argmax(1) == truth).mean()) if len(truth) else float("nan")
             self._checkpoint(name, accuracy)  # before the report: the driver may stop this process once it has it
             self.reports.put(ValReport(name, self.epoch, accuracy, probs, truth))
@@ -291,8 +294,7 @@ class Trainer:
         path = self.checkpoint_path(name, epochs_done)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        model = next(m for m in self.spec.group.members if m.name == name)
         self.torch.save({**self.step.state(name), "epochs_done": epochs_done, "val_accuracy": accuracy,
-                         "spec": model.__dict__}, tmp)
+                         "spec": self.models[name].__dict__}, tmp)
         os.replace(tmp, path)  # never a half-written checkpoint
         self.checkpoint_path(name, epochs_done - 2).unlink(missing_ok=True)
