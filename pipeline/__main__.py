@@ -1,17 +1,22 @@
 """`python -m pipeline +ensemble=caltech256 [overrides]`: train an ensemble
 (mode=train), or profile its pipeline and write the report (mode=profile).
 
-A user's mistake (stages.base.UserError: config, slots, memory, dataset, a
-bad file under on_error=fail) is one message on stderr and exit code 2; with
-HYDRA_FULL_ERROR=1 its traceback too. Errors Hydra raises while composing the
-config keep Hydra's own message and exit code (docs/configuration.md)."""
+How it ends is its exit code (pipeline.config.ExitCode, the table in
+docs/configuration.md). A user's mistake (stages.base.UserError: config,
+slots, memory, dataset, a bad file under on_error=fail) is one message on
+stderr and code 2; with HYDRA_FULL_ERROR=1 its traceback too. Ctrl-C or
+SIGTERM stops the run in order (130, 143) and says how to resume it. Errors
+Hydra raises while composing the config keep Hydra's own message and code."""
+import shlex
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from pipeline.config import exit_on_user_error, register
+from pipeline.config import ExitCode, exit_on_user_error, register
+from pipeline.orchestration.lifetime import Interrupted, StopSignals
 from pipeline.run import run
 from stages.base import UserError
 
@@ -20,10 +25,21 @@ register()
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except UserError as err:
-        exit_on_user_error(err)
+    with StopSignals() as stop:
+        try:
+            results = run(cfg, Path(HydraConfig.get().runtime.output_dir), stop)
+        except UserError as err:
+            exit_on_user_error(err)
+        except Interrupted as stopped:  # before training began: nothing to checkpoint or resume
+            print(f"{stopped}: stopped before training began; nothing to resume", file=sys.stderr)
+            sys.exit(128 + stopped.signum)
+    if "interrupted" in results:
+        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+        print(f"stopped ({results['interrupted']['signal']}); to resume: python -m pipeline "
+              f"{shlex.join(overrides)} {results['interrupted']['resume']}", file=sys.stderr)
+        sys.exit(128 + stop.signum)
+    if results.get("given_up"):
+        sys.exit(ExitCode.models_given_up)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,18 @@ from stages.base import OnError, UserError
 from stages.decode import DecodeBackend
 
 AUTO = "auto"
-EXIT_USER_ERROR = 2  # the exit codes: docs/configuration.md
+
+
+class ExitCode(enum.IntEnum):
+    """How `python -m pipeline` ends (the table in docs/configuration.md)."""
+
+    ok = 0
+    crashed = 1  # an unexpected error: its traceback is shown
+    user_error = 2  # config, data, slots, memory: one message says what and the fix
+    models_given_up = 3  # trained, but a model failed more than scheduler.max_failures times
+    hung = 4  # something the run waited for did not come within its timeout
+    sigint = 130  # stopped by Ctrl-C: resume=<run folder> continues it
+    sigterm = 143  # stopped by SIGTERM: the same
 
 
 class Mode(enum.StrEnum):
@@ -48,7 +59,7 @@ def exit_on_user_error(err: UserError) -> None:
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err
     print(f"error: {err}", file=sys.stderr)
-    sys.exit(EXIT_USER_ERROR)
+    sys.exit(ExitCode.user_error)
 
 
 @dataclass
@@ -96,6 +107,8 @@ class SchedulerConf:
     target_accuracy: Optional[float] = None  # a model converges on reaching this validation accuracy
     patience: int = 0  # ...or after this many epochs without improving its best by min_delta (0: off)
     min_delta: float = 0.005  # the smallest gain in validation accuracy that counts
+    checkpoint_every: int = 1  # epochs between a model's checkpoints (its final one, and a stop's, come anyway)
+    max_failures: int = 2  # a model whose trainers fail more often is given up (the run then exits with code 3)
 
 
 @dataclass
@@ -133,6 +146,7 @@ class TimeoutsConf:
     report_s: float = 1800  # a trainer or rate measurement that owes a report and stays silent this long is hung
     drain_s: float = 60  # a closing producer lets its running batch tasks finish this long before it is stopped
     exit_s: float = 30  # a process told to stop gets this long to exit before it is killed
+    stop_s: float = 10  # Ctrl-C or SIGTERM: checkpointing the last finished epochs and closing take at most this
 
 
 @dataclass
@@ -172,6 +186,7 @@ class Config:
     profile: ProfileConf = field(default_factory=ProfileConf)
     timeouts: TimeoutsConf = field(default_factory=TimeoutsConf)
     ensemble: Optional[EnsembleConf] = None  # chosen with +ensemble=<name>
+    resume: Optional[str] = None  # a stopped or crashed run's folder: continue it there (same config)
 
 
 def register() -> None:
@@ -190,6 +205,8 @@ def check(cfg: DictConfig) -> None:
              "delivery.ring_depth": (2, "one batch is being read while the next is written"),
              "delivery.broadcast_groups": (1, "multi_broadcast feeds at least one group"),
              "trainer.epochs": (1, "a model trains at least one epoch"),
+             "scheduler.checkpoint_every": (1, "a model is checkpointed at least every epoch count given"),
+             "scheduler.max_failures": (0, "it cannot be negative"),
              "trainer.threads": (1, "a trainer has at least one thread"),
              "rates.max_slots": (1, "rates are measured on at least one slot"),
              "rates.steps": (1, "a measurement times at least one step"), "rates.warmup": (0, "it cannot be negative"),
@@ -200,7 +217,7 @@ def check(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value < smallest:
             raise ConfigError(f"{key}={value}: {why}; set {key}={smallest} or more")
-    for key in ("timeouts.report_s", "timeouts.drain_s", "timeouts.exit_s"):
+    for key in ("timeouts.report_s", "timeouts.drain_s", "timeouts.exit_s", "timeouts.stop_s"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: a wait must be positive seconds")
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:

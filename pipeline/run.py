@@ -3,11 +3,14 @@
 device slots, scheduler, Dask, driver) or the profiling pass (`mode=profile`,
 pipeline/report/profile_run.py), then results.json, the summary and the
 report. The run owns what it starts (cluster, trainer processes, shared
-memory) and closes it whatever happens."""
+memory) and closes it whatever happens; a stop request (Ctrl-C, SIGTERM:
+StopSignals) ends it in order, and `resume=<run folder>` continues it."""
 from __future__ import annotations
 
+import json
+import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hydra.utils import to_absolute_path
@@ -26,6 +29,7 @@ from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devi
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
+from pipeline.orchestration.lifetime import StopSignals, remove_stale_shm
 from pipeline.orchestration.node import registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
@@ -39,6 +43,9 @@ from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
 
 PROBE_BATCHES = 3  # topology=auto, several nodes: batches timed on one node before the first flotilla
+STATE_DIR = "state"  # in a run's folder: what resume= continues from
+# Keys a resumed run may set differently from the run it continues; any other difference is refused.
+RESUME_MAY_CHANGE = ("resume", "timeouts", "rates.cache")
 
 
 @dataclass(frozen=True)
@@ -56,12 +63,19 @@ class RunInputs:
                 "val_images": source.num_items(Split.VAL)}
 
 
-def run(cfg: DictConfig, output_dir: Path) -> dict:
-    """Run the configured mode; write results.json and the report into `output_dir`."""
+def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> dict:
+    """Run the configured mode; write results.json and the report into `output_dir` (with resume=,
+    into the run folder it names). `stop`: the installed signal handlers (none: a run is not stopped)."""
     started = time.perf_counter()
     console = Console()
+    stop = stop or StopSignals()
+    if cfg.resume:
+        output_dir = _resumed_folder(cfg)
     check_output_dir(output_dir)
     check(cfg)
+    left = remove_stale_shm()
+    if left:
+        console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
     models = expand_ensemble(cfg.ensemble)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
@@ -70,7 +84,7 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     if cfg.mode == Mode.profile:
         results = profile_run(cfg, inputs.models, inputs.graph, output_dir, console)
     else:
-        results = train(cfg, inputs, output_dir, console)
+        results = train(cfg, inputs, output_dir, console, stop)
     results.update({"dataset": inputs.dataset_summary(d.name), "wall_s": time.perf_counter() - started,
                     "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
     write_json(output_dir / "results.json", results)
@@ -79,10 +93,42 @@ def run(cfg: DictConfig, output_dir: Path) -> dict:
     console.print(report.summary)
     console.print(f"results: {output_dir / 'results.json'}   report: {report.html}" +
                   (f"   checkpoints: {output_dir / 'checkpoints'}" if cfg.mode == Mode.train else ""))
+    for model in results.get("given_up", []):
+        console.print(f"[red]given up[/]: {model} failed more than scheduler.max_failures="
+                      f"{cfg.scheduler.max_failures} times (its failures are in results.json)")
+    remove_stale_shm()  # hand-off files of this run's hubs, all gone by now
     return results
 
 
-def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> dict:
+def _resumed_folder(cfg: DictConfig) -> Path:
+    """The folder `resume=` names, checked: it holds a stopped run's state, and that run's config is this one."""
+    folder = Path(to_absolute_path(cfg.resume))
+    state = folder / STATE_DIR / "run.json"
+    if cfg.mode != Mode.train:
+        raise ConfigError(f"resume={cfg.resume}: only training runs resume (mode={cfg.mode}); drop resume=")
+    if not state.is_file():
+        raise ConfigError(f"resume={cfg.resume}: {state} is missing: give the folder of a training run that was "
+                          "stopped or crashed after it began training (the folder its stop message names)")
+    saved = json.loads(state.read_text())["config"]
+    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    differ = [key for key in sorted(_flatten(saved).keys() | _flatten(current).keys())
+              if not key.startswith(RESUME_MAY_CHANGE) and _flatten(saved).get(key) != _flatten(current).get(key)]
+    if differ:
+        shown = ", ".join(f"{key}={_flatten(saved).get(key)!r} (now {_flatten(current).get(key)!r})"
+                          for key in differ[:5])
+        raise ConfigError(f"resume={cfg.resume}: that run had {shown}; resume with the same config (only "
+                          f"{', '.join(RESUME_MAY_CHANGE)} may change)")
+    return folder
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    if isinstance(tree, dict) and tree:
+        return {key: value for name, sub in tree.items() for key, value in _flatten(sub, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console, stop: StopSignals) -> dict:
     """mode=train: slots, groups, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
     models, graph = inputs.models, inputs.graph
     needs_rates = POLICIES[cfg.scheduler.policy].needs_rates
@@ -90,23 +136,39 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     device_kind, slots, slot_bytes = _devices(cfg, models, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, inputs.dataset, graph, device_kind, len(slots), len(models), workers)
+    state_dir = output_dir / STATE_DIR
     results: dict = {}
-    groups, table, sizes = _group(cfg, models, graph, device_kind, slots, slot_bytes, needs_rates, output_dir,
-                                  console, results)
+    if cfg.resume:  # the groups it formed, as they were (measuring again might form others)
+        saved = json.loads((state_dir / "run.json").read_text())
+        groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
+                  for g in saved["groups"]]
+        results.update(saved["results"])
+        sizes = measure_sizes(models, len(graph.source.class_names),
+                              {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, cfg.pipeline.batch_size)
+        table = None
+    else:
+        groups, table, sizes = _group(cfg, models, graph, device_kind, slots, slot_bytes, needs_rates, output_dir,
+                                      console, results)
     policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups})
     nodes = cfg.cluster.nodes
+    s = cfg.scheduler
     scheduler = Scheduler([g.name for g in groups], Cluster(nodes=nodes, slots_per_node=len(slots) // nodes), policy,
-                          cfg.seed)
+                          cfg.seed, s.checkpoint_every, s.max_failures)
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes)
+    first = []
     if table is not None:
         console.print(format_table(table))
         first = [decision for name, rates in table.rates.items()
                  for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
         results["rates"] = {name: list(rates) for name, rates in table.rates.items()}
-    else:
+    elif not cfg.resume:
         first = scheduler.start(0.0)
-    s, t = cfg.scheduler, cfg.timeouts
+    if not cfg.resume:
+        state_dir.mkdir(exist_ok=True)
+        write_json(state_dir / "run.json", {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                                            "groups": [asdict(g) for g in groups], "results": dict(results)})
+    t = cfg.timeouts
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
     setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
                           cfg.trainer.threads, cfg.trainer.precision, output_dir / "checkpoints",
@@ -126,10 +188,20 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         probed = _probe_seconds_per_image(client, graph, cfg) if auto and nodes > 1 else None
         topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
                                   results.get("rates"), probed)
-        context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s)
+        context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s, t.stop_s, state_dir)
         driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console)
-        driver.run(first)
+        if cfg.resume:
+            first = driver.resume()
+            console.print(f"[bold]resumed[/] {output_dir} at {driver.now():.0f} s of its training: " + ", ".join(
+                f"{name} after {state.checkpoint_epoch} epochs ({state.status})"
+                for name, state in scheduler.models.items()))
+        with stop.deferred():
+            driver.run(first, stop)
     training_s = time.perf_counter() - training_started
+    if stop.requested.is_set():
+        results["interrupted"] = {"signal": signal.Signals(stop.signum).name, "resume": f"resume={output_dir}"}
+    if driver.given_up:
+        results["given_up"] = driver.given_up
     results.update({
         "devices": {"kind": device_kind, "slots": len(slots)},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,

@@ -8,7 +8,8 @@ import torch
 
 from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
 from pipeline.training.models import build_model
-from pipeline.training.trainer import DeviceFeed, ReleaseMember, Trainer, TrainerSpec
+from pipeline.training.reports import CheckpointSaved
+from pipeline.training.trainer import DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec
 
 
 def model(name, width=8, lr=0.1):
@@ -25,33 +26,64 @@ def batch(seed=0, count=8, side=32):
             random.integers(0, 3, count).astype(np.int64))
 
 
+class Pipe:
+    """The driver's end of a trainer's command pipe, as the trainer sees it."""
+
+    def __init__(self):
+        self.sent, self.received = [], []
+
+    def poll(self):
+        return bool(self.sent)
+
+    def recv(self):
+        self.received.append(self.sent.pop(0))
+        return self.received[-1]
+
+
+def drain(reports: queue.Queue) -> list:
+    return [reports.get_nowait() for _ in range(reports.qsize())]
+
+
 @pytest.mark.parametrize("array_size", [1, 2])
 def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(tmp_path, array_size):
+    """The state kept after an epoch is what a later SaveCheckpoint writes, even after more steps."""
     group = GroupSpec("g", (model("a", lr=0.1), model("b", lr=0.02), model("c", width=4)), array_size)
-    first = Trainer(trainer_spec(group, tmp_path), queue.Queue())
+    pipe, reports = Pipe(), queue.Queue()
+    first = Trainer(trainer_spec(group, tmp_path), reports, pipe)
     images, labels = batch()
-    first.step.train({"main": (normalise(images, first.device), torch.from_numpy(labels))})
+    train = lambda: first.step.train({"main": (normalise(images, first.device), torch.from_numpy(labels))})
+    train()
     for name in first.members:
-        first._checkpoint(name, accuracy=0.5)
+        first._keep_state(name, accuracy=0.5)  # the end of epoch 1
+    x = normalise(batch(1)[0], first.device)
+    before = first.step.predict({"main": x})
+    lrs = lambda trainer: [[g["lr"] for g in unit.optimizer.param_groups] for unit in trainer.step.units]
+    lrs_then = lrs(first)
+    train()  # epoch 2 goes on before the driver's command comes
+    pipe.sent.append(SaveCheckpoint(("a", "b", "c"), 1))
+    first._obey()
+    assert drain(reports) == [CheckpointSaved("g", name, 1) for name in "abc"]
     resumed = Trainer(trainer_spec(group, tmp_path, start=1), queue.Queue())
     assert resumed.epoch == 1
-    x = normalise(batch(1)[0], first.device)
-    before, after = first.step.predict({"main": x}), resumed.step.predict({"main": x})
+    after = resumed.step.predict({"main": x})
     for name in "abc":
         assert torch.allclose(before[name], after[name], atol=1e-6), name
-        saved = torch.load(tmp_path / name / "epoch1.pt", weights_only=False)
+        saved = torch.load(tmp_path / name / "epoch1.pt", weights_only=True)
         plain = build_model("resnet", 10, saved["spec"]["width"], 12, 3, image_size=32)
         plain.load_state_dict(saved["model"])  # strict: a member's checkpoint is a plain model's
         plain.eval()
         with torch.no_grad():
             assert torch.allclose(torch.softmax(plain(x), 1), after[name], atol=1e-5), name
         assert saved["schedule_steps"] == 1
-    # The learning rates went on from where they were, each member's own.
-    for unit_before, unit_after in zip(first.step.units, resumed.step.units):
-        assert [g["lr"] for g in unit_before.optimizer.param_groups] == \
-               [g["lr"] for g in unit_after.optimizer.param_groups]
-    with pytest.raises(RuntimeError, match="cannot resume a after 2 epochs"):
-        Trainer(trainer_spec(group, tmp_path, start=2), queue.Queue())
+    # The learning rates go on from where they were at epoch 1's end, each member's own.
+    assert lrs(resumed) == lrs_then != lrs(first)
+    # A trainer that died while writing epoch 2's checkpoint: the members resume from epoch 1's.
+    assert Trainer(trainer_spec(group, tmp_path, start=2), queue.Queue()).epoch == 1
+    with pytest.raises(RuntimeError, match="cannot resume a, b, c after 1 epochs: no checkpoint"):
+        Trainer(trainer_spec(group, tmp_path / "elsewhere", start=1), queue.Queue())
+    with pytest.raises(RuntimeError, match="keeps its state after \\[1\\]"):
+        pipe.sent.append(SaveCheckpoint(("a",), 2))
+        first._obey()
 
 
 def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
@@ -60,23 +92,14 @@ def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
     members = (model("a"), model("b", lr=0.02), model("c", lr=0.05))
     images, labels = batch()
     inputs = lambda trainer: {"main": (normalise(images, trainer.device), torch.from_numpy(labels))}
-    sent, received = [], []
-
-    class Pipe:  # the driver's end, as the trainer sees it
-        def poll(self):
-            return bool(sent)
-
-        def recv(self):
-            received.append(sent.pop(0))
-            return received[-1]
-
-    trainer = Trainer(trainer_spec(GroupSpec("g", members, 3), tmp_path), queue.Queue(), Pipe())
+    pipe = Pipe()
+    trainer = Trainer(trainer_spec(GroupSpec("g", members, 3), tmp_path), queue.Queue(), pipe)
     without = Trainer(trainer_spec(GroupSpec("g", (members[0], members[2]), 2), tmp_path), queue.Queue())
     for t in (trainer, without):
         t.step.train(inputs(t))
-    sent.append(ReleaseMember("b"))
+    pipe.sent.append(ReleaseMember("b"))
     trainer._obey()
-    assert trainer.members == ["a", "c"] and trainer.step.names == ["a", "c"] and not sent
+    assert trainer.members == ["a", "c"] and trainer.step.names == ["a", "c"] and not pipe.sent
     for t in (trainer, without):
         t.step.train(inputs(t))
     x = normalise(batch(2)[0], trainer.device)

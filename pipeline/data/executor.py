@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -66,6 +67,14 @@ class GraphOnWorkers(WorkerPlugin):
         held[1] -= 1
         if held[1] == 0:
             del _GRAPHS[self.graph_id]
+
+
+class LeaveInterruptsToTheDriver(WorkerPlugin):
+    """A terminal's Ctrl-C reaches every process of its group: the workers of a LocalCluster made here
+    ignore it (the driver stops them in order) instead of dying with a traceback each."""
+
+    def setup(self, worker) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a worker runs its event loop in its main thread)
 
 
 SAMPLES_KEPT = 2000  # queue and latency samples a producer keeps (evenly thinned beyond twice this)
@@ -190,6 +199,7 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
     with dask.config.set({"distributed.worker.profile.enabled": False}), \
             LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
                          dashboard_address=":0", silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+        client.register_plugin(LeaveInterruptsToTheDriver())
         for w in range(count):
             node = w * nodes // count
             spec = copy.deepcopy(cluster.new_spec)

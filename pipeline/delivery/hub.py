@@ -25,6 +25,7 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubS
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
 from pipeline.delivery.topology import DeliveryGroup, HubPlan
+from pipeline.orchestration.lifetime import child_started
 from stages.base import BadFileError, Batch, Split
 
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
@@ -55,6 +56,7 @@ class HubSpec:
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
     """Process entry point. `abort` (an Event) ends it between batches. A failure is told to the
     driver, which reports it once; the process then exits with code 1 without a traceback of its own."""
+    child_started()
     try:
         Hub(spec, events, abort).serve(commands)
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is

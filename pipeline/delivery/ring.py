@@ -24,6 +24,7 @@ from pipeline.delivery.stream import Message, MessageKind, StreamLayout, StreamR
 HEADER_FIELDS = 5  # kind, split, epoch, index, count
 HEADER_BYTES = 64  # header padded to a cache line
 DETACH_POLL_S = 1.0  # how often a writer waiting on a reader checks that it is still attached
+IDLE_POLL_S = 0.05  # how often a reader waiting for a message does its `idle` work
 
 
 def _buffer_bytes(layout: StreamLayout) -> int:
@@ -92,10 +93,11 @@ class ShmReader(StreamReader):
         self.segment, self.layout, self.depth = segment, layout, depth
         self.filled, self.free = filled, free
 
-    def messages(self) -> Iterator[Message]:
+    def messages(self, idle=None) -> Iterator[Message]:
         buf = _map(self.segment, self.depth * _buffer_bytes(self.layout), writable=False)
         for seq in range(1 << 62):
-            self.filled.acquire()
+            while not self.filled.acquire(timeout=IDLE_POLL_S if idle else None):
+                idle()
             header, labels, images = _buffer_views(buf, self.layout, seq % self.depth, writable=False)
             kind, split, epoch, index, count = (int(v) for v in header)
             yield Message(MessageKind(kind), split, epoch, index, images[:count], labels[:count], self.free.release)

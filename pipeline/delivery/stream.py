@@ -48,8 +48,9 @@ class StreamReader(ABC):
     """The consumer end, picklable so that it can be given to a trainer process."""
 
     @abstractmethod
-    def messages(self) -> Iterator[Message]:
-        """Every message of the stream in order; stops after STOP."""
+    def messages(self, idle: Callable[[], None] | None = None) -> Iterator[Message]:
+        """Every message of the stream in order; stops after STOP. While it waits for one, `idle` is
+        called every few milliseconds (a trainer obeys the driver's commands between epochs)."""
 
 
 class StreamWriter(ABC):

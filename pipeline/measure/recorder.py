@@ -3,10 +3,11 @@ summary table and the report render it: pipeline/report/)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,9 @@ class ModelRecord:
     converged: str | None = None  # why it stopped training
     failures: list[str] = field(default_factory=list)  # what its failed trainers said
     last_probs: np.ndarray | None = None  # validation softmax of its latest epoch
+    # Its softmax of epochs after its last checkpoint that the ensemble still waits on: if it resumes
+    # from that checkpoint, the epochs it does again replace these instead of counting twice.
+    recent_probs: dict[int, np.ndarray] = field(default_factory=dict)
     images: int = 0
     step_s: float = 0.0  # rank 0, summed over epochs
     wait_s: float = 0.0
@@ -66,15 +70,16 @@ class RunRecorder:
         self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
-        # Per epoch, the sum of the models' validation softmax and how many models it holds:
-        # one array per epoch however many models (models may never all reach an epoch).
-        self.epoch_probs: dict[int, tuple[np.ndarray, int]] = {}
+        # Per epoch the ensemble still waits on, the sum of the models' validation softmax and the models
+        # in it: one array per epoch however many models (models may never all reach an epoch).
+        self.epoch_probs: dict[int, tuple[np.ndarray, set[str]]] = {}
         self.val_labels: np.ndarray | None = None
         self.ensemble_accuracy: dict[int, float] = {}
         self.checksums: dict[str, list] = {}
         self.train_images = 0
         self.delivery: dict[int, dict] = {}  # flotilla -> its topology, why, and what each hub moved
         self.queues: dict[str, dict] = {}  # name -> occupancy over time, the report's queue shape
+        self._saved: dict[str, np.ndarray] = {}  # the arrays save_state last wrote
 
     def add_batch(self, output: BatchOutput, train: bool) -> list[tuple[str, str]]:
         """Folds a batch's timings in; returns the files it skipped for the first time.
@@ -138,15 +143,28 @@ class RunRecorder:
                 self.delivery[flotilla]["hubs"][rank] = summary
 
     def joined(self, group: GroupSpec, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
+        """The group starts in `flotilla`, after `start_epoch` epochs: what its models did after that
+        checkpoint (before a failure or a stop) is done again, and counts once."""
         with self.lock:
             for model in group.members:
-                self.models[model.name].stints.append({
+                record = self.models[model.name]
+                for epochs in (record.val_accuracy, record.train_loss):
+                    for epoch in [e for e in epochs if e >= start_epoch]:
+                        del epochs[epoch]
+                record.stints.append({
                     "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch, "group": group.name,
                     "group_members": [m.name for m in group.members], "group_mode": group.mode})
 
     def converged(self, model: str, reason: str) -> None:
         with self.lock:
             self.models[model].converged = reason
+
+    def checkpointed(self, model: str, epochs: int) -> None:
+        """`model` will resume from after `epochs` epochs at the earliest: its softmax of those is final."""
+        with self.lock:
+            recent = self.models[model].recent_probs
+            for epoch in [e for e in recent if e < epochs]:
+                del recent[epoch]
 
     def failed(self, model: str, why: str) -> None:
         with self.lock:
@@ -176,6 +194,63 @@ class RunRecorder:
                 record.step_s += report.step_s
                 record.wait_s += report.wait_s
 
+    def save_state(self, folder: Path) -> None:
+        """What it has recorded, into `folder` (a stopped run's state/recorder): JSON, and the softmax
+        arrays as .npy files. `load_state` takes it back."""
+        with self.lock:
+            arrays = {"val_labels": self.val_labels}
+            for name, record in self.models.items():
+                arrays[f"last-{name}"] = record.last_probs
+                arrays.update({f"recent-{name}-{epoch}": probs for epoch, probs in record.recent_probs.items()})
+            arrays.update({f"sum-{epoch}": total for epoch, (total, _) in self.epoch_probs.items()})
+            state = {
+                "models": {name: {"val_accuracy": r.val_accuracy, "train_loss": r.train_loss, "stints": r.stints,
+                                  "converged": r.converged, "failures": r.failures, "images": r.images,
+                                  "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs)}
+                           for name, r in self.models.items()},
+                "epoch_models": {epoch: sorted(models) for epoch, (_, models) in self.epoch_probs.items()},
+                "ensemble_accuracy": self.ensemble_accuracy, "origin": self.origin, "timeline": self.timeline,
+                "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
+                "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
+                "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
+                "queues": self.queues}
+        folder.mkdir(parents=True, exist_ok=True)
+        arrays = {key: array for key, array in arrays.items() if array is not None}
+        for key, array in arrays.items():  # an array changes by being replaced: unchanged ones are on disk
+            if self._saved.get(key) is not array:
+                np.save(folder / f"{key}.partial.npy", array, allow_pickle=False)
+                os.replace(folder / f"{key}.partial.npy", folder / f"{key}.npy")
+        write_json(folder / "recorder.json", state)
+        for path in folder.glob("*.npy"):
+            if path.name[:-len(".npy")] not in arrays:
+                path.unlink()
+        self._saved = arrays
+
+    def load_state(self, folder: Path) -> None:
+        state = json.loads((folder / "recorder.json").read_text())
+        array = lambda key: np.load(folder / f"{key}.npy", allow_pickle=False) \
+            if (folder / f"{key}.npy").exists() else None
+        by_epoch = lambda d: {int(epoch): value for epoch, value in d.items()}
+        with self.lock:
+            for name, saved in state["models"].items():
+                record = self.models[name]
+                record.val_accuracy, record.train_loss = by_epoch(saved["val_accuracy"]), by_epoch(saved["train_loss"])
+                record.stints, record.converged, record.failures = saved["stints"], saved["converged"], saved["failures"]
+                record.images, record.step_s, record.wait_s = saved["images"], saved["step_s"], saved["wait_s"]
+                record.last_probs = array(f"last-{name}")
+                record.recent_probs = {epoch: array(f"recent-{name}-{epoch}") for epoch in saved["recent"]}
+            self.epoch_probs = {int(epoch): (array(f"sum-{epoch}"), set(models))
+                                for epoch, models in state["epoch_models"].items()}
+            self.val_labels = array("val_labels")
+            self.ensemble_accuracy = by_epoch(state["ensemble_accuracy"])
+            self.origin, self.timeline, self.train_images = state["origin"], state["timeline"], state["train_images"]
+            self.stages.update({name: StageTiming(**t) for name, t in state["stages"].items()})
+            self.stage_walls.update(state["stage_walls"])
+            self.worker_task_s.update(state["worker_task_s"])
+            self.skipped, self.converted, self.checksums = state["skipped"], state["converted"], state["checksums"]
+            self.delivery = {int(f): info for f, info in state["delivery"].items()}
+            self.queues = state["queues"]
+
     def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
         """Share of the training time each worker's threads spent in batch tasks."""
         return {worker: 100 * busy / (wall_s * threads_per_worker) for worker, busy in self.worker_task_s.items()}
@@ -194,14 +269,25 @@ class RunRecorder:
         if not np.array_equal(self.val_labels, report.labels):
             raise RuntimeError(f"model {report.model} saw validation labels in another order: "
                                "streams are out of step")
-        # The ensemble's accuracy at an epoch, once every model has reached it.
-        total, count = self.epoch_probs.get(epoch, (0.0, 0))
-        total, count = total + report.probs, count + 1
-        if count == len(self.models):
+        # The ensemble's accuracy at an epoch, once every model has reached it. An epoch done again
+        # (resumed from a checkpoint before it) replaces its first softmax while the ensemble waits;
+        # once the ensemble has its accuracy, that stands.
+        if epoch in self.ensemble_accuracy:
+            return
+        total, models = self.epoch_probs.get(epoch, (0.0, set()))
+        if report.model in models:
+            if epoch not in record.recent_probs:  # resumed from before its last checkpoint: the first stands
+                return
+            total = total - record.recent_probs[epoch]
+        total, models = total + report.probs, models | {report.model}
+        if len(models) == len(self.models):
             self.epoch_probs.pop(epoch, None)  # absent when one model makes the whole ensemble
             self.ensemble_accuracy[epoch] = self._accuracy(total)
+            for other in self.models.values():
+                other.recent_probs.pop(epoch, None)
         else:
-            self.epoch_probs[epoch] = (total, count)
+            self.epoch_probs[epoch] = (total, models)
+            record.recent_probs[epoch] = report.probs
 
     def _accuracy(self, summed_probs: np.ndarray) -> float:
         """Accuracy of the averaged softmax (the sum has the same argmax)."""
@@ -255,4 +341,7 @@ class RunRecorder:
 
 
 def write_json(path: Path, results: dict) -> None:
-    path.write_text(json.dumps(results, indent=2, default=str))
+    """Written whole or not at all: a run killed while writing leaves the previous file."""
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps(results, indent=2, default=str))
+    os.replace(partial, path)

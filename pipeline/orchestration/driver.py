@@ -4,15 +4,24 @@ The scheduler (pipeline/scheduler) decides and does no I/O; this driver acts.
 Each flotilla it forms gets a thread that feeds the flotilla's trainers from
 the shared pipeline on Dask. After each epoch the thread hands its members'
 validation results to the main thread and waits; the main thread turns them
-into scheduler events (epoch finished, converged), carries out the decisions
-(stop a member, form the next flotilla) and lets the thread go on.
+into scheduler events (epoch finished, converged, failed), carries out the
+decisions (checkpoint, stop a member, form the next flotilla) and lets the
+thread go on.
+
+After every event the main thread saves the scheduler's and the recorder's
+state (`state_dir`); a stopped or crashed run continues from it and from the
+checkpoints (`resume=`). A stop request (Ctrl-C, SIGTERM: StopSignals) ends
+every flotilla in order: each checkpoints its models' last finished epoch and
+closes its processes within timeouts.stop_s.
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress
@@ -20,12 +29,14 @@ from rich.progress import Progress
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import SplitDone
 from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, plan_delivery
-from pipeline.measure.recorder import RunRecorder
+from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
+from pipeline.orchestration.lifetime import StopSignals
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
-from pipeline.training.reports import TrainerDone, TrainerReport, ValReport
+from pipeline.scheduler.machine import FAILED
+from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerReport, ValReport
 from pipeline.training.group import GroupSpec
 from stages.base import Split
 
@@ -90,22 +101,20 @@ class RunContext:
     recorder: RunRecorder
     progress: Progress
     report_s: float  # timeouts.report_s: a trainer silent this long when it owes a report is hung
+    stop_s: float  # timeouts.stop_s: from a stop request to every process gone
+    state_dir: Path  # where the run keeps what `resume=` continues from
 
 
 # Flotilla thread -> driver (the main thread): what happened.
 @dataclass(frozen=True)
 class EpochDone:
-    """Every member's validation of one epoch (members that failed meanwhile are left out)."""
+    """Every member's validation of one epoch (members that failed meanwhile are left out), then the
+    groups that failed in the same round: the main thread takes both in this order before the thread
+    goes on, so no survivor trains an epoch the scheduler has already stopped it from."""
 
     thread: FlotillaThread
     reports: list[ValReport]
-
-
-@dataclass(frozen=True)
-class MemberFailed:
-    thread: FlotillaThread
-    group: str
-    why: str
+    failed: list[tuple[str, str]]  # (group, why)
 
 
 @dataclass(frozen=True)
@@ -124,13 +133,26 @@ class ThreadFailed:
 
 @dataclass(frozen=True)
 class ThreadEnded:
+    """The flotilla is closed. `saved`: group -> epochs of the checkpoints it wrote as the run stopped."""
+
     thread: FlotillaThread
+    saved: dict[str, int]
 
 
-ThreadEvent = EpochDone | MemberFailed | MemberLeft | ThreadFailed | ThreadEnded
+ThreadEvent = EpochDone | MemberLeft | ThreadFailed | ThreadEnded
 
 
-# Driver -> flotilla thread, after each epoch: groups to stop, models to release from their groups, then go on.
+# Driver -> flotilla thread, after each epoch: checkpoints to write, groups to stop, models to release
+# from their groups, then go on.
+@dataclass(frozen=True)
+class SaveCheckpoints:
+    """Write the checkpoints of `models` (those of them still in `group`) after `epochs` epochs."""
+
+    group: str
+    models: tuple[str, ...]
+    epochs: int
+
+
 @dataclass(frozen=True)
 class StopMember:
     group: str
@@ -149,14 +171,37 @@ class Continue:
     pass
 
 
+class Stopping(Exception):
+    """The run is stopping: a flotilla thread leaves its epochs."""
+
+
+EVENT_POLL_S = 0.2  # how often the main thread, waiting for an event, looks for a stop request
+STOP_SAVE_SHARE = 0.5  # of timeouts.stop_s, what checkpointing the last epochs may take; closing gets the rest
+
+
 class FlotillaThread(threading.Thread):
-    """Runs one flotilla: its epochs, split by split, until no member is left."""
+    """Runs one flotilla: its epochs, split by split, until no member is left or the run stops."""
 
     def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue):
         super().__init__(name=f"flotilla-{flotilla_id}", daemon=True)
         self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
-        self.commands: queue.Queue[StopMember | ReleaseModel | Continue] = queue.Queue()
+        self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
+        self.stop_by = 0.0  # time.monotonic() by which a stop must be done
+        self.reported: dict[str, int] = {}  # model -> epochs it has finished, as told to the main thread
+        # model -> epochs of its newest checkpoint (where it started, or written since)
+        self.saved: dict[str, int] = {m.name: member.start_epoch for member in members for m in member.group.members}
+        self.saved_on_stop: dict[str, int] = {}  # group -> epochs
+
+    def stop(self, by: float) -> None:
+        """Leave the epochs: checkpoint the last finished ones, close, all by time.monotonic() `by`."""
+        self.stop_by = by
+        self.stop_requested.set()
+        self.commands.put(Continue())  # it may be waiting for the main thread
+
+    def _check_stop(self) -> None:
+        if self.stop_requested.is_set():
+            raise Stopping
 
     def run(self) -> None:
         try:
@@ -164,7 +209,7 @@ class FlotillaThread(threading.Thread):
         except BaseException as err:  # handed to the main thread, which stops the run
             self.events.put(ThreadFailed(self, err))
         finally:
-            self.events.put(ThreadEnded(self))
+            self.events.put(ThreadEnded(self, self.saved_on_stop))
 
     def _train(self) -> None:
         r = self.run_ctx
@@ -174,22 +219,25 @@ class FlotillaThread(threading.Thread):
                                  f"group(s), {len(plan.hubs)} hub(s) ({why})")
         r.recorder.delivery_plan(self.flotilla_id, plan, why)
         with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
-            epoch = 0  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
-            while flotilla.members and not self.stop_requested.is_set():
-                # A trainer may report its validation before the driver hears that the hubs are done,
-                # and then die: its failure is told after the epoch it finished (it resumes from there).
-                early, failed_early = [], []
-                for split in (Split.TRAIN, Split.VAL):
-                    reports, failures = self._deliver(flotilla, graph, split, epoch)
-                    early += reports
-                    failed_early += failures
-                reports, failed = self._validation_reports(flotilla, early)
-                # The epoch first: a trainer that reported and then died still finished it.
-                self.events.put(EpochDone(self, reports))
-                for group, why in failed_early + failed:
-                    self.events.put(MemberFailed(self, group, why))
-                self._carry_out(flotilla)
-                epoch += 1
+            try:
+                epoch = 0  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
+                while flotilla.members:
+                    self._check_stop()
+                    # A trainer may report its validation before the driver hears that the hubs are done,
+                    # and then die: its failure is told after the epoch it finished (it resumes from there).
+                    early, failed = [], []
+                    for split in (Split.TRAIN, Split.VAL):
+                        reports, failures = self._deliver(flotilla, graph, split, epoch)
+                        early += reports
+                        failed += failures
+                    reports, failures = self._validation_reports(flotilla, early)
+                    self.reported.update({report.model: report.epoch + 1 for report in reports})
+                    self.events.put(EpochDone(self, reports, failed + failures))
+                    self._carry_out(flotilla)
+                    epoch += 1
+            except Stopping:
+                self._save_on_stop(flotilla)
+                flotilla.close(within=max(self.stop_by - time.monotonic(), 1.0))
 
     def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int
                  ) -> tuple[list[ValReport], list[tuple[str, str]]]:
@@ -203,25 +251,28 @@ class FlotillaThread(threading.Thread):
         done: set[int] = set()
         tasks: set[tuple] = set()  # batch tasks recorded: (index, worker, start)
         flotilla.run_split(split, epoch)
-        while len(done) < len(flotilla.plan.hubs) and flotilla.members:
-            for event in flotilla.hub_progress(timeout=0.2):
-                if isinstance(event, SplitDone):
-                    done.add(event.hub)
-                    continue
-                made = event.made
-                key = (event.index, made.worker, made.started) if made is not None else None
-                if key and key not in tasks:  # a task shared by several producers counts once
-                    tasks.add(key)
-                    # Images the flotilla received: one group's batches (the others get the same ones).
-                    counted = split is Split.TRAIN and flotilla.plan.hubs[event.hub].group == 0
-                    for path, reason in r.recorder.add_batch(made, train=counted):
-                        r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
-                if event.hub in leads:
-                    leads[event.hub] += 1
-                    r.progress.update(task, completed=min(leads.values()))
-            validation += self._forward(flotilla.poll())
-            failures += self._drop_failed(flotilla)
-        r.progress.remove_task(task)
+        try:
+            while len(done) < len(flotilla.plan.hubs) and flotilla.members:
+                self._check_stop()
+                for event in flotilla.hub_progress(timeout=0.2):
+                    if isinstance(event, SplitDone):
+                        done.add(event.hub)
+                        continue
+                    made = event.made
+                    key = (event.index, made.worker, made.started) if made is not None else None
+                    if key and key not in tasks:  # a task shared by several producers counts once
+                        tasks.add(key)
+                        # Images the flotilla received: one group's batches (the others get the same ones).
+                        counted = split is Split.TRAIN and flotilla.plan.hubs[event.hub].group == 0
+                        for path, reason in r.recorder.add_batch(made, train=counted):
+                            r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
+                    if event.hub in leads:
+                        leads[event.hub] += 1
+                        r.progress.update(task, completed=min(leads.values()))
+                validation += self._forward(flotilla.poll())
+                failures += self._drop_failed(flotilla)
+        finally:
+            r.progress.remove_task(task)
         return validation, failures
 
     def _forward(self, reports: list[TrainerReport]) -> list[ValReport]:
@@ -230,6 +281,8 @@ class FlotillaThread(threading.Thread):
         for report in reports:
             if isinstance(report, ValReport):
                 validation.append(report)
+            elif isinstance(report, CheckpointSaved):
+                self.saved[report.model] = report.epochs
             elif isinstance(report, TrainerDone):
                 self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
             else:
@@ -251,6 +304,7 @@ class FlotillaThread(threading.Thread):
         deadline = time.monotonic() + self.run_ctx.report_s
         training = lambda: {m.name for member in flotilla.members.values() for m in member.group.members}
         while not training() <= set(reports):
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"flotilla {self.flotilla_id}: no validation report from "
                                    f"{sorted(training() - set(reports))} in {self.run_ctx.report_s:g} s "
@@ -261,8 +315,17 @@ class FlotillaThread(threading.Thread):
         return list(reports.values()), failed  # a model that reported and then failed finished its epoch
 
     def _carry_out(self, flotilla: Flotilla) -> None:
-        """Applies the main thread's decisions for this epoch: models to release, groups to stop."""
+        """Applies the main thread's decisions for this epoch: checkpoints to write, models to release,
+        groups to stop."""
         commands = list(iter(self.commands.get, Continue()))
+        self._check_stop()
+        wanted = {}  # (group, model) -> epochs
+        for command in commands:
+            if isinstance(command, SaveCheckpoints) and command.group in flotilla.members:
+                training = {m.name for m in flotilla.members[command.group].group.members}
+                wanted.update({(command.group, model): command.epochs for model in command.models
+                               if model in training and self.saved.get(model) != command.epochs})
+        self._save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
         for command in commands:
             if isinstance(command, ReleaseModel) and command.group in flotilla.members:
                 flotilla.release(command.group, command.model)  # before the next batch is published
@@ -275,12 +338,47 @@ class FlotillaThread(threading.Thread):
             flotilla.remove(group)
             self.events.put(MemberLeft(self, group))
 
+    def _save(self, flotilla: Flotilla, wanted: dict[tuple[str, str], int], deadline: float,
+              stopping: bool = False) -> set[str]:
+        """The trainers write the `wanted` checkpoints; returns the groups whose every wanted one is written.
+        A group that fails meanwhile is left to the next round; past `deadline` a stop goes on without
+        the rest, a run fails (the trainer is hung)."""
+        by_group: dict[tuple[str, int], list[str]] = {}
+        for (group, model), epochs in wanted.items():
+            by_group.setdefault((group, epochs), []).append(model)
+        for (group, epochs), models in by_group.items():
+            flotilla.save(group, tuple(models), epochs)
+        waiting = dict(wanted)
+        while waiting:
+            failed = flotilla.failed_members()
+            waiting = {(group, model): epochs for (group, model), epochs in waiting.items()
+                       if group not in failed and self.saved.get(model) != epochs}
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                if stopping:
+                    break
+                raise RuntimeError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
+                                   f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
+            self._forward(flotilla.poll(timeout=0.2))
+        return {group for group, _ in wanted} - {group for group, _ in waiting}
+
+    def _save_on_stop(self, flotilla: Flotilla) -> None:
+        """The run stops: every member's last finished epoch (that the main thread knows of) is checkpointed."""
+        failed = flotilla.failed_members()
+        wanted = {(name, m.name): self.reported[m.name] for name, member in flotilla.members.items()
+                  if name not in failed for m in member.group.members
+                  if self.reported.get(m.name, 0) > self.saved.get(m.name, 0)}
+        saved = self._save(flotilla, wanted, time.monotonic() + STOP_SAVE_SHARE * self.run_ctx.stop_s, stopping=True)
+        self.saved_on_stop = {group: epochs for (group, _), epochs in wanted.items() if group in saved}
+
     def _await_done(self, flotilla: Flotilla) -> None:
         """After STOP: every hub's summary and every trainer's last report (its checksums), then exit."""
         waiting = {(name, rank) for name, m in flotilla.members.items() for rank in range(len(m.devices))}
         deadline = time.monotonic() + self.run_ctx.report_s
         while (waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}
                or len(flotilla.summaries) < len(flotilla.plan.hubs)):
+            self._check_stop()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish "
                                    f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
@@ -308,55 +406,96 @@ class Driver:
         self.converged: set[str] = set()  # models
         self.started = time.monotonic()
         self.log: list[dict] = []  # every decision, for results.json
+        self.stopping = False  # a stop was requested: decisions are recorded, not carried out
 
     def now(self) -> float:
         return time.monotonic() - self.started
 
-    def run(self, first_decisions: list) -> None:
+    @property
+    def given_up(self) -> list[str]:
+        """Groups the scheduler gave up after their allowed failures."""
+        return sorted(name for name, state in self.scheduler.models.items() if state.status == FAILED)
+
+    def resume(self) -> list:
+        """Take back the state a stopped or crashed run saved in `state_dir`; the decisions that go on
+        from it (its flotillas formed again, their models from their last checkpoints)."""
+        state_dir = self.run_ctx.state_dir
+        saved = json.loads((state_dir / "driver.json").read_text())
+        self.log, self.converged = saved["log"], set(saved["converged"])
+        self.started = time.monotonic() - saved["now"]  # the scheduler's clock goes on
+        self.run_ctx.recorder.load_state(state_dir / "recorder")
+        return self.scheduler.restore(saved["scheduler"])
+
+    def _save_state(self) -> None:
+        state_dir = self.run_ctx.state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.run_ctx.recorder.save_state(state_dir / "recorder")
+        write_json(state_dir / "driver.json", {"scheduler": self.scheduler.state(), "log": self.log,
+                                               "converged": sorted(self.converged), "now": self.now()})
+
+    def run(self, first_decisions: list, stop: StopSignals) -> None:
+        """Until the scheduler is done, or a stop request has ended every flotilla in order."""
+        stop_by = None
         try:
             self._carry_out(first_decisions)
-            while not self.scheduler.done:
-                event: ThreadEvent = self.events.get()
-                if isinstance(event, ThreadFailed):
-                    raise event.error
-                if isinstance(event, EpochDone):
-                    self._epoch_finished(event.thread, event.reports)
-                elif isinstance(event, MemberFailed):
-                    self._trainer_failed(event.group, event.why)
-                elif isinstance(event, MemberLeft):
-                    self._free_slots(event.group)
-                elif isinstance(event, ThreadEnded):
-                    event.thread.join()
-                    self.threads.pop(event.thread.flotilla_id, None)
+            self._save_state()
+            while not (self.scheduler.done or (self.stopping and not self.threads)):
+                if stop.requested.is_set() and not self.stopping:
+                    self.stopping, stop_by = True, time.monotonic() + self.run_ctx.stop_s
+                    for thread in self.threads.values():
+                        thread.stop(stop_by)
+                try:
+                    event: ThreadEvent = self.events.get(timeout=EVENT_POLL_S)
+                except queue.Empty:
+                    if stop_by is not None and time.monotonic() > stop_by:
+                        break  # flotillas that did not close in time are closed below
+                    continue
+                self._handle(event)
+                self._save_state()
         finally:
-            for thread in self.threads.values():
-                thread.stop_requested.set()
-                thread.commands.put(Continue())
             delivery = self.run_ctx.delivery
+            by = stop_by or time.monotonic() + delivery.drain_s + 2 * delivery.exit_s
+            for thread in self.threads.values():
+                thread.stop(by)
             for thread in self.threads.values():  # its hubs drain, then its processes exit
-                thread.join(timeout=delivery.drain_s + 2 * delivery.exit_s)
+                thread.join(timeout=max(by - time.monotonic(), 0.0))
         # A flotilla thread may fail while closing, after the scheduler is done: that is an error too.
         while not self.events.empty():
             event = self.events.get()
-            if isinstance(event, ThreadFailed):
+            if isinstance(event, ThreadFailed) and not self.stopping:
                 raise event.error
+
+    def _handle(self, event: ThreadEvent) -> None:
+        if isinstance(event, ThreadFailed):
+            if not self.stopping:
+                raise event.error
+            self.console.print(f"[yellow]flotilla {event.thread.flotilla_id} failed while stopping[/]: {event.error}")
+        elif isinstance(event, EpochDone):
+            self._epoch_finished(event.thread, event.reports, event.failed)
+        elif isinstance(event, MemberLeft):
+            self._free_slots(event.group)
+        elif isinstance(event, ThreadEnded):
+            event.thread.join()
+            self.threads.pop(event.thread.flotilla_id, None)
+            for group, epochs in event.saved.items():
+                self.scheduler.checkpointed(group, epochs)
+                for model in self.groups[group].members:
+                    self.run_ctx.recorder.checkpointed(model.name, epochs)
 
     def _free_slots(self, group: str) -> None:
         for slot in self.assigned.pop(group, ()):
             self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
 
-    def _trainer_failed(self, group: str, why: str) -> None:
+    def _trainer_failed(self, group: str, why: str) -> list:
         self.console.print(f"[red]trainer of {group} failed[/] ({why.strip().splitlines()[-1]}); "
                            "the scheduler resumes it from its last checkpoint")
         for model in self.groups[group].members:
             self.run_ctx.recorder.failed(model.name, why)
         self.gone.add(group)
-        self._carry_out(self.scheduler.handle(TrainerFailed(self.now(), group, self.assigned[group][0], why)))
+        return self.scheduler.handle(TrainerFailed(self.now(), group, self.assigned[group][0], why))
 
-    def _epoch_finished(self, thread: FlotillaThread, reports: list[ValReport]) -> None:
-        if not reports:  # its members all failed during the epoch
-            thread.commands.put(Continue())
-            return
+    def _epoch_finished(self, thread: FlotillaThread, reports: list[ValReport], failed: list[tuple[str, str]]
+                        ) -> None:
         decisions, converging = [], []
         by_group: dict[str, list[ValReport]] = {}
         for report in sorted(reports, key=lambda r: r.model):
@@ -369,14 +508,16 @@ class Driver:
             accuracy = sum(r.accuracy for r in group_reports) / len(group_reports)
             decisions += self.scheduler.handle(EpochFinished(self.now(), group, group_reports[0].epoch + 1,
                                                              {"val_accuracy": accuracy}))
-        epoch = max(report.epoch for report in reports)
-        ensemble = self.run_ctx.recorder.ensemble_accuracy.get(epoch)
-        self.console.print(f"flotilla {thread.flotilla_id}: val accuracy " + ", ".join(
-            f"{r.model} {r.accuracy:.1%} (epoch {r.epoch + 1})" for r in reports)
-            + (f"; [bold]ensemble {ensemble:.1%}[/] (epoch {epoch + 1})" if ensemble is not None else ""))
+        if reports:
+            epoch = max(report.epoch for report in reports)
+            ensemble = self.run_ctx.recorder.ensemble_accuracy.get(epoch)
+            self.console.print(f"flotilla {thread.flotilla_id}: val accuracy " + ", ".join(
+                f"{r.model} {r.accuracy:.1%} (epoch {r.epoch + 1})" for r in reports)
+                + (f"; [bold]ensemble {ensemble:.1%}[/] (epoch {epoch + 1})" if ensemble is not None else ""))
         for model, reason in converging:
             self.run_ctx.recorder.converged(model, reason)
             self.converged.add(model)
+        commands = []
         for group in sorted({self.group_of[model] for model, _ in converging}):
             if all(m.name in self.converged for m in self.groups[group].members):
                 decisions += self.scheduler.handle(ModelConverged(self.now(), group))
@@ -384,7 +525,14 @@ class Driver:
             for model, reason in converging:  # the rest of its group trains on
                 if self.group_of[model] == group:
                     self.console.print(f"flotilla {thread.flotilla_id}: {model} leaves {group} ({reason})")
-                    thread.commands.put(ReleaseModel(group, model))
+                    epochs = self.scheduler.models[group].epochs_done
+                    self.run_ctx.recorder.checkpointed(model, epochs)
+                    commands += [SaveCheckpoints(group, (model,), epochs), ReleaseModel(group, model)]
+        for group, why in failed:  # after the epoch they finished, before the survivors go on
+            decisions += self._trainer_failed(group, why)
+        if not self.stopping:
+            for command in commands:
+                thread.commands.put(command)
         self._carry_out(decisions)
         thread.commands.put(Continue())
 
@@ -393,6 +541,8 @@ class Driver:
         for decision in decisions:
             self.log.append({"t": round(self.now(), 3), "decision": type(decision).__name__,
                              **{k: str(v) for k, v in decision.__dict__.items()}})
+            if self.stopping:  # the scheduler's state keeps them: a resumed run carries them out
+                continue
             if isinstance(decision, FormFlotilla):
                 forming[decision.flotilla] = []
                 self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
@@ -407,6 +557,13 @@ class Driver:
                 forming[decision.flotilla].append(Member(group, devices, tuple(s.node for s in slots),
                                                          decision.resume_epoch))
                 self.run_ctx.recorder.joined(group, decision.flotilla, devices, decision.resume_epoch)
+            elif isinstance(decision, Checkpoint):
+                thread = self.threads.get(decision.flotilla)
+                if thread is not None and decision.model not in self.gone:
+                    models = tuple(m.name for m in self.groups[decision.model].members)
+                    for model in models:
+                        self.run_ctx.recorder.checkpointed(model, decision.epoch)
+                    thread.commands.put(SaveCheckpoints(decision.model, models, decision.epoch))
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
                 if decision.model in self.gone:  # its trainers are already stopped
@@ -414,7 +571,7 @@ class Driver:
                     self._free_slots(decision.model)
                 else:
                     self.threads[decision.flotilla].commands.put(StopMember(decision.model))
-            elif not isinstance(decision, Checkpoint):  # trainers checkpoint every epoch themselves
+            else:
                 raise TypeError(f"the driver cannot carry out {decision!r}")
         for flotilla_id, members in forming.items():
             thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events)

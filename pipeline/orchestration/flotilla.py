@@ -76,6 +76,7 @@ class Flotilla:
         self.nodes = {}  # node -> its NodeProcesses (or a proxy to it in the host's agent)
         self.errors: dict[str, str] = {}  # group -> traceback of a trainer that failed
         self.summaries: dict[int, dict] = {}  # hub rank -> what it moved, once stopped
+        self.closed = False
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
                 self.nodes[node] = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s)
@@ -185,6 +186,10 @@ class Flotilla:
         for node in sorted(set(member.nodes)):
             self.nodes[node].release(group, model)
 
+    def save(self, group: str, models: tuple[str, ...], epochs: int) -> None:
+        """The group's rank 0 writes `models`' checkpoints after `epochs` epochs (CheckpointSaved follows)."""
+        self.nodes[self.members[group].nodes[0]].save(group, models, epochs)
+
     def remove(self, name: str) -> None:
         """Stop a group's trainers now; the last checkpoints of its models are their state."""
         member = self.members.pop(name, None)
@@ -206,11 +211,16 @@ class Flotilla:
         for node in self.nodes.values():
             node.join(timeout)
 
-    def close(self) -> None:
+    def close(self, within: float | None = None) -> None:
+        """Stop every process and free the rings (at once, and once). `within`: seconds the whole
+        may take (a stopping run's), instead of the timeouts' drain and exit time."""
+        if self.closed:
+            return
+        self.closed = True
         errors = []
         for node in self.nodes.values():  # each node is closed, whatever another one raised
             try:
-                node.close()
+                node.close(within / len(self.nodes) if within is not None else None)
             except BaseException as err:
                 errors.append(err)
         if errors:

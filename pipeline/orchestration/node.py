@@ -31,7 +31,8 @@ from multiprocessing.managers import BaseManager
 from pipeline.delivery.collective import LOOPBACK, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
-from pipeline.training.trainer import ReleaseMember, TrainerSpec, trainer_main
+from pipeline.orchestration.lifetime import quiet_children
+from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.data.handoff import HANDOFF_PREFIX, remove_all
 from pipeline.delivery.ring import Ring
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)  # an agent shows it: what its host runs
 @dataclass
 class TrainerProcess:
     process: mp.Process
+    rank: int  # in its group
     readers: list[tuple[Ring, int]]  # (ring, reader index) of each stream it reads
     commands: connection.Connection  # the driver's end of its command pipe
 
@@ -76,7 +78,8 @@ class NodeProcesses:
         commands = self.context.Queue()
         process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events.channel(), self.abort),
                                        name=f"hub-{rank}-node{self.node}", daemon=True)
-        process.start()
+        with quiet_children():
+            process.start()
         self.hubs[rank] = (process, commands)
         log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, process.pid)
 
@@ -88,9 +91,10 @@ class NodeProcesses:
             target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
             args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,
                   self.reports.channel()))
-        process.start()
+        with quiet_children():
+            process.start()
         commands.close()  # the child's end
-        self.trainers[spec.group.name].append(TrainerProcess(process, list(taken.values()), command_sender))
+        self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, process.pid)
 
@@ -99,6 +103,13 @@ class NodeProcesses:
         when this returns, before any later batch is published)."""
         for trainer in self.trainers.get(group, []):
             trainer.commands.send(ReleaseMember(model))
+
+    def save(self, group: str, models: tuple[str, ...], epochs: int) -> None:
+        """The group's rank 0 (if on this node) writes `models`' checkpoints after `epochs` epochs; it
+        reports CheckpointSaved for each."""
+        for trainer in self.trainers.get(group, []):
+            if trainer.rank == 0:
+                trainer.commands.send(SaveCheckpoint(models, epochs))
 
     def command_hubs(self, command: HubCommand) -> None:
         for _, commands in self.hubs.values():
@@ -121,13 +132,13 @@ class NodeProcesses:
         return {name: [(t.process.name, t.process.exitcode) for t in trainers]
                 for name, trainers in self.trainers.items()}
 
-    def remove(self, group: str) -> None:
+    def remove(self, group: str, exit_s: float | None = None) -> None:
         """Stop a group's trainers here; no hub waits on their readers any more."""
         trainers = self.trainers.pop(group, [])
         for trainer in trainers:
             for ring, reader in trainer.readers:
                 ring.detach(reader)
-        _stop_processes([t.process for t in trainers], self.exit_s)
+        _stop_processes([t.process for t in trainers], self.exit_s if exit_s is None else exit_s)
         for trainer in trainers:
             trainer.commands.close()
 
@@ -136,20 +147,23 @@ class NodeProcesses:
                 [p for p, _ in self.hubs.values()]:
             process.join(timeout)
 
-    def close(self) -> None:
-        """Stops everything, whatever state it is in; unlinks the rings."""
+    def close(self, within: float | None = None) -> None:
+        """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take
+        (a stopping run's), instead of timeouts.drain_s and exit_s."""
+        drain_s, exit_s = (self.drain_s, self.exit_s) if within is None else (within / 2, within / 4)
         try:
             self.abort.set()
             self.command_hubs(StopStreams())
             for model in list(self.trainers):
-                self.remove(model)
+                self.remove(model, exit_s)
             for ring in self.rings.values():  # no hub waits on a trainer that is gone
                 for reader in range(ring.consumers):
                     ring.detach(reader)
             hubs = [process for process, _ in self.hubs.values()]
+            deadline = time.monotonic() + drain_s
             for process in hubs:  # a hub in the middle of a split lets its batch tasks finish first
-                process.join(self.drain_s)
-            _stop_processes(hubs, self.exit_s)
+                process.join(max(deadline - time.monotonic(), 0))
+            _stop_processes(hubs, exit_s)
             for process in hubs:  # hand-off files of batch tasks a stopped hub never took
                 remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
         finally:

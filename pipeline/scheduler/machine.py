@@ -7,7 +7,7 @@ A driver (the simulator, or the runner of a real run) sends every event to
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
                                        ModelConverged, RatesMeasured, SlotFreed, Start, Stop, TrainerFailed)
@@ -76,6 +76,54 @@ class Scheduler:
         table (the others plan once the last model's rates have come in)."""
         self.now = max(self.now, time)
         return self._plan()
+
+    def checkpointed(self, model: str, epoch: int) -> None:
+        """A checkpoint the driver wrote outside the plan (when a run is stopped): `model` resumes from it."""
+        state = self._model(model)
+        if not state.checkpoint_epoch <= epoch <= state.epochs_done:
+            raise ValueError(f"{model}: a checkpoint after {epoch} epochs, but it has done {state.epochs_done} "
+                             f"and its last checkpoint is after {state.checkpoint_epoch}")
+        state.checkpoint_epoch = epoch
+
+    def state(self) -> dict:
+        """Everything the scheduler knows, as JSON: `restore` continues from it (a resumed run)."""
+        return {"models": {name: asdict(state) for name, state in self.models.items()},
+                "flotillas": {str(fid): {"members": {m: [[s.node, s.index] for s in slots]
+                                                     for m, slots in f.members.items()},
+                                         "active": sorted(f.active)} for fid, f in self.flotillas.items()},
+                "slots": {f"{slot.node}/{slot.index}": state for slot, state in self.slots.items()},
+                "next_flotilla": self.next_flotilla, "now": self.now, "rng": self.rng.getstate(),
+                "rates": {name: list(rates) for name, rates in self.table.rates.items()}}
+
+    def restore(self, saved: dict) -> list[Decision]:
+        """Continue from `state()` of a run that stopped: the flotillas it was running form again, on the
+        same slots, their models resuming from their last checkpoints; then planning goes on as before."""
+        if sorted(saved["models"]) != sorted(self.models):
+            raise ValueError(f"the saved scheduler planned {sorted(saved['models'])}, this one {sorted(self.models)}")
+        for name, fields in saved["models"].items():
+            self.models[name] = ModelState(**fields)
+        self.flotillas = {int(fid): FlotillaState({m: tuple(Slot(*s) for s in slots)
+                                                   for m, slots in f["members"].items()}, set(f["active"]))
+                          for fid, f in saved["flotillas"].items()}
+        for key, state in saved["slots"].items():  # a slot being released then is free now: its trainer is gone
+            self.slots[Slot(*map(int, key.split("/")))] = BUSY if state == BUSY else FREE
+        self.next_flotilla, self.now = saved["next_flotilla"], saved["now"]
+        version, internal, gauss = saved["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        for name, rates in saved["rates"].items():
+            self.table.add(name, tuple(rates))
+        decisions: list[Decision] = []
+        for fid, flotilla in sorted(self.flotillas.items()):
+            active = {m: flotilla.members[m] for m in sorted(flotilla.active)}
+            measured = len(self.table.rates) == len(self.models)
+            rate = flotilla_rate({m: len(s) for m, s in active.items()}, self.table,
+                                 self.cluster.prep_rate_per_slot) if measured else float("nan")
+            decisions.append(FormFlotilla(fid, {m: len(s) for m, s in active.items()}, rate))
+            decisions += [AssignSlots(fid, m, slots) for m, slots in active.items()]
+            for m in active:  # what it did after its last checkpoint is done again
+                self.models[m].epochs_done = self.models[m].checkpoint_epoch
+                decisions.append(Start(fid, m, resume_epoch=self.models[m].checkpoint_epoch))
+        return decisions + self._plan()
 
     def handle(self, event: Event) -> list[Decision]:
         if event.time < self.now:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.delivery.collective import rendezvous_at
+from pipeline.orchestration.lifetime import child_started, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
@@ -196,8 +197,9 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement)
                                  args=(group, rank, devices, rendezvous, how, reports), daemon=True)
                  for rank in range(len(devices))]
     try:
-        for process in processes:
-            process.start()
+        with quiet_children():
+            for process in processes:
+                process.start()
         step_seconds = [_next_report(reports, processes, group, len(devices), how.report_s) for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
@@ -234,6 +236,7 @@ def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: flo
 def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
                  reports) -> None:
     """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
+    child_started()
     try:
         import numpy as np
         import torch

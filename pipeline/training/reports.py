@@ -26,13 +26,23 @@ class TrainReport:
 
 @dataclass(frozen=True)
 class ValReport:
-    """An epoch's validation is done and checkpointed (rank 0 only)."""
+    """An epoch's validation is done (rank 0 only); the model's state after it is kept, to be
+    checkpointed if the driver asks (CheckpointSaved)."""
 
     model: str
     epoch: int
     accuracy: float
     probs: np.ndarray  # softmax of every validation image, in stream order
     labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """checkpoints/<model>/epoch<epochs>.pt is written (rank 0, on the driver's SaveCheckpoint)."""
+
+    group: str
+    model: str
+    epochs: int
 
 
 @dataclass(frozen=True)
@@ -51,4 +61,4 @@ class TrainerError:
     traceback: str
 
 
-TrainerReport = TrainReport | ValReport | TrainerDone | TrainerError
+TrainerReport = TrainReport | ValReport | CheckpointSaved | TrainerDone | TrainerError

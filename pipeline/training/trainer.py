@@ -6,7 +6,12 @@ several streams: it takes one message of each, in step (hubs publish every
 stream's batch i before batch i + 1). A model on g slots runs g trainers
 under DDP, each taking its 1/g share of every batch. Typed reports
 (reports.py) go to the driver through a queue; the driver's commands
-(`ReleaseMember`) come through a pipe and are read before each message.
+(`ReleaseMember`, `SaveCheckpoint`) come through a pipe and are read before
+each message and while waiting for one.
+
+Checkpoints are the scheduler's to ask for (every scheduler.checkpoint_every
+epochs, a model's final one, and on a stop): after each epoch rank 0 keeps a
+host copy of every member's state, and writes it when the driver says so.
 """
 from __future__ import annotations
 
@@ -21,11 +26,13 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.delivery.stream import MessageKind
+from pipeline.orchestration.lifetime import child_started
 from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
-from pipeline.training.reports import TrainerDone, TrainerError, TrainReport, ValReport
+from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
 STAGING_BUFFERS = 2  # pinned buffers per stream: one being copied to the GPU while the next fills
+CHECKPOINTS_KEPT = 2  # per model: the newest, and the one before (a trainer may die while writing the next)
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,29 @@ class ReleaseMember:
     model: str
 
 
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    """Driver -> the group's rank 0: write `models`' state after `epochs` epochs (their last finished)."""
+
+    models: tuple[str, ...]
+    epochs: int
+
+
+TrainerCommand = ReleaseMember | SaveCheckpoint
+
+
+def checkpoint_path(checkpoint_dir: str | Path, model: str, epochs: int) -> Path:
+    return Path(checkpoint_dir) / model / f"epoch{epochs}.pt"
+
+
+def saved_epochs(checkpoint_dir: str | Path, model: str) -> list[int]:
+    """The epochs after which `model` has a checkpoint, oldest first."""
+    return sorted(int(path.stem[len("epoch"):]) for path in (Path(checkpoint_dir) / model).glob("epoch*.pt"))
+
+
 def trainer_main(spec: TrainerSpec, readers: dict, commands, reports) -> None:
     """Process entry point: train until the streams say STOP."""
+    child_started()
     try:
         Trainer(spec, reports, commands).consume(readers)
     except BaseException:  # the driver names the group and shows the traceback, once
@@ -151,9 +179,10 @@ class Trainer:
         self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
-        self.epoch = spec.start_epoch  # the group's own epoch count, whichever flotilla it is in
-        if spec.start_epoch:
-            self._resume()
+        self.epoch = self._resume() if spec.start_epoch else 0  # the group's own count, in any flotilla
+        # rank 0: model -> epochs -> host copy of its state then, for the two last finished epochs (on a stop,
+        # the driver asks for the last one it heard of; the trainer may have finished the next meanwhile)
+        self.finished: dict[str, dict[int, dict]] = {}
         self.val_probs: dict[str, list] = {name: [] for name in self.members}  # rank 0's, batch by batch
         self.val_labels: dict[str, list] = {stream: [] for stream in spec.group.inputs}
         self._reset_epoch()
@@ -163,15 +192,21 @@ class Trainer:
         """The group's models still training here."""
         return self.step.names
 
-    def checkpoint_path(self, model: str, epochs_done: int) -> Path:
-        return Path(self.spec.checkpoint_dir) / model / f"epoch{epochs_done}.pt"
-
-    def _resume(self) -> None:
+    def _resume(self) -> int:
+        """Every member from its checkpoint after `start_epoch` epochs, or, if a trainer died while writing
+        that one, the newest before it that every member has; the epochs it resumes after."""
+        directory, start = self.spec.checkpoint_dir, self.spec.start_epoch
+        common = set.intersection(*({e for e in saved_epochs(directory, name) if e <= start}
+                                    for name in self.members))
+        if not common:
+            raise RuntimeError(f"cannot resume {', '.join(self.members)} after {start} epochs: no checkpoint "
+                               f"of theirs in {directory}")
+        epochs = max(common)
         for name in self.members:
-            path = self.checkpoint_path(name, self.spec.start_epoch)
-            if not path.is_file():
-                raise RuntimeError(f"cannot resume {name} after {self.spec.start_epoch} epochs: {path} is missing")
-            self.step.load(name, self.torch.load(path, map_location=self.device, weights_only=False))
+            state = self.torch.load(checkpoint_path(directory, name, epochs), map_location=self.device,
+                                    weights_only=True)
+            self.step.load(name, state)
+        return epochs
 
     def _reset_epoch(self) -> None:
         """Training counters, reported and cleared at the end of each epoch's training split."""
@@ -183,14 +218,17 @@ class Trainer:
         """The driver's commands so far (sent before the batches they apply to)."""
         while self.commands is not None and self.commands.poll():
             command = self.commands.recv()
-            if isinstance(command, ReleaseMember) and command.model in self.members:
+            if isinstance(command, SaveCheckpoint):
+                self._save(command.models, command.epochs)
+            elif isinstance(command, ReleaseMember) and command.model in self.members:
                 self.step.release(command.model)
+                self.finished.pop(command.model, None)
                 del self.loss_sums[command.model], self.val_probs[command.model]
 
     def consume(self, readers: dict) -> None:
         streams = sorted(readers)
         waited = time.perf_counter()
-        for messages in zip(*(readers[s].messages() for s in streams)):
+        for messages in zip(*(readers[s].messages(idle=self._obey) for s in streams)):
             self.wait_time += time.perf_counter() - waited
             self._obey()
             batch = dict(zip(streams, messages))
@@ -281,20 +319,46 @@ class Trainer:
             probs = torch.cat(chunks).cpu().numpy() if chunks else np.zeros((0, self.spec.num_classes), np.float32)
             truth = labels[self.models[name].input]
             accuracy = float((probs.argmax(1) == truth).mean()) if len(truth) else float("nan")
-            self._checkpoint(name, accuracy)  # before the report: the driver may stop this process once it has it
+            self._keep_state(name, accuracy)  # before the report: the driver may ask for its checkpoint at once
             self.reports.put(ValReport(name, self.epoch, accuracy, probs, truth))
             self.val_probs[name] = []
         self.val_labels = {stream: [] for stream in self.val_labels}
 
-    def _checkpoint(self, name: str, accuracy: float) -> None:
-        """checkpoints/<model>/epoch<k>.pt after k epochs: a plain model's state (it loads without the group).
-        The one before is kept too: the scheduler may resume from it if this trainer dies before its report
-        of epoch k reaches the driver."""
-        epochs_done = self.epoch + 1
-        path = self.checkpoint_path(name, epochs_done)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        self.torch.save({**self.step.state(name), "epochs_done": epochs_done, "val_accuracy": accuracy,
-                         "spec": self.models[name].__dict__}, tmp)
-        os.replace(tmp, path)  # never a half-written checkpoint
-        self.checkpoint_path(name, epochs_done - 2).unlink(missing_ok=True)
+    def _keep_state(self, name: str, accuracy: float) -> None:
+        """A host copy of `name`'s state after this epoch: the checkpoint the driver may ask for, while
+        the model trains on (a stop mid-epoch saves the last finished epoch, not half of the next)."""
+        epochs = self.epoch + 1
+        state = _to_host({**self.step.state(name), "epochs_done": epochs, "val_accuracy": accuracy,
+                          "spec": dict(self.models[name].__dict__)})
+        kept = self.finished.setdefault(name, {})
+        kept[epochs] = state
+        kept.pop(epochs - 2, None)
+
+    def _save(self, models: tuple[str, ...], epochs: int) -> None:
+        """checkpoints/<model>/epoch<k>.pt after k epochs: a plain model's state (it loads without the group)."""
+        for name in models:
+            state = self.finished.get(name, {}).get(epochs)
+            if state is None:
+                raise RuntimeError(f"the driver asked for {name}'s checkpoint after {epochs} epochs, but this "
+                                   f"trainer keeps its state after {sorted(self.finished.get(name, {}))}")
+            path = checkpoint_path(self.spec.checkpoint_dir, name, epochs)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            self.torch.save(state, tmp)
+            os.replace(tmp, path)  # never a half-written checkpoint
+            for older in saved_epochs(self.spec.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
+                checkpoint_path(self.spec.checkpoint_dir, name, older).unlink(missing_ok=True)
+            self.reports.put(CheckpointSaved(self.spec.group.name, name, epochs))
+
+
+def _to_host(value):
+    """`value` with every tensor copied to host memory (the live ones go on training)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return value

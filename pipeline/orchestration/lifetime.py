@@ -1,0 +1,168 @@
+"""How long a run's processes live, and what they leave behind.
+
+* The driver (`StopSignals`): Ctrl-C or SIGTERM asks the run to stop; the
+  driver checkpoints, writes its results marked interrupted, closes what it
+  started and exits 128 + the signal's number. A second signal stops at once.
+* Its children (`child_started`, first thing in every hub, trainer and rate
+  measurement): a terminal's Ctrl-C goes to the whole process group, so they
+  ignore SIGINT and let the driver stop them in order; a watch on the parent
+  makes them exit, removing what the run had in /dev/shm, if it dies without
+  a word (SIGKILL, the OOM killer).
+* The next run (`remove_stale_shm`): removes what a run killed outright left in
+  /dev/shm: entries whose owner process is gone (their names carry its pid).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+SHM_DIR = "/dev/shm"
+# Every shared-memory entry of a run is named ensemble-[out-]<pid of its owner>-...: rings
+# (pipeline/delivery/ring.py) belong to the process that made them, hand-off files
+# (pipeline/data/handoff.py) to the process that takes them.
+SHM_ENTRY = re.compile(r"^ensemble-(?:out-)?(\d+)-")
+PARENT_POLL_S = 0.5  # how often a child checks that its parent is alive
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """The user asked the run to stop (Ctrl-C, SIGTERM) before the training loop could take it in order."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """The driver's SIGINT and SIGTERM, in the main thread, for the length of a `with` block.
+
+    The first signal sets `requested`. Inside `deferred()` (the training loop, which polls it and
+    stops in order) that is all; elsewhere (start-up, rate measurement) it raises `Interrupted`
+    there and then, and whatever was started closes on the way out. A second signal kills the
+    run's child processes, removes its shared memory and exits at once.
+    """
+
+    def __init__(self):
+        self.requested = threading.Event()
+        self.signum: int | None = None
+        self._deferred = False
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    @contextmanager
+    def deferred(self):
+        """Within: a first signal only sets `requested`; the code inside polls it."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.requested.is_set():
+            _stop_now(signum)
+        self.signum = signum
+        self.requested.set()
+        print(f"\n{signal.Signals(signum).name}: stopping: checkpointing the last finished epochs and closing "
+              "(a second Ctrl-C stops at once)", flush=True)
+        if not self._deferred:
+            raise Interrupted(signum)
+
+
+def _stop_now(signum: int) -> None:
+    """The second signal: no checkpoints, no report; nothing of the run is left running."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(children, timeout=5)
+    remove_shm_of(os.getpid())
+    os._exit(128 + signum)  # as a shell reports a process its signal ended
+
+
+def child_started() -> None:
+    """First thing in a child process of a run (hub, trainer, rate measurement): the driver stops it,
+    not the terminal's Ctrl-C; and it does not outlive its parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the spawning thread: quiet_children
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:  # a child whose parent died is adopted by another process
+        time.sleep(PARENT_POLL_S)
+    remove_shm_of(parent)  # the parent's rings: it cannot remove them any more
+    remove_shm_of(os.getpid())  # hand-off files this process would have taken
+    os._exit(1)
+
+
+@contextmanager
+def quiet_children():
+    """Spawn children (or threads that will) within: SIGINT stays blocked in this thread meanwhile, so
+    a child starts with it blocked (a mask survives fork and exec, and a new thread takes its
+    creator's) and a terminal's Ctrl-C, sent to the whole process group, cannot kill it with a
+    traceback. Our children's `child_started` then ignores it; Dask's workers keep it blocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def remove_shm_of(pid: int) -> None:
+    """Remove the /dev/shm entries owned by process `pid`."""
+    for path in glob.glob(os.path.join(SHM_DIR, "ensemble-*")):
+        match = SHM_ENTRY.match(os.path.basename(path))
+        if match and int(match.group(1)) == pid:
+            _unlink(path)
+
+
+def remove_stale_shm() -> list[str]:
+    """Remove what runs killed outright left in /dev/shm: this user's entries whose owner process is
+    gone. A live run's entries (its owner is alive) are never touched. Returns the names removed."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, "ensemble-*")):
+        match = SHM_ENTRY.match(os.path.basename(path))
+        try:
+            mine = os.stat(path, follow_symlinks=False).st_uid == os.getuid()
+        except FileNotFoundError:
+            continue
+        if match and mine and not _alive(int(match.group(1))):
+            _unlink(path)
+            removed.append(os.path.basename(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # another process of the run got there first
+        pass
