@@ -56,7 +56,7 @@ class HubSpec:
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
     """Process entry point. `abort` (an Event) ends it between batches. A failure is told to the
     driver, which reports it once; the process then exits with code 1 without a traceback of its own."""
-    child_started()
+    child_started("hub")
     try:
         Hub(spec, events, abort).serve(commands)
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is

@@ -86,7 +86,11 @@ def _stop_now(signum: int) -> None:
     """The second signal: no checkpoints, no report; nothing of the run is left running."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    from multiprocessing import resource_tracker
+
+    # The resource tracker stays: once this process is gone it unlinks the semaphores it registered.
+    tracker = resource_tracker._resource_tracker._pid
+    children = [child for child in psutil.Process().children(recursive=True) if child.pid != tracker]
     for child in children:
         try:
             child.kill()
@@ -97,13 +101,24 @@ def _stop_now(signum: int) -> None:
     os._exit(128 + signum)  # as a shell reports a process its signal ended
 
 
-def child_started() -> None:
+def child_started(role: str) -> None:
     """First thing in a child process of a run (hub, trainer, rate measurement): the driver stops it,
-    not the terminal's Ctrl-C; and it does not outlive its parent."""
+    not the terminal's Ctrl-C; and it does not outlive its parent. `role` names it in ps and top."""
+    _name_process(role)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the spawning thread: quiet_children
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _name_process(name: str) -> None:
+    import ctypes
+
+    PR_SET_NAME = 15  # <linux/prctl.h>: the name ps, top and psutil show (15 bytes)
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the process keeps its name
+        pass
 
 
 def _watch_parent(parent: int) -> None:

@@ -236,7 +236,7 @@ def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: flo
 def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
                  reports) -> None:
     """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
-    child_started()
+    child_started("rates")
     try:
         import numpy as np
         import torch

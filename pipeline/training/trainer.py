@@ -82,7 +82,7 @@ def saved_epochs(checkpoint_dir: str | Path, model: str) -> list[int]:
 
 def trainer_main(spec: TrainerSpec, readers: dict, commands, reports) -> None:
     """Process entry point: train until the streams say STOP."""
-    child_started()
+    child_started("trainer")
     try:
         Trainer(spec, reports, commands).consume(readers)
     except BaseException:  # the driver names the group and shows the traceback, once

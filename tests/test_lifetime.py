@@ -1,0 +1,193 @@
+"""A run's lifetime through the real command, with real signals: Ctrl-C stops it in order and it
+resumes to the same result as a run never stopped; SIGKILL leaves no process and no shared memory
+behind; a model given up makes the run exit non-zero. One interrupted run serves several checks."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.orchestration.lifetime import remove_stale_shm
+from pipeline.run import run
+from tests.conftest import compose_config
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def overrides(data: Path, *extra) -> list[str]:
+    return ["+ensemble=caltech256", f"dataset.root={data}", "dataset.synthetic_classes=3",
+            "dataset.synthetic_images_per_class=16", "pipeline.batch_size=16", "pipeline.image_size=32",
+            "pipeline.alt_image_size=24", "cluster.workers=2", *extra]
+
+
+def command(data: Path, folder: Path, *extra) -> list[str]:
+    return [sys.executable, "-m", "pipeline", *overrides(data, *extra), f"hydra.run.dir={folder}"]
+
+
+class Job:
+    """The command in its own session (as a terminal runs it); a thread reads its output as it comes."""
+
+    def __init__(self, args: list[str]):
+        self.process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.new_line = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            with self.new_line:
+                self.lines.append(line)
+                self.new_line.notify_all()
+        with self.new_line:
+            self.lines.append(None)  # the end
+            self.new_line.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        """Until a line of its output holds `text`."""
+        seen = lambda: any(line is None or text in line for line in self.lines)
+        with self.new_line:
+            if not self.new_line.wait_for(seen, timeout) or self.lines[-1] is None and \
+                    not any(line and text in line for line in self.lines):
+                raise AssertionError(f"no {text!r} in its output:\n" + self.output()[-3000:])
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+    def output(self) -> str:
+        return "".join(line for line in self.lines if line)
+
+    def finish(self, timeout: float = 300) -> str:
+        self.process.wait(timeout)
+        self.reader.join(timeout)
+        return self.output()
+
+
+def leftovers(pids) -> list[str]:
+    """This run's entries in /dev/shm (they carry their owner's pid)."""
+    return [name for name in os.listdir("/dev/shm") for pid in pids
+            if name.startswith((f"ensemble-{pid}-", f"ensemble-out-{pid}-"))]
+
+
+def gone_within(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """Those still alive after `seconds` (an exited one whose parent died waits to be reaped: a zombie)."""
+    _, alive = psutil.wait_procs(processes, timeout=seconds)
+    return [p for p in alive if _status(p) not in (psutil.STATUS_ZOMBIE, None)]
+
+
+def _status(process: psutil.Process) -> str | None:
+    try:
+        return process.status()
+    except psutil.NoSuchProcess:
+        return None
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data") / "synthetic"
+
+
+def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_path):
+    """scheduler=shared, a checkpoint every 2 epochs: Ctrl-C (SIGINT to the process group) after epoch 3.
+    The run checkpoints epoch 3 anyway, writes results marked interrupted, leaves no process and no
+    shared memory, exits 130 within 15 s with one resume line and no traceback. Resumed, it trains the
+    epochs left, and its results match those of a run never stopped."""
+    settings = ["trainer.epochs=5", "scheduler.checkpoint_every=2"]
+    stopped = tmp_path / "stopped"
+    job = Job(command(data, stopped, *settings))
+    job.wait_for("(epoch 3)")
+    children = job.children()
+    signalled = time.monotonic()
+    os.killpg(job.process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    output = job.finish(timeout=60)
+    took = time.monotonic() - signalled
+    assert job.process.returncode == 130, output[-3000:]
+    assert took < 15, took
+    assert not gone_within(children, 1), "processes of the run outlived it"
+    assert not leftovers([job.process.pid] + [c.pid for c in children])
+    assert "Traceback" not in output, output[-3000:]
+    resume_lines = [line for line in output.splitlines() if "to resume:" in line]
+    assert len(resume_lines) == 1 and resume_lines[0].endswith(f"resume={stopped}"), output[-2000:]
+    results = json.loads((stopped / "results.json").read_text())
+    assert results["interrupted"]["signal"] == "SIGINT"
+    done = {m["name"]: m["epochs"] for m in results["models"]}
+    assert min(done.values()) >= 3
+    for model, epochs in done.items():  # the last finished epoch is checkpointed, though 3 is not a multiple of 2
+        assert (stopped / "checkpoints" / model / f"epoch{epochs}.pt").is_file(), model
+
+    resume = command(data, tmp_path / "hydra-of-the-resume", *settings, f"resume={stopped}")
+    resumed = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    whole = json.loads((stopped / "results.json").read_text())
+    assert "interrupted" not in whole
+    never_stopped = run(compose_config(overrides(data, *settings)), tmp_path / "never")
+    for results in (whole, never_stopped):
+        assert [(m["name"], m["epochs"], len(m["val_accuracy"])) for m in results["models"]] == \
+               [(m["name"], 5, 5) for m in never_stopped["models"]]
+        assert len(results["ensemble"]["val_accuracy"]) == 5  # each epoch counted once
+        assert results["ensemble"]["final_val_accuracy"] is not None
+
+
+def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_path):
+    """SIGKILL to the driver (the OOM killer): its hubs, trainers and Dask workers exit within 10 s and
+    remove what the run had in /dev/shm."""
+    job = Job(command(data, tmp_path / "killed", "trainer.epochs=20"))
+    job.wait_for("(epoch 1)")
+    children = job.children()
+    names = {child.name() for child in children}
+    assert {"hub", "trainer"} <= names, names
+    pids = [job.process.pid] + [child.pid for child in children]
+    assert leftovers(pids)  # the rings, while it runs
+    job.process.kill()
+    job.finish(timeout=30)
+    alive = gone_within(children, 10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not leftovers(pids)
+
+
+def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
+    """What a run killed before its children could clean up is removed by the next run: entries of
+    dead owners only, never a live run's."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    names = [f"ensemble-{dead_pid}-abcd1234-h0-main", f"ensemble-out-{dead_pid}-x-train-0-1-0-main",
+             f"ensemble-{os.getpid()}-abcd1234-h0-main"]
+    for name in names:
+        Path("/dev/shm", name).write_bytes(b"x")
+    try:
+        removed = remove_stale_shm()
+        assert set(names[:2]) <= set(removed) and names[2] not in removed
+        assert [name for name in names if Path("/dev/shm", name).exists()] == names[2:]
+    finally:
+        for name in names:
+            Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def test_a_model_given_up_makes_the_run_exit_non_zero_and_is_listed(data, tmp_path):
+    """scheduler.max_failures=0: a trainer killed once and its model is given up; the others train on,
+    the run ends with exit code 3 naming it."""
+    job = Job(command(data, tmp_path / "given-up", "trainer.epochs=2", "scheduler.max_failures=0"))
+    job.wait_for("formed")
+    trainers = lambda: [c for c in job.children() if c.name() == "trainer"]
+    deadline = time.monotonic() + 60
+    while not trainers() and time.monotonic() < deadline:  # they start right after the flotilla forms
+        time.sleep(0.1)
+    victim = trainers()[0]
+    victim.kill()
+    output = job.finish()
+    assert job.process.returncode == 3, output[-3000:]
+    results = json.loads((tmp_path / "given-up" / "results.json").read_text())
+    assert len(results["given_up"]) == 1
+    given_up = results["given_up"][0]
+    assert f"given up: {given_up}" in " ".join(output.split())
+    models = {m["name"]: m for m in results["models"]}
+    others = [m for name, m in models.items() if m["group"] != given_up]
+    assert others and all(m["epochs"] == 2 for m in others)
