@@ -22,6 +22,7 @@ from pipeline.delivery.messages import SplitDone
 from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, plan_delivery
 from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
+from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
@@ -203,8 +204,10 @@ class FlotillaThread(threading.Thread):
         done: set[int] = set()
         tasks: set[tuple] = set()  # batch tasks recorded: (index, worker, start)
         flotilla.run_split(split, epoch)
+        watch = SplitWatch(flotilla, r.delivery.patience, r.progress.console.print)  # never hang silently
         while len(done) < len(flotilla.plan.hubs) and flotilla.members:
             for event in flotilla.hub_progress(timeout=0.2):
+                watch.saw(event)
                 if isinstance(event, SplitDone):
                     done.add(event.hub)
                     continue
@@ -221,6 +224,7 @@ class FlotillaThread(threading.Thread):
                     r.progress.update(task, completed=min(leads.values()))
             validation += self._forward(flotilla.poll())
             failures += self._drop_failed(flotilla)
+            watch.check()
         r.progress.remove_task(task)
         return validation, failures
 
