@@ -32,6 +32,14 @@ def init_group(backend: str, rendezvous: str, rank: int, world: int, timeout_s: 
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def make_groups(all_ranks: tuple[tuple[int, ...], ...], timeout_s: float) -> list:
+    """The process group of each ranks in `all_ranks`. new_group is collective over the world: every
+    process makes every group, in the same order. Each gets `timeout_s`: a group does not inherit the world's."""
+    import torch.distributed as dist
+
+    return [dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s)) for ranks in all_ranks]
+
+
 @contextmanager
 def completes(what: str, timeout_s: float):
     """Around torch.distributed calls (gloo and NCCL raise RuntimeError): one that ran out its

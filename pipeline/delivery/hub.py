@@ -10,7 +10,6 @@ messages, messages.py).
 """
 from __future__ import annotations
 
-import datetime
 import time
 import traceback
 import zlib
@@ -77,9 +76,7 @@ class Hub:
         self.spec, self.events, self.abort = spec, events, abort
         self.link = None
         if spec.world > 1:
-            import torch.distributed as dist
-
-            from pipeline.delivery.collective import GroupLink, init_group
+            from pipeline.delivery.collective import GroupLink, init_group, make_groups
 
             if spec.device.startswith("cuda"):
                 import torch
@@ -87,9 +84,7 @@ class Hub:
                 torch.cuda.set_device(spec.device)  # NCCL's buffers and streams on this hub's GPU, not GPU 0
             init_group("nccl" if spec.device.startswith("cuda") else "gloo", spec.rendezvous, spec.hub.rank,
                        spec.world, spec.collective_s, "the flotilla's hubs")
-            # new_group is collective over the world: every hub makes every group, in the same order.
-            timeout = datetime.timedelta(seconds=spec.collective_s)
-            groups = [dist.new_group(list(ranks), timeout=timeout) for ranks in spec.all_groups]
+            groups = make_groups(spec.all_groups, spec.collective_s)
             if len(spec.group.hubs) > 1:
                 item_shapes = {name: s.item_shape for name, s in spec.graph.sinks.items()}
                 self.link = GroupLink(groups[spec.hub.group], spec.group.hubs, item_shapes,
