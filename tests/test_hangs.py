@@ -112,7 +112,7 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
     monkeypatch.setattr(Flotilla, "hub_progress", stop_the_trainer_once_it_consumes)
     before = shm_segments(os.getpid())
     cfg = compose_config(["+ensemble=caltech256", "ensemble.models=[{name: m, arch: resnet, depth: 10, width: 4, "
-                          "input: main}]", f"dataset.root={root}", "dataset.synthetic=never", "pipeline.batch_size=8",
+                          "input: main}]", "~pipeline.stages.alt", "~pipeline.stages.crop_alt", f"dataset.root={root}", "dataset.synthetic=never", "pipeline.batch_size=8",
                           "pipeline.image_size=16", "pipeline.alt_image_size=16", "cluster.workers=1",
                           "trainer.epochs=1", "delivery.ring_depth=2", "timeouts.warn_s=1",
                           f"timeouts.stall_s={STALL_S}", "timeouts.exit_s=2", "timeouts.drain_s=2"])
@@ -125,6 +125,7 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
                 os.kill(stopped["pid"], signal.SIGCONT)
             except ProcessLookupError:
                 pass
+    assert stopped, f"the run failed before the trainer was stopped: {hang.value}"
     failed_after = time.monotonic() - stopped["at"]
     assert re.fullmatch(r"flotilla 0: hub 0 \(node 0\) cannot publish: trainer trainer-m-0 \(pid \d+, stopped\) holds "
                         r"all 2 buffers of its ring of stream main\. .* \(nothing moved for \d+ s: "
