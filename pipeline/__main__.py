@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from pipeline.config import ExitCode, exit_on_user_error, register
+from pipeline.hang import HangError
 from pipeline.orchestration.lifetime import Interrupted, StopSignals
 from pipeline.run import run
 from stages.base import UserError
@@ -33,6 +34,9 @@ def main(cfg: DictConfig) -> None:
         except Interrupted as stopped:  # before training began: nothing to checkpoint or resume
             print(f"{stopped}: stopped before training began; nothing to resume", file=sys.stderr)
             sys.exit(128 + stopped.signum)
+        except HangError as hung:  # a known condition, said in full: no traceback
+            print(f"error: {hung}", file=sys.stderr)
+            sys.exit(ExitCode.hung)
     if "interrupted" in results:
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
         print(f"stopped ({results['interrupted']['signal']}); to resume: python -m pipeline "

@@ -147,6 +147,9 @@ class TimeoutsConf:
     drain_s: float = 60  # a closing producer lets its running batch tasks finish this long before it is stopped
     exit_s: float = 30  # a process told to stop gets this long to exit before it is killed
     stop_s: float = 10  # Ctrl-C or SIGTERM: checkpointing the last finished epochs and closing take at most this
+    warn_s: float = 60  # a wait without progress this long says what it waits for (once)
+    stall_s: float = 600  # ...and fails this long without progress: no batch task result, no batch published
+    collective_s: float = 900  # an exchange between hubs or a DDP all-reduce not done in this long fails
 
 
 @dataclass
@@ -217,9 +220,13 @@ def check(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value < smallest:
             raise ConfigError(f"{key}={value}: {why}; set {key}={smallest} or more")
-    for key in ("timeouts.report_s", "timeouts.drain_s", "timeouts.exit_s", "timeouts.stop_s"):
+    for key in ("timeouts.report_s", "timeouts.drain_s", "timeouts.exit_s", "timeouts.stop_s", "timeouts.warn_s",
+                "timeouts.stall_s", "timeouts.collective_s"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: a wait must be positive seconds")
+    if cfg.timeouts.warn_s >= cfg.timeouts.stall_s:
+        raise ConfigError(f"timeouts.warn_s={cfg.timeouts.warn_s} is not below timeouts.stall_s="
+                          f"{cfg.timeouts.stall_s}: a wait says what it waits for before it fails; lower warn_s")
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")

@@ -24,6 +24,7 @@ from pipeline.data.executor import Executor, dask_client, dask_performance_repor
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.delivery.topology import Topology
+from pipeline.hang import Patience
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
@@ -172,7 +173,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
     setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
                           cfg.trainer.threads, cfg.trainer.precision, output_dir / "checkpoints",
-                          cfg.trainer.record_checksums, cfg.trainer.consume_only)
+                          cfg.trainer.record_checksums, cfg.trainer.consume_only, t.collective_s)
     training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes) as client, \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
@@ -183,7 +184,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         in_flight = {node: 2 * count if cfg.cluster.in_flight == AUTO else cfg.cluster.in_flight
                      for node, count in threads_of_node.items()}
         delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight,
-                                 cfg.delivery.ring_depth, agents, t.drain_s, t.exit_s)
+                                 cfg.delivery.ring_depth, agents, t.drain_s, t.exit_s, Patience(t.warn_s, t.stall_s),
+                                 t.collective_s)
         auto = cfg.topology == Topology.auto
         probed = _probe_seconds_per_image(client, graph, cfg) if auto and nodes > 1 else None
         topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
@@ -257,8 +259,8 @@ def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> floa
     measures it (RunRecorder.seconds_per_image) on a few batches of node 0; later
     flotillas use the run's own measurements."""
     probe = RunRecorder([], {}, {})
-    with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0,
-                  drain_s=cfg.timeouts.drain_s) as executor:
+    with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0, drain_s=cfg.timeouts.drain_s,
+                  patience=Patience(cfg.timeouts.warn_s, cfg.timeouts.stall_s)) as executor:
         for index, output in executor.batches(Split.VAL, 0):
             probe.add_batch(output, train=False)
             if index == PROBE_BATCHES - 1:

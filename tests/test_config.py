@@ -64,6 +64,9 @@ def test_a_value_outside_its_choices_is_refused_naming_the_key_and_the_choices(o
     ("pipeline.batch_size=1", "pipeline.batch_size=1: a training step needs at least 2 images"),
     ("delivery.ring_depth=1", "delivery.ring_depth=1: one batch is being read while the next is written"),
     ("timeouts.report_s=0", "timeouts.report_s=0.0: a wait must be positive seconds"),
+    ("timeouts.collective_s=-1", "timeouts.collective_s=-1.0: a wait must be positive seconds"),
+    ("timeouts.warn_s=700", "timeouts.warn_s=700.0 is not below timeouts.stall_s=600.0: a wait says what it waits "
+                            "for before it fails; lower warn_s"),
     ("scheduler.min_active_fraction=1.5", "scheduler.min_active_fraction=1.5: give a fraction in [0, 1]"),
 ])
 def test_values_the_types_let_through_are_checked_once_before_a_run(override, message):

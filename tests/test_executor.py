@@ -1,6 +1,7 @@
 """Batch tasks on Dask: deterministic whatever the worker count, bounded in
 flight, and a worker killed mid-epoch costs a recomputation, never a batch."""
 import os
+import re
 import signal
 import zlib
 
@@ -153,3 +154,28 @@ def test_the_next_split_is_submitted_while_this_one_drains(tiny_dataset):
         prefetched = [checksum(i, out) for i, out in executor.batches(Split.VAL, 0)]
     with dask_client(None, 1, 1) as client, Executor(client, graph, 3, "skip", 2) as executor:
         assert prefetched == [checksum(i, out) for i, out in executor.batches(Split.VAL, 0)]
+
+
+def test_a_batch_task_no_worker_can_run_says_what_it_waits_for_then_fails(tiny_dataset):
+    """Batch tasks for node 1 on a cluster whose only worker holds node-0: Dask leaves them 'no-worker'
+    for ever. The wait says so once (the key, the resource, the workers there are), then fails naming
+    timeouts.stall_s and the fix. A task that runs too long is named with its worker."""
+    from pipeline.hang import HangError, Patience
+
+    patience = Patience(warn_s=0.5, stall_s=2)
+    said = []
+    with dask_client(None, 1, 1) as client:
+        with Executor(client, build_graph(stages(tiny_dataset), {"out"}), 0, "skip", 2, node=1,
+                      patience=patience, on_wait=said.append, drain_s=0.1) as executor, \
+                pytest.raises(HangError) as hang:
+            next(executor.batches(Split.TRAIN, 0))
+        assert len(said) == 1 and said[0].startswith("waiting ")
+        for message in (said[0], str(hang.value)):
+            assert re.search(r"batch task batch-\w+-train-0-0-0 needs a Dask worker with the resource node-1 and "
+                             r"none of the 1 worker\(s\) has it \(n0-w0 \['node-0'\]\); start node 1's workers", message)
+        assert "timeouts.stall_s=2" in str(hang.value)
+        with Executor(client, build_graph(stages(tiny_dataset, slow=30), {"out"}), 0, "skip", 1, node=0,
+                      patience=patience, on_wait=said.append, drain_s=0.1) as executor, \
+                pytest.raises(HangError, match=r"batch-\w+-train-0-0-0 runs on worker n0-w0 and has not finished: "
+                                               r"a stage is stuck .*timeouts.stall_s=2"):
+            next(executor.batches(Split.TRAIN, 0))

@@ -90,11 +90,11 @@ def _exchange(rank, world, address, results):
     rng = np.random.default_rng(7)
     batch = {s: (rng.integers(0, 256, (5, *shape), dtype=np.uint8), np.arange(5) + 10 * i)
              for i, (s, shape) in enumerate(sorted(shapes.items()))}
-    cast = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=False, device="cpu")
+    cast = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=False, device="cpu", timeout_s=60)
     got = cast.broadcast(rank, 3, batch if rank == 0 else None)
-    gather = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=True, device="cpu")
+    gather = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=True, device="cpu", timeout_s=60)
     share = {s: (images[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2]) for s, (images, labels) in batch.items()}
-    gathered = gather.all_gather(3, share)
+    gathered = gather.all_gather(rank, 3, share)
     results.put((rank, all(np.array_equal(got[s][0], batch[s][0]) and np.array_equal(got[s][1], batch[s][1])
                            and np.array_equal(gathered[s][0], batch[s][0])
                            and np.array_equal(gathered[s][1], batch[s][1]) for s in batch)))

@@ -17,7 +17,8 @@ def model(name, width=8, lr=0.1):
 
 
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
-    return TrainerSpec(group, 3, {"main": 32}, 4, start, 10, 0, "", "cpu", 1, precision, str(tmp_path), False, False)
+    return TrainerSpec(group, 3, {"main": 32}, 4, start, 10, 0, "", "cpu", 1, precision, str(tmp_path), False, False,
+                       collective_s=60)
 
 
 def batch(seed=0, count=8, side=32):

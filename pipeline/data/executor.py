@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray, remove_all
+from pipeline.hang import Patience, Stall
 from stages.base import BadFileError, BatchContext, OnError, Split, UserError
 
 
@@ -69,6 +70,9 @@ class GraphOnWorkers(WorkerPlugin):
             del _GRAPHS[self.graph_id]
 
 
+log = logging.getLogger(__name__)
+
+
 class LeaveInterruptsToTheDriver(WorkerPlugin):
     """A terminal's Ctrl-C reaches every process of its group: the workers of a LocalCluster made here
     ignore it (the driver stops them in order) instead of dying with a traceback each."""
@@ -100,14 +104,17 @@ class Executor:
     making, is not made again while some executor still holds it; each keeps
     its last `retain` batches for the others. `sequence` keys the epochs'
     shuffles (each flotilla reads its own sequence); on exit, tasks still
-    running get `drain_s` to finish writing."""
+    running get `drain_s` to finish writing. A batch awaited without result
+    for `patience.warn_s` is described to `on_wait` (a line: the task, its
+    state, the workers), and fails with HangError after `patience.stall_s`."""
 
     def __init__(self, client: Client, graph: StageGraph, seed: int, on_error: OnError, in_flight: int,
                  node: int | None = None, part: int = 0, parts: int = 1, shared_keys: str | None = None,
-                 retain: int = 0, sequence: int = 0, drain_s: float = 60.0):
+                 retain: int = 0, sequence: int = 0, drain_s: float = 60.0, patience: Patience = Patience(),
+                 on_wait: Callable[[str], None] = log.warning):
         self.client, self.graph, self.seed, self.on_error, self.in_flight = client, graph, seed, on_error, in_flight
-        self.sequence, self.drain_s = sequence, drain_s
-        self.part, self.parts = part, parts
+        self.sequence, self.drain_s, self.patience, self.on_wait = sequence, drain_s, patience, on_wait
+        self.part, self.parts, self.node = part, parts, node
         self.resources = {node_resource(node): 1} if node is not None else None
         self.run_id = shared_keys or uuid.uuid4().hex[:8]
         self.retained: deque = deque(maxlen=retain)  # futures kept after use, for executors sharing keys
@@ -156,7 +163,7 @@ class Executor:
                 elif ahead - total < following:
                     self._submit(then[0], then[1], ahead - total)
             future = self.pending.pop((split, epoch, index))
-            output = future.result()
+            output = self._result(future)
             if output.bad_file:
                 raise BadFileError(output.bad_file)
             self.retained.append(future)
@@ -166,6 +173,33 @@ class Executor:
             yield index, output
         for ahead in range(min(following, self.in_flight)):  # this split is done: the next one's window
             self._submit(then[0], then[1], ahead)
+
+    def _result(self, future) -> BatchOutput:
+        stall = Stall(self.patience)
+        while True:
+            try:
+                return future.result(timeout=min(1.0, self.patience.warn_s))
+            except TimeoutError:
+                stall.check(lambda: self._whereabouts(future.key), self.on_wait)
+
+    def _whereabouts(self, key: str) -> str:
+        """What the batch task `key` waits for, as the scheduler sees it, and the likely fix."""
+        state, worker = self.client.run_on_scheduler(  # a lambda pickles by value: no import on the scheduler
+            lambda dask_scheduler: (lambda ts: (ts.state, ts.processing_on and ts.processing_on.name) if ts
+                                    else ("unknown", None))(dask_scheduler.tasks.get(key)))
+        workers = {info.get("name", address): sorted(info.get("resources") or {})
+                   for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items()}
+        task = f"batch task {key}"
+        if state == "processing":
+            return f"{task} runs on worker {worker} and has not finished: a stage is stuck (a file read that hangs?)"
+        if self.resources is None or state != "no-worker":
+            return f"{task} is {state} on the Dask scheduler, with {len(workers)} worker(s): they are all busy or gone"
+        resource = node_resource(self.node)
+        held = ", ".join(f"{name} {res or '(no resources)'}" for name, res in sorted(workers.items(), key=str))
+        return (f"{task} needs a Dask worker with the resource {resource} and none of the {len(workers)} "
+                f"worker(s) has it ({held or 'no workers'}); start node {self.node}'s workers (`dask worker "
+                f"<scheduler> --resources {resource}=<threads>` or its agent `python -m pipeline.node <scheduler> "
+                f"--node {self.node}`) or lower cluster.nodes")
 
     def _submit(self, split: Split, epoch: int, index: int) -> None:
         if (split, epoch, index) in self.pending:

@@ -6,11 +6,56 @@ uint8 tensor of fixed size, so each exchange is one collective call.
 """
 from __future__ import annotations
 
+import datetime
+import os
 import socket
+import time
+from contextlib import contextmanager
 
 import numpy as np
 
+from pipeline.hang import HangError
+
 LOOPBACK = "127.0.0.1"
+
+
+def init_group(backend: str, rendezvous: str, rank: int, world: int, timeout_s: float, what: str) -> None:
+    """Joins the process's torch.distributed world (`what` names it in errors); its collectives, and the
+    rendezvous itself, fail after `timeout_s` (timeouts.collective_s) instead of waiting for ever."""
+    import torch.distributed as dist
+
+    if backend == "nccl":  # NCCL waits for ever unless told to raise (blocking wait) and not to kill the process
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # clean up only: the error is ours to raise
+    with completes(f"the rendezvous of {what} (rank {rank} of {world}, at {rendezvous})", timeout_s):
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def make_groups(all_ranks: tuple[tuple[int, ...], ...], timeout_s: float) -> list:
+    """The process group of each ranks in `all_ranks`. new_group is collective over the world: every
+    process makes every group, in the same order. Each gets `timeout_s`: a group does not inherit the world's."""
+    import torch.distributed as dist
+
+    return [dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout_s)) for ranks in all_ranks]
+
+
+@contextmanager
+def completes(what: str, timeout_s: float):
+    """Around torch.distributed calls (gloo and NCCL raise RuntimeError): one that ran out its
+    `timeout_s` is a HangError naming `what` and timeouts.collective_s; a peer lost sooner gets `what`
+    added to torch's own message."""
+    started = time.monotonic()
+    try:
+        yield
+    except RuntimeError as err:
+        waited = time.monotonic() - started
+        if waited >= timeout_s:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise HangError(f"{what} did not complete in {timeout_s:g} s (timeouts.collective_s): a peer stalled "
+                            f"or left; the peer's own messages say why ({first})") from None
+        err.add_note(f"during {what}, after {waited:.1f} s: a peer left? (timeouts.collective_s={timeout_s:g})")
+        raise
 
 
 def rendezvous_at(host: str = LOOPBACK) -> str:
@@ -75,10 +120,11 @@ class GroupLink:
     rings at once)."""
 
     def __init__(self, group, ranks: tuple[int, ...], item_shapes: dict[str, tuple[int, ...]], batch_size: int,
-                 gather: bool, device: str):
+                 gather: bool, device: str, timeout_s: float):
         import torch
 
         self.torch, self.group, self.ranks, self.gather = torch, group, ranks, gather
+        self.timeout_s = timeout_s  # timeouts.collective_s: the group's process group has it too
         self.device = torch.device(device)
         self.codec = BatchCodec(item_shapes, -(-batch_size // len(ranks)) if gather else batch_size)
         self.bytes_sent = self.bytes_received = 0
@@ -102,20 +148,24 @@ class GroupLink:
             on_device.copy_(host)
         else:
             self.bytes_received += self.codec.size
-        dist.broadcast(on_device, src=self.ranks[0], group=self.group)
+        with completes(f"hub {rank}'s broadcast of batch {index} from hub {self.ranks[0]} to delivery group "
+                       f"hubs {list(self.ranks)}", self.timeout_s):
+            dist.broadcast(on_device, src=self.ranks[0], group=self.group)
         host.copy_(on_device)
         received_index, received = self.codec.unpack(host.numpy())
         if received_index != index:  # hubs must walk the epoch in step; anything else is a bug
             raise RuntimeError(f"hub {rank} expected batch {index}, the broadcast carried {received_index}")
         return received
 
-    def all_gather(self, index: int, share: Streams) -> Streams:
+    def all_gather(self, rank: int, index: int, share: Streams) -> Streams:
         """Every hub passes its share; every hub returns the whole batch."""
         import torch.distributed as dist
 
         self.codec.pack(index, share, self.mine_host.numpy())
         self.mine.copy_(self.mine_host)
-        dist.all_gather(self.on_device, self.mine, group=self.group)
+        with completes(f"hub {rank}'s all-gather of batch {index} in delivery group hubs {list(self.ranks)}",
+                       self.timeout_s):
+            dist.all_gather(self.on_device, self.mine, group=self.group)
         self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
         self.bytes_received += self.codec.size * (len(self.ranks) - 1)
         for host, on_device in zip(self.host, self.on_device):

@@ -20,12 +20,13 @@ import numpy as np
 
 from pipeline.data.executor import Executor, keep_sample
 from pipeline.data.graph import StageGraph
-from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubStopped, RunSplit, SplitDone,
-                                        StopStreams)
+from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
+                                        SplitDone, StopStreams)
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
 from pipeline.delivery.topology import DeliveryGroup, HubPlan
 from pipeline.orchestration.lifetime import child_started
+from pipeline.hang import HangError, Patience
 from stages.base import BadFileError, Batch, Split
 
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
@@ -51,6 +52,8 @@ class HubSpec:
     shared_keys: str | None  # multi_broadcast: the groups' producers share batch tasks under these keys
     sequence: int  # the flotilla's own sequence of epochs: its shuffles are its own
     drain_s: float  # timeouts.drain_s: what running batch tasks get to finish when the hub closes
+    patience: Patience  # timeouts.warn_s, stall_s: a batch task awaited this long is described, then fails
+    collective_s: float  # timeouts.collective_s: the hubs' process group's collectives fail after this
 
 
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
@@ -62,6 +65,9 @@ def hub_main(spec: HubSpec, commands, events, abort) -> None:
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is
         events.put(BadFile(spec.hub.rank, str(err)))
         raise SystemExit(1) from None
+    except HangError as err:  # a known wait that ran out: its message says it all, no traceback needed
+        events.put(HubHung(spec.hub.rank, str(err)))
+        raise SystemExit(1) from None
     except BaseException:
         events.put(HubFailed(spec.hub.rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -72,22 +78,20 @@ class Hub:
         self.spec, self.events, self.abort = spec, events, abort
         self.link = None
         if spec.world > 1:
-            import torch.distributed as dist
-
-            from pipeline.delivery.collective import GroupLink
+            from pipeline.delivery.collective import GroupLink, init_group, make_groups
 
             if spec.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.set_device(spec.device)  # NCCL's buffers and streams on this hub's GPU, not GPU 0
-            dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo",
-                                    init_method=spec.rendezvous, rank=spec.hub.rank, world_size=spec.world)
-            # new_group is collective over the world: every hub makes every group, in the same order.
-            groups = [dist.new_group(list(ranks)) for ranks in spec.all_groups]
+            init_group("nccl" if spec.device.startswith("cuda") else "gloo", spec.rendezvous, spec.hub.rank,
+                       spec.world, spec.collective_s, "the flotilla's hubs")
+            groups = make_groups(spec.all_groups, spec.collective_s)
             if len(spec.group.hubs) > 1:
                 item_shapes = {name: s.item_shape for name, s in spec.graph.sinks.items()}
                 self.link = GroupLink(groups[spec.hub.group], spec.group.hubs, item_shapes,
-                                      spec.graph.source.batch_size, spec.group.gather, spec.device)
+                                      spec.graph.source.batch_size, spec.group.gather, spec.device,
+                                      spec.collective_s)
         self.writers = {stream: ring.writer() for stream, ring in spec.rings.items()}
         self.sent: dict[str, list] = {stream: [] for stream in spec.rings}
         self.publish_wait_s = self.exchange_s = 0.0
@@ -108,7 +112,8 @@ class Hub:
                                                             parts=spec.group.parts, shared_keys=spec.shared_keys,
                                                             retain=SHARED_WINDOW * spec.in_flight
                                                             if spec.shared_keys else 0,
-                                                            sequence=spec.sequence, drain_s=spec.drain_s))
+                                                            sequence=spec.sequence, drain_s=spec.drain_s,
+                                                            patience=spec.patience, on_wait=self._waiting))
                 for command in iter(commands.get, StopStreams()):
                     assert isinstance(command, RunSplit), command
                     self._split(executor, command.split, command.epoch)
@@ -136,7 +141,7 @@ class Hub:
                 streams = {name: (batch.data, batch.labels) for name, batch in output.streams.items()}
             exchange_started = started = time.perf_counter()
             if self.link and self.spec.group.gather:
-                streams = self.link.all_gather(index, streams)
+                streams = self.link.all_gather(self.spec.hub.rank, index, streams)
             elif self.link:
                 streams = self.link.broadcast(self.spec.hub.rank, index, streams)
             self.exchange_s += time.perf_counter() - started
@@ -153,6 +158,9 @@ class Hub:
             self.events.put(BatchPublished(self.spec.hub.rank, split, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
         self.events.put(SplitDone(self.spec.hub.rank, split))
+
+    def _waiting(self, what: str) -> None:
+        self.events.put(HubWaiting(self.spec.hub.rank, what))
 
     def _mark(self, kind: MessageKind, split_id: int, epoch: int) -> None:
         empty_crc = zlib.crc32(b"", zlib.crc32(b""))

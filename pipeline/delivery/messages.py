@@ -56,6 +56,22 @@ class HubFailed:
 
 
 @dataclass(frozen=True)
+class HubWaiting:
+    """The hub has waited timeouts.warn_s for a batch task: what it waits for (said once per wait)."""
+
+    hub: int
+    what: str
+
+
+@dataclass(frozen=True)
+class HubHung:
+    """A wait of the hub ran out of its timeout (pipeline.hang.HangError): the message says which and the fix."""
+
+    hub: int
+    message: str
+
+
+@dataclass(frozen=True)
 class BadFile:
     """A data file under on_error=fail: the run stops naming it."""
 
@@ -63,4 +79,4 @@ class BadFile:
     message: str
 
 
-HubEvent = BatchPublished | SplitDone | HubStopped | HubFailed | BadFile
+HubEvent = BatchPublished | SplitDone | HubWaiting | HubStopped | HubFailed | HubHung | BadFile

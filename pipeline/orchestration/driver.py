@@ -32,6 +32,7 @@ from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, 
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.orchestration.lifetime import StopSignals
+from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
@@ -251,10 +252,12 @@ class FlotillaThread(threading.Thread):
         done: set[int] = set()
         tasks: set[tuple] = set()  # batch tasks recorded: (index, worker, start)
         flotilla.run_split(split, epoch)
+        watch = SplitWatch(flotilla, r.delivery.patience, r.progress.console.print)  # never hang silently
         try:
             while len(done) < len(flotilla.plan.hubs) and flotilla.members:
                 self._check_stop()
                 for event in flotilla.hub_progress(timeout=0.2):
+                    watch.saw(event)
                     if isinstance(event, SplitDone):
                         done.add(event.hub)
                         continue
@@ -271,6 +274,7 @@ class FlotillaThread(threading.Thread):
                         r.progress.update(task, completed=min(leads.values()))
                 validation += self._forward(flotilla.poll())
                 failures += self._drop_failed(flotilla)
+                watch.check()
         finally:
             r.progress.remove_task(task)
         return validation, failures

@@ -18,11 +18,12 @@ from pathlib import Path
 
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.hub import HubSpec
-from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubStopped, RunSplit, SplitDone,
-                                        StopStreams)
+from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
+                                        SplitDone, StopStreams)
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
-from pipeline.orchestration.node import node_processes
+from pipeline.hang import HangError, Patience
+from pipeline.orchestration.node import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
 from pipeline.training.group import GroupSpec, Precision
 from pipeline.training.trainer import TrainerSpec
@@ -51,6 +52,7 @@ class TrainingSetup:
     checkpoint_dir: Path
     record_checksums: bool
     consume_only: bool
+    collective_s: float  # timeouts.collective_s
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class DeliverySetup:
     agents: dict[int, dict]  # node -> its host's agent (python -m pipeline.node); none: nodes simulated here
     drain_s: float  # timeouts.drain_s
     exit_s: float  # timeouts.exit_s
+    patience: Patience  # timeouts.warn_s, stall_s
+    collective_s: float  # timeouts.collective_s
 
 
 class Flotilla:
@@ -77,6 +81,7 @@ class Flotilla:
         self.errors: dict[str, str] = {}  # group -> traceback of a trainer that failed
         self.summaries: dict[int, dict] = {}  # hub rank -> what it moved, once stopped
         self.closed = False
+        self.waiting: dict[int, str] = {}  # hub rank -> what it said it waits for (HubWaiting), until it publishes
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
                 self.nodes[node] = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s)
@@ -115,7 +120,8 @@ class Flotilla:
             self.nodes[hub.node].start_hub(HubSpec(
                 hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node], delivery.scheduler,
                 graph.feeding(streams), delivery.seed, delivery.on_error, delivery.in_flight[hub.node], {},
-                setup.record_checksums, shared_keys, self.id, delivery.drain_s))
+                setup.record_checksums, shared_keys, self.id, delivery.drain_s, delivery.patience,
+                delivery.collective_s))
 
     def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)
@@ -126,7 +132,7 @@ class Flotilla:
                 spec = TrainerSpec(group, setup.num_classes, {s: sinks[s].item_shape[0] for s in group.inputs},
                                    setup.epochs, member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
                                    setup.threads, setup.precision, str(setup.checkpoint_dir),
-                                   setup.record_checksums, setup.consume_only)
+                                   setup.record_checksums, setup.consume_only, setup.collective_s)
                 hub = self._hub(member, rank).rank
                 readers = {stream: next_reader[hub, stream] for stream in group.inputs}
                 self.nodes[node].start_trainer(spec, hub, readers)
@@ -165,6 +171,12 @@ class Flotilla:
         for event in events:
             if isinstance(event, BadFile):
                 raise BadFileError(event.message)
+            if isinstance(event, HubHung):
+                raise HangError(f"hub {event.hub} (node {self.plan.hubs[event.hub].node}): {event.message}")
+            if isinstance(event, HubWaiting):
+                self.waiting[event.hub] = event.what
+            elif isinstance(event, BatchPublished | SplitDone):
+                self.waiting.pop(event.hub, None)
             if isinstance(event, HubFailed):
                 raise RuntimeError(f"hub {event.hub} (node {self.plan.hubs[event.hub].node}) failed:\n"
                                    f"{event.traceback}")
@@ -173,6 +185,10 @@ class Flotilla:
         for rank, code in dead:
             raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
         return [event for event in events if isinstance(event, (BatchPublished, SplitDone))]
+
+    def laggards(self) -> list[Laggard]:
+        """Trainers that hold every buffer of a ring: its hub waits for them."""
+        return [laggard for node in self.nodes.values() for laggard in node.laggards()]
 
     def stop(self) -> None:
         """The run is over for every member: hubs send STOP down the rings and report what they moved."""

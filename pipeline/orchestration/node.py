@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 from multiprocessing import connection
 from multiprocessing.managers import BaseManager
 
+import psutil
+
 from pipeline.delivery.collective import LOOPBACK, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
@@ -39,6 +41,18 @@ from pipeline.delivery.ring import Ring
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
 log = logging.getLogger(__name__)  # an agent shows it: what its host runs
+
+
+@dataclass(frozen=True)
+class Laggard:
+    """A trainer holding every buffer of its hub's ring of a stream: the hub cannot publish past it."""
+
+    hub: int
+    stream: str
+    process: str  # its process name, trainer-<group>-<rank>
+    pid: int
+    state: str  # as the OS sees it: running, sleeping, stopped (SIGSTOP, a debugger), ...
+    depth: int  # buffers of the ring, all held
 
 
 @dataclass
@@ -132,6 +146,17 @@ class NodeProcesses:
         return {name: [(t.process.name, t.process.exitcode) for t in trainers]
                 for name, trainers in self.trainers.items()}
 
+    def laggards(self) -> list[Laggard]:
+        """Trainers here holding every buffer of one of their rings (read from the rings' semaphores)."""
+        found = []
+        trainers = [t for group in self.trainers.values() for t in group]
+        for (hub, stream), ring in self.rings.items():
+            for trainer, reader in ((t, reader) for t in trainers for taken, reader in t.readers if taken is ring):
+                if ring.free[reader].get_value() == 0 and not ring.detached[reader]:
+                    pid = trainer.process.pid
+                    found.append(Laggard(hub, stream, trainer.process.name, pid, _state(pid), ring.depth))
+        return found
+
     def remove(self, group: str, exit_s: float | None = None) -> None:
         """Stop a group's trainers here; no hub waits on their readers any more."""
         trainers = self.trainers.pop(group, [])
@@ -203,6 +228,13 @@ def _take_all(source) -> list:
             items.append(source.get_nowait())
     except queue.Empty:
         return items
+
+
+def _state(pid: int) -> str:
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
 
 
 def _stop_processes(processes: list[mp.Process], exit_s: float) -> None:

@@ -37,6 +37,7 @@ from rich.console import Console
 
 from pipeline.data.executor import Executor, dask_client, dask_performance_report, worker_count
 from pipeline.data.graph import BatchOutput, StageGraph
+from pipeline.hang import Patience
 from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
@@ -67,12 +68,13 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
     params = {m.name: trainees[m.family].params for m in models}
     recorder = RunRecorder(models, params, image_sizes)
     differential: dict[str, dict] = {}
-    drain_s = cfg.timeouts.drain_s
+    drain_s, patience = cfg.timeouts.drain_s, Patience(cfg.timeouts.warn_s, cfg.timeouts.stall_s)
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker) as client, \
             dask_performance_report(client, output_dir / DASK_REPORT, console):
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
-        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s) as executor:
+        with Executor(client, graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s,
+                      patience=patience) as executor:
             pass_started = time.perf_counter()
             for output in _batches(executor, batches):
                 for path, reason in recorder.add_batch(output, train=True):
@@ -91,7 +93,8 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
             for kind, pass_graph in (("synthetic", _synthetic_graph(graph, stream, len(graph.source.class_names))),
                                      ("cached", _cached_graph(graph, stream, decoded)),
                                      ("files", graph.feeding({stream}))):
-                with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s) as executor:
+                with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s,
+                              patience=patience) as executor:
                     feed = _ahead(_batches(executor, warmup + steps), cfg.delivery.ring_depth)
                     measured[kind] = trainee.train(feed, stream, warmup)
             rates = {f"{kind}_images_per_s": m.images / (m.wait_s + m.step_s) for kind, m in measured.items()}

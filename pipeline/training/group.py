@@ -128,12 +128,14 @@ def _statistics(device):
     return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
 
 
-def join_process_group(rendezvous: str, rank: int, world: int, device) -> None:
-    """A data-parallel model's ranks meet: NCCL between GPUs, gloo between CPU slots."""
-    import torch.distributed as dist
+def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s: float, name: str):
+    """A data-parallel model's ranks meet: NCCL between GPUs, gloo between CPU slots. Returns what to wrap
+    its steps in: a collective not done in `timeout_s` (timeouts.collective_s) fails naming group `name`."""
+    from pipeline.delivery.collective import completes, init_group
 
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous, rank=rank,
-                            world_size=world)
+    what = f"group {name}'s data-parallel process group"
+    init_group("nccl" if device.type == "cuda" else "gloo", rendezvous, rank, world, timeout_s, what)
+    return functools.partial(completes, f"a DDP all-reduce of {what} (rank {rank} of {world})", timeout_s)
 
 
 class _Solo:

@@ -247,7 +247,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world > 1:
-            join_process_group(rendezvous, rank, world, device)
+            join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
                          world, how.threads)
         # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.

@@ -15,6 +15,7 @@ host copy of every member's state, and writes it when the driver says so.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -51,6 +52,7 @@ class TrainerSpec:
     checkpoint_dir: str
     record_checksums: bool
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
+    collective_s: float  # timeouts.collective_s: a DDP all-reduce not done in this long fails, naming it
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,10 @@ class Trainer:
             torch.backends.cudnn.benchmark = True  # fixed shapes: autotune each convolution once
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         self.world = spec.group.slots
+        self.collectives = contextlib.nullcontext  # a step runs collectives only under DDP
         if self.world > 1:
-            join_process_group(spec.rendezvous, spec.rank, self.world, self.device)
+            self.collectives = join_process_group(spec.rendezvous, spec.rank, self.world, self.device,
+                                                  spec.collective_s, spec.group.name)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
                               spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads)
         self.models = {m.name: m for m in spec.group.members}
@@ -284,7 +288,9 @@ class Trainer:
         if self.spec.consume_only or not self.members:
             return
         inputs = {stream: (normalise(x, self.device), y) for stream, (x, y) in copied.items()}
-        for name, loss in self.step.train(inputs).items():
+        with self.collectives():
+            losses = self.step.train(inputs)
+        for name, loss in losses.items():
             self.loss_sums[name] += loss * rows_here  # stays on the device: read once, at the end of the split
 
     def _validate(self, batch: dict) -> None:
