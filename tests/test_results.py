@@ -6,10 +6,10 @@ from pipeline.training.reports import ValReport
 from pipeline.training.group import GroupSpec, ModelSpec
 
 
-def val_event(model, probs):
+def val_event(model, probs, epoch=0):
     probs = np.asarray(probs, np.float32)
     labels = np.array([0, 1])
-    return ValReport(model, 0, float((probs.argmax(1) == labels).mean()), probs, labels)
+    return ValReport(model, epoch, float((probs.argmax(1) == labels).mean()), probs, labels)
 
 
 def spec(name):
@@ -50,3 +50,30 @@ def test_ensemble_beats_its_members_when_their_mistakes_differ():
     results = recorder.as_dict(wall_s=1.0)
     assert [m["final_val_accuracy"] for m in results["models"]] == [2 / 3] * 3
     assert results["ensemble"]["val_accuracy"] == [1.0] and results["ensemble"]["final_val_accuracy"] == 1.0
+
+
+def test_an_epoch_done_again_after_a_resume_counts_once_and_the_record_survives_a_restart(tmp_path):
+    """a finishes epochs 1 and 2, fails, resumes from its checkpoint after 1 epoch and does epoch 2 again:
+    the ensemble at epoch 2 (b gets there last) averages a's second softmax with b's, not both of a's.
+    Saved and loaded (a resumed run), the records go on the same way."""
+    recorder = RunRecorder([spec("a"), spec("b")], {"a": 1, "b": 1}, {"a": 32, "b": 32})
+    for name in ("a", "b"):
+        recorder.joined(alone(name), 0, ("cpu",), 0)
+    right, wrong = [[0.9, 0.1], [0.1, 0.9]], [[0.1, 0.9], [0.9, 0.1]]
+    recorder.add_report(val_event("a", right, epoch=0))
+    recorder.add_report(val_event("a", wrong, epoch=1))
+    recorder.checkpointed("a", 1)
+    recorder.joined(alone("a"), 1, ("cpu",), 1)  # resumed after 1 epoch: its epoch 2 is forgotten
+    assert recorder.accuracies("a") == [1.0]
+    recorder.add_report(val_event("a", right, epoch=1))
+    recorder.save_state(tmp_path)
+    restarted = RunRecorder([spec("a"), spec("b")], {"a": 1, "b": 1}, {"a": 32, "b": 32})
+    restarted.load_state(tmp_path)
+    for r in (recorder, restarted):
+        weak_and_wrong = [[0.4, 0.6], [0.6, 0.4]]
+        r.add_report(val_event("b", weak_and_wrong, epoch=0))
+        r.add_report(val_event("b", weak_and_wrong, epoch=1))
+        # a's right softmax outweighs b's; with a's first epoch 2 counted too, a's two cancel and b's decides
+        assert r.ensemble_accuracy == {0: 1.0, 1: 1.0}
+        assert r.accuracies("a") == [1.0, 1.0]
+        assert r.as_dict(1.0)["ensemble"]["final_val_accuracy"] == 1.0
