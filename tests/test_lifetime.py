@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.orchestration.lifetime import remove_stale_shm
+from pipeline.orchestration.lifetime import StopSignals, remove_stale_shm
 from pipeline.run import run
 from tests.conftest import compose_config
 
@@ -191,3 +191,36 @@ def test_a_model_given_up_makes_the_run_exit_non_zero_and_is_listed(data, tmp_pa
     models = {m["name"]: m for m in results["models"]}
     others = [m for name, m in models.items() if m["group"] != given_up]
     assert others and all(m["epochs"] == 2 for m in others)
+
+
+def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_never_stopped(data, tmp_path):
+    """scheduler=fleet_g on a cached rate table, 4 models on 2 slots (flotillas in turn): SIGTERM once the
+    first epoch is saved; resumed, every model trains its epochs and the flotillas formed from the stop on
+    are those of a run never stopped (the one running then formed again, the same)."""
+    settings = ["scheduler=fleet_g", "trainer.slots=2", "trainer.epochs=2", "rates.steps=2", "rates.warmup=1",
+                f"rates.cache={tmp_path / 'rates.json'}"]
+    never_stopped = run(compose_config(overrides(data, *settings)), tmp_path / "never")  # it caches the rates
+    stopped = tmp_path / "stopped"
+
+    def sigterm_after_the_first_epoch():
+        state = stopped / "state" / "driver.json"
+        while not (state.exists() and any(m["epochs_done"] for m in
+                                          json.loads(state.read_text())["scheduler"]["models"].values())):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=sigterm_after_the_first_epoch, daemon=True).start()
+    with StopSignals() as stop:
+        first = run(compose_config(overrides(data, *settings)), stopped, stop)
+    assert first["interrupted"]["signal"] == "SIGTERM"
+    assert any(m["epochs"] < 2 for m in first["models"])
+    whole = run(compose_config(overrides(data, *settings, f"resume={stopped}")), tmp_path / "unused")
+    assert "interrupted" not in whole
+    epochs = lambda results: {m["name"]: len(m["val_accuracy"]) for m in results["models"]}
+    assert epochs(whole) == epochs(never_stopped) == {m["name"]: 2 for m in whole["models"]}
+    formed = lambda results: [(d["flotilla"], d["members"]) for d in results["scheduler"]["decisions"]
+                              if d["decision"] == "FormFlotilla"]
+    history = formed(whole)
+    reformed = [f for i, f in enumerate(history) if i == 0 or f != history[i - 1]]
+    assert len(history) == len(reformed) + 1  # the flotilla running at the stop, formed again
+    assert reformed == formed(never_stopped)

@@ -114,7 +114,7 @@ class Scheduler:
             self.table.add(name, tuple(rates))
         decisions: list[Decision] = []
         for fid, flotilla in sorted(self.flotillas.items()):
-            active = {m: flotilla.members[m] for m in sorted(flotilla.active)}
+            active = {m: slots for m, slots in flotilla.members.items() if m in flotilla.active}  # in plan order
             measured = len(self.table.rates) == len(self.models)
             rate = flotilla_rate({m: len(s) for m, s in active.items()}, self.table,
                                  self.cluster.prep_rate_per_slot) if measured else float("nan")
