@@ -153,6 +153,23 @@ def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_
     assert not leftovers(pids)
 
 
+def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
+    """The first Ctrl-C starts the orderly stop, which a stopped (SIGSTOP) trainer holds up for most of
+    timeouts.stop_s; a second one kills the run's processes and exits 130 at once."""
+    job = Job(command(data, tmp_path / "impatient", "trainer.epochs=20", "timeouts.stop_s=30"))
+    job.wait_for("(epoch 1)")
+    children = job.children()
+    next(c for c in children if c.name() == "trainer").suspend()  # it cannot write its checkpoint
+    os.killpg(job.process.pid, signal.SIGINT)
+    job.wait_for("stopping:")
+    signalled = time.monotonic()
+    os.killpg(job.process.pid, signal.SIGINT)
+    job.finish(timeout=60)
+    assert job.process.returncode == 130
+    assert time.monotonic() - signalled < 5  # the orderly stop would wait 15 s for the trainer
+    assert not gone_within(children, 10)
+
+
 def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
     """What a run killed before its children could clean up is removed by the next run: entries of
     dead owners only, never a live run's."""
