@@ -29,6 +29,7 @@ from rich.progress import Progress
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import SplitDone
 from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, plan_delivery
+from pipeline.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.orchestration.lifetime import StopSignals
@@ -310,7 +311,7 @@ class FlotillaThread(threading.Thread):
         while not training() <= set(reports):
             self._check_stop()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"flotilla {self.flotilla_id}: no validation report from "
+                raise HangError(f"flotilla {self.flotilla_id}: no validation report from "
                                    f"{sorted(training() - set(reports))} in {self.run_ctx.report_s:g} s "
                                    "(timeouts.report_s)")
             for report in self._forward(flotilla.poll(timeout=1.0)):
@@ -362,7 +363,7 @@ class FlotillaThread(threading.Thread):
             if time.monotonic() > deadline:
                 if stopping:
                     break
-                raise RuntimeError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
+                raise HangError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
                                    f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             self._forward(flotilla.poll(timeout=0.2))
         return {group for group, _ in wanted} - {group for group, _ in waiting}
@@ -384,7 +385,7 @@ class FlotillaThread(threading.Thread):
                or len(flotilla.summaries) < len(flotilla.plan.hubs)):
             self._check_stop()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish "
+                raise HangError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish "
                                    f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             flotilla.hub_progress(timeout=0.1)
             reports = flotilla.poll(timeout=0.5)
