@@ -193,20 +193,20 @@ def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_pat
 
 
 def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, monkeypatch):
-    """Kill one trainer once the driver has its first epoch's report (sent after the checkpoint):
-    the model leaves its flotilla, the scheduler starts it again from that checkpoint, and it finishes."""
+    """Kill one trainer once it has written its first epoch's checkpoint: the model leaves its flotilla,
+    the scheduler starts it again from that checkpoint, and it finishes."""
     import multiprocessing
     import signal
 
     from pipeline.orchestration.flotilla import Flotilla
-    from pipeline.training.reports import ValReport
+    from pipeline.training.reports import CheckpointSaved
 
     victim = "densenet40_k8"
     poll = Flotilla.poll
 
     def poll_and_kill_after_the_first_report(self, timeout=None):
         reports = poll(self, timeout)
-        if any(isinstance(r, ValReport) and r.model == victim and r.epoch == 0 for r in reports):
+        if any(isinstance(r, CheckpointSaved) and r.model == victim and r.epochs == 1 for r in reports):
             for process in multiprocessing.active_children():
                 if process.name == f"trainer-{victim}-0":
                     os.kill(process.pid, signal.SIGKILL)
@@ -263,7 +263,7 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
         assert len(model["flotillas"]) == 1 and not model["failures"]  # one trainer process, never restarted
     assert [len(models[n]["val_accuracy"]) for n in ("fa", "fb", "pa", "pb")] == [5, 3, 5, 5]
     assert models["fb"]["converged"] and models["fa"]["group_mode"] == "fused+packed"
-    saved = torch.load(out / "checkpoints" / "fb" / "epoch3.pt", weights_only=False)
+    saved = torch.load(out / "checkpoints" / "fb" / "epoch3.pt", weights_only=True)
     build_model("resnet", 10, 8, 0, 4, image_size=32).load_state_dict(saved["model"])  # strict
     assert not (out / "checkpoints" / "fb" / "epoch4.pt").exists()
     html = (out / "report.html").read_text()

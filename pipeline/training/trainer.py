@@ -197,16 +197,17 @@ class Trainer:
         return self.step.names
 
     def _resume(self) -> int:
-        """Every member from its checkpoint after `start_epoch` epochs, or, if a trainer died while writing
-        that one, the newest before it that every member has; the epochs it resumes after."""
+        """Every member from its checkpoint after `start_epoch` epochs, or, if a trainer died before it
+        wrote that one, the newest before it that every member has (none: from the start); the epochs it
+        resumes after."""
         directory, start = self.spec.checkpoint_dir, self.spec.start_epoch
         common = set.intersection(*({e for e in saved_epochs(directory, name) if e <= start}
                                     for name in self.members))
-        if not common:
-            raise RuntimeError(f"cannot resume {', '.join(self.members)} after {start} epochs: no checkpoint "
-                               f"of theirs in {directory}")
-        epochs = max(common)
-        for name in self.members:
+        epochs = max(common, default=0)
+        if epochs < start:
+            print(f"{self.spec.group.name}: no checkpoint of {', '.join(self.members)} after {start} epochs in "
+                  f"{directory}; resuming after {epochs} (those epochs are trained again)", flush=True)
+        for name in self.members if epochs else ():
             state = self.torch.load(checkpoint_path(directory, name, epochs), map_location=self.device,
                                     weights_only=True)
             self.step.load(name, state)
