@@ -6,18 +6,50 @@ uint8 tensor of fixed size, so each exchange is one collective call.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
+import uuid
 
 import numpy as np
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"  # Linux's loopback device, for gloo and NCCL
 
 
-def rendezvous_at(host: str = LOOPBACK) -> str:
-    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`."""
+def rendezvous_at(host: str) -> str:
+    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`,
+    for groups spanning hosts: torch's TCPStore then listens on every interface of that host."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+class LocalRendezvous:
+    """Process groups whose ranks all run on this host meet through a file in a folder of the
+    owner's own (mode 0700): no socket is opened. Each group gets a new file (a FileStore
+    holds one group's keys); `close` removes the folder once the groups are gone."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="ensemble-rendezvous-")  # mode 0700
+
+    def next(self) -> str:
+        return f"file://{self.folder}/{uuid.uuid4().hex}"
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def init_process_group(init_method: str, rank: int, world: int, device: str) -> None:
+    """Join a process group: NCCL between GPUs, gloo on CPU. A group met through a file
+    (LocalRendezvous) has every rank on this host: gloo and NCCL's bootstrap listen on loopback."""
+    import torch.distributed as dist
+
+    if init_method.startswith("file://"):
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK_INTERFACE
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=init_method, rank=rank,
+                            world_size=world)
 
 
 Streams = dict[str, tuple[np.ndarray, np.ndarray]]  # stream -> (images [n, h, w, c] uint8, labels [n] int64)

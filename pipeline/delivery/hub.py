@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.data.executor import Executor, keep_sample
+from pipeline.data.executor import Executor, TlsFiles, connect, keep_sample
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubStopped, RunSplit, SplitDone,
                                         StopStreams)
@@ -50,6 +50,7 @@ class HubSpec:
     shared_keys: str | None  # multi_broadcast: the groups' producers share batch tasks under these keys
     sequence: int  # the flotilla's own sequence of epochs: its shuffles are its own
     drain_s: float  # timeouts.drain_s: what running batch tasks get to finish when the hub closes
+    tls: TlsFiles | None  # Dask's TLS files of the hub's host (its NodeProcesses fills them in); None: no TLS
 
 
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
@@ -72,14 +73,13 @@ class Hub:
         if spec.world > 1:
             import torch.distributed as dist
 
-            from pipeline.delivery.collective import GroupLink
+            from pipeline.delivery.collective import GroupLink, init_process_group
 
             if spec.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.set_device(spec.device)  # NCCL's buffers and streams on this hub's GPU, not GPU 0
-            dist.init_process_group("nccl" if spec.device.startswith("cuda") else "gloo",
-                                    init_method=spec.rendezvous, rank=spec.hub.rank, world_size=spec.world)
+            init_process_group(spec.rendezvous, spec.hub.rank, spec.world, spec.device)
             # new_group is collective over the world: every hub makes every group, in the same order.
             groups = [dist.new_group(list(ranks)) for ranks in spec.all_groups]
             if len(spec.group.hubs) > 1:
@@ -93,14 +93,12 @@ class Hub:
         self.latency_ms: list[float] = []  # per batch: exchange + writing into the rings (waits included)
 
     def serve(self, commands) -> None:
-        from dask.distributed import Client
-
         spec = self.spec
         try:
             with ExitStack() as stack:
                 executor = None
                 if spec.hub.part is not None:  # a producer
-                    client = stack.enter_context(Client(spec.scheduler, timeout="30s"))
+                    client = stack.enter_context(connect(spec.scheduler, spec.tls))
                     executor = stack.enter_context(Executor(client, spec.graph, spec.seed, spec.on_error,
                                                             spec.in_flight, node=spec.hub.node, part=spec.hub.part,
                                                             parts=spec.group.parts, shared_keys=spec.shared_keys,

@@ -128,14 +128,6 @@ def _statistics(device):
     return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
 
 
-def join_process_group(rendezvous: str, rank: int, world: int, device) -> None:
-    """A data-parallel model's ranks meet: NCCL between GPUs, gloo between CPU slots."""
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=rendezvous, rank=rank,
-                            world_size=world)
-
-
 class _Solo:
     """One model: its module (DDP when it spans slots), optimiser and schedule."""
 
@@ -204,7 +196,7 @@ class GroupStep:
 
     `total_steps` is the length of every member's cosine schedule. A data-parallel
     model (a group of one on `world` slots) joins its process group first
-    (`join_process_group`). Losses stay on the device: a step never waits for it.
+    (`init_process_group`, pipeline/delivery/collective.py). Losses stay on the device: a step never waits for it.
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,

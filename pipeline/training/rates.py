@@ -34,10 +34,10 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.delivery.collective import rendezvous_at
+from pipeline.delivery.collective import LocalRendezvous, init_process_group
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
-from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
+from pipeline.training.group import GroupSpec, GroupStep, Precision, normalise
 
 
 @dataclass(frozen=True)
@@ -191,9 +191,10 @@ def _check_gpus(devices: list[str]) -> None:
 def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement) -> float:
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
-    rendezvous = rendezvous_at()
+    rendezvous = LocalRendezvous()
+    init_method = rendezvous.next()  # one group: every rank meets through the same file
     processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
-                                 args=(group, rank, devices, rendezvous, how, reports), daemon=True)
+                                 args=(group, rank, devices, init_method, how, reports), daemon=True)
                  for rank in range(len(devices))]
     try:
         for process in processes:
@@ -207,6 +208,7 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement)
                 process.join()
         reports.close()
         reports.join_thread()
+        rendezvous.close()
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
@@ -244,7 +246,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if world > 1:
-            join_process_group(rendezvous, rank, world, device)
+            init_process_group(rendezvous, rank, world, devices[rank])
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
                          world, how.threads)
         # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.

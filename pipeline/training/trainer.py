@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.delivery.collective import init_process_group
 from pipeline.delivery.stream import MessageKind
-from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
+from pipeline.training.group import GroupSpec, GroupStep, Precision, normalise
 from pipeline.training.reports import TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
@@ -145,7 +146,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         self.world = spec.group.slots
         if self.world > 1:
-            join_process_group(spec.rendezvous, spec.rank, self.world, self.device)
+            init_process_group(spec.rendezvous, spec.rank, self.world, spec.device)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
                               spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads)
         self.models = {m.name: m for m in spec.group.members}
