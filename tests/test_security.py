@@ -1,5 +1,6 @@
 """A closed network surface: a local run listens on loopback only, its files in shared memory are
 its user's alone, remote schedulers speak TLS, and node agents serve only a driver holding their secret."""
+import asyncio
 import ipaddress
 import multiprocessing as mp
 import os
@@ -160,3 +161,48 @@ def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path, monkeypatc
     assert sorted(len(files) for _, files in seen["rendezvous"].values()) == [0, 2]
     assert {folder_mode for folder_mode, _ in seen["rendezvous"].values()} == {0o700}
     assert not any(os.path.exists(folder) for folder in seen["rendezvous"])  # removed with the flotilla
+
+
+# --- TLS to a remote scheduler -------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_tls_scheduler_takes_the_configured_client_and_refuses_others(tls, tmp_path):
+    from dask.distributed import LocalCluster, Security, comm
+
+    from pipeline.config import check
+    from pipeline.data.executor import TlsFiles, dask_client
+
+    security, files = tls
+    with LocalCluster(n_workers=1, threads_per_worker=1, protocol="tls://", host="127.0.0.1", security=security,
+                      dashboard_address=None) as cluster:
+        cfg = compose_config(["+ensemble=caltech256", f"cluster.address={cluster.scheduler_address}",
+                              f"cluster.tls.ca_file={files.ca_file}", f"cluster.tls.cert={files.cert}",
+                              f"cluster.tls.key={files.key}"])
+        check(cfg)
+        with dask_client(cfg.cluster.address, "auto", 1, tls=TlsFiles.configured(cfg.cluster.tls)) as client:
+            assert client.submit(sum, [1, 2]).result() == 3
+        # Raw connections (a sync Client that fails to connect hangs as it is collected): the configured
+        # files reach the scheduler; plain TCP and a certificate its CA never signed do not.
+        async def reach(address, security):
+            await (await comm.connect(address, timeout="3s", **security.get_connection_args("client"))).close()
+
+        asyncio.run(reach(cluster.scheduler_address, TlsFiles.configured(cfg.cluster.tls).security()))
+        for address, refused in ((cluster.scheduler_address.replace("tls://", "tcp://"), Security()),
+                                 (cluster.scheduler_address, Security.temporary())):
+            with pytest.raises(OSError):
+                asyncio.run(reach(address, refused))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.address=tls://10.0.0.1:8786"], r"cluster.address=tls://10.0.0.1:8786 needs Dask's TLS files; "
+                                              r"cluster.tls.ca_file, cluster.tls.cert, cluster.tls.key not set"),
+    (["cluster.address=tcp://10.0.0.1:8786", "cluster.tls.ca_file=ca.pem"], r"starts with tls://"),
+    (["cluster.tls.ca_file=ca.pem"], r"cluster.tls.ca_file is set but a local cluster listens on loopback only"),
+    (["cluster.address=tls://10.0.0.1:8786", "cluster.tls.ca_file=/nonexistent.pem", "cluster.tls.cert=c",
+      "cluster.tls.key=k"], r"cluster.tls.ca_file=/nonexistent.pem: no such readable file"),
+])
+def test_tls_settings_are_checked_before_a_run(overrides, message):
+    from pipeline.config import ConfigError, check
+
+    with pytest.raises(ConfigError, match=message):
+        check(compose_config(["+ensemble=caltech256", *overrides]))
