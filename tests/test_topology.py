@@ -83,9 +83,9 @@ def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
 def _exchange(rank, world, address, results):
     import torch.distributed as dist
 
-    from pipeline.delivery.collective import GroupLink
+    from pipeline.delivery.collective import GroupLink, init_process_group
 
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    init_process_group(address, rank, world, "cpu")
     group = dist.new_group([0, 1, 2])
     shapes = {"a": (4, 4, 3), "b": (2, 2, 3)}
     rng = np.random.default_rng(7)
@@ -105,15 +105,19 @@ def _exchange(rank, world, address, results):
 def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
     context = mp.get_context("spawn")
     results = context.Queue()
-    from pipeline.delivery.collective import rendezvous_at
+    from pipeline.delivery.collective import LocalRendezvous
 
-    address = rendezvous_at()
+    rendezvous = LocalRendezvous()
+    address = rendezvous.next()  # the three ranks' one group
     processes = [context.Process(target=_exchange, args=(rank, 3, address, results)) for rank in range(3)]
-    for process in processes:
-        process.start()
-    outcome = dict(results.get(timeout=120) for _ in processes)
-    for process in processes:
-        process.join(30)
+    try:
+        for process in processes:
+            process.start()
+        outcome = dict(results.get(timeout=120) for _ in processes)
+        for process in processes:
+            process.join(30)
+    finally:
+        rendezvous.close()
     assert outcome == {0: True, 1: True, 2: True}
 
 

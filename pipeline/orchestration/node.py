@@ -234,8 +234,9 @@ def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: f
     try:
         manager.connect()
     except mp.AuthenticationError:
-        raise UserError(f"node {node}'s agent at {agent['address']} refused this driver's secret: give the driver "
-                        f"the secret its agents were started with (cluster.agent_key_file or {AGENT_KEY_ENV})") from None
+        raise UserError(f"node {node}'s agent at {agent['address']} refused this driver's secret: give the "
+                        "driver the secret its agents were started with (cluster.agent_key_file or "
+                        f"{AGENT_KEY_ENV})") from None
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
                            f"its host: python -m pipeline.node <scheduler> --node {node}") from None
