@@ -83,6 +83,13 @@ class PipelineConf:
 
 
 @dataclass
+class TlsConf:
+    ca_file: Optional[str] = None  # PEM file of the CA that signed every certificate of the cluster
+    cert: Optional[str] = None  # PEM file of this host's certificate, presented to the scheduler
+    key: Optional[str] = None  # PEM file of its private key (keep it mode 0600)
+
+
+@dataclass
 class ClusterConf:
     address: Optional[str] = None  # tcp://host:8786 uses that Dask scheduler; null starts a LocalCluster here
     workers: Union[int, str] = AUTO  # LocalCluster worker processes; auto = CPU cores of this machine
@@ -92,6 +99,10 @@ class ClusterConf:
     nodes: int = 1  # nodes: LocalCluster workers and trainer slots split into this many simulated nodes
     # (loopback); with address: one agent per host (python -m pipeline.node <address> --node <i>),
     # or workers carrying the resource node-<i> (dask worker --resources node-0=1) with hubs and trainers here
+    dashboard: bool = False  # the LocalCluster serves Dask's dashboard on 127.0.0.1 (its link is printed)
+    tls: TlsConf = field(default_factory=TlsConf)  # with address=tls://...: Dask's TLS security, all three files
+    agent_key_file: Optional[str] = None  # node agents' shared secret (a mode 0600 file); null: the environment
+    # variable PIPELINE_AGENT_KEY
 
 
 @dataclass
@@ -227,9 +238,32 @@ def check(cfg: DictConfig) -> None:
     if cfg.timeouts.warn_s >= cfg.timeouts.stall_s:
         raise ConfigError(f"timeouts.warn_s={cfg.timeouts.warn_s} is not below timeouts.stall_s="
                           f"{cfg.timeouts.stall_s}: a wait says what it waits for before it fails; lower warn_s")
+    _check_tls(cfg.cluster)
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")
+
+
+def _check_tls(cluster: DictConfig) -> None:
+    """TLS: all three files, each readable, for a tls:// scheduler; a local cluster listens on loopback only."""
+    keys = {f"cluster.tls.{name}": value for name, value in cluster.tls.items()}
+    given = [key for key, value in keys.items() if value]
+    tls_address = (cluster.address or "").startswith("tls://")
+    if not given and not tls_address:
+        return
+    if not cluster.address:
+        raise ConfigError(f"{given[0]} is set but a local cluster listens on loopback only and needs no TLS; "
+                          "set cluster.address=tls://<scheduler>:<port> or drop cluster.tls")
+    if not tls_address:
+        raise ConfigError(f"cluster.address={cluster.address} with {given[0]} set: a TLS scheduler's address "
+                          "starts with tls://; set cluster.address=tls://<host>:<port>")
+    if len(given) < len(keys):
+        missing = [key for key in keys if key not in given]
+        raise ConfigError(f"cluster.address={cluster.address} needs Dask's TLS files; {', '.join(missing)} "
+                          f"not set: give {' '.join(f'{key}=<file.pem>' for key in missing)}")
+    for key, value in keys.items():
+        if not os.access(value, os.R_OK):
+            raise ConfigError(f"{key}={value}: no such readable file; give the path of a PEM file")
 
 
 def expand_ensemble(ensemble: DictConfig | None) -> list[ModelSpec]:

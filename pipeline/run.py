@@ -20,7 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.config import AUTO, ConfigError, Mode, check, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
-from pipeline.data.executor import Executor, dask_client, dask_performance_report, node_threads, worker_count
+from pipeline.data.executor import (Executor, TlsFiles, connect, dask_client, dask_performance_report, node_threads,
+                                    worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.delivery.topology import Topology
@@ -31,7 +32,7 @@ from pipeline.orchestration.grouping import check_group_memory, choose_fusion, m
 from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
 from pipeline.orchestration.lifetime import StopSignals, remove_stale_shm
-from pipeline.orchestration.node import registered_agents
+from pipeline.orchestration.node import agent_key, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
@@ -133,7 +134,9 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     """mode=train: slots, groups, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
     models, graph = inputs.models, inputs.graph
     needs_rates = POLICIES[cfg.scheduler.policy].needs_rates
-    agents = _node_agents(cfg)
+    tls = TlsFiles.configured(cfg.cluster.tls)
+    agents = _node_agents(cfg, tls)
+    key = agent_key(cfg.cluster.agent_key_file, "cluster.agent_key_file") if agents else None
     device_kind, slots, slot_bytes = _devices(cfg, models, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, inputs.dataset, graph, device_kind, len(slots), len(models), workers)
@@ -175,17 +178,20 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                           cfg.trainer.threads, cfg.trainer.precision, output_dir / "checkpoints",
                           cfg.trainer.record_checksums, cfg.trainer.consume_only, t.collective_s)
     training_started = time.perf_counter()
-    with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes) as client, \
+    with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes, tls,
+                     cfg.cluster.dashboard) as client, \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
+        if cfg.cluster.dashboard and not cfg.cluster.address:
+            console.print(f"[bold]dashboard[/] {client.dashboard_link}")
         threads_of_node = node_threads(client, nodes)
         threads = sum(threads_of_node.values())
         in_flight = {node: 2 * count if cfg.cluster.in_flight == AUTO else cfg.cluster.in_flight
                      for node, count in threads_of_node.items()}
         delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight,
-                                 cfg.delivery.ring_depth, agents, t.drain_s, t.exit_s, Patience(t.warn_s, t.stall_s),
-                                 t.collective_s)
+                                 cfg.delivery.ring_depth, agents, key, tls, t.drain_s, t.exit_s,
+                                 Patience(t.warn_s, t.stall_s), t.collective_s)
         auto = cfg.topology == Topology.auto
         probed = _probe_seconds_per_image(client, graph, cfg) if auto and nodes > 1 else None
         topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
@@ -268,14 +274,12 @@ def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> floa
     return probe.seconds_per_image()
 
 
-def _node_agents(cfg: DictConfig) -> dict[int, dict]:
+def _node_agents(cfg: DictConfig, tls: TlsFiles | None) -> dict[int, dict]:
     """Node -> the agent of each real host (python -m pipeline.node) registered with the scheduler at
     cluster.address; none: every node's hubs and trainers run here."""
     if not cfg.cluster.address:
         return {}
-    from dask.distributed import Client
-
-    with Client(cfg.cluster.address, timeout="20s") as client:
+    with connect(cfg.cluster.address, tls, timeout="20s") as client:
         agents = registered_agents(client)
     if agents and sorted(agents) != list(range(cfg.cluster.nodes)):
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes} but the scheduler at {cfg.cluster.address} has node "

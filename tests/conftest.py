@@ -32,6 +32,25 @@ def bad_dataset(tiny_dataset, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     return root, bad
 
 
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory):
+    """A throwaway CA and one certificate it signed (Dask's Security.temporary), as Dask's
+    in-memory Security for a test's own scheduler and as the PEM files a run is given."""
+    from distributed import Security
+
+    from pipeline.data.executor import TlsFiles
+
+    security = Security.temporary()
+    folder = tmp_path_factory.mktemp("tls")
+    files = {}
+    for name, pem in (("ca", security.tls_ca_file), ("cert", security.tls_client_cert),
+                      ("key", security.tls_client_key)):
+        files[name] = folder / f"{name}.pem"
+        files[name].write_text(pem)
+        files[name].chmod(0o600)
+    return security, TlsFiles(str(files["ca"]), str(files["cert"]), str(files["key"]))
+
+
 def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)

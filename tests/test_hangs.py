@@ -27,9 +27,9 @@ def _rank(kind, rank, address, stalled, results):
     started = time.monotonic()
     try:
         if kind == "exchange":  # a delivery group's hubs (pipeline/delivery/hub.py)
-            from pipeline.delivery.collective import GroupLink, init_group, make_groups
+            from pipeline.delivery.collective import GroupLink, init_process_group, make_groups
 
-            init_group("gloo", address, rank, 2, COLLECTIVE_S, "the test's hubs")
+            init_process_group(address, rank, 2, "cpu", COLLECTIVE_S, "the test's hubs")
             shapes = {"main": (4, 4, 3)}
             link = GroupLink(make_groups(((0, 1),), COLLECTIVE_S)[0], (0, 1), shapes, 2, gather=False, device="cpu",
                              timeout_s=COLLECTIVE_S)
@@ -59,12 +59,13 @@ def _rank(kind, rank, address, stalled, results):
 def test_a_collective_a_peer_never_joins_fails_naming_it_and_the_timeout_key():
     """Two gloo pairs at once, a hubs' broadcast and a DDP step: the waiting rank fails after
     timeouts.collective_s (2 s here) with a HangError naming the collective and its group."""
-    from pipeline.delivery.collective import rendezvous_at
+    from pipeline.delivery.collective import LocalRendezvous
 
+    rendezvous = LocalRendezvous()
     context = mp.get_context("spawn")
     stalled, results = context.Event(), context.Queue()
     processes = [context.Process(target=_rank, args=(kind, rank, address, stalled, results), daemon=True)
-                 for kind, address in (("exchange", rendezvous_at()), ("ddp", rendezvous_at())) for rank in (0, 1)]
+                 for kind, address in (("exchange", rendezvous.next()), ("ddp", rendezvous.next())) for rank in (0, 1)]
     try:
         for process in processes:
             process.start()
@@ -75,6 +76,7 @@ def test_a_collective_a_peer_never_joins_fails_naming_it_and_the_timeout_key():
             process.join(10)
             if process.is_alive():
                 process.kill()
+        rendezvous.close()
     message, waited = outcome["exchange"]
     assert message.startswith("HangError: hub 0's broadcast of batch 0 from hub 0 to delivery group hubs [0, 1] did "
                               "not complete in 2 s (timeouts.collective_s)"), message

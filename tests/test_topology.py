@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 
 from pipeline.data.graph import build_graph
 from pipeline.delivery.topology import TOPOLOGIES, choose_topology, plan_delivery
-from stages.base import BatchContext, Split
+from pipeline.orchestration.node import AGENT_KEY_ENV
+from stages.base import BatchContext, Split, UserError
 from tests.conftest import compose_config
 
 # A on node 0; B on 2 slots, so on node 1 (a model's slots share a node); C on node 0.
@@ -82,9 +83,9 @@ def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
 def _exchange(rank, world, address, results):
     import torch.distributed as dist
 
-    from pipeline.delivery.collective import GroupLink
+    from pipeline.delivery.collective import GroupLink, init_process_group
 
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    init_process_group(address, rank, world, "cpu", 60.0, "the test's hubs")
     group = dist.new_group([0, 1, 2])
     shapes = {"a": (4, 4, 3), "b": (2, 2, 3)}
     rng = np.random.default_rng(7)
@@ -104,15 +105,19 @@ def _exchange(rank, world, address, results):
 def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
     context = mp.get_context("spawn")
     results = context.Queue()
-    from pipeline.delivery.collective import rendezvous_at
+    from pipeline.delivery.collective import LocalRendezvous
 
-    address = rendezvous_at()
+    rendezvous = LocalRendezvous()
+    address = rendezvous.next()  # the three ranks' one group
     processes = [context.Process(target=_exchange, args=(rank, 3, address, results)) for rank in range(3)]
-    for process in processes:
-        process.start()
-    outcome = dict(results.get(timeout=120) for _ in processes)
-    for process in processes:
-        process.join(30)
+    try:
+        for process in processes:
+            process.start()
+        outcome = dict(results.get(timeout=120) for _ in processes)
+        for process in processes:
+            process.join(30)
+    finally:
+        rendezvous.close()
     assert outcome == {0: True, 1: True, 2: True}
 
 
@@ -244,41 +249,67 @@ def _assert_every_batch_once_in_order_bit_identical(cfg, results):
 
 # --- real hosts: one node agent per host ---------------------------------------------------------
 
-def _start_agent(scheduler: str, node: int, log):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
-                             "--host", "127.0.0.1"], stdout=log, stderr=subprocess.STDOUT)
+AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
+
+
+def _agent_command(scheduler: str, node: int, tls_files) -> list[str]:
+    return [sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
+            "--host", "127.0.0.1", "--tls-ca-file", tls_files.ca_file, "--tls-cert", tls_files.cert,
+            "--tls-key", tls_files.key]
+
+
+def _start_agent(scheduler: str, node: int, log, tls_files):
+    return subprocess.Popen(_agent_command(scheduler, node, tls_files), stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, AGENT_KEY_ENV: AGENT_KEY})
 
 
 @pytest.mark.slow
-def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path):
-    """Two hosts as this machine twice: a Dask scheduler and one agent per node
-    (python -m pipeline.node, each with its own Dask workers). The run, given only
-    the scheduler's address, finds the agents; each starts its node's hubs and
-    trainers; all_shared's all-gather crosses the nodes; delivery holds its
-    invariants; the agents' rings are gone after the run and they exit cleanly."""
+def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, tls):
+    """Two hosts as this machine twice: a Dask scheduler speaking TLS only and one
+    agent per node (python -m pipeline.node, each with its own Dask workers, started
+    with the secret it shares with the driver). The run, given only the scheduler's
+    address, its TLS files and the secret, finds the agents; each starts its node's
+    hubs and trainers; all_shared's all-gather crosses the nodes; delivery holds its
+    invariants; the agents' rings are gone after the run and they exit cleanly. An
+    agent refuses a driver without the secret, which was never published."""
     from dask.distributed import Client, LocalCluster
 
-    from pipeline.orchestration.node import registered_agents
+    from pipeline.orchestration.node import _Agent, node_processes, registered_agents
     from pipeline.run import run
 
-    with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
+    security, tls_files = tls
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(AGENT_KEY)
+    key_file.chmod(0o600)
+    with LocalCluster(n_workers=0, protocol="tls://", host="127.0.0.1", security=security,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
         logs = [open(tmp_path / f"agent{node}.log", "w+") for node in (0, 1)]
-        agents = [_start_agent(cluster.scheduler_address, node, log) for node, log in enumerate(logs)]
+        agents = [_start_agent(cluster.scheduler_address, node, log, tls_files) for node, log in enumerate(logs)]
         try:
             deadline = time.monotonic() + 180
             while len(registered_agents(client)) < 2:
                 assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
                     [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
                 time.sleep(0.2)
-            pids = {node: agent["pid"] for node, agent in registered_agents(client).items()}
+            registered = registered_agents(client)
+            pids = {node: agent["pid"] for node, agent in registered.items()}
             assert pids == {0: agents[0].pid, 1: agents[1].pid}
-            twice = subprocess.run([sys.executable, "-m", "pipeline.node", cluster.scheduler_address, "--node", "0",
-                                    "--host", "127.0.0.1"], capture_output=True, text=True, timeout=120)
+            assert all(set(agent) == {"address", "pid", "gpus", "gpu_memory"} for agent in registered.values())
+            host, port = registered[0]["address"].rsplit(":", 1)
+            for wrong in (b"not the secret at all", None):  # None: this process's own random authkey
+                with pytest.raises(mp.AuthenticationError):
+                    _Agent(address=(host, int(port)), authkey=wrong).connect()
+            with pytest.raises(UserError, match="node 0's agent at .* refused this driver's secret"):
+                node_processes(0, registered, 1.0, 1.0, b"not the secret at all", None)
+            twice = subprocess.run(_agent_command(cluster.scheduler_address, 0, tls_files), capture_output=True,
+                                   text=True, timeout=120, env={**os.environ, AGENT_KEY_ENV: AGENT_KEY})
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
             cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
                                   f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
                                   "pipeline.image_size=32", "pipeline.alt_image_size=24",
                                   f"cluster.address={cluster.scheduler_address}", "cluster.nodes=2",
+                                  f"cluster.tls.ca_file={tls_files.ca_file}", f"cluster.tls.cert={tls_files.cert}",
+                                  f"cluster.tls.key={tls_files.key}", f"cluster.agent_key_file={key_file}",
                                   "trainer.slots=4", "trainer.epochs=1", "trainer.consume_only=true",
                                   "trainer.record_checksums=true"])
             results = run(cfg, tmp_path / "out")
@@ -323,9 +354,9 @@ def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_
 
     with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
         for node in (0, 2):  # as if agents were started with --node 0 and --node 2
-            client.set_metadata([AGENTS, str(node)], {"address": "127.0.0.1:1", "authkey": "00", "pid": 1,
-                                                      "gpus": 0, "gpu_memory": None})
+            client.set_metadata([AGENTS, str(node)], {"address": "127.0.0.1:1", "pid": 1, "gpus": 0,
+                                                      "gpu_memory": None})
         cfg = compose_config(["+ensemble=caltech256", f"cluster.address={cluster.scheduler_address}",
                               "cluster.nodes=2"])
         with pytest.raises(ConfigError, match=r"cluster.nodes=2 but the scheduler at .* has node agents \[0, 2\]"):
-            _node_agents(cfg)
+            _node_agents(cfg, None)

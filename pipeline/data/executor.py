@@ -18,10 +18,12 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import dask
-from dask.distributed import Client, LocalCluster, WorkerPlugin, get_worker, performance_report, wait
+from dask.distributed import (Client, LocalCluster, Security, WorkerPlugin, get_worker, performance_report,
+                              wait)
 from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
@@ -215,14 +217,44 @@ def worker_count(workers: int | str) -> int:
     return len(os.sched_getaffinity(0)) if workers == "auto" else workers
 
 
+LOOPBACK = "127.0.0.1"
+DASHBOARD = f"{LOOPBACK}:8787"  # cluster.dashboard: Dask's usual port (another is taken when it is in use)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for Dask's TLS security (cluster.tls.*): the CA that signed every certificate of the
+    cluster, and this host's certificate and private key, which clients, workers and the scheduler present."""
+
+    ca_file: str
+    cert: str
+    key: str
+
+    @staticmethod
+    def configured(tls) -> TlsFiles | None:
+        """The files cluster.tls names (pipeline.config.check has checked them), or None: no TLS."""
+        return TlsFiles(tls.ca_file, tls.cert, tls.key) if tls.ca_file else None
+
+    def security(self) -> Security:
+        return Security(tls_ca_file=self.ca_file, tls_client_cert=self.cert, tls_client_key=self.key,
+                        require_encryption=True)
+
+
+def connect(address: str, tls: TlsFiles | None, timeout: str = "30s") -> Client:
+    """A client of the scheduler at `address`: every client of a run connects here, with TLS when configured."""
+    return Client(address, timeout=timeout, security=tls.security() if tls else None)
+
+
 @contextmanager
-def dask_client(address: str | None, workers: int | str, threads_per_worker: int, nodes: int = 1) -> Iterator[Client]:
-    """A client of the scheduler at `address`, or of a LocalCluster made here
-    and closed on exit (each Hydra multirun job gets its own). The local
-    workers are split evenly into `nodes` simulated nodes: worker w carries
-    the resource node-<n> of its node."""
+def dask_client(address: str | None, workers: int | str, threads_per_worker: int, nodes: int = 1,
+                tls: TlsFiles | None = None, dashboard: bool = False) -> Iterator[Client]:
+    """A client of the scheduler at `address` (with TLS, `tls`), or of a LocalCluster
+    made here and closed on exit (each Hydra multirun job gets its own). The local
+    cluster listens on loopback only, its dashboard off unless `dashboard`. Its
+    workers are split evenly into `nodes` simulated nodes: worker w carries the
+    resource node-<n> of its node."""
     if address:
-        with Client(address, timeout="20s") as client:
+        with connect(address, tls, timeout="20s") as client:
             yield client
         return
     count = worker_count(workers)
@@ -231,8 +263,9 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
                          f"{count}; set cluster.nodes between 1 and {count} or raise cluster.workers")
     # Workers inherit this config: their sampling profiler would cost CPU for nothing.
     with dask.config.set({"distributed.worker.profile.enabled": False}), \
-            LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True,
-                         dashboard_address=":0", silence_logs=logging.ERROR) as cluster, Client(cluster) as client:
+            LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True, host=LOOPBACK,
+                         dashboard_address=DASHBOARD if dashboard else None, silence_logs=logging.ERROR) as cluster, \
+            Client(cluster) as client:
         client.register_plugin(LeaveInterruptsToTheDriver())
         for w in range(count):
             node = w * nodes // count

@@ -10,12 +10,15 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
-HANDOFF_PREFIX = "ensemble-out"  # then the taking process's pid
+HANDOFF_PREFIX = "ensemble-out"  # then the taking process's pid (stale files name their owner), then random parts
+# A new file only, never through a link: /dev/shm is shared by every user of the host.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,13 @@ class SharedArray:
 
     @staticmethod
     def write(segment: str, array: np.ndarray) -> SharedArray:
+        """Leave `array` at /dev/shm/<segment>-<random>, readable by this user only."""
+        segment = f"{segment}-{secrets.token_hex(8)}"  # unguessable: nobody can plant a file or link there first
         path = os.path.join(SHM_DIR, segment)
         # Written under a temporary name and renamed: a task re-run after its
-        # worker died mid-write replaces the half-written file atomically.
-        partial = f"{path}.partial-{os.getpid()}"
-        with open(partial, "wb") as file:
+        # worker died mid-write never hands over a half-written file.
+        partial = f"{path}.partial-{secrets.token_hex(8)}"
+        with os.fdopen(os.open(partial, _CREATE, 0o600), "wb") as file:
             file.write(np.ascontiguousarray(array, dtype=np.uint8).data)
         os.replace(partial, path)
         return SharedArray(segment, tuple(array.shape))
@@ -40,7 +45,7 @@ class SharedArray:
         """Map the array read-only and unlink its file: the mapping stays valid
         until the last view of it is gone, and nothing is left behind."""
         path = os.path.join(SHM_DIR, self.segment)
-        with open(path, "rb") as file:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as file:
             size = int(np.prod(self.shape))
             buffer = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ) if size else b""
         os.unlink(path)

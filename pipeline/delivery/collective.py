@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import socket
+import tempfile
 import time
+import uuid
 from contextlib import contextmanager
 
 import numpy as np
@@ -17,18 +20,47 @@ import numpy as np
 from pipeline.hang import HangError
 
 LOOPBACK = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"  # Linux's loopback device, for gloo and NCCL
 
 
-def init_group(backend: str, rendezvous: str, rank: int, world: int, timeout_s: float, what: str) -> None:
-    """Joins the process's torch.distributed world (`what` names it in errors); its collectives, and the
-    rendezvous itself, fail after `timeout_s` (timeouts.collective_s) instead of waiting for ever."""
+def rendezvous_at(host: str) -> str:
+    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`,
+    for groups spanning hosts: torch's TCPStore then listens on every interface of that host."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+class LocalRendezvous:
+    """Process groups whose ranks all run on this host meet through a file in a folder of the
+    owner's own (mode 0700): no socket is opened. Each group gets a new file (a FileStore
+    holds one group's keys); `close` removes the folder once the groups are gone."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="ensemble-rendezvous-")  # mode 0700
+
+    def next(self) -> str:
+        return f"file://{self.folder}/{uuid.uuid4().hex}"
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def init_process_group(init_method: str, rank: int, world: int, device: str, timeout_s: float, what: str) -> None:
+    """Join a process group (`what` names it in errors): NCCL between GPUs, gloo on CPU. A group met
+    through a file (LocalRendezvous) has every rank on this host: gloo and NCCL's bootstrap listen on
+    loopback. Its collectives, and the rendezvous itself, fail after `timeout_s` (timeouts.collective_s)
+    instead of waiting for ever."""
     import torch.distributed as dist
 
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if init_method.startswith("file://"):
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK_INTERFACE
     if backend == "nccl":  # NCCL waits for ever unless told to raise (blocking wait) and not to kill the process
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # clean up only: the error is ours to raise
-    with completes(f"the rendezvous of {what} (rank {rank} of {world}, at {rendezvous})", timeout_s):
-        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world,
+    with completes(f"the rendezvous of {what} (rank {rank} of {world}, at {init_method})", timeout_s):
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -56,13 +88,6 @@ def completes(what: str, timeout_s: float):
                             f"or left; the peer's own messages say why ({first})") from None
         err.add_note(f"during {what}, after {waited:.1f} s: a peer left? (timeouts.collective_s={timeout_s:g})")
         raise
-
-
-def rendezvous_at(host: str = LOOPBACK) -> str:
-    """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
 Streams = dict[str, tuple[np.ndarray, np.ndarray]]  # stream -> (images [n, h, w, c] uint8, labels [n] int64)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.data.executor import Executor, keep_sample
+from pipeline.data.executor import Executor, TlsFiles, connect, keep_sample
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
                                         SplitDone, StopStreams)
@@ -54,6 +54,7 @@ class HubSpec:
     drain_s: float  # timeouts.drain_s: what running batch tasks get to finish when the hub closes
     patience: Patience  # timeouts.warn_s, stall_s: a batch task awaited this long is described, then fails
     collective_s: float  # timeouts.collective_s: the hubs' process group's collectives fail after this
+    tls: TlsFiles | None  # Dask's TLS files of the hub's host (its NodeProcesses fills them in); None: no TLS
 
 
 def hub_main(spec: HubSpec, commands, events, abort) -> None:
@@ -78,14 +79,14 @@ class Hub:
         self.spec, self.events, self.abort = spec, events, abort
         self.link = None
         if spec.world > 1:
-            from pipeline.delivery.collective import GroupLink, init_group, make_groups
+            from pipeline.delivery.collective import GroupLink, init_process_group, make_groups
 
             if spec.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.set_device(spec.device)  # NCCL's buffers and streams on this hub's GPU, not GPU 0
-            init_group("nccl" if spec.device.startswith("cuda") else "gloo", spec.rendezvous, spec.hub.rank,
-                       spec.world, spec.collective_s, "the flotilla's hubs")
+            init_process_group(spec.rendezvous, spec.hub.rank, spec.world, spec.device, spec.collective_s,
+                               "the flotilla's hubs")
             groups = make_groups(spec.all_groups, spec.collective_s)
             if len(spec.group.hubs) > 1:
                 item_shapes = {name: s.item_shape for name, s in spec.graph.sinks.items()}
@@ -99,14 +100,12 @@ class Hub:
         self.latency_ms: list[float] = []  # per batch: exchange + writing into the rings (waits included)
 
     def serve(self, commands) -> None:
-        from dask.distributed import Client
-
         spec = self.spec
         try:
             with ExitStack() as stack:
                 executor = None
                 if spec.hub.part is not None:  # a producer
-                    client = stack.enter_context(Client(spec.scheduler, timeout="30s"))
+                    client = stack.enter_context(connect(spec.scheduler, spec.tls))
                     executor = stack.enter_context(Executor(client, spec.graph, spec.seed, spec.on_error,
                                                             spec.in_flight, node=spec.hub.node, part=spec.hub.part,
                                                             parts=spec.group.parts, shared_keys=spec.shared_keys,

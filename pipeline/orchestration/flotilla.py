@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipeline.data.executor import TlsFiles
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.hub import HubSpec
 from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
@@ -65,6 +66,8 @@ class DeliverySetup:
     in_flight: dict[int, int]  # node -> batch tasks a producer there keeps submitted
     ring_depth: int  # batches each ring holds
     agents: dict[int, dict]  # node -> its host's agent (python -m pipeline.node); none: nodes simulated here
+    agent_key: bytes | None  # the secret the agents were started with (cluster.agent_key_file)
+    tls: TlsFiles | None  # cluster.tls, for the hubs of nodes simulated here
     drain_s: float  # timeouts.drain_s
     exit_s: float  # timeouts.exit_s
     patience: Patience  # timeouts.warn_s, stall_s
@@ -84,7 +87,8 @@ class Flotilla:
         self.waiting: dict[int, str] = {}  # hub rank -> what it said it waits for (HubWaiting), until it publishes
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
-                self.nodes[node] = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s)
+                self.nodes[node] = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s,
+                                                 delivery.agent_key, delivery.tls)
             self._make_rings(graph, delivery.ring_depth)
             self._start_hubs(graph, setup, delivery)
             self._start_trainers(graph.sinks, setup)
@@ -121,7 +125,7 @@ class Flotilla:
                 hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node], delivery.scheduler,
                 graph.feeding(streams), delivery.seed, delivery.on_error, delivery.in_flight[hub.node], {},
                 setup.record_checksums, shared_keys, self.id, delivery.drain_s, delivery.patience,
-                delivery.collective_s))
+                delivery.collective_s, tls=None))
 
     def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)

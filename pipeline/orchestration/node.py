@@ -5,15 +5,19 @@ rings between them on one node; pipeline/orchestration/flotilla.py drives one pe
 simulated nodes (`cluster.nodes` on a LocalCluster) it lives in the driver.
 On real hosts each host runs an agent:
 
-    python -m pipeline.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2
+    python -m pipeline.node tcp://scheduler:8786 --node 1 --workers 4 --host 10.0.0.2 --key-file agent.key
 
-It starts the host's Dask workers (resource node-<i>), registers itself in
-the Dask scheduler's metadata, and serves NodeProcesses to the driver over
+It starts the host's Dask workers (resource node-<i>), registers its address
+in the Dask scheduler's metadata, and serves NodeProcesses to the driver over
 multiprocessing's manager protocol: the driver's calls run on that host, so
 that host's hubs and trainers are its children and its rings its memory.
+Driver and agents share a secret given out of band (a mode 0600 file or the
+environment variable PIPELINE_AGENT_KEY), never published: an agent refuses
+a connection that does not prove it knows the secret.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -30,7 +34,8 @@ from multiprocessing.managers import BaseManager
 
 import psutil
 
-from pipeline.delivery.collective import LOOPBACK, rendezvous_at
+from pipeline.data.executor import TlsFiles, connect
+from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.orchestration.lifetime import quiet_children
@@ -38,8 +43,11 @@ from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec
 from pipeline.delivery.stream import StreamLayout
 from pipeline.data.handoff import HANDOFF_PREFIX, remove_all
 from pipeline.delivery.ring import Ring
+from stages.base import UserError
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
+AGENT_KEY_ENV = "PIPELINE_AGENT_KEY"  # the agents' shared secret, where no key file is given
+MIN_KEY_BYTES = 16  # a shorter secret is refused: it could be guessed
 log = logging.getLogger(__name__)  # an agent shows it: what its host runs
 
 
@@ -67,8 +75,8 @@ class NodeProcesses:
     """A flotilla's hubs, trainers and rings on one node. Every method is a
     call the driver can make from another host (arguments and results pickle)."""
 
-    def __init__(self, node: int, drain_s: float, exit_s: float, host: str = LOOPBACK):
-        self.node, self.host = node, host
+    def __init__(self, node: int, drain_s: float, exit_s: float, host: str = LOOPBACK, tls: TlsFiles | None = None):
+        self.node, self.host, self.tls = node, host, tls  # tls: this host's files, for its hubs' Dask clients
         self.drain_s, self.exit_s = drain_s, exit_s  # timeouts.*: what a closing hub, and any process, gets
         self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
         self.reports = Inbox(self.context)  # trainers -> driver
@@ -77,18 +85,21 @@ class NodeProcesses:
         self.hubs: dict[int, tuple[mp.Process, object]] = {}  # hub rank -> (process, its command queue)
         self.trainers: dict[str, list[TrainerProcess]] = defaultdict(list)  # group -> its trainers here
         self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
+        # A loopback host has every rank of its groups on this machine: they meet through files, no socket.
+        self.local = LocalRendezvous() if host == LOOPBACK else None
 
     def rendezvous(self) -> str:
         """init_method of a process group whose rank 0 runs on this node."""
-        return rendezvous_at(self.host)
+        return self.local.next() if self.local else rendezvous_at(self.host)
 
     def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, depth: int) -> None:
         self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, depth, self.context)
 
     def start_hub(self, spec: HubSpec) -> None:
-        """`spec` with this node's rings of the hub filled in."""
+        """`spec` with this node's rings of the hub and TLS files filled in."""
         rank = spec.hub.rank
-        spec = replace(spec, rings={stream: ring for (hub, stream), ring in self.rings.items() if hub == rank})
+        spec = replace(spec, rings={stream: ring for (hub, stream), ring in self.rings.items() if hub == rank},
+                       tls=self.tls)
         commands = self.context.Queue()
         process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events.channel(), self.abort),
                                        name=f"hub-{rank}-node{self.node}", daemon=True)
@@ -194,6 +205,8 @@ class NodeProcesses:
         finally:
             for ring in self.rings.values():
                 ring.close()
+            if self.local:
+                self.local.close()
             for q in self.reports.queues + self.hub_events.queues + [commands for _, commands in self.hubs.values()]:
                 q.close()
                 q.join_thread()
@@ -255,19 +268,51 @@ class _Agent(BaseManager):
 _Agent.register("NodeProcesses", NodeProcesses)
 
 
-def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: float):
-    """A flotilla's processes on `node`: in the agent registered for it, else in this process."""
+def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: float, key: bytes | None,
+                   tls: TlsFiles | None):
+    """A flotilla's processes on `node`: in the agent registered for it (met with the agents' secret
+    `key`), else in this process (its hubs' Dask clients use `tls`)."""
     agent = agents.get(node)
     if agent is None:
-        return NodeProcesses(node, drain_s, exit_s)
+        return NodeProcesses(node, drain_s, exit_s, tls=tls)
     host, port = agent["address"].rsplit(":", 1)
-    manager = _Agent(address=(host, int(port)), authkey=bytes.fromhex(agent["authkey"]))
+    manager = _Agent(address=(host, int(port)), authkey=key)
     try:
         manager.connect()
+    except mp.AuthenticationError:
+        raise UserError(f"node {node}'s agent at {agent['address']} refused this driver's secret: give the "
+                        "driver the secret its agents were started with (cluster.agent_key_file or "
+                        f"{AGENT_KEY_ENV})") from None
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
                            f"its host: python -m pipeline.node <scheduler> --node {node}") from None
     return manager.NodeProcesses(node, drain_s, exit_s, host)
+
+
+def agent_key(key_file: str | None, option: str) -> bytes:
+    """The secret driver and agents share, given out of band: the file `key_file` (readable by its
+    owner only; `option` names where it was given, for errors), else PIPELINE_AGENT_KEY."""
+    if key_file:
+        try:
+            with open(key_file, "rb") as file:
+                mode = os.fstat(file.fileno()).st_mode & 0o777
+                key, source = file.read().strip(), f"{option}={key_file}"
+        except OSError as err:
+            raise UserError(f"{option}={key_file}: cannot read the agents' secret ({err.strerror}); give the "
+                            "path of the key file") from None
+        if mode & 0o077:
+            raise UserError(f"{option}={key_file} is mode {mode:o}: others may read the agents' secret; make it "
+                            f"private with: chmod 600 {key_file}")
+    else:
+        key, source = os.environ.get(AGENT_KEY_ENV, "").strip().encode(), AGENT_KEY_ENV
+    if not key:
+        raise UserError(f"node agents need a secret shared with the driver: give {option}=<file> (mode 0600) or set "
+                        f"{AGENT_KEY_ENV}, the same one on every host; make one with: python -c 'import secrets; "
+                        "print(secrets.token_hex(32))' > agent.key && chmod 600 agent.key")
+    if len(key) < MIN_KEY_BYTES:
+        raise UserError(f"{source}: the agents' secret has {len(key)} bytes, fewer than {MIN_KEY_BYTES}: make a "
+                        "longer one with: python -c 'import secrets; print(secrets.token_hex(32))'")
+    return key
 
 
 def _answers(address: str) -> bool:
@@ -285,30 +330,35 @@ def registered_agents(client) -> dict[int, dict]:
     return {int(node): agent for node, agent in found.items() if agent}
 
 
-def serve(scheduler: str, node: int, workers: int, threads: int, host: str) -> None:
-    """Run this host as `node` until stopped (Ctrl-C or SIGTERM)."""
+def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key: bytes,
+          tls: TlsFiles | None = None) -> None:
+    """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served."""
     import torch
-    from dask.distributed import Client
 
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
-    authkey = os.urandom(16)
-    server = _Agent(address=(host, 0), authkey=authkey).get_server()
+
+    class Serving(_Agent):  # this host's NodeProcesses: its hubs connect to Dask with this host's TLS files
+        pass
+
+    Serving.register("NodeProcesses", functools.partial(NodeProcesses, tls=tls))
+    server = Serving(address=(host, 0), authkey=key).get_server()
     resource = f"node-{node}={threads}"
-    with Client(scheduler, timeout="30s") as client:
+    tls_options = ["--tls-ca-file", tls.ca_file, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls else []
+    with connect(scheduler, tls) as client:
         serving = registered_agents(client).get(node)
         if serving and _answers(serving["address"]):  # an entry whose agent is gone is replaced
             raise SystemExit(f"node {node} is already served by the agent at {serving['address']}: "
                              "give each host its own --node")
         dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
-                                         "--nworkers", str(workers), "--nthreads", str(threads),
-                                         "--resources", resource, "--name", f"n{node}", "--no-dashboard"])
+                                         "--nworkers", str(workers), "--nthreads", str(threads), "--host", host,
+                                         "--resources", resource, "--name", f"n{node}", "--no-dashboard",
+                                         *tls_options])
         try:
             _wait_for_workers(client, f"node-{node}", workers)
-            client.set_metadata([AGENTS, str(node)], {
-                "address": f"{host}:{server.address[1]}", "authkey": authkey.hex(), "pid": os.getpid(),
-                "gpus": torch.cuda.device_count(),
+            client.set_metadata([AGENTS, str(node)], {  # the secret is not published: the driver has it already
+                "address": f"{host}:{server.address[1]}", "pid": os.getpid(), "gpus": torch.cuda.device_count(),
                 "gpu_memory": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None})
             print(f"node {node}: {workers} Dask worker(s) x {threads} thread(s) ({resource}); serving flotillas at "
                   f"{host}:{server.address[1]}", flush=True)

@@ -131,10 +131,10 @@ def _statistics(device):
 def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s: float, name: str):
     """A data-parallel model's ranks meet: NCCL between GPUs, gloo between CPU slots. Returns what to wrap
     its steps in: a collective not done in `timeout_s` (timeouts.collective_s) fails naming group `name`."""
-    from pipeline.delivery.collective import completes, init_group
+    from pipeline.delivery.collective import completes, init_process_group
 
     what = f"group {name}'s data-parallel process group"
-    init_group("nccl" if device.type == "cuda" else "gloo", rendezvous, rank, world, timeout_s, what)
+    init_process_group(rendezvous, rank, world, str(device), timeout_s, what)
     return functools.partial(completes, f"a DDP all-reduce of {what} (rank {rank} of {world})", timeout_s)
 
 
@@ -206,7 +206,7 @@ class GroupStep:
 
     `total_steps` is the length of every member's cosine schedule. A data-parallel
     model (a group of one on `world` slots) joins its process group first
-    (`join_process_group`). Losses stay on the device: a step never waits for it.
+    (`init_process_group`, pipeline/delivery/collective.py). Losses stay on the device: a step never waits for it.
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,

@@ -34,7 +34,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.delivery.collective import rendezvous_at
+from pipeline.delivery.collective import LocalRendezvous
 from pipeline.orchestration.lifetime import child_started, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
@@ -192,9 +192,10 @@ def _check_gpus(devices: list[str]) -> None:
 def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement) -> float:
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
-    rendezvous = rendezvous_at()
+    rendezvous = LocalRendezvous()
+    init_method = rendezvous.next()  # one group: every rank meets through the same file
     processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
-                                 args=(group, rank, devices, rendezvous, how, reports), daemon=True)
+                                 args=(group, rank, devices, init_method, how, reports), daemon=True)
                  for rank in range(len(devices))]
     try:
         with quiet_children():
@@ -209,6 +210,7 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement)
                 process.join()
         reports.close()
         reports.join_thread()
+        rendezvous.close()
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
