@@ -304,14 +304,14 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
             twice = subprocess.run(_agent_command(cluster.scheduler_address, 0, tls_files), capture_output=True,
                                    text=True, timeout=120, env={**os.environ, AGENT_KEY_ENV: AGENT_KEY})
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
-            cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
-                                  f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
-                                  "pipeline.image_size=32", "pipeline.alt_image_size=24",
-                                  f"cluster.address={cluster.scheduler_address}", "cluster.nodes=2",
-                                  f"cluster.tls.ca_file={tls_files.ca_file}", f"cluster.tls.cert={tls_files.cert}",
-                                  f"cluster.tls.key={tls_files.key}", f"cluster.agent_key_file={key_file}",
-                                  "trainer.slots=4", "trainer.epochs=1", "trainer.consume_only=true",
-                                  "trainer.record_checksums=true"])
+            overrides = ["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
+                         f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
+                         "pipeline.image_size=32", "pipeline.alt_image_size=24",
+                         f"cluster.address={cluster.scheduler_address}", "cluster.nodes=2",
+                         f"cluster.tls.ca_file={tls_files.ca_file}", f"cluster.tls.cert={tls_files.cert}",
+                         f"cluster.tls.key={tls_files.key}", f"cluster.agent_key_file={key_file}", "trainer.slots=4",
+                         "trainer.consume_only=true"]
+            cfg = compose_config([*overrides, "trainer.epochs=1", "trainer.record_checksums=true"])
             results = run(cfg, tmp_path / "out")
             _assert_every_batch_once_in_order_bit_identical(cfg, results)
             assert len(results["delivery"]["received"]) == 4
@@ -332,6 +332,7 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
                                                        for rank, n in enumerate(nodes) if n == node), started
             assert not [name for name in os.listdir("/dev/shm")
                         if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
+            _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, agents, tmp_path)
         finally:
             for agent in agents:
                 agent.send_signal(signal.SIGTERM)
@@ -344,6 +345,28 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
         while client.scheduler_info()["workers"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
+
+
+def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, agents, tmp_path):
+    """SIGKILL to a driver whose flotilla runs at the agents: each agent sees its link to the driver
+    break and closes the flotilla's hubs and trainers there (within 10 s); the agents serve on."""
+    import psutil
+
+    driver = subprocess.Popen([sys.executable, "-m", "pipeline", *overrides, "trainer.epochs=50",
+                               f"hydra.run.dir={tmp_path / 'killed'}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    flotilla = lambda: [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
+                        if c.name() in ("hub", "trainer")]
+    deadline = time.monotonic() + 180
+    while len(flotilla()) < 2 + 4:  # a hub per node, the trainers of its 4 slots
+        assert time.monotonic() < deadline and driver.poll() is None
+        time.sleep(0.2)
+    running = flotilla()
+    driver.kill()
+    driver.wait()
+    _, alive = psutil.wait_procs(running, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert all(agent.poll() is None for agent in agents)
 
 
 def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):

@@ -84,11 +84,13 @@ class Flotilla:
         self.errors: dict[str, str] = {}  # group -> traceback of a trainer that failed
         self.summaries: dict[int, dict] = {}  # hub rank -> what it moved, once stopped
         self.closed = False
+        self.driver_links = []  # held open while the agents' processes live (NodeProcesses.watch_driver)
         self.waiting: dict[int, str] = {}  # hub rank -> what it said it waits for (HubWaiting), until it publishes
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
-                self.nodes[node] = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s,
-                                                 delivery.agent_key, delivery.tls)
+                self.nodes[node], link = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s,
+                                                        delivery.agent_key, delivery.tls)
+                self.driver_links += [link] if link else []
             self._make_rings(graph, delivery.ring_depth)
             self._start_hubs(graph, setup, delivery)
             self._start_trainers(graph.sinks, setup)
@@ -243,5 +245,7 @@ class Flotilla:
                 node.close(within / len(self.nodes) if within is not None else None)
             except BaseException as err:
                 errors.append(err)
+        for link in self.driver_links:  # closed: the agents' watch sees the flotilla's end, not the driver's
+            link.close()
         if errors:
             raise errors[0]

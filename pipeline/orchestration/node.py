@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -87,6 +88,28 @@ class NodeProcesses:
         self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
         # A loopback host has every rank of its groups on this machine: they meet through files, no socket.
         self.local = LocalRendezvous() if host == LOOPBACK else None
+        self.closing = threading.Lock()  # the driver's close, or the watch on a driver that died
+        self.closed = False
+
+    def watch_driver(self) -> tuple[tuple[str, int], bytes]:
+        """In an agent: (address, key) of a connection the driver opens and holds while the flotilla lives.
+        When it breaks (the driver died: SIGKILL, the OOM killer, a lost host), the agent closes the
+        flotilla's processes here; children watch their parent, and here that is the agent."""
+        key = os.urandom(16)
+        listener = connection.Listener((self.host, 0), authkey=key)
+        threading.Thread(target=self._close_without_driver, args=(listener,), name=f"watch-driver-{self.node}",
+                         daemon=True).start()
+        return listener.address, key
+
+    def _close_without_driver(self, listener) -> None:
+        try:
+            with listener, listener.accept() as link:
+                link.recv()  # the driver sends nothing: this returns when its end closes
+        except (EOFError, OSError, mp.AuthenticationError):
+            pass
+        if not self.closed:
+            log.info("node %d: the driver is gone: closing its flotilla", self.node)
+            self.close()
 
     def rendezvous(self) -> str:
         """init_method of a process group whose rank 0 runs on this node."""
@@ -187,6 +210,12 @@ class NodeProcesses:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take
         (a stopping run's), instead of timeouts.drain_s and exit_s."""
         drain_s, exit_s = (self.drain_s, self.exit_s) if within is None else (within / 2, within / 4)
+        with self.closing:
+            if not self.closed:
+                self.closed = True
+                self._close(drain_s, exit_s)
+
+    def _close(self, drain_s: float, exit_s: float) -> None:
         try:
             self.abort.set()
             self.command_hubs(StopStreams())
@@ -271,10 +300,11 @@ _Agent.register("NodeProcesses", NodeProcesses)
 def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: float, key: bytes | None,
                    tls: TlsFiles | None):
     """A flotilla's processes on `node`: in the agent registered for it (met with the agents' secret
-    `key`), else in this process (its hubs' Dask clients use `tls`)."""
+    `key`), else in this process (its hubs' Dask clients use `tls`); and, with an agent, the link to hold
+    open while they live (NodeProcesses.watch_driver), else None."""
     agent = agents.get(node)
     if agent is None:
-        return NodeProcesses(node, drain_s, exit_s, tls=tls)
+        return NodeProcesses(node, drain_s, exit_s, tls=tls), None
     host, port = agent["address"].rsplit(":", 1)
     manager = _Agent(address=(host, int(port)), authkey=key)
     try:
@@ -286,7 +316,9 @@ def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: f
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
                            f"its host: python -m pipeline.node <scheduler> --node {node}") from None
-    return manager.NodeProcesses(node, drain_s, exit_s, host)
+    processes = manager.NodeProcesses(node, drain_s, exit_s, host)
+    address, link_key = processes.watch_driver()
+    return processes, connection.Client(address, authkey=link_key)
 
 
 def agent_key(key_file: str | None, option: str) -> bytes:
