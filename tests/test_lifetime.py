@@ -118,6 +118,7 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
     assert len(resume_lines) == 1 and resume_lines[0].endswith(f"resume={stopped}"), output[-2000:]
     results = json.loads((stopped / "results.json").read_text())
     assert results["interrupted"]["signal"] == "SIGINT"
+    assert "Interrupted (SIGINT)" in (stopped / "report.html").read_text()
     done = {m["name"]: m["epochs"] for m in results["models"]}
     assert min(done.values()) >= 3
     for model, epochs in done.items():  # the last finished epoch is checkpointed, though 3 is not a multiple of 2
@@ -127,7 +128,7 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
     resumed = subprocess.run(resume, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     whole = json.loads((stopped / "results.json").read_text())
-    assert "interrupted" not in whole
+    assert "interrupted" not in whole and "Interrupted" not in (stopped / "report.html").read_text()
     never_stopped = run(compose_config(overrides(data, *settings)), tmp_path / "never")
     for results in (whole, never_stopped):
         assert [(m["name"], m["epochs"], len(m["val_accuracy"])) for m in results["models"]] == \

@@ -67,7 +67,8 @@ def report_dict(results: dict, analysis: Analysis, dask_report: str | None = Non
         "ensemble": {key: results.get("ensemble", {}).get(key) for key in ("val_accuracy", "final_val_accuracy")},
         "bad_files": {"skipped": results.get("skipped", []), "converted": results.get("converted", [])},
         "run": {"mode": results.get("mode", "train"),
-                **{key: results.get(key) for key in ("wall_s", "epochs", "dataset", "devices", "cluster")}},
+                **{key: results.get(key) for key in ("wall_s", "epochs", "dataset", "devices", "cluster",
+                                                     "interrupted", "given_up")}},
         "measurements_missing": [key for key in OPTIONAL if key not in recorded(results)],
         "dask_report": dask_report,
     }
@@ -104,11 +105,14 @@ def terminal_summary(results: dict, analysis: Analysis, html_path: Path, dask_re
         lines.append(f"  stall split of {model} ({s['files_ms_per_image']:.2f} ms per image from files): "
                      + ", ".join(f"{part} {_part(s, part)}" for part in ("fetch", "preprocessing", "transport")))
     lines.append(f"  report: {html_path}" + (f"  Dask: {html_path.with_name(dask_report)}" if dask_report else ""))
+    if results.get("interrupted"):
+        lines.insert(0, f"INTERRUPTED ({results['interrupted']['signal']}): the figures cover the run until then")
     return "\n".join(lines)
 
 
 def render_html(results: dict, analysis: Analysis, dask_report: str | None = None) -> str:
     sections = [
+        _how_it_ended(results),
         _profile_note(results),
         _verdict_section(analysis),
         _pipeline_section(results, analysis),
@@ -124,6 +128,19 @@ def render_html(results: dict, analysis: Analysis, dask_report: str | None = Non
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>{escape(title)}</title>"
             f"<style>{CSS}</style></head><body>\n<h1>{escape(title)}</h1>\n" + "\n".join(sections)
             + "\n</body></html>\n")
+
+
+def _how_it_ended(results: dict) -> str:
+    """A run that was stopped, or gave a model up, says so first."""
+    notes = []
+    if results.get("interrupted"):
+        stop = results["interrupted"]
+        notes.append(f"Interrupted ({stop['signal']}): every model's last finished epoch is checkpointed; "
+                     f"run the same command with {stop['resume']} to continue.")
+    if results.get("given_up"):
+        notes.append(f"Given up after scheduler.max_failures failures: {', '.join(results['given_up'])} "
+                     "(their failures: results.json).")
+    return "".join(f"<p class=\"note\"><b>{escape(note)}</b></p>" for note in notes)
 
 
 def _profile_note(results: dict) -> str:
