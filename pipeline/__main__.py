@@ -16,8 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from pipeline.config import ExitCode, exit_on_user_error, register
-from pipeline.hang import HangError
-from pipeline.orchestration.lifetime import Interrupted, StopSignals
+from pipeline.runtime.hang import HangError
+from pipeline.runtime.lifetime import Interrupted, StopSignals
 from pipeline.run import run
 from stages.base import UserError
 

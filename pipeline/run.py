@@ -25,13 +25,13 @@ from pipeline.data.executor import (Executor, TlsFiles, connect, dask_client, da
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.delivery.topology import Topology
-from pipeline.hang import Patience
+from pipeline.runtime.hang import Patience
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
-from pipeline.orchestration.lifetime import StopSignals, remove_stale_shm
+from pipeline.runtime.lifetime import StopSignals, remove_stale_shm
 from pipeline.orchestration.node import agent_key, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT

@@ -160,7 +160,7 @@ def test_a_batch_task_no_worker_can_run_says_what_it_waits_for_then_fails(tiny_d
     """Batch tasks for node 1 on a cluster whose only worker holds node-0: Dask leaves them 'no-worker'
     for ever. The wait says so once (the key, the resource, the workers there are), then fails naming
     timeouts.stall_s and the fix. A task that runs too long is named with its worker."""
-    from pipeline.hang import HangError, Patience
+    from pipeline.runtime.hang import HangError, Patience
 
     patience = Patience(warn_s=0.5, stall_s=2)
     said = []

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.hang import HangError
+from pipeline.runtime.hang import HangError
 from pipeline.orchestration.flotilla import Flotilla
 from pipeline.run import run
 from tests.conftest import compose_config
@@ -114,7 +114,8 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
     monkeypatch.setattr(Flotilla, "hub_progress", stop_the_trainer_once_it_consumes)
     before = shm_segments(os.getpid())
     cfg = compose_config(["+ensemble=caltech256", "ensemble.models=[{name: m, arch: resnet, depth: 10, width: 4, "
-                          "input: main}]", "~pipeline.stages.alt", "~pipeline.stages.crop_alt", f"dataset.root={root}", "dataset.synthetic=never", "pipeline.batch_size=8",
+                          "input: main}]", "~pipeline.stages.alt", "~pipeline.stages.crop_alt", f"dataset.root={root}",
+                          "dataset.synthetic=never", "pipeline.batch_size=8",
                           "pipeline.image_size=16", "pipeline.alt_image_size=16", "cluster.workers=1",
                           "trainer.epochs=1", "delivery.ring_depth=2", "timeouts.warn_s=1",
                           f"timeouts.stall_s={STALL_S}", "timeouts.exit_s=2", "timeouts.drain_s=2"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.orchestration.lifetime import StopSignals, remove_stale_shm
+from pipeline.runtime.lifetime import StopSignals, remove_stale_shm
 from pipeline.run import run
 from tests.conftest import compose_config
 

@@ -28,7 +28,7 @@ from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray, remove_all
-from pipeline.hang import Patience, Stall
+from pipeline.runtime.hang import Patience, Stall
 from stages.base import BadFileError, BatchContext, OnError, Split, UserError
 
 

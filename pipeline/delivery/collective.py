@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from pipeline.hang import HangError
+from pipeline.runtime.hang import HangError
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"  # Linux's loopback device, for gloo and NCCL

@@ -25,8 +25,8 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
 from pipeline.delivery.topology import DeliveryGroup, HubPlan
-from pipeline.orchestration.lifetime import child_started
-from pipeline.hang import HangError, Patience
+from pipeline.runtime.lifetime import child_started
+from pipeline.runtime.hang import HangError, Patience
 from stages.base import BadFileError, Batch, Split
 
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up

@@ -65,7 +65,8 @@ class HubWaiting:
 
 @dataclass(frozen=True)
 class HubHung:
-    """A wait of the hub ran out of its timeout (pipeline.hang.HangError): the message says which and the fix."""
+    """A wait of the hub ran out of its timeout (pipeline.runtime.hang.HangError): the message says which
+    and the fix."""
 
     hub: int
     message: str

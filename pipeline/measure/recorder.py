@@ -235,7 +235,8 @@ class RunRecorder:
             for name, saved in state["models"].items():
                 record = self.models[name]
                 record.val_accuracy, record.train_loss = by_epoch(saved["val_accuracy"]), by_epoch(saved["train_loss"])
-                record.stints, record.converged, record.failures = saved["stints"], saved["converged"], saved["failures"]
+                record.stints, record.converged = saved["stints"], saved["converged"]
+                record.failures = saved["failures"]
                 record.images, record.step_s, record.wait_s = saved["images"], saved["step_s"], saved["wait_s"]
                 record.last_probs = array(f"last-{name}")
                 record.recent_probs = {epoch: array(f"recent-{name}-{epoch}") for epoch in saved["recent"]}

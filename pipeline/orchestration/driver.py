@@ -29,10 +29,10 @@ from rich.progress import Progress
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import SplitDone
 from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, plan_delivery
-from pipeline.hang import HangError
+from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
-from pipeline.orchestration.lifetime import StopSignals
+from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
                                 SlotFreed, Start, Stop, TrainerFailed)

@@ -23,7 +23,7 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
                                         SplitDone, StopStreams)
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
-from pipeline.hang import HangError, Patience
+from pipeline.runtime.hang import HangError, Patience
 from pipeline.orchestration.node import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
 from pipeline.training.group import GroupSpec, Precision

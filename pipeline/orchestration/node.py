@@ -39,7 +39,7 @@ from pipeline.data.executor import TlsFiles, connect
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
-from pipeline.orchestration.lifetime import quiet_children
+from pipeline.runtime.lifetime import quiet_children
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.data.handoff import HANDOFF_PREFIX, remove_all

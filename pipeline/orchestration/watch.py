@@ -12,7 +12,7 @@ from collections.abc import Callable
 from rich.markup import escape
 
 from pipeline.delivery.messages import BatchPublished, SplitDone
-from pipeline.hang import Patience, Stall
+from pipeline.runtime.hang import Patience, Stall
 from pipeline.orchestration.flotilla import Flotilla
 
 

@@ -37,7 +37,7 @@ from rich.console import Console
 
 from pipeline.data.executor import Executor, TlsFiles, dask_client, dask_performance_report, worker_count
 from pipeline.data.graph import BatchOutput, StageGraph
-from pipeline.hang import Patience
+from pipeline.runtime.hang import Patience
 from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.delivery.collective import LocalRendezvous
-from pipeline.orchestration.lifetime import child_started, quiet_children
+from pipeline.runtime.lifetime import child_started, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise

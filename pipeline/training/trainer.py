@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.delivery.stream import MessageKind
-from pipeline.orchestration.lifetime import child_started
+from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
