@@ -169,7 +169,7 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
                                                                                          tmp_path, monkeypatch):
     from pipeline.orchestration.flotilla import Flotilla
     from pipeline.run import run
-    from pipeline.training.reports import ValReport
+    from pipeline.training.reports import CheckpointSaved
 
     out = tmp_path / "out"
     cfg = compose_config(["+ensemble=caltech256", f"ensemble.models={MODELS}", f"topology={topology}",
@@ -181,9 +181,9 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     before = rings()
     reported, poll = threading.Event(), Flotilla.poll
 
-    def poll_and_tell(self, timeout=None):  # the event the faults wait for: the driver has C's first epoch
+    def poll_and_tell(self, timeout=None):  # the event the faults wait for: C's first epoch is checkpointed
         reports = poll(self, timeout)
-        if any(isinstance(r, ValReport) and r.model == VICTIM and r.epoch == 0 for r in reports):
+        if any(isinstance(r, CheckpointSaved) and r.model == VICTIM and r.epochs == 1 for r in reports):
             reported.set()
         return reports
 
