@@ -21,7 +21,7 @@ LABELS = np.array([0, 1])
 class StandIn:
     """A flotilla thread that only takes the main thread's commands."""
 
-    def __init__(self, flotilla_id, members, run, events):
+    def __init__(self, flotilla_id, members, run, events, first_epoch=0):
         self.flotilla_id, self.members = flotilla_id, members
         self.commands: queue.Queue = queue.Queue()
 

@@ -99,8 +99,8 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
     """scheduler=shared, a checkpoint every 2 epochs: Ctrl-C (SIGINT to the process group) after epoch 3.
     The run checkpoints epoch 3 anyway, writes results marked interrupted, leaves no process and no
     shared memory, exits 130 within 15 s with one resume line and no traceback. Resumed, it trains the
-    epochs left, and its results match those of a run never stopped."""
-    settings = ["trainer.epochs=5", "scheduler.checkpoint_every=2"]
+    epochs left on the very batches a run never stopped trains them on, and its results match."""
+    settings = ["trainer.epochs=5", "scheduler.checkpoint_every=2", "trainer.record_checksums=true"]
     stopped = tmp_path / "stopped"
     job = Job(command(data, stopped, *settings))
     job.wait_for("(epoch 3)")
@@ -135,6 +135,10 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
                [(m["name"], 5, 5) for m in never_stopped["models"]]
         assert len(results["ensemble"]["val_accuracy"]) == 5  # each epoch counted once
         assert results["ensemble"]["final_val_accuracy"] is not None
+    # The flotilla formed again goes on with its own sequence of epochs: the same shuffles, the same bytes.
+    for trainer, after in whole["delivery"]["received"].items():
+        after, every = [tuple(m) for m in after], [tuple(m) for m in never_stopped["delivery"]["received"][trainer]]
+        assert 0 < len(after) < len(every) and after == every[-len(after):], trainer
 
 
 def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_path):

@@ -184,9 +184,11 @@ STOP_SAVE_SHARE = 0.5  # of timeouts.stop_s, what checkpointing the last epochs 
 class FlotillaThread(threading.Thread):
     """Runs one flotilla: its epochs, split by split, until no member is left or the run stops."""
 
-    def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue):
+    def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue,
+                 first_epoch: int = 0):
         super().__init__(name=f"flotilla-{flotilla_id}", daemon=True)
         self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
+        self.first_epoch = first_epoch  # of its sequence: > 0 for a flotilla formed again (a resumed run)
         self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
         self.stop_by = 0.0  # time.monotonic() by which a stop must be done
@@ -222,7 +224,7 @@ class FlotillaThread(threading.Thread):
         r.recorder.delivery_plan(self.flotilla_id, plan, why)
         with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
             try:
-                epoch = 0  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
+                epoch = self.first_epoch  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
                 while flotilla.members:
                     self._check_stop()
                     # A trainer may report its validation before the driver hears that the hubs are done,
@@ -579,6 +581,7 @@ class Driver:
             else:
                 raise TypeError(f"the driver cannot carry out {decision!r}")
         for flotilla_id, members in forming.items():
-            thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events)
+            thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events,
+                                    self.run_ctx.recorder.epochs_before(flotilla_id, members[0]))
             self.threads[flotilla_id] = thread
             thread.start()
