@@ -111,13 +111,12 @@ def _resumed_folder(cfg: DictConfig) -> Path:
     if not state.is_file():
         raise ConfigError(f"resume={cfg.resume}: {state} is missing: give the folder of a training run that was "
                           "stopped or crashed after it began training (the folder its stop message names)")
-    saved = json.loads(state.read_text())["config"]
-    current = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    differ = [key for key in sorted(_flatten(saved).keys() | _flatten(current).keys())
-              if not key.startswith(RESUME_MAY_CHANGE) and _flatten(saved).get(key) != _flatten(current).get(key)]
+    saved = _flatten(json.loads(state.read_text())["config"])
+    current = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    differ = [key for key in sorted(saved.keys() | current.keys())
+              if not key.startswith(RESUME_MAY_CHANGE) and saved.get(key) != current.get(key)]
     if differ:
-        shown = ", ".join(f"{key}={_flatten(saved).get(key)!r} (now {_flatten(current).get(key)!r})"
-                          for key in differ[:5])
+        shown = ", ".join(f"{key}={saved.get(key)!r} (now {current.get(key)!r})" for key in differ[:5])
         raise ConfigError(f"resume={cfg.resume}: that run had {shown}; resume with the same config (only "
                           f"{', '.join(RESUME_MAY_CHANGE)} may change)")
     return folder
@@ -142,17 +141,17 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     _print_header(console, cfg, inputs.dataset, graph, device_kind, len(slots), len(models), workers)
     state_dir = output_dir / STATE_DIR
     results: dict = {}
+    sizes = measure_sizes(models, len(graph.source.class_names),
+                          {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, cfg.pipeline.batch_size)
     if cfg.resume:  # the groups it formed, as they were (measuring again might form others)
         saved = json.loads((state_dir / "run.json").read_text())
         groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
                   for g in saved["groups"]]
         results.update(saved["results"])
-        sizes = measure_sizes(models, len(graph.source.class_names),
-                              {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, cfg.pipeline.batch_size)
         table = None
     else:
-        groups, table, sizes = _group(cfg, models, graph, device_kind, slots, slot_bytes, needs_rates, output_dir,
-                                      console, results)
+        groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates, output_dir,
+                               console, results)
     policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups})
     nodes = cfg.cluster.nodes
     s = cfg.scheduler
@@ -221,7 +220,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     return results
 
 
-def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_kind: DeviceKind,
+def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: dict, device_kind: DeviceKind,
            slots: dict, slot_bytes: int, needs_rates: bool, output_dir: Path, console: Console, results: dict):
     """The slot groups (trainer.grouping), checked against a slot's memory, and, for the policies that
     need one, their rate table (each model measured alone first: its cost decides who shares a slot)."""
@@ -230,7 +229,6 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
     batch = cfg.pipeline.batch_size
     if device_kind == DeviceKind.cuda and cfg.cluster.nodes > 1:  # a hub on the GPU lends it its exchange buffers
         slot_bytes -= exchange_bytes({n: s.item_shape for n, s in graph.sinks.items()}, batch, cfg.cluster.nodes)
-    sizes = measure_sizes(models, classes, image_sizes, batch)
     alone = [GroupSpec(m.name, (m,)) for m in models]
     # Each model must fit alone on the fewest slots it may get: 1 when the scheduler chooses.
     fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
@@ -259,7 +257,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, device_k
         table = RateTable({g.name: single_rates.rates[g.name] for g in groups if len(g.members) == 1})
         table.rates.update(measure_rate_table(shared, max_slots, how, cache).rates)
         save_table(table, output_dir / "rates.json")
-    return groups, table, sizes
+    return groups, table
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:
     """topology=auto on several nodes: worker seconds per image, measured as a run
     measures it (RunRecorder.seconds_per_image) on a few batches of node 0; later

@@ -11,7 +11,8 @@ import numpy as np
 import psutil
 import pytest
 
-from pipeline.data.handoff import HANDOFF_PREFIX, SHM_DIR, SharedArray, remove_all
+from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
+from pipeline.runtime.lifetime import SHM_DIR, remove_shm
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import StreamLayout
 from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key
@@ -37,7 +38,7 @@ def test_hand_off_files_are_private_and_named_by_owner_and_a_random_part():
         assert np.array_equal(first.take(), array)
         assert not os.path.exists(os.path.join(SHM_DIR, first.segment))  # taken: unlinked
     finally:
-        remove_all(prefix)  # stale files are found by the owner's pid
+        remove_shm(prefix)  # stale files are found by the owner's pid
     assert not [name for name in os.listdir(SHM_DIR) if name.startswith(prefix)]
 
 
@@ -62,7 +63,7 @@ def test_a_planted_link_is_neither_followed_nor_overwritten(tmp_path, monkeypatc
         assert np.array_equal(shared.take(), np.ones(4, np.uint8))
         assert victim.read_bytes() == b"precious"
     finally:
-        remove_all(prefix)
+        remove_shm(prefix)
 
 
 def test_ring_segments_are_private_and_named_by_their_owner():

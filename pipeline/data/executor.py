@@ -27,8 +27,9 @@ from dask.distributed import (Client, LocalCluster, Security, WorkerPlugin, get_
 from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
-from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray, remove_all
+from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
 from pipeline.runtime.hang import Patience, Stall
+from pipeline.runtime.lifetime import remove_shm
 from stages.base import BadFileError, BatchContext, OnError, Split, UserError
 
 
@@ -145,7 +146,7 @@ class Executor:
         if self.client.status == "running":  # a closed client's cluster took the graph with it
             self.client.unregister_worker_plugin(self.plugin)
         if self.share_prefix:
-            remove_all(self.share_prefix)
+            remove_shm(self.share_prefix)
 
     def batches(self, split: Split, epoch: int, then: tuple[Split, int] | None = None
                 ) -> Iterator[tuple[int, BatchOutput]]:

@@ -7,7 +7,6 @@ with one write by the worker and a read of the mapping by the driver.
 """
 from __future__ import annotations
 
-import glob
 import mmap
 import os
 import secrets
@@ -15,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
+from pipeline.runtime.lifetime import SHM_DIR
+
 HANDOFF_PREFIX = "ensemble-out"  # then the taking process's pid (stale files name their owner), then random parts
 # A new file only, never through a link: /dev/shm is shared by every user of the host.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -51,11 +51,3 @@ class SharedArray:
         os.unlink(path)
         return np.frombuffer(buffer, dtype=np.uint8).reshape(self.shape)
 
-
-def remove_all(prefix: str) -> None:
-    """Delete what tasks of a run left behind (a stopped run, a killed worker)."""
-    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:  # its task's own clean-up got there first
-            pass

@@ -20,6 +20,7 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from pipeline.delivery.stream import Message, MessageKind, StreamLayout, StreamReader, StreamWriter
+from pipeline.runtime.lifetime import SHM_DIR
 
 HEADER_FIELDS = 5  # kind, split, epoch, index, count
 HEADER_BYTES = 64  # header padded to a cache line
@@ -48,7 +49,7 @@ def _buffer_views(buf, layout: StreamLayout, buffer: int, writable: bool):
 def _map(segment: str, size: int, writable: bool) -> mmap.mmap:
     # Mapped directly (not via SharedMemory) so that no process but the owner
     # registers, and so unlinks, the segment. The map closes with its last view.
-    with open(f"/dev/shm/{segment}", "r+b" if writable else "rb") as file:
+    with open(os.path.join(SHM_DIR, segment), "r+b" if writable else "rb") as file:
         return mmap.mmap(file.fileno(), size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
 
 

@@ -155,12 +155,12 @@ class RunRecorder:
                     "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch, "group": group.name,
                     "group_members": [m.name for m in group.members], "group_mode": group.mode})
 
-    def epochs_before(self, flotilla: int, member) -> int:
-        """Epochs `flotilla` ran before `member` (a flotilla Member, just joined) joined it again, as a
-        resumed run forms it again: its sequence of shuffles goes on from there (0 for a new flotilla)."""
+    def epochs_before(self, flotilla: int, model: str, start_epoch: int) -> int:
+        """Epochs `flotilla` ran before `model`, just joined after `start_epoch` epochs, joined it again (a
+        resumed run forms it again): its sequence of shuffles goes on from there (0 for a new flotilla)."""
         with self.lock:
-            stints = [s for s in self.models[member.group.members[0].name].stints if s["flotilla"] == flotilla]
-            return member.start_epoch - stints[0]["start_epoch"] if len(stints) > 1 else 0
+            stints = [s for s in self.models[model].stints if s["flotilla"] == flotilla]
+            return start_epoch - stints[0]["start_epoch"] if len(stints) > 1 else 0
 
     def converged(self, model: str, reason: str) -> None:
         with self.lock:

@@ -314,8 +314,8 @@ class FlotillaThread(threading.Thread):
             self._check_stop()
             if time.monotonic() > deadline:
                 raise HangError(f"flotilla {self.flotilla_id}: no validation report from "
-                                   f"{sorted(training() - set(reports))} in {self.run_ctx.report_s:g} s "
-                                   "(timeouts.report_s)")
+                                f"{sorted(training() - set(reports))} in {self.run_ctx.report_s:g} s "
+                                "(timeouts.report_s)")
             for report in self._forward(flotilla.poll(timeout=1.0)):
                 reports[report.model] = report
             failed += self._drop_failed(flotilla)
@@ -366,7 +366,7 @@ class FlotillaThread(threading.Thread):
                 if stopping:
                     break
                 raise HangError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
-                                   f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
+                                f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             self._forward(flotilla.poll(timeout=0.2))
         return {group for group, _ in wanted} - {group for group, _ in waiting}
 
@@ -388,7 +388,7 @@ class FlotillaThread(threading.Thread):
             self._check_stop()
             if time.monotonic() > deadline:
                 raise HangError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish "
-                                   f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
+                                f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             flotilla.hub_progress(timeout=0.1)
             reports = flotilla.poll(timeout=0.5)
             waiting -= {(r.group, r.rank) for r in reports if isinstance(r, TrainerDone)}
@@ -524,24 +524,25 @@ class Driver:
         for model, reason in converging:
             self.run_ctx.recorder.converged(model, reason)
             self.converged.add(model)
-        commands = []
         for group in sorted({self.group_of[model] for model, _ in converging}):
             if all(m.name in self.converged for m in self.groups[group].members):
                 decisions += self.scheduler.handle(ModelConverged(self.now(), group))
                 continue
             for model, reason in converging:  # the rest of its group trains on
-                if self.group_of[model] == group:
+                if self.group_of[model] == group and not self.stopping:
                     self.console.print(f"flotilla {thread.flotilla_id}: {model} leaves {group} ({reason})")
-                    epochs = self.scheduler.models[group].epochs_done
-                    self.run_ctx.recorder.checkpointed(model, epochs)
-                    commands += [SaveCheckpoints(group, (model,), epochs), ReleaseModel(group, model)]
+                    self._checkpoint(thread, group, (model,), self.scheduler.models[group].epochs_done)
+                    thread.commands.put(ReleaseModel(group, model))
         for group, why in failed:  # after the epoch they finished, before the survivors go on
             decisions += self._trainer_failed(group, why)
-        if not self.stopping:
-            for command in commands:
-                thread.commands.put(command)
         self._carry_out(decisions)
         thread.commands.put(Continue())
+
+    def _checkpoint(self, thread: FlotillaThread, group: str, models: tuple[str, ...], epochs: int) -> None:
+        """`models` of `group` are checkpointed after `epochs` epochs before their flotilla goes on."""
+        for model in models:
+            self.run_ctx.recorder.checkpointed(model, epochs)
+        thread.commands.put(SaveCheckpoints(group, models, epochs))
 
     def _carry_out(self, decisions: list) -> None:
         forming: dict[int, list[Member]] = {}
@@ -568,9 +569,7 @@ class Driver:
                 thread = self.threads.get(decision.flotilla)
                 if thread is not None and decision.model not in self.gone:
                     models = tuple(m.name for m in self.groups[decision.model].members)
-                    for model in models:
-                        self.run_ctx.recorder.checkpointed(model, decision.epoch)
-                    thread.commands.put(SaveCheckpoints(decision.model, models, decision.epoch))
+                    self._checkpoint(thread, decision.model, models, decision.epoch)
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
                 if decision.model in self.gone:  # its trainers are already stopped
@@ -581,7 +580,8 @@ class Driver:
             else:
                 raise TypeError(f"the driver cannot carry out {decision!r}")
         for flotilla_id, members in forming.items():
-            thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events,
-                                    self.run_ctx.recorder.epochs_before(flotilla_id, members[0]))
+            first = members[0]  # a flotilla's members joined it together
+            before = self.run_ctx.recorder.epochs_before(flotilla_id, first.group.members[0].name, first.start_epoch)
+            thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events, before)
             self.threads[flotilla_id] = thread
             thread.start()

@@ -39,10 +39,9 @@ from pipeline.data.executor import TlsFiles, connect
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
-from pipeline.runtime.lifetime import quiet_children
+from pipeline.runtime.lifetime import quiet_children, remove_shm_of
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
-from pipeline.data.handoff import HANDOFF_PREFIX, remove_all
 from pipeline.delivery.ring import Ring
 from stages.base import UserError
 
@@ -230,7 +229,7 @@ class NodeProcesses:
                 process.join(max(deadline - time.monotonic(), 0))
             _stop_processes(hubs, exit_s)
             for process in hubs:  # hand-off files of batch tasks a stopped hub never took
-                remove_all(f"{HANDOFF_PREFIX}-{process.pid}-")
+                remove_shm_of(process.pid)
         finally:
             for ring in self.rings.values():
                 ring.close()

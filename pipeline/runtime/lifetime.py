@@ -142,28 +142,38 @@ def quiet_children():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def remove_shm(prefix: str) -> list[str]:
+    """Remove the /dev/shm entries whose names start with `prefix`; the names removed."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:  # another process of the run got there first
+            pass
+    return removed
+
+
 def remove_shm_of(pid: int) -> None:
-    """Remove the /dev/shm entries owned by process `pid`."""
-    for path in glob.glob(os.path.join(SHM_DIR, "ensemble-*")):
-        match = SHM_ENTRY.match(os.path.basename(path))
-        if match and int(match.group(1)) == pid:
-            _unlink(path)
+    """Remove the /dev/shm entries owned by process `pid` (rings it made, hand-off files it takes)."""
+    remove_shm(f"ensemble-{pid}-")
+    remove_shm(f"ensemble-out-{pid}-")
 
 
 def remove_stale_shm() -> list[str]:
     """Remove what runs killed outright left in /dev/shm: this user's entries whose owner process is
     gone. A live run's entries (its owner is alive) are never touched. Returns the names removed."""
-    removed = []
+    owners = set()
     for path in glob.glob(os.path.join(SHM_DIR, "ensemble-*")):
         match = SHM_ENTRY.match(os.path.basename(path))
         try:
             mine = os.stat(path, follow_symlinks=False).st_uid == os.getuid()
         except FileNotFoundError:
             continue
-        if match and mine and not _alive(int(match.group(1))):
-            _unlink(path)
-            removed.append(os.path.basename(path))
-    return removed
+        if match and mine:
+            owners.add(int(match.group(1)))
+    return [name for pid in sorted(owners) if not _alive(pid)
+            for prefix in (f"ensemble-{pid}-", f"ensemble-out-{pid}-") for name in remove_shm(prefix)]
 
 
 def _alive(pid: int) -> bool:
@@ -175,9 +185,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:  # another process of the run got there first
-        pass

@@ -70,8 +70,6 @@ class SaveCheckpoint:
     epochs: int
 
 
-TrainerCommand = ReleaseMember | SaveCheckpoint
-
 
 def checkpoint_path(checkpoint_dir: str | Path, model: str, epochs: int) -> Path:
     return Path(checkpoint_dir) / model / f"epoch{epochs}.pt"
