@@ -124,6 +124,7 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
     from rich.console import Console
 
     from pipeline.data.graph import build_graph
+    from pipeline.orchestration.grouping import measure_sizes
     from pipeline.run import _group
     from pipeline.scheduler import FormFlotilla, RatesMeasured
     from pipeline.training import rates as rate_measurement
@@ -142,7 +143,9 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
                         {m.input for m in models})
     slots = slot_devices(DeviceKind.cpu, 0, 2, models)
-    groups, table, _ = _group(cfg, models, graph, DeviceKind.cpu, slots, 2**34, True, tmp_path, Console(), {})
+    sizes = measure_sizes(models, len(graph.source.class_names),
+                          {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, cfg.pipeline.batch_size)
+    groups, table = _group(cfg, models, graph, sizes, DeviceKind.cpu, slots, 2**34, True, tmp_path, Console(), {})
     assert len(groups) == 2 and all(len(g.members) == 2 and g.mode == "packed" for g in groups)
     assert measured[:4] == [((m.name,), [1, 2]) for m in models]
     assert sorted(measured[4:]) == sorted((tuple(m.name for m in g.members), [1]) for g in groups)
