@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.runtime.lifetime import StopSignals, remove_stale_shm
+from pipeline.runtime.lifetime import REPEAT_S, StopSignals, remove_stale_shm
 from pipeline.run import run
 from tests.conftest import compose_config
 
@@ -166,13 +166,36 @@ def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
     children = job.children()
     next(c for c in children if c.name() == "trainer").suspend()  # it cannot write its checkpoint
     os.killpg(job.process.pid, signal.SIGINT)
+    first = time.monotonic()
     job.wait_for("stopping:")
+    time.sleep(max(REPEAT_S - (time.monotonic() - first), 0))  # sooner, it is the same request delivered twice
     signalled = time.monotonic()
     os.killpg(job.process.pid, signal.SIGINT)
     job.finish(timeout=60)
     assert job.process.returncode == 130
     assert time.monotonic() - signalled < 5  # the orderly stop would wait 15 s for the trainer
     assert not gone_within(children, 10)
+
+
+def test_sigterm_to_the_whole_process_group_stops_in_order(data, tmp_path):
+    """As GNU timeout stops a command (SIGTERM to it, then to its whole process group; Slurm and systemd
+    signal every process too): the children leave the stop to the driver, which counts the signal
+    delivered twice as one request, checkpoints, exits 143 with its resume line; no Dask worker dies,
+    nothing of the run is left."""
+    job = Job(command(data, tmp_path / "timed_out", "trainer.epochs=20"))
+    job.wait_for("(epoch 1)")
+    children = job.children()
+    os.kill(job.process.pid, signal.SIGTERM)
+    os.killpg(job.process.pid, signal.SIGTERM)
+    output = job.finish(timeout=60)
+    assert job.process.returncode == 143, output[-3000:]
+    assert "Traceback" not in output and "workers died" not in output, output[-3000:]
+    assert sum("to resume:" in line for line in output.splitlines()) == 1, output[-2000:]
+    results = json.loads((tmp_path / "timed_out" / "results.json").read_text())
+    for model in results["models"]:
+        assert (tmp_path / "timed_out" / "checkpoints" / model["name"] / f"epoch{model['epochs']}.pt").is_file()
+    assert not gone_within(children, 1), "processes of the run outlived it"
+    assert not leftovers([job.process.pid] + [c.pid for c in children])
 
 
 def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):

@@ -300,7 +300,7 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
                 with pytest.raises(mp.AuthenticationError):
                     _Agent(address=(host, int(port)), authkey=wrong).connect()
             with pytest.raises(UserError, match="node 0's agent at .* refused this driver's secret"):
-                node_processes(0, registered, 1.0, 1.0, b"not the secret at all", None)
+                node_processes(0, registered, 1.0, b"not the secret at all", None)
             twice = subprocess.run(_agent_command(cluster.scheduler_address, 0, tls_files), capture_output=True,
                                    text=True, timeout=120, env={**os.environ, AGENT_KEY_ENV: AGENT_KEY})
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr

@@ -29,7 +29,7 @@ from rich.console import Console
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
 from pipeline.runtime.hang import Patience, Stall
-from pipeline.runtime.lifetime import remove_shm
+from pipeline.runtime.lifetime import STOP_SIGNALS, remove_shm
 from stages.base import BadFileError, BatchContext, OnError, Split, UserError
 
 
@@ -77,11 +77,13 @@ log = logging.getLogger(__name__)
 
 
 class LeaveInterruptsToTheDriver(WorkerPlugin):
-    """A terminal's Ctrl-C reaches every process of its group: the workers of a LocalCluster made here
-    ignore it (the driver stops them in order) instead of dying with a traceback each."""
+    """A terminal's Ctrl-C, and a SIGTERM from `timeout`, Slurm or systemd, reach every process of the
+    run: the workers of a LocalCluster made here ignore both (the driver stops them in order, through
+    their nannies, which kill a worker that does not stop) instead of dying in the middle of a batch."""
 
     def setup(self, worker) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a worker runs its event loop in its main thread)
+        for signum in STOP_SIGNALS:  # (a worker runs its event loop in its main thread)
+            signal.signal(signum, signal.SIG_IGN)
 
 
 SAMPLES_KEPT = 2000  # queue and latency samples a producer keeps (evenly thinned beyond twice this)

@@ -88,7 +88,7 @@ class Flotilla:
         self.waiting: dict[int, str] = {}  # hub rank -> what it said it waits for (HubWaiting), until it publishes
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
-                self.nodes[node], link = node_processes(node, delivery.agents, delivery.drain_s, delivery.exit_s,
+                self.nodes[node], link = node_processes(node, delivery.agents, delivery.drain_s,
                                                         delivery.agent_key, delivery.tls)
                 self.driver_links += [link] if link else []
             self._make_rings(graph, delivery.ring_depth)

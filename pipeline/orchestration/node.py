@@ -75,9 +75,9 @@ class NodeProcesses:
     """A flotilla's hubs, trainers and rings on one node. Every method is a
     call the driver can make from another host (arguments and results pickle)."""
 
-    def __init__(self, node: int, drain_s: float, exit_s: float, host: str = LOOPBACK, tls: TlsFiles | None = None):
+    def __init__(self, node: int, drain_s: float, host: str = LOOPBACK, tls: TlsFiles | None = None):
         self.node, self.host, self.tls = node, host, tls  # tls: this host's files, for its hubs' Dask clients
-        self.drain_s, self.exit_s = drain_s, exit_s  # timeouts.*: what a closing hub, and any process, gets
+        self.drain_s = drain_s  # timeouts.drain_s: what a closing hub gets to finish its split
         self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
         self.reports = Inbox(self.context)  # trainers -> driver
         self.hub_events = Inbox(self.context)  # hubs -> driver
@@ -190,13 +190,13 @@ class NodeProcesses:
                     found.append(Laggard(hub, stream, trainer.process.name, pid, _state(pid), ring.depth))
         return found
 
-    def remove(self, group: str, exit_s: float | None = None) -> None:
+    def remove(self, group: str) -> None:
         """Stop a group's trainers here; no hub waits on their readers any more."""
         trainers = self.trainers.pop(group, [])
         for trainer in trainers:
             for ring, reader in trainer.readers:
                 ring.detach(reader)
-        _stop_processes([t.process for t in trainers], self.exit_s if exit_s is None else exit_s)
+        _kill([t.process for t in trainers])
         for trainer in trainers:
             trainer.commands.close()
 
@@ -207,19 +207,18 @@ class NodeProcesses:
 
     def close(self, within: float | None = None) -> None:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take
-        (a stopping run's), instead of timeouts.drain_s and exit_s."""
-        drain_s, exit_s = (self.drain_s, self.exit_s) if within is None else (within / 2, within / 4)
+        (a stopping run's), instead of timeouts.drain_s."""
         with self.closing:
             if not self.closed:
                 self.closed = True
-                self._close(drain_s, exit_s)
+                self._close(self.drain_s if within is None else within / 2)
 
-    def _close(self, drain_s: float, exit_s: float) -> None:
+    def _close(self, drain_s: float) -> None:
         try:
             self.abort.set()
             self.command_hubs(StopStreams())
             for model in list(self.trainers):
-                self.remove(model, exit_s)
+                self.remove(model)
             for ring in self.rings.values():  # no hub waits on a trainer that is gone
                 for reader in range(ring.consumers):
                     ring.detach(reader)
@@ -227,7 +226,7 @@ class NodeProcesses:
             deadline = time.monotonic() + drain_s
             for process in hubs:  # a hub in the middle of a split lets its batch tasks finish first
                 process.join(max(deadline - time.monotonic(), 0))
-            _stop_processes(hubs, exit_s)
+            _kill(hubs)
             for process in hubs:  # hand-off files of batch tasks a stopped hub never took
                 remove_shm_of(process.pid)
         finally:
@@ -278,15 +277,14 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def _stop_processes(processes: list[mp.Process], exit_s: float) -> None:
+def _kill(processes: list[mp.Process]) -> None:
+    """Our children ignore SIGTERM (the driver alone decides when they stop: runtime.lifetime), and
+    have nothing to save on the way out: a child still running is killed."""
     for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(exit_s)
         if process.is_alive():
             process.kill()
-            process.join()
+    for process in processes:
+        process.join()
 
 
 class _Agent(BaseManager):
@@ -296,14 +294,14 @@ class _Agent(BaseManager):
 _Agent.register("NodeProcesses", NodeProcesses)
 
 
-def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: float, key: bytes | None,
+def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: bytes | None,
                    tls: TlsFiles | None):
     """A flotilla's processes on `node`: in the agent registered for it (met with the agents' secret
     `key`), else in this process (its hubs' Dask clients use `tls`); and, with an agent, the link to hold
     open while they live (NodeProcesses.watch_driver), else None."""
     agent = agents.get(node)
     if agent is None:
-        return NodeProcesses(node, drain_s, exit_s, tls=tls), None
+        return NodeProcesses(node, drain_s, tls=tls), None
     host, port = agent["address"].rsplit(":", 1)
     manager = _Agent(address=(host, int(port)), authkey=key)
     try:
@@ -315,7 +313,7 @@ def node_processes(node: int, agents: dict[int, dict], drain_s: float, exit_s: f
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
                            f"its host: python -m pipeline.node <scheduler> --node {node}") from None
-    processes = manager.NodeProcesses(node, drain_s, exit_s, host)
+    processes = manager.NodeProcesses(node, drain_s, host)
     address, link_key = processes.watch_driver()
     return processes, connection.Client(address, authkey=link_key)
 

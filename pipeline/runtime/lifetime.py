@@ -4,10 +4,11 @@
   driver checkpoints, writes its results marked interrupted, closes what it
   started and exits 128 + the signal's number. A second signal stops at once.
 * Its children (`child_started`, first thing in every hub, trainer and rate
-  measurement): a terminal's Ctrl-C goes to the whole process group, so they
-  ignore SIGINT and let the driver stop them in order; a watch on the parent
-  makes them exit, removing what the run had in /dev/shm, if it dies without
-  a word (SIGKILL, the OOM killer).
+  measurement): a terminal's Ctrl-C reaches the whole process group, and so
+  does a SIGTERM from `timeout`, Slurm or systemd; the children ignore both
+  and let the driver stop them in order (it kills those it no longer needs);
+  a watch on the parent makes them exit, removing what the run had in
+  /dev/shm, if it dies without a word (SIGKILL, the OOM killer).
 * The next run (`remove_stale_shm`): removes what a run killed outright left in
   /dev/shm: entries whose owner process is gone (their names carry its pid).
 """
@@ -28,6 +29,9 @@ SHM_DIR = "/dev/shm"
 SHM_ENTRY = re.compile(r"^ensemble-(?:out-)?(\d+)-")
 PARENT_POLL_S = 0.5  # how often a child checks that its parent is alive
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A stop signal again within this many seconds is the same request delivered twice, not a second one:
+# GNU timeout signals its child and then its whole process group, the child included.
+REPEAT_S = 1.0
 
 
 class Interrupted(Exception):
@@ -43,13 +47,14 @@ class StopSignals:
 
     The first signal sets `requested`. Inside `deferred()` (the training loop, which polls it and
     stops in order) that is all; elsewhere (start-up, rate measurement) it raises `Interrupted`
-    there and then, and whatever was started closes on the way out. A second signal kills the
-    run's child processes, removes its shared memory and exits at once.
+    there and then, and whatever was started closes on the way out. A second signal (REPEAT_S or
+    more after the first) kills the run's child processes, removes its shared memory and exits at once.
     """
 
     def __init__(self):
         self.requested = threading.Event()
         self.signum: int | None = None
+        self._first_at = 0.0
         self._deferred = False
         self._previous: dict = {}
 
@@ -73,8 +78,10 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested.is_set():
+            if time.monotonic() - self._first_at < REPEAT_S:
+                return
             _stop_now(signum)
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()
         self.requested.set()
         print(f"\n{signal.Signals(signum).name}: stopping: checkpointing the last finished epochs and closing "
               "(a second Ctrl-C stops at once)", flush=True)
@@ -103,10 +110,12 @@ def _stop_now(signum: int) -> None:
 
 def child_started(role: str) -> None:
     """First thing in a child process of a run (hub, trainer, rate measurement): the driver stops it,
-    not the terminal's Ctrl-C; and it does not outlive its parent. `role` names it in ps and top."""
+    not a Ctrl-C or SIGTERM sent to the whole process group; and it does not outlive its parent. `role`
+    names it in ps and top."""
     _name_process(role)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the spawning thread: quiet_children
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawning thread: quiet_children
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
 
@@ -131,11 +140,12 @@ def _watch_parent(parent: int) -> None:
 
 @contextmanager
 def quiet_children():
-    """Spawn children (or threads that will) within: SIGINT stays blocked in this thread meanwhile, so
-    a child starts with it blocked (a mask survives fork and exec, and a new thread takes its
-    creator's) and a terminal's Ctrl-C, sent to the whole process group, cannot kill it with a
-    traceback. Our children's `child_started` then ignores it; Dask's workers keep it blocked."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """Spawn children (or threads that will) within: SIGINT and SIGTERM stay blocked in this thread
+    meanwhile, so a child starts with them blocked (a mask survives fork and exec, and a new thread
+    takes its creator's) and a Ctrl-C or SIGTERM sent to the whole process group cannot kill it with
+    a traceback. Our children's `child_started` then ignores them (a LocalCluster's Dask workers
+    ignore them through a worker plugin: their nannies spawn them from threads of their own)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
