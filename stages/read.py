@@ -1,6 +1,7 @@
 """Source stage: an ImageFolder tree (Caltech256 layout) read batch by batch."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,11 +73,9 @@ class ImageFolder(Stage):
         n = len(self.files[split])
         if split is Split.VAL:
             return np.arange(n)
-        return np.random.default_rng([seed, sequence, epoch]).permutation(n)
+        return shuffle(n, seed, sequence, epoch)
 
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
-        # The permutation is recomputed per task (about 1 ms for 30K items):
-        # cheaper than shipping it, and it keeps tasks independent of each other.
         order = self.order(ctx.split, ctx.epoch, ctx.seed, ctx.sequence)
         picks = order[ctx.index * self.batch_size:(ctx.index + 1) * self.batch_size]
         items = [self.files[ctx.split][i] for i in ctx.share(list(picks))]
@@ -90,3 +89,20 @@ class ImageFolder(Stage):
             labels.append(label)
             paths.append(path)
         return Batch(data, np.asarray(labels, dtype=np.int64), paths)
+
+
+# Epochs whose shuffles a worker keeps: a few flotillas' current and next epochs. At ImageNet's 1.28M
+# files one is 5 MB (uint32).
+SHUFFLES_KEPT = 8
+
+
+@functools.lru_cache(maxsize=SHUFFLES_KEPT)
+def shuffle(n: int, seed: int, sequence: int, epoch: int) -> np.ndarray:
+    """The order of n training items in an epoch, computed once per worker process and kept: every
+    batch task of the epoch slices it, so an epoch costs O(n), not O(n) per batch (63 ms a task at
+    1.28M files). A pure function of its arguments: tasks stay independent of each other."""
+    order = np.random.default_rng([seed, sequence, epoch]).permutation(n)
+    order = order.astype(np.uint32 if n < 2**32 else np.int64)
+    order.flags.writeable = False  # shared by every task that asks
+    return order
+

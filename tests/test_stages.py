@@ -9,7 +9,7 @@ import simplejpeg
 from stages.augment import RandomResizedCropFlip
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split
 from stages.decode import Decode
-from stages.read import ImageFolder
+from stages.read import ImageFolder, shuffle
 from stages.broadcast import Broadcast
 
 
@@ -75,6 +75,15 @@ def test_training_order_changes_with_epoch_and_seed_but_not_otherwise(source):
 def test_an_epoch_covers_every_training_file_once(source):
     paths = [p for i in range(source.num_batches(Split.TRAIN)) for p in source(None, ctx(index=i)).paths]
     assert sorted(paths) == sorted(p for p, _ in source.files[Split.TRAIN])
+
+
+def test_an_epochs_shuffle_is_computed_once_for_all_its_batch_tasks(source):
+    """Linear cost: every batch task of an epoch slices one kept permutation (it was one per task)."""
+    shuffle.cache_clear()
+    batches = [source(None, ctx(index=i, epoch=7)) for i in range(source.num_batches(Split.TRAIN))]
+    assert shuffle.cache_info().misses == 1 and shuffle.cache_info().hits == len(batches) - 1
+    fresh = np.random.default_rng([0, 0, 7]).permutation(source.num_items(Split.TRAIN))  # the order it keeps
+    assert [p for b in batches for p in b.paths] == [source.files[Split.TRAIN][i][0] for i in fresh]
 
 
 def test_augmentations_follow_seed_epoch_and_index(source):
