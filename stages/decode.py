@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import io
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,14 +58,31 @@ class Decode(Stage):
 
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
         assert batch is not None
-        if self.backend == "dali" and batch.data:
-            images = _decode_with_dali(batch.data, self.dali_threads)
-            if images is not None:
-                return Batch(images, batch.labels, batch.paths)
-            # DALI rejects whole batches; the per-file path below names the bad file.
-        decoded = [self._decode_one(data, path, ctx) for data, path in zip(batch.data, batch.paths)]
+        decoded: list[np.ndarray | None] = [None] * len(batch.data)
+        if self.backend == "dali":
+            self._decode_sound_files_with_dali(batch.data, decoded)
+        for i in [i for i, image in enumerate(decoded) if image is None]:  # all, but for DALI's
+            decoded[i] = self._decode_one(batch.data[i], batch.paths[i], ctx)
         kept = [i for i, image in enumerate(decoded) if image is not None]  # skipped files leave the batch
         return Batch([decoded[i] for i in kept], batch.labels[kept], [batch.paths[i] for i in kept])
+
+    def _decode_sound_files_with_dali(self, encoded: list[bytes], decoded: list) -> None:
+        """Into `decoded`, DALI's decoding of the files it can take. DALI fails a whole batch for one bad
+        file, naming it: the sound colour JPEGs (their headers say so) go to DALI, a body it names as
+        bad is left out and the rest go again; what is left is for the per-file path, where bad files
+        are named and conversions noted."""
+        todo = [i for i, data in enumerate(encoded) if _sound_colour_jpeg(data)]
+        while todo:
+            try:
+                images = _decode_with_dali([encoded[i] for i in todo], self.dali_threads)
+            except DaliRejected as err:
+                if err.sample is None:
+                    return  # it did not say which
+                del todo[err.sample]
+                continue
+            for i, image in zip(todo, images):
+                decoded[i] = image
+            return
 
     def _decode_one(self, data: bytes, path: str, ctx: BatchContext) -> np.ndarray | None:
         if not data:
@@ -93,6 +111,17 @@ class Decode(Stage):
         return simplejpeg.decode_jpeg(data, colorspace="RGB")
 
 
+def _sound_colour_jpeg(data: bytes) -> bool:
+    """A JPEG whose header parses, in YCbCr: what DALI decodes as is (grey and CMYK are noted on the
+    per-file path)."""
+    if not data.startswith(JPEG_MAGIC):
+        return False
+    try:
+        return simplejpeg.decode_jpeg_header(data)[2] == "YCbCr"
+    except ValueError:
+        return False
+
+
 def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray | None:
     try:
         with Image.open(io.BytesIO(data)) as image:
@@ -113,12 +142,22 @@ def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray
     return None
 
 
+class DaliRejected(Exception):
+    """DALI could not decode a batch; `sample`: the index of the file it named, if it did."""
+
+    def __init__(self, sample: int | None):
+        super().__init__(f"sample {sample}")
+        self.sample = sample
+
+
+DALI_BAD_SAMPLE = re.compile(r"Failed to decode sample #(\d+)")
+
 # One DALI pipeline per worker process and batch capacity: building one costs ~100 ms.
 _dali_pipelines: dict[tuple[int, int], object] = {}
 
 
-def _decode_with_dali(encoded: list[bytes], threads: int) -> list[np.ndarray] | None:
-    """Decode a batch with DALI's CPU decoder; None when DALI rejects any file."""
+def _decode_with_dali(encoded: list[bytes], threads: int) -> list[np.ndarray]:
+    """Decode files with DALI's CPU decoder; DaliRejected when it cannot decode one of them."""
     from nvidia.dali import fn, pipeline_def, types  # imported lazily: DALI is large
 
     capacity = 1 << (len(encoded) - 1).bit_length()  # reuse pipelines across batch sizes
@@ -136,7 +175,8 @@ def _decode_with_dali(encoded: list[bytes], threads: int) -> list[np.ndarray] | 
     try:
         pipe.feed_input("encoded", [np.frombuffer(data, dtype=np.uint8) for data in encoded])
         (decoded,) = pipe.run()
-    except RuntimeError:
+    except RuntimeError as err:
         _dali_pipelines.pop(key)  # a pipeline that raised is not reused
-        return None
+        named = DALI_BAD_SAMPLE.search(str(err))
+        raise DaliRejected(int(named.group(1)) if named else None) from None
     return [np.array(decoded[i]) for i in range(len(encoded))]

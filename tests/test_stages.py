@@ -154,6 +154,19 @@ def test_bad_files_are_skipped_and_listed_or_converted(bad_dataset, backend):
     assert len(batch.data) == 4 * 16 + 3
 
 
+def test_dali_leaves_only_the_troublesome_files_to_the_per_file_path(bad_dataset, monkeypatch):
+    """DALI fails a whole batch for one bad file: the sound colour JPEGs go to DALI, only the others are
+    decoded (and named, or noted) one by one."""
+    root, bad = bad_dataset
+    one_by_one = []
+    per_file = Decode._decode_one
+    monkeypatch.setattr(Decode, "_decode_one", lambda self, data, path, c: one_by_one.append(path) or
+                        per_file(self, data, path, c))
+    batch, c = decode_all(root, "dali")
+    assert len(batch.data) == 4 * 16 + 3 and len(c.skipped) == 4
+    assert set(one_by_one) <= {str(path) for path in bad.values()}, one_by_one
+
+
 @pytest.mark.parametrize("kind", ["corrupt", "truncated", "empty", "non_image"])
 def test_on_error_fail_stops_naming_the_file(bad_dataset, kind):
     path = bad_dataset[1][kind]

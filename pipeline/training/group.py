@@ -117,7 +117,7 @@ def normalise(images, device):
             images = torch.from_numpy(images)
     x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()  # NHWC memory: channels_last
     mean, std = _statistics(x.device)
-    return (x - mean) / std
+    return x.sub_(mean).div_(std)  # in place: the float batch is the only copy made
 
 
 @functools.cache
