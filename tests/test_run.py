@@ -81,6 +81,10 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     usable = results["dataset"]["train_images"] + results["dataset"]["val_images"] - len(results["skipped"])
     assert decode["items"] == 2 * usable  # every usable file decoded once per epoch, for all four models
     assert decode["cpu_s"] <= decode["wall_s"]  # a worker thread's CPU time, not the process's
+    by_epoch = results["pipeline"]["cpu_s_by_epoch"]
+    tasks_cpu_s = sum(s["cpu_s"] for s in results["pipeline"]["stages"].values())
+    assert len(by_epoch) == 2 and results["pipeline"]["cpu_s_by_flotilla_epoch"] == {"0": by_epoch}
+    assert sum(by_epoch) > tasks_cpu_s * (1 + 1e-9)  # every batch task's CPU, and the hubs' on top
     skipped = {s["path"] for s in results["skipped"]}
     assert skipped == {str(bad[k]) for k in ("corrupt", "truncated", "empty", "non_image")}
     converted = {c["path"] for c in results["converted"]}

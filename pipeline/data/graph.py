@@ -50,6 +50,11 @@ class BatchOutput:
     ended: float = 0.0
     bad_file: str | None = None  # on_error=fail met a bad file: what to tell the user, and nothing else
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds its stages took in the worker."""
+        return sum(timing.cpu_s for timing in self.timings.values())
+
 
 @dataclass
 class StageGraph:

@@ -126,6 +126,7 @@ class Hub:
                 dist.destroy_process_group()
 
     def _split(self, executor, split: Split, epoch: int) -> None:
+        cpu_started = time.process_time()
         split_id = list(Split).index(split)
         # The driver runs a flotilla's epochs in order, TRAIN then VAL: what comes next is known.
         then = (Split.VAL, epoch) if split is Split.TRAIN else (Split.TRAIN, epoch + 1)
@@ -156,7 +157,7 @@ class Hub:
             self.latency_ms = keep_sample(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
             self.events.put(BatchPublished(self.spec.hub.rank, split, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
-        self.events.put(SplitDone(self.spec.hub.rank, split))
+        self.events.put(SplitDone(self.spec.hub.rank, split, time.process_time() - cpu_started))
 
     def _waiting(self, what: str) -> None:
         self.events.put(HubWaiting(self.spec.hub.rank, what))

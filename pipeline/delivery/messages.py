@@ -37,8 +37,11 @@ class BatchPublished:
 
 @dataclass(frozen=True)
 class SplitDone:
+    """The hub delivered every batch of the split; `cpu_s`: its process's CPU seconds meanwhile."""
+
     hub: int
     split: Split
+    cpu_s: float
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,8 @@ class RunRecorder:
         self.stages: dict[str, StageTiming] = defaultdict(StageTiming)
         self.stage_walls: dict[str, list[float]] = defaultdict(list)  # per batch, for latency percentiles
         self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
+        # flotilla -> epoch of its sequence -> preprocessing CPU seconds (its batch tasks' and hubs')
+        self.cpu_by_epoch: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
         # Per epoch the ensemble still waits on, the sum of the models' validation softmax and the models
@@ -101,6 +103,12 @@ class RunRecorder:
             self.skipped.update(new)
             self.converted.update(dict(output.converted))
             return new
+
+    def add_cpu(self, flotilla: int, epoch: int, cpu_s: float) -> None:
+        """Preprocessing CPU seconds spent on epoch `epoch` of a flotilla's sequence (a batch task's, or a
+        hub's over a split)."""
+        with self.lock:
+            self.cpu_by_epoch[flotilla][epoch] += cpu_s
 
     def seconds_per_image(self) -> float | None:
         """Worker seconds the pipeline has spent per image produced so far."""
@@ -220,7 +228,7 @@ class RunRecorder:
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
                 "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
-                "queues": self.queues}
+                "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch}
         folder.mkdir(parents=True, exist_ok=True)
         arrays = {key: array for key, array in arrays.items() if array is not None}
         for key, array in arrays.items():  # an array changes by being replaced: unchanged ones are on disk
@@ -258,6 +266,21 @@ class RunRecorder:
             self.skipped, self.converted, self.checksums = state["skipped"], state["converted"], state["checksums"]
             self.delivery = {int(f): info for f, info in state["delivery"].items()}
             self.queues = state["queues"]
+            for flotilla, epochs in state.get("cpu_by_epoch", {}).items():  # absent from older runs
+                self.cpu_by_epoch[int(flotilla)].update(by_epoch(epochs))
+
+    def _cpu_s_by_epoch(self) -> dict:
+        """Preprocessing CPU seconds per epoch, first epoch first: of the whole run (an epoch of every
+        flotilla's sequence) and per flotilla (0 for an epoch it did not run)."""
+        def listed(by_epoch: dict[int, float]) -> list[float]:
+            return [by_epoch.get(epoch, 0.0) for epoch in range(max(by_epoch, default=-1) + 1)]
+
+        run = defaultdict(float)
+        for epochs in self.cpu_by_epoch.values():
+            for epoch, cpu_s in epochs.items():
+                run[epoch] += cpu_s
+        return {"cpu_s_by_epoch": listed(run),
+                "cpu_s_by_flotilla_epoch": {str(f): listed(epochs) for f, epochs in sorted(self.cpu_by_epoch.items())}}
 
     def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
         """Share of the training time each worker's threads spent in batch tasks."""
@@ -328,6 +351,7 @@ class RunRecorder:
                 "train_images": self.train_images,
                 "images_per_s": self.train_images / wall_s if wall_s else None,
                 "cpu_s_per_epoch": busy / epochs if epochs else None,
+                **self._cpu_s_by_epoch(),
                 "occupancy": {name: queue for name, queue in self.queues.items() if len(queue["t_s"]) > 1},
                 "stages": {name: {"wall_s": t.wall_s, "cpu_s": t.cpu_s, "items": t.items,
                                   "cpu_share_pct": 100 * t.cpu_s / busy if busy else None,

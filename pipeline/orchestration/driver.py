@@ -263,6 +263,7 @@ class FlotillaThread(threading.Thread):
                     watch.saw(event)
                     if isinstance(event, SplitDone):
                         done.add(event.hub)
+                        r.recorder.add_cpu(self.flotilla_id, epoch, event.cpu_s)
                         continue
                     made = event.made
                     key = (event.index, made.worker, made.started) if made is not None else None
@@ -272,6 +273,7 @@ class FlotillaThread(threading.Thread):
                         counted = split is Split.TRAIN and flotilla.plan.hubs[event.hub].group == 0
                         for path, reason in r.recorder.add_batch(made, train=counted):
                             r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
+                        r.recorder.add_cpu(self.flotilla_id, epoch, made.cpu_s)
                     if event.hub in leads:
                         leads[event.hub] += 1
                         r.progress.update(task, completed=min(leads.values()))

@@ -175,7 +175,10 @@ def _pipeline_section(results: dict, analysis: Analysis) -> str:
         ["mean data stall over trainers", _num(analysis.mean_stall_pct, "{:.1f}%")],
         ["end-to-end wall time", _num(results.get("wall_s"), "{:.1f} s")],
     ]
-    return "<h2>Pipeline</h2>" + _table(["", "value"], rows)
+    by_epoch = results["pipeline"].get("cpu_s_by_epoch")  # none in profile mode: it runs no epochs
+    return ("<h2>Pipeline</h2>" + _table(["", "value"], rows)
+            + (_img(plots.epoch_cpu_chart(by_epoch, results["pipeline"]["cpu_s_by_flotilla_epoch"]),
+                    "preprocessing CPU per epoch") if by_epoch else ""))
 
 
 def _stages_section(analysis: Analysis) -> str:

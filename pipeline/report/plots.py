@@ -36,6 +36,23 @@ def stage_chart(stages: list[StageRow]) -> str:
     return to_base64_png(fig)
 
 
+def epoch_cpu_chart(by_epoch: list[float], by_flotilla: dict[str, list[float]]) -> str:
+    """Preprocessing CPU seconds per epoch: the run's, and each flotilla's when there are several."""
+    fig = Figure(figsize=(10, 3.2))
+    ax = fig.subplots()
+    epochs = range(1, len(by_epoch) + 1)
+    ax.bar(epochs, by_epoch, color=OTHER_COLOUR, label="run")
+    if len(by_flotilla) > 1:
+        for flotilla, seconds in by_flotilla.items():
+            ax.plot(range(1, len(seconds) + 1), seconds, marker="o", label=f"flotilla {flotilla}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epoch (of each flotilla's sequence)")
+    ax.set_ylabel("CPU s")
+    ax.set_title("preprocessing CPU per epoch (batch tasks and hubs, training and validation)")
+    ax.legend(loc="upper right")
+    return to_base64_png(fig)
+
+
 def stall_chart(models: list[ModelRow]) -> str:
     fig = Figure(figsize=(10, 0.45 * len(models) + 1.6))
     ax = fig.subplots()
