@@ -166,15 +166,32 @@ def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
     children = job.children()
     next(c for c in children if c.name() == "trainer").suspend()  # it cannot write its checkpoint
     os.killpg(job.process.pid, signal.SIGINT)
-    first = time.monotonic()
-    job.wait_for("stopping:")
-    time.sleep(max(REPEAT_S - (time.monotonic() - first), 0))  # sooner, it is the same request delivered twice
+    job.wait_for("stopping:")  # printed once the driver has taken the first signal
+    time.sleep(REPEAT_S)  # sooner, the next is the same request delivered twice
     signalled = time.monotonic()
     os.killpg(job.process.pid, signal.SIGINT)
     job.finish(timeout=60)
     assert job.process.returncode == 130
     assert time.monotonic() - signalled < 5  # the orderly stop would wait 15 s for the trainer
     assert not gone_within(children, 10)
+
+
+def test_a_hung_trainer_does_not_hold_the_orderly_stop_past_its_time(data, tmp_path):
+    """A trainer stopped (SIGSTOP) mid-run cannot write the checkpoint the scheduler asked for, nor the
+    one the stop asks for: one Ctrl-C still ends the run within timeouts.stop_s and a few seconds, with
+    its resume line, the trainer killed and nothing left."""
+    job = Job(command(data, tmp_path / "hung", "trainer.epochs=20", "timeouts.stop_s=8"))
+    job.wait_for("(epoch 1)")
+    children = job.children()
+    next(c for c in children if c.name() == "trainer").suspend()
+    os.killpg(job.process.pid, signal.SIGINT)
+    signalled = time.monotonic()
+    output = job.finish(timeout=120)
+    assert job.process.returncode == 130, output[-3000:]
+    assert time.monotonic() - signalled < 8 + 20, output[-3000:]  # stop_s, then results, report, Dask's close
+    assert sum("to resume:" in line for line in output.splitlines()) == 1, output[-2000:]
+    assert not gone_within(children, 1), "processes of the run outlived it"
+    assert not leftovers([job.process.pid] + [c.pid for c in children])
 
 
 def test_sigterm_to_the_whole_process_group_stops_in_order(data, tmp_path):

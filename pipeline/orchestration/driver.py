@@ -359,6 +359,8 @@ class FlotillaThread(threading.Thread):
             flotilla.save(group, tuple(models), epochs)
         waiting = dict(wanted)
         while waiting:
+            if not stopping:
+                self._check_stop()  # a stop request does not wait for a trainer that may be hung
             failed = flotilla.failed_members()
             waiting = {(group, model): epochs for (group, model), epochs in waiting.items()
                        if group not in failed and self.saved.get(model) != epochs}
