@@ -34,9 +34,12 @@ def command(data: Path, folder: Path, *extra) -> list[str]:
 class Job:
     """The command in its own session (as a terminal runs it); a thread reads its output as it comes."""
 
+    started: "list[Job]" = []  # killed, with their sessions, when their test ends (no_job_outlives_its_test)
+
     def __init__(self, args: list[str]):
         self.process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, start_new_session=True)
+        Job.started.append(self)
         self.lines: list[str] = []
         self.new_line = threading.Condition()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -69,6 +72,18 @@ class Job:
         self.process.wait(timeout)
         self.reader.join(timeout)
         return self.output()
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test():
+    """A test that fails while its command runs must not leave the run behind (its processes, a
+    stopped trainer): the command's whole session is killed."""
+    yield
+    while Job.started:
+        job = Job.started.pop()
+        if job.process.poll() is None:
+            os.killpg(job.process.pid, signal.SIGKILL)
+            job.process.wait()
 
 
 def leftovers(pids) -> list[str]:
