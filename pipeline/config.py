@@ -79,6 +79,7 @@ class PipelineConf:
     image_size: int = 64  # output side of the main augment branch
     alt_image_size: int = 48  # output side of the second augment branch
     decode_backend: DecodeBackend = DecodeBackend.simplejpeg  # simplejpeg | pillow | dali
+    cache_gb: float = 2.0  # per node: shared memory that keeps decoded images across epochs (0: off)
     stages: Dict[str, Any] = field(default_factory=dict)  # the stage DAG: name -> {_target_, inputs, fields}
 
 

@@ -8,11 +8,13 @@ StopSignals) ends it in order, and `resume=<run folder>` continues it."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import psutil
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -20,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.config import AUTO, ConfigError, Mode, check, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
-from pipeline.data.executor import (Executor, TlsFiles, connect, dask_client, dask_performance_report, node_threads,
-                                    worker_count)
+from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
+                                    node_threads, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.delivery.topology import Topology
@@ -31,7 +33,7 @@ from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devi
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
-from pipeline.runtime.lifetime import StopSignals, remove_stale_shm
+from pipeline.runtime.lifetime import SHM_DIR, StopSignals, remove_stale_shm
 from pipeline.orchestration.node import agent_key, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
@@ -43,6 +45,7 @@ from pipeline.scheduler.policies import PolicyName
 from pipeline.training.rates import Measurement, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
+from stages.cache import GB
 
 PROBE_BATCHES = 3  # topology=auto, several nodes: batches timed on one node before the first flotilla
 STATE_DIR = "state"  # in a run's folder: what resume= continues from
@@ -57,6 +60,7 @@ class RunInputs:
     models: list[ModelSpec]
     dataset: DatasetInfo
     graph: StageGraph
+    cache_line: str | None  # what the cache stage will hold (none without one), checked against the memory
 
     def dataset_summary(self, name: str) -> dict:
         source = self.graph.source
@@ -82,8 +86,11 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
     stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True)
-    inputs = RunInputs(models, dataset, build_graph(stages, {m.input for m in models}))
+    graph = build_graph(stages, {m.input for m in models})
+    inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
     if cfg.mode == Mode.profile:
+        if inputs.cache_line:
+            console.print(inputs.cache_line)
         results = profile_run(cfg, inputs.models, inputs.graph, output_dir, console)
     else:
         results = train(cfg, inputs, output_dir, console, stop)
@@ -100,6 +107,47 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
                       f"{cfg.scheduler.max_failures} times (its failures are in results.json)")
     remove_stale_shm()  # hand-off files of this run's hubs, all gone by now
     return results
+
+
+CACHE_SAMPLE = 32  # files decoded to estimate the decoded dataset's size
+CACHE_SHARE_OF_SHM = 0.8  # of /dev/shm's free space: the rest is the rings' and hand-off files'
+CACHE_SHARE_OF_RAM = 0.5  # of the memory available: the rest is the trainers' and workers'
+
+
+def _plan_cache(cfg: DictConfig, graph: StageGraph) -> str | None:
+    """The line that says what the graph's cache stage will hold, once checked against this host's
+    memory: the decoded dataset's size is estimated from a sample, and the cache takes at most that."""
+    cache = graph.cache
+    if cache is None:
+        return None
+    key = f"pipeline.stages.{graph.cache_name}.budget_gb"
+    if not cache.budget_bytes:
+        return f"[bold]cache[/]    off ({key}=0): every epoch reads and decodes every file"
+    source = graph.source
+    files = source.num_items(Split.TRAIN) + source.num_items(Split.VAL)
+    dataset = (graph.cached_bytes_per_item(CACHE_SAMPLE) or 0) * files
+    need = min(cache.budget_bytes, dataset)
+    nodes_here = 0 if cfg.cluster.address else cfg.cluster.nodes  # other hosts' memory is not known here
+    shm, ram = shutil.disk_usage(SHM_DIR).free, psutil.virtual_memory().available
+    for room, share, what in ((shm, CACHE_SHARE_OF_SHM, f"free in {SHM_DIR}"),
+                              (ram, CACHE_SHARE_OF_RAM, "of the memory available")):
+        if need * nodes_here > share * room:
+            raise ConfigError(
+                f"{key}={cache.budget_gb:g}: the cache would take {_gb(need)} on each of {nodes_here} "
+                f"node(s) on this host, more than {share:.0%} of the {_gb(room)} {what}; lower it (in the "
+                f"default pipeline: pipeline.cache_gb; 0 turns the cache off)"
+                + (" or give the host a larger /dev/shm (docker: --shm-size)" if room is shm else ""))
+    size = f"{_gb(dataset)} (estimated from {min(CACHE_SAMPLE, files)} files)"
+    if dataset <= cache.budget_bytes:
+        return (f"[bold]cache[/]    on: the decoded dataset, {size}, fits {key}={cache.budget_gb:g} per node; "
+                "epochs after the first neither read nor decode")
+    return (f"[bold]cache[/]    on, partly: {key}={cache.budget_gb:g} per node holds about "
+            f"{cache.budget_bytes / dataset:.0%} of the decoded dataset, {size}; the rest is read and decoded "
+            "every epoch (raise it to hold all)")
+
+
+def _gb(size: float) -> str:
+    return f"{size / GB:.2f} GB" if size >= GB / 10 else f"{size / 2**20:.0f} MB"
 
 
 def _resumed_folder(cfg: DictConfig) -> Path:
@@ -135,10 +183,12 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     needs_rates = POLICIES[cfg.scheduler.policy].needs_rates
     tls = TlsFiles.configured(cfg.cluster.tls)
     agents = _node_agents(cfg, tls)
+    if graph.cache:  # a host's store belongs to a process of that host: its agent
+        graph.cache.node_owners = {node: agent["pid"] for node, agent in agents.items()}
     key = agent_key(cfg.cluster.agent_key_file, "cluster.agent_key_file") if agents else None
     device_kind, slots, slot_bytes = _devices(cfg, models, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    _print_header(console, cfg, inputs.dataset, graph, device_kind, len(slots), len(models), workers)
+    _print_header(console, cfg, inputs, device_kind, len(slots), workers)
     state_dir = output_dir / STATE_DIR
     results: dict = {}
     sizes = measure_sizes(models, len(graph.source.class_names),
@@ -179,6 +229,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes, tls,
                      cfg.cluster.dashboard) as client, \
+            cache_kept(client, graph), \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
@@ -306,8 +357,9 @@ def _devices(cfg: DictConfig, models: list[ModelSpec], agents: dict[int, dict]):
     return device_kind, slots, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory)
 
 
-def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph: StageGraph,
-                  device_kind: DeviceKind, slots: int, models: int, workers) -> None:
+def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_kind: DeviceKind, slots: int,
+                  workers) -> None:
+    dataset, graph, models = inputs.dataset, inputs.graph, len(inputs.models)
     source = graph.source
     size = (f"{len(source.class_names)} classes, {source.num_items(Split.TRAIN)} train / "
             f"{source.num_items(Split.VAL)} val images")
@@ -328,3 +380,5 @@ def _print_header(console: Console, cfg: DictConfig, dataset: DatasetInfo, graph
                   f"({'GPUs' if device_kind == DeviceKind.cuda else 'no CUDA device in use'}); preprocessing on "
                   f"{where}. Change with trainer.device=cuda|cpu, trainer.slots=N, cluster.workers=N, "
                   "cluster.address=tcp://host:8786")
+    if inputs.cache_line:
+        console.print(inputs.cache_line)

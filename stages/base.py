@@ -74,6 +74,9 @@ class BatchContext:
     part: int = 0  # this task makes share `part` of `parts` (contiguous chunks of the batch's items)
     parts: int = 1
     stage: str = ""  # name of the stage now running, set by the executor
+    node: int = 0  # the node whose worker runs the task (its cache store)
+    wanted: list[tuple[str, int]] | None = None  # with a cache stage: the task's items (path, label), in order,
+    held: dict[str, np.ndarray] = field(default_factory=dict)  # and the decoded images it holds of them
     on_error: OnError = OnError.skip  # what a bad data file does
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     converted: list[tuple[str, str]] = field(default_factory=list)  # (path, what was done)
@@ -118,6 +121,7 @@ class Stage:
 
     role: ClassVar[Role]
     accepts: ClassVar[DataKind | None]  # kind of input it takes; None for sources
+    same_every_epoch: ClassVar[bool] = False  # what it makes of a file is the same every epoch (a cache may follow)
 
     def output_spec(self, input_spec: Spec | None) -> Spec:
         raise NotImplementedError

@@ -35,6 +35,7 @@ class Decode(Stage):
 
     role: ClassVar[Role] = Role.MAP
     accepts: ClassVar[DataKind | None] = DataKind.ENCODED
+    same_every_epoch: ClassVar[bool] = True
 
     consumer_side: int | None = field(init=False, default=None)  # set by the graph from the consumers
 

@@ -24,6 +24,7 @@ class ImageFolder(Stage):
 
     role: ClassVar[Role] = Role.SOURCE
     accepts: ClassVar[DataKind | None] = None
+    same_every_epoch: ClassVar[bool] = True  # each file's bytes (the order changes, not the items)
 
     class_names: list[str] = field(init=False, default_factory=list)
     files: dict[Split, list[tuple[str, int]]] = field(init=False, default_factory=dict)
@@ -75,12 +76,17 @@ class ImageFolder(Stage):
             return np.arange(n)
         return shuffle(n, seed, sequence, epoch)
 
-    def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
+    def items(self, ctx: BatchContext) -> list[tuple[str, int]]:
+        """The (path, label) items of the task's share of its batch, in order."""
         order = self.order(ctx.split, ctx.epoch, ctx.seed, ctx.sequence)
         picks = order[ctx.index * self.batch_size:(ctx.index + 1) * self.batch_size]
-        items = [self.files[ctx.split][i] for i in ctx.share(list(picks))]
+        return [self.files[ctx.split][i] for i in ctx.share(list(picks))]
+
+    def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
         data, labels, paths = [], [], []
-        for path, label in items:
+        for path, label in self.items(ctx) if ctx.wanted is None else ctx.wanted:
+            if path in ctx.held:  # a cache stage downstream has its image
+                continue
             try:
                 data.append(Path(path).read_bytes())
             except OSError as err:

@@ -15,10 +15,11 @@ def stages(tiny_dataset) -> dict:
     return OmegaConf.to_container(cfg.pipeline.stages, resolve=True)
 
 
-def test_default_config_builds_two_branches_from_one_decode(stages):
+def test_default_config_builds_two_branches_from_one_decode_and_its_cache(stages):
     graph = build_graph(stages, {"main", "alt"})
-    assert list(graph.stages)[:2] == ["read", "decode"]
-    assert graph.inputs["crop_main"] == graph.inputs["crop_alt"] == "decode"
+    assert list(graph.stages)[:3] == ["read", "decode", "cache"]
+    assert graph.inputs["cache"] == "decode" and graph.cache is graph.stages["cache"]
+    assert graph.inputs["crop_main"] == graph.inputs["crop_alt"] == "cache"
     assert graph.sinks["main"].item_shape == (64, 64, 3)
     assert graph.sinks["alt"].item_shape == (48, 48, 3)
     assert graph.specs["decode"].kind is DataKind.IMAGES
@@ -26,8 +27,35 @@ def test_default_config_builds_two_branches_from_one_decode(stages):
 
 def test_decode_is_told_the_detail_its_consumers_need(stages):
     graph = build_graph(stages, {"main", "alt"})
-    # scale (0.25, 1): the smallest crop spans half the shorter side -> 2 x 64 px
+    # scale (0.25, 1): the smallest crop spans half the shorter side -> 2 x 64 px, passed on by the cache
     assert graph.stages["decode"].keep_side == 128
+
+
+def test_a_cache_after_a_stage_that_may_change_between_epochs_is_refused(stages):
+    stages["slow"] = {"_target_": "tests.slow_stage.SlowDown", "inputs": ["decode"]}
+    stages["cache"]["inputs"] = ["slow"]
+    message = errors_for(stages)
+    assert "pipeline.stages.cache.inputs: SlowDown ('slow') may make something else of a file each epoch" in message
+    assert "right after decode" in message
+
+
+def test_a_branch_beside_the_cache_is_refused(stages):
+    stages["crop_alt"]["inputs"] = ["decode"]
+    message = errors_for(stages)
+    assert "pipeline.stages.crop_alt.inputs: 'decode' feeds the cache 'cache'" in message
+    assert "take its input from 'cache'" in message
+
+
+def test_one_cache_at_most(stages):
+    stages["cache2"] = {**stages["cache"], "inputs": ["cache"]}
+    stages["crop_alt"]["inputs"] = ["cache2"]
+    assert "one cache stage at most, found cache, cache2" in errors_for(stages)
+
+
+def test_a_negative_cache_budget_names_the_key(stages):
+    stages["cache"]["budget_gb"] = -1
+    message = errors_for(stages)
+    assert "pipeline.stages.cache" in message and "budget_gb must be >= 0" in message
 
 
 def errors_for(stages, consumed={"main", "alt"}):
@@ -114,5 +142,5 @@ def test_second_source_is_refused(stages):
 
 def test_a_flotilla_reading_one_stream_computes_only_its_branch(stages):
     graph = build_graph(stages, {"main", "alt"}).feeding({"alt"})
-    assert list(graph.stages) == ["read", "decode", "crop_alt", "alt"]
+    assert list(graph.stages) == ["read", "decode", "cache", "crop_alt", "alt"]
     assert set(graph.sinks) == {"alt"}

@@ -34,7 +34,7 @@ def test_profile_pass_settings_are_checked(tmp_path):
 @pytest.mark.slow
 def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(tiny_dataset, tmp_path):
     throttled = one_model(tiny_dataset, "{name:tiny,arch:resnet,depth:10,width:8,input:main}", 32,
-                          f"+pipeline.stages.slow={{_target_:tests.slow_stage.SlowDown,inputs:[decode],"
+                          f"+pipeline.stages.slow={{_target_:tests.slow_stage.SlowDown,inputs:[cache],"
                           f"seconds:{SLEEP_S}}}", "pipeline.stages.crop_main.inputs=[slow]")
     before = profile(throttled + ["cluster.workers=1"], tmp_path / "before")
     report = json.loads((tmp_path / "before" / "report.json").read_text())

@@ -76,10 +76,12 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
         assert model["images_per_s"] >= model["images"] / results["wall_s"]
     assert [m["slots"] for m in results["models"]] == [2, 1, 1, 1]
     assert len(results["ensemble"]["val_accuracy"]) == 2
-    assert set(results["pipeline"]["stages"]) == {"read", "decode", "crop_main", "crop_alt", "main", "alt"}
+    assert set(results["pipeline"]["stages"]) == {"read", "decode", "cache", "crop_main", "crop_alt", "main", "alt"}
     decode = results["pipeline"]["stages"]["decode"]
-    usable = results["dataset"]["train_images"] + results["dataset"]["val_images"] - len(results["skipped"])
-    assert decode["items"] == 2 * usable  # every usable file decoded once per epoch, for all four models
+    files = results["dataset"]["train_images"] + results["dataset"]["val_images"]
+    usable = files - len(results["skipped"])
+    assert decode["items"] == usable  # every usable file decoded once, for all four models; epoch 2 from the cache
+    assert results["pipeline"]["cache_hit_rate_by_epoch"] == [0.0, usable / files]
     assert decode["cpu_s"] <= decode["wall_s"]  # a worker thread's CPU time, not the process's
     by_epoch = results["pipeline"]["cpu_s_by_epoch"]
     tasks_cpu_s = sum(s["cpu_s"] for s in results["pipeline"]["stages"].values())

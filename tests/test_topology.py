@@ -19,6 +19,7 @@ from pipeline.data.graph import build_graph
 from pipeline.delivery.topology import TOPOLOGIES, choose_topology, plan_delivery
 from pipeline.orchestration.node import AGENT_KEY_ENV
 from stages.base import BatchContext, Split, UserError
+from stages.cache import cache_prefix
 from tests.conftest import compose_config
 
 # A on node 0; B on 2 slots, so on node 1 (a model's slots share a node); C on node 0.
@@ -128,7 +129,7 @@ MODELS = ("[{name: A, arch: resnet, depth: 10, width: 8, input: main},"
           " {name: C, arch: resnet, depth: 10, width: 8, input: main}]")
 VICTIM = "C"
 # Batch tasks sleep a little: consume-only epochs would otherwise end before the faults land.
-PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [decode], seconds: 0.15}",
+PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [cache], seconds: 0.15}",
          "pipeline.stages.crop_main.inputs=[pace]", "pipeline.stages.crop_alt.inputs=[pace]"]
 
 
@@ -229,9 +230,12 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
 
 def _assert_every_batch_once_in_order_bit_identical(cfg, results):
     """Every trainer that finished got every batch of every epoch it trained once, in order, and
-    bit-identical to what one task makes in this process (whatever the topology, shares or faults)."""
+    bit-identical to what one task makes in this process without the cache (whatever the topology,
+    shares or faults; the run's epochs after the first come from its cache)."""
     models = {m["name"]: m for m in results["models"]}
-    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True), {"main", "alt"})
+    stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True)
+    stages["cache"]["budget_gb"] = 0
+    graph = build_graph(stages, {"main", "alt"})
     batches = {0: graph.source.num_batches(Split.TRAIN), 1: graph.source.num_batches(Split.VAL)}
     for trainer, messages in results["delivery"]["received"].items():
         flotilla, name, _, stream = trainer.split("/")
@@ -311,9 +315,12 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
                          f"cluster.tls.ca_file={tls_files.ca_file}", f"cluster.tls.cert={tls_files.cert}",
                          f"cluster.tls.key={tls_files.key}", f"cluster.agent_key_file={key_file}", "trainer.slots=4",
                          "trainer.consume_only=true"]
-            cfg = compose_config([*overrides, "trainer.epochs=1", "trainer.record_checksums=true"])
+            cfg = compose_config([*overrides, "trainer.epochs=2", "trainer.record_checksums=true"])
             results = run(cfg, tmp_path / "out")
             _assert_every_batch_once_in_order_bit_identical(cfg, results)
+            # One cache per host: each holds the shares its node made in epoch 1 (about half of epoch 2's).
+            first, second = results["pipeline"]["cache_hit_rate_by_epoch"]
+            assert first == 0 and 0.25 < second < 0.75
             assert len(results["delivery"]["received"]) == 4
             (hubs,) = [info["hubs"] for info in results["delivery"]["flotillas"].values()]
             assert {hub["node"] for hub in hubs.values()} == {0, 1}
@@ -367,6 +374,13 @@ def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, ag
     _, alive = psutil.wait_procs(running, timeout=10)
     assert not alive, [(p.pid, p.name()) for p in alive]
     assert all(agent.poll() is None for agent in agents)
+    # ...and then removes the run's cache there.
+    stores = lambda: [name for name in os.listdir("/dev/shm")
+                      if name.startswith(tuple(cache_prefix(agent.pid) for agent in agents))]
+    deadline = time.monotonic() + 10
+    while stores() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stores()
 
 
 def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):

@@ -31,6 +31,7 @@ from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
 from pipeline.runtime.hang import Patience, Stall
 from pipeline.runtime.lifetime import STOP_SIGNALS, remove_shm
 from stages.base import BadFileError, BatchContext, OnError, Split, UserError
+from stages.cache import Cache
 
 
 def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int, index: int, part: int, parts: int,
@@ -39,7 +40,7 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
     the streams' arrays are left in this node's shared memory under that name prefix."""
     started = time.time()
     context = BatchContext(seed=seed, split=split, epoch=epoch, index=index, sequence=sequence, part=part,
-                           parts=parts, on_error=on_error)
+                           parts=parts, on_error=on_error, node=_worker_node())
     try:
         output = _GRAPHS[graph_id][0].run(context)
     except BadFileError as err:  # the user's data, not a failed task: raised where the batch is taken
@@ -49,6 +50,31 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
         for stream, batch in output.streams.items():
             batch.data = SharedArray.write(f"{share_as}-{stream}", batch.data)
     return output
+
+
+def _worker_node() -> int:
+    """The node of this worker: the i of its resource node-<i> (0 without one)."""
+    return next((int(name.removeprefix("node-")) for name in get_worker().state.total_resources
+                 if name.startswith("node-")), 0)
+
+
+@contextmanager
+def cache_kept(client: Client, graph: StageGraph) -> Iterator[None]:
+    """The graph's cache stores (one per node) live while this does: on exit they are removed from
+    every host of the cluster."""
+    try:
+        yield
+    finally:
+        if graph.cache:
+            if client.status == "running":
+                client.run(_remove_cache, graph.cache)
+            _remove_cache(graph.cache)
+
+
+def _remove_cache(cache: Cache) -> None:
+    cache.close()
+    for prefix in cache.prefixes():
+        remove_shm(prefix)
 
 
 _GRAPHS: dict[str, list] = {}  # in each worker process: graph id -> [graph, executors holding it]

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.base import Batch, BatchContext, Role, Spec, Stage, StageError, UserError
+from stages.base import Batch, BatchContext, Role, Spec, Split, Stage, StageError, UserError
+from stages.cache import Cache, stored_bytes
 from stages.read import ImageFolder
 
 CONFIG_ROOT = "pipeline.stages"
@@ -49,6 +50,8 @@ class BatchOutput:
     started: float = 0.0
     ended: float = 0.0
     bad_file: str | None = None  # on_error=fail met a bad file: what to tell the user, and nothing else
+    cache_hits: int = 0  # with a cache stage: items the node's cache held, of
+    cache_lookups: int = 0  # the items looked up there
 
     @property
     def cpu_s(self) -> float:
@@ -65,6 +68,34 @@ class StageGraph:
     @property
     def source(self) -> ImageFolder:
         return next(stage for stage in self.stages.values() if isinstance(stage, ImageFolder))
+
+    @property
+    def cache(self) -> Cache | None:
+        return next((stage for stage in self.stages.values() if isinstance(stage, Cache)), None)
+
+    @property
+    def cache_name(self) -> str | None:
+        return next((name for name, stage in self.stages.items() if isinstance(stage, Cache)), None)
+
+    def cached_bytes_per_item(self, sample: int) -> float | None:
+        """Shared memory the cache takes per file (pages counted as the cache counts them): the stages
+        before it run on `sample` files spread over the dataset. None without a cache, or when no sampled
+        file could be used."""
+        name = self.cache_name
+        if name is None:
+            return None
+        files = self.source.files[Split.TRAIN] + self.source.files[Split.VAL]
+        picks = [files[i] for i in np.linspace(0, len(files) - 1, min(sample, len(files))).astype(int)]
+        ctx = BatchContext(seed=0, split=Split.TRAIN, epoch=0, index=0, wanted=picks)
+        chain = []
+        while self.inputs[name]:
+            name = self.inputs[name]
+            chain.append(name)
+        batch = None
+        for name in reversed(chain):
+            ctx.stage = name
+            batch = self.stages[name](batch, ctx)
+        return float(np.mean([stored_bytes(image) for image in batch.data])) if batch.data else None
 
     @property
     def sinks(self) -> dict[str, Spec]:
@@ -86,15 +117,23 @@ class StageGraph:
         """One batch through every stage, fused in this thread, each stage timed."""
         outputs: dict[str, Batch] = {}
         timings: dict[str, StageTiming] = {}
+        cache, looked_up = self.cache, (0.0, 0.0)
+        if cache:  # before the source: what it holds is not read (the time is the cache stage's)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            cache.lookup(self.source.items(ctx), ctx)
+            looked_up = (time.perf_counter() - wall, time.thread_time() - cpu)
         for name, stage in self.stages.items():
             ctx.stage = name
             given = outputs[self.inputs[name]] if self.inputs[name] else None
             wall, cpu = time.perf_counter(), time.thread_time()
             outputs[name] = stage(given, ctx)
+            if stage is cache:
+                wall, cpu = wall - looked_up[0], cpu - looked_up[1]
             timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
                                         len(outputs[name].labels), _nbytes(given), _nbytes(outputs[name]))
         streams = {name: outputs[name] for name in self.sinks}
-        return BatchOutput(streams, timings, ctx.skipped, ctx.converted)
+        return BatchOutput(streams, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
+                           cache_lookups=len(ctx.wanted or ()))
 
 
 def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> StageGraph:
@@ -114,7 +153,8 @@ def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> St
                 f"feed it from a stage that produces {stage.accepts.value}")
         specs[name] = stage.output_spec(specs[upstream] if upstream else None)
     _check_ends(stages, inputs, consumed)
-    _tell_consumer_needs(stages, inputs)
+    _check_cache(stages, inputs)
+    _tell_consumer_needs({name: stages[name] for name in reversed(order)}, inputs)
     return StageGraph({name: stages[name] for name in order}, inputs, specs)
 
 
@@ -143,7 +183,7 @@ def _stage_class(target: str, key: str) -> type[Stage]:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError):
         raise GraphError(f"{key}._target_: cannot import '{target}'; built-in stages are "
-                         "stages.read.ImageFolder, stages.decode.Decode, "
+                         "stages.read.ImageFolder, stages.decode.Decode, stages.cache.Cache, "
                          "stages.augment.RandomResizedCropFlip, stages.broadcast.Broadcast") from None
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise GraphError(f"{key}._target_: '{target}' is not a Stage (subclass stages.base.Stage)")
@@ -206,8 +246,33 @@ def _check_ends(stages: dict[str, Stage], inputs: dict[str, str | None], consume
                          f"sinks are: {', '.join(sorted(sinks)) or '(none)'}")
 
 
+def _check_cache(stages: dict[str, Stage], inputs: dict[str, str | None]) -> None:
+    """A cache holds what every epoch makes alike, and stands on the one path all branches take: then
+    the files it holds need not be read or decoded at all."""
+    caches = [name for name, stage in stages.items() if isinstance(stage, Cache)]
+    if len(caches) > 1:
+        raise GraphError(f"{CONFIG_ROOT}: one cache stage at most, found {', '.join(caches)}; keep the one "
+                         "right after decode")
+    for name in caches:
+        below, upstream = name, inputs[name]
+        while upstream:
+            stage = stages[upstream]
+            if not stage.same_every_epoch:
+                raise GraphError(f"{CONFIG_ROOT}.{name}.inputs: {type(stage).__name__} ('{upstream}') may make "
+                                 "something else of a file each epoch (it does not set same_every_epoch), so a "
+                                 "cache after it would repeat one epoch's output; put the cache right after "
+                                 "decode, before the random augmentations")
+            others = [c for c, u in inputs.items() if u == upstream and c != below]
+            if others:
+                raise GraphError(f"{CONFIG_ROOT}.{others[0]}.inputs: '{upstream}' feeds the cache '{name}', and "
+                                 f"'{others[0]}' beside it would need every file read and decoded anyway; take "
+                                 f"its input from '{name}'")
+            below, upstream = upstream, inputs[upstream]
+
+
 def _tell_consumer_needs(stages: dict[str, Stage], inputs: dict[str, str | None]) -> None:
-    """Let each stage know the detail its consumers need (decode may shrink to it)."""
+    """Let each stage know the detail its consumers need (decode may shrink to it); `stages` come
+    consumers first, so a stage that passes its consumers' need on (the cache) has it when asked."""
     for name, stage in stages.items():
         needs = [stages[c].min_input_side() for c, upstream in inputs.items() if upstream == name]
         stage.set_consumer_need(None if not needs or None in needs else max(needs))

@@ -70,6 +70,7 @@ class RunRecorder:
         self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
         # flotilla -> epoch of its sequence -> preprocessing CPU seconds (its batch tasks' and hubs')
         self.cpu_by_epoch: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+        self.cache_by_epoch: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # epoch -> [hits, lookups]
         self.skipped: dict[str, str] = {}
         self.converted: dict[str, str] = {}
         # Per epoch the ensemble still waits on, the sum of the models' validation softmax and the models
@@ -109,6 +110,14 @@ class RunRecorder:
         hub's over a split)."""
         with self.lock:
             self.cpu_by_epoch[flotilla][epoch] += cpu_s
+
+    def add_cache(self, epoch: int, hits: int, lookups: int) -> None:
+        """A batch task of epoch `epoch` found `hits` of the `lookups` images it looked up in the cache."""
+        if lookups:
+            with self.lock:
+                counts = self.cache_by_epoch[epoch]
+                counts[0] += hits
+                counts[1] += lookups
 
     def seconds_per_image(self) -> float | None:
         """Worker seconds the pipeline has spent per image produced so far."""
@@ -228,7 +237,7 @@ class RunRecorder:
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
                 "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
-                "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch}
+                "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch, "cache_by_epoch": self.cache_by_epoch}
         folder.mkdir(parents=True, exist_ok=True)
         arrays = {key: array for key, array in arrays.items() if array is not None}
         for key, array in arrays.items():  # an array changes by being replaced: unchanged ones are on disk
@@ -268,10 +277,12 @@ class RunRecorder:
             self.queues = state["queues"]
             for flotilla, epochs in state.get("cpu_by_epoch", {}).items():  # absent from older runs
                 self.cpu_by_epoch[int(flotilla)].update(by_epoch(epochs))
+            self.cache_by_epoch.update(by_epoch(state.get("cache_by_epoch", {})))
 
     def _cpu_s_by_epoch(self) -> dict:
         """Preprocessing CPU seconds per epoch, first epoch first: of the whole run (an epoch of every
-        flotilla's sequence) and per flotilla (0 for an epoch it did not run)."""
+        flotilla's sequence) and per flotilla (0 for an epoch it did not run); with a cache stage, the
+        share of the images looked up each epoch that the cache held."""
         def listed(by_epoch: dict[int, float]) -> list[float]:
             return [by_epoch.get(epoch, 0.0) for epoch in range(max(by_epoch, default=-1) + 1)]
 
@@ -279,8 +290,10 @@ class RunRecorder:
         for epochs in self.cpu_by_epoch.values():
             for epoch, cpu_s in epochs.items():
                 run[epoch] += cpu_s
+        hits = {epoch: hits / lookups for epoch, (hits, lookups) in self.cache_by_epoch.items()}
         return {"cpu_s_by_epoch": listed(run),
-                "cpu_s_by_flotilla_epoch": {str(f): listed(epochs) for f, epochs in sorted(self.cpu_by_epoch.items())}}
+                "cpu_s_by_flotilla_epoch": {str(f): listed(epochs) for f, epochs in sorted(self.cpu_by_epoch.items())},
+                **({"cache_hit_rate_by_epoch": listed(hits)} if hits else {})}
 
     def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
         """Share of the training time each worker's threads spent in batch tasks."""

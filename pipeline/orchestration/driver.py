@@ -274,6 +274,7 @@ class FlotillaThread(threading.Thread):
                         for path, reason in r.recorder.add_batch(made, train=counted):
                             r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
                         r.recorder.add_cpu(self.flotilla_id, epoch, made.cpu_s)
+                        r.recorder.add_cache(epoch, made.cache_hits, made.cache_lookups)
                     if event.hub in leads:
                         leads[event.hub] += 1
                         r.progress.update(task, completed=min(leads.values()))

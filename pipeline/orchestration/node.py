@@ -39,11 +39,12 @@ from pipeline.data.executor import TlsFiles, connect
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
-from pipeline.runtime.lifetime import quiet_children, remove_shm_of
+from pipeline.runtime.lifetime import quiet_children, remove_shm, remove_shm_of
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.ring import Ring
 from stages.base import UserError
+from stages.cache import cache_prefix
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
 AGENT_KEY_ENV = "PIPELINE_AGENT_KEY"  # the agents' shared secret, where no key file is given
@@ -107,8 +108,9 @@ class NodeProcesses:
         except (EOFError, OSError, mp.AuthenticationError):
             pass
         if not self.closed:
-            log.info("node %d: the driver is gone: closing its flotilla", self.node)
+            log.info("node %d: the driver is gone: closing its flotilla and the run's cache here", self.node)
             self.close()
+            remove_shm(cache_prefix(os.getpid()))
 
     def rendezvous(self) -> str:
         """init_method of a process group whose rank 0 runs on this node."""
@@ -395,6 +397,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key:
                 server.serve_forever()
             finally:
                 client.set_metadata([AGENTS, str(node)], None)
+                remove_shm(cache_prefix(os.getpid()))  # the stores of runs this host served
         finally:
             dask_workers.terminate()
             dask_workers.wait(60)

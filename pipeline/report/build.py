@@ -177,8 +177,9 @@ def _pipeline_section(results: dict, analysis: Analysis) -> str:
     ]
     by_epoch = results["pipeline"].get("cpu_s_by_epoch")  # none in profile mode: it runs no epochs
     return ("<h2>Pipeline</h2>" + _table(["", "value"], rows)
-            + (_img(plots.epoch_cpu_chart(by_epoch, results["pipeline"]["cpu_s_by_flotilla_epoch"]),
-                    "preprocessing CPU per epoch") if by_epoch else ""))
+            + (_img(plots.epoch_cpu_chart(by_epoch, results["pipeline"]["cpu_s_by_flotilla_epoch"],
+                                          results["pipeline"].get("cache_hit_rate_by_epoch")),
+                    "preprocessing CPU and cache hits per epoch") if by_epoch else ""))
 
 
 def _stages_section(analysis: Analysis) -> str:

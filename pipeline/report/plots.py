@@ -36,8 +36,10 @@ def stage_chart(stages: list[StageRow]) -> str:
     return to_base64_png(fig)
 
 
-def epoch_cpu_chart(by_epoch: list[float], by_flotilla: dict[str, list[float]]) -> str:
-    """Preprocessing CPU seconds per epoch: the run's, and each flotilla's when there are several."""
+def epoch_cpu_chart(by_epoch: list[float], by_flotilla: dict[str, list[float]],
+                    cache_hits: list[float] | None) -> str:
+    """Preprocessing CPU seconds per epoch: the run's, and each flotilla's when there are several; and
+    the share of images the cache held, when the pipeline has one."""
     fig = Figure(figsize=(10, 3.2))
     ax = fig.subplots()
     epochs = range(1, len(by_epoch) + 1)
@@ -49,7 +51,14 @@ def epoch_cpu_chart(by_epoch: list[float], by_flotilla: dict[str, list[float]]) 
     ax.set_xlabel("epoch (of each flotilla's sequence)")
     ax.set_ylabel("CPU s")
     ax.set_title("preprocessing CPU per epoch (batch tasks and hubs, training and validation)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper left")
+    if cache_hits:
+        hits = ax.twinx()
+        hits.plot(range(1, len(cache_hits) + 1), [100 * h for h in cache_hits], color=PACE_COLOUR, marker="s",
+                  label="cache hits")
+        hits.set_ylim(0, 105)
+        hits.set_ylabel("cache hits %")
+        hits.legend(loc="upper right")
     return to_base64_png(fig)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipeline.data.executor import Executor, TlsFiles, dask_client, dask_performance_report, worker_count
+from pipeline.data.executor import Executor, TlsFiles, cache_kept, dask_client, dask_performance_report, worker_count
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.runtime.hang import Patience
 from pipeline.measure.recorder import RunRecorder
@@ -71,7 +71,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
     drain_s, patience = cfg.timeouts.drain_s, Patience(cfg.timeouts.warn_s, cfg.timeouts.stall_s)
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker,
                      tls=TlsFiles.configured(cfg.cluster.tls), dashboard=cfg.cluster.dashboard) as client, \
-            dask_performance_report(client, output_dir / DASK_REPORT, console):
+            cache_kept(client, graph), dask_performance_report(client, output_dir / DASK_REPORT, console):
         threads = sum(client.nthreads().values())
         in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
         with Executor(client, graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s,
