@@ -117,23 +117,24 @@ class StageGraph:
         """One batch through every stage, fused in this thread, each stage timed."""
         outputs: dict[str, Batch] = {}
         timings: dict[str, StageTiming] = {}
-        cache, looked_up = self.cache, (0.0, 0.0)
+        cache, lookup_s = self.cache, (0.0, 0.0)
         if cache:  # before the source: what it holds is not read (the time is the cache stage's)
             wall, cpu = time.perf_counter(), time.thread_time()
             cache.lookup(self.source.items(ctx), ctx)
-            looked_up = (time.perf_counter() - wall, time.thread_time() - cpu)
+            lookup_s = (time.perf_counter() - wall, time.thread_time() - cpu)
         for name, stage in self.stages.items():
             ctx.stage = name
             given = outputs[self.inputs[name]] if self.inputs[name] else None
             wall, cpu = time.perf_counter(), time.thread_time()
             outputs[name] = stage(given, ctx)
             if stage is cache:
-                wall, cpu = wall - looked_up[0], cpu - looked_up[1]
+                wall, cpu = wall - lookup_s[0], cpu - lookup_s[1]
             timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
                                         len(outputs[name].labels), _nbytes(given), _nbytes(outputs[name]))
         streams = {name: outputs[name] for name in self.sinks}
+        lookups = len(ctx.wanted) if cache and cache.budget_bytes else 0  # a cache turned off holds nothing
         return BatchOutput(streams, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
-                           cache_lookups=len(ctx.wanted or ()))
+                           cache_lookups=lookups)
 
 
 def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> StageGraph:
