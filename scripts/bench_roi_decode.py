@@ -238,21 +238,28 @@ class TurboCropScale:
 
     def run(self, files: list, boxes: list, out: np.ndarray) -> None:
         self.decoded_pixels = 0
-        tj, size = self.turbojpeg, self.augment.size
+        tj = self.turbojpeg
         for i, (_, data, _, _) in enumerate(files):
             _, _, subsample, _ = self.jpeg.decode_header(data)
             x0, y0, x1, y1 = boxes[i]
             # Crop origins must fall on the iMCU grid; the window may end anywhere.
             ax, ay = x0 - x0 % tj.tjMCUWidth[subsample], y0 - y0 % tj.tjMCUHeight[subsample]
             (window,) = self.jpeg.crop_multiple(data, [(ax, ay, x1 - ax, y1 - ay)], copynone=True)
-            f = next((f for f in DCT_SCALES if min(x1 - x0, y1 - y0) * f >= size), DCT_SCALES[-1])
-            image = self.jpeg.decode(window, pixel_format=tj.TJPF_RGB, scaling_factor=(f.numerator, f.denominator))
-            h, w = image.shape[:2]
-            cx0, cy0 = math.floor((x0 - ax) * f), math.floor((y0 - ay) * f)
-            crop = image[cy0:max(min(h, math.ceil((y1 - ay) * f)), cy0 + 1),
-                         cx0:max(min(w, math.ceil((x1 - ax) * f)), cx0 + 1)]
-            self.augment._resize(crop, dst=out[i])
-            self.decoded_pixels += h * w
+            self.decode_window(window, ax, ay, boxes[i], out[i])
+
+    def decode_window(self, window: bytes, ax: int, ay: int, box: tuple, out: np.ndarray) -> None:
+        """Decode a cut window (its origin at (ax, ay) of the image) at the largest DCT reduction that
+        keeps the crop's shorter side >= the output size; resize the crop `box` of it into `out`."""
+        x0, y0, x1, y1 = box
+        f = next((f for f in DCT_SCALES if min(x1 - x0, y1 - y0) * f >= self.augment.size), DCT_SCALES[-1])
+        image = self.jpeg.decode(window, pixel_format=self.turbojpeg.TJPF_RGB,
+                                 scaling_factor=(f.numerator, f.denominator))
+        h, w = image.shape[:2]
+        cx0, cy0 = math.floor((x0 - ax) * f), math.floor((y0 - ay) * f)
+        crop = image[cy0:max(min(h, math.ceil((y1 - ay) * f)), cy0 + 1),
+                     cx0:max(min(w, math.ceil((x1 - ax) * f)), cx0 + 1)]
+        self.augment._resize(crop, dst=out)
+        self.decoded_pixels += h * w
 
 
 class ScaledWindowBound(TurboCropScale):
@@ -282,17 +289,8 @@ class ScaledWindowBound(TurboCropScale):
 
     def run(self, files: list, boxes: list, out: np.ndarray) -> None:
         self.decoded_pixels = 0
-        tj, size = self.turbojpeg, self.augment.size
         for i, (window, ax, ay) in enumerate(self.windows):
-            x0, y0, x1, y1 = boxes[i]
-            f = next((f for f in DCT_SCALES if min(x1 - x0, y1 - y0) * f >= size), DCT_SCALES[-1])
-            image = self.jpeg.decode(window, pixel_format=tj.TJPF_RGB, scaling_factor=(f.numerator, f.denominator))
-            h, w = image.shape[:2]
-            cx0, cy0 = math.floor((x0 - ax) * f), math.floor((y0 - ay) * f)
-            crop = image[cy0:max(min(h, math.ceil((y1 - ay) * f)), cy0 + 1),
-                         cx0:max(min(w, math.ceil((x1 - ax) * f)), cx0 + 1)]
-            self.augment._resize(crop, dst=out[i])
-            self.decoded_pixels += h * w
+            self.decode_window(window, ax, ay, boxes[i], out[i])
 
 
 class ScaledRowsBound(ScaledWindowBound):
