@@ -185,3 +185,30 @@ def test_dask_workers_share_one_store_and_a_killed_worker_costs_a_recomputation(
     assert all(hit == lookups for epoch, hit, lookups in hits if epoch == 1)
     assert not store_files(graph)[0] and not [n for n in os.listdir(SHM_DIR) if n.startswith(
         tuple(graph.cache.prefixes()))]
+
+
+def test_the_first_lines_say_what_the_cache_holds_and_a_cache_the_host_cannot_hold_is_refused(tiny_dataset,
+                                                                                            monkeypatch, tmp_path):
+    import shutil
+    from collections import namedtuple
+
+    from pipeline.config import ConfigError
+    from pipeline.run import _plan_cache, run
+
+    overrides = ["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never"]
+    per_item = default_graph(tiny_dataset, 0).cached_bytes_per_item(32)
+    dataset_gb = per_item * 64 / 1024**3
+    for budget_gb, says in ((1, "on: the decoded dataset"), (dataset_gb / 4, "on, partly"), (0, "off")):
+        cfg = compose_config([*overrides, f"pipeline.cache_gb={budget_gb}"])
+        line = _plan_cache(cfg, default_graph(tiny_dataset, budget_gb))
+        assert says in line and "pipeline.stages.cache.budget_gb" in line, line
+    assert "about 25% of the decoded dataset" in _plan_cache(compose_config(overrides),
+                                                             default_graph(tiny_dataset, dataset_gb / 4))
+    # Two simulated nodes on this host, /dev/shm with room for one node's images only:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, int(per_item * 64 * 1.2)))
+    with pytest.raises(ConfigError, match=r"pipeline.stages.cache.budget_gb=2: the cache would take .* on each of 2 "
+                                          r"node\(s\) on this host, more than 80% of the .* free in /dev/shm; lower "
+                                          r"it \(in the default pipeline: pipeline.cache_gb; 0 turns the cache off\) "
+                                          r"or give the host a larger /dev/shm"):
+        run(compose_config([*overrides, "cluster.nodes=2", "cluster.workers=2"]), tmp_path)

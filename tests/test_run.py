@@ -124,6 +124,7 @@ def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
     stdout, stderr = job.communicate(timeout=600)  # Popen, not run: the rings are named by the job's pid
     assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
     assert "SYNTHETIC stand-in" in stdout and "dataset.root=" in stdout
+    assert stdout.count("cache    on: the decoded dataset") == 2  # each job says what its cache will hold
     assert "trainer.device=cuda" in stdout and "+ensemble=caltech256_paper" in stdout
     jobs = sorted((tmp_path / "multirun").glob("*/results.json"))
     assert len(jobs) == 2
