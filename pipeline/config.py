@@ -70,6 +70,7 @@ class DatasetConf:
     # never: error instead
     synthetic_classes: int = 10  # classes of the generated stand-in
     synthetic_images_per_class: int = 110  # images per class of the generated stand-in
+    synthetic_difficulty: float = 0.3  # 0 (every model learns it in two epochs) to 1 (the classes blend most)
     val_per_class: float = 0.1  # validation images per class: a fraction if < 1, else a count
 
 
@@ -240,6 +241,9 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"timeouts.warn_s={cfg.timeouts.warn_s} is not below timeouts.stall_s="
                           f"{cfg.timeouts.stall_s}: a wait says what it waits for before it fails; lower warn_s")
     _check_tls(cfg.cluster)
+    if not 0 <= cfg.dataset.synthetic_difficulty <= 1:
+        raise ConfigError(f"dataset.synthetic_difficulty={cfg.dataset.synthetic_difficulty}: give a value in [0, 1] "
+                          "(0: easy, 1: the classes blend most)")
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")

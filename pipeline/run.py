@@ -84,7 +84,8 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
     models = expand_ensemble(cfg.ensemble)
     d = cfg.dataset
-    dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class, cfg.seed)
+    dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
+                              d.synthetic_difficulty, cfg.seed)
     stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True)
     graph = build_graph(stages, {m.input for m in models})
     inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))

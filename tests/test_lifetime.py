@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 def overrides(data: Path, *extra) -> list[str]:
     return ["+ensemble=caltech256", f"dataset.root={data}", "dataset.synthetic_classes=3",
             "dataset.synthetic_images_per_class=16", "pipeline.batch_size=16", "pipeline.image_size=32",
-            "pipeline.alt_image_size=24", "cluster.workers=2", *extra]
+            "pipeline.alt_image_size=24", "cluster.workers=2", "scheduler.patience=0", *extra]  # epochs fixed
 
 
 def command(data: Path, folder: Path, *extra) -> list[str]:

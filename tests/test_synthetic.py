@@ -201,3 +201,30 @@ def test_classes_are_learnable_from_small_random_crops(dataset, one_torch_thread
         accuracy = (model(crops).argmax(1) == labels[held_out]).float().mean().item()
     # Seeds 7-9 give 0.75-0.89; chance is 0.1.
     assert accuracy > 3 / NUM_CLASSES, f"held-out accuracy {accuracy:.2f}"
+
+
+def test_difficulty_blends_the_classes_and_is_recorded(tmp_path):
+    """Harder stand-ins are harder to classify: a nearest-centroid classifier on each image's mean
+    colour and colour spread (leave-one-out) tells the easy classes apart far better than the hard."""
+    def accuracy(difficulty):
+        root = tmp_path / f"difficulty-{difficulty}"
+        generate_imagefolder(root, 6, 24, 0, image_size=(60, 80), difficulty=difficulty)
+        assert read_marker(root)["difficulty"] == difficulty
+        features, labels = [], []
+        for label, class_dir in enumerate(class_dirs(root)):
+            for path in sorted(class_dir.iterdir()):
+                pixels = simplejpeg.decode_jpeg(path.read_bytes()).reshape(-1, 3).astype(np.float64)
+                features.append(np.concatenate([pixels.mean(0), pixels.std(0)]))
+                labels.append(label)
+        features, labels = np.array(features), np.array(labels)
+        right = 0
+        for i in range(len(labels)):
+            others = np.arange(len(labels)) != i
+            centroids = [features[others & (labels == c)].mean(0) for c in range(6)]
+            right += np.argmin([np.linalg.norm(features[i] - c) for c in centroids]) == labels[i]
+        return right / len(labels)
+
+    easy, hard = accuracy(0.0), accuracy(1.0)
+    assert easy > 0.6 and hard < easy - 0.15, (easy, hard)  # (chance: 1/6; measured 0.80 and 0.56)
+    with pytest.raises(ValueError, match=r"difficulty must be in \[0, 1\], got 1.5"):
+        generate_imagefolder(tmp_path / "bad", 2, 2, 0, image_size=(60, 80), difficulty=1.5)

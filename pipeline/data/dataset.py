@@ -31,7 +31,8 @@ class DatasetInfo:
     generated_now: bool
 
 
-def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int, seed: int) -> DatasetInfo:
+def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int, difficulty: float,
+                    seed: int) -> DatasetInfo:
     path = Path(to_absolute_path(root))
     empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
     marker = read_marker(path) if path.is_dir() else None
@@ -44,8 +45,8 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data
     try:  # returns at once when this exact stand-in is already there
-        generate_imagefolder(path, classes, images_per_class, seed)
+        generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
     except FileExistsError:  # our own stand-in, made with other parameters
         shutil.rmtree(path)
-        generate_imagefolder(path, classes, images_per_class, seed)
+        generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
     return DatasetInfo(path, True, generated_now=read_marker(path) != marker)

@@ -5,6 +5,12 @@ each image shows that texture on a soft blob of random position and size over
 a neutral background, with random phase, scale, brightness and colour cast.
 Natural-image-like 1/f noise (wavy, frayed stripes, textured background, uneven
 lighting) makes the JPEGs cost about as much to decode as photos of that size.
+
+`difficulty` (0 to 1) makes the classes harder to tell apart: each image's
+texture is blended with a random other class's, by a random share up to a
+tenth at difficulty 1, and orientation and colour vary more within a class.
+At 0 the images are the easy ones every model learns in two epochs (the
+tests' datasets).
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ NOISE_FIELDS = 4
 WARP = 0.5  # radians of stripe phase per unit of noise: wavy, frayed stripes
 BACKGROUND_TEXTURE = 15.0  # grey levels per unit of noise
 LIGHTING_VARIATION = 0.1  # relative brightness per unit of noise
+# The default ensemble (10 classes, 8 epochs) ends near 45% at difficulty 1 and near 75% at 0.5; at 0 it
+# reaches 100% in two epochs: small blends already take the easy cues away.
+MAX_BLEND = 0.1  # at difficulty 1: the largest share of another class's texture in an image
+ANGLE_JITTER = (0.08, 0.125)  # radians (std) of an image's stripe angle about its class's: at difficulty 0, 1
+CAST_JITTER = (0.1, 0.13)  # relative colour cast of an image, at difficulty 0 and 1
 
 
 @dataclass(frozen=True)
@@ -47,14 +58,18 @@ def generate_imagefolder(
     images_per_class: int,
     seed: int,
     image_size: tuple[int, int] = (300, 400),
+    difficulty: float = 0.0,
 ) -> None:
     """Write `root/001.<name>/001_0001.jpg`, ... and the `SYNTHETIC.txt` marker.
 
-    `image_size` is (height, width). Returns at once if `root` already holds
-    this exact dataset; refuses to touch any other non-empty `root`.
+    `image_size` is (height, width); `difficulty` in [0, 1] (module docstring).
+    Returns at once if `root` already holds this exact dataset; refuses to touch
+    any other non-empty `root`.
     """
+    if not 0 <= difficulty <= 1:
+        raise ValueError(f"difficulty must be in [0, 1], got {difficulty}")
     root = Path(root)
-    params = _marker_params(num_classes, images_per_class, seed, image_size)
+    params = _marker_params(num_classes, images_per_class, seed, image_size, difficulty)
     if read_marker(root) == params:
         return
     if root.exists() and any(root.iterdir()):
@@ -67,7 +82,7 @@ def generate_imagefolder(
     # never leaves a `root` that looks complete.
     staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
     try:
-        _write_classes(staging, num_classes, images_per_class, seed, image_size)
+        _write_classes(staging, num_classes, images_per_class, seed, image_size, difficulty)
         (staging / MARKER).write_text(_marker_text(params))
         staging.rename(root)  # replaces `root` only if it is an empty directory
     except OSError:
@@ -85,6 +100,7 @@ def read_marker(root: Path) -> dict | None:
         return None
     params = json.loads(marker.read_text().splitlines()[-1])
     params["image_size"] = tuple(params["image_size"])
+    params.setdefault("difficulty", 0.0)  # written before it was a parameter: the easy images
     return params
 
 
@@ -133,20 +149,24 @@ def _class_styles(num_classes: int, seed: int) -> list[_ClassStyle]:
     return styles
 
 
-def _write_classes(root, num_classes, images_per_class, seed, image_size):
+def _write_classes(root, num_classes, images_per_class, seed, image_size, difficulty):
     noise = _pink_noise_fields(np.random.default_rng([seed, 1]), image_size)
+    styles = _class_styles(num_classes, seed)
     jobs = []
-    for class_idx, style in enumerate(_class_styles(num_classes, seed), start=1):
+    for class_idx, style in enumerate(styles, start=1):
         class_dir = root / f"{class_idx:03d}.{style.name}"
         class_dir.mkdir()
         for image_idx in range(1, images_per_class + 1):
             path = class_dir / f"{class_idx:03d}_{image_idx:04d}.jpg"
             # One generator per image: the bytes do not depend on thread scheduling.
             rng = np.random.default_rng([seed, 2, class_idx, image_idx])
+            if difficulty and num_classes > 1:  # (no draw at 0: the easy images stay as they were)
+                other = styles[(class_idx - 1 + rng.integers(1, num_classes)) % num_classes]
+                style = _blend(style, other, difficulty * rng.uniform(0, MAX_BLEND))
             jobs.append((path, style, rng))
 
     def write(path, style, rng):
-        _render_image(style, noise, rng, image_size).save(path, quality=JPEG_QUALITY)
+        _render_image(style, noise, rng, image_size, difficulty).save(path, quality=JPEG_QUALITY)
 
     # Threads suffice: numpy and Pillow's encoder release the GIL.
     with ThreadPoolExecutor(os.cpu_count()) as pool:
@@ -154,7 +174,14 @@ def _write_classes(root, num_classes, images_per_class, seed, image_size):
             done.result()
 
 
-def _render_image(style, noise, rng, image_size):
+def _blend(style, other, share):
+    """`style` with `share` of `other`'s palette, angle and period."""
+    mix = lambda a, b: (1 - share) * a + share * b
+    return _ClassStyle(style.name, mix(style.palette, other.palette).astype(np.float32),
+                       mix(style.angle, other.angle), mix(style.period, other.period))
+
+
+def _render_image(style, noise, rng, image_size, difficulty):
     """One RGB image of the class `style`."""
     # Channels first (numpy broadcasts much faster over rows than over a last axis
     # of 3) and Python-float parameters (numpy scalars would promote to float64).
@@ -164,11 +191,12 @@ def _render_image(style, noise, rng, image_size):
     warp = _window(rng, noise[rng.integers(NOISE_FIELDS)], image_size)
     shade = _window(rng, noise[rng.integers(NOISE_FIELDS)], image_size)
 
-    angle = style.angle + rng.normal(0, 0.08)
+    angle = style.angle + rng.normal(0, _between(ANGLE_JITTER, difficulty))
     k = 2 * math.pi / (style.period * width * rng.uniform(0.8, 1.25))
     phase = (k * math.cos(angle)) * x + (k * math.sin(angle)) * y + rng.uniform(0, 2 * math.pi)
     stripes = 0.5 + 0.5 * np.cos(phase + WARP * warp)
-    palette = (style.palette * rng.uniform(0.9, 1.1, size=3)).astype(np.float32)  # colour cast
+    cast = _between(CAST_JITTER, difficulty)
+    palette = (style.palette * rng.uniform(1 - cast, 1 + cast, size=3)).astype(np.float32)  # colour cast
     trough, crest = palette[:, :, None, None]
     texture = trough + (crest - trough) * stripes
 
@@ -178,6 +206,10 @@ def _render_image(style, noise, rng, image_size):
     pixels = (background + blob * (texture - background)) * lighting
     channels = np.clip(pixels, 0, 255).astype(np.uint8)
     return Image.merge("RGB", [Image.fromarray(channel) for channel in channels])
+
+
+def _between(ends: tuple[float, float], difficulty: float) -> float:
+    return ends[0] + (ends[1] - ends[0]) * difficulty
 
 
 def _soft_ellipse(rng, y, x):
@@ -223,7 +255,7 @@ def _class_names(count, rng):
     return names
 
 
-def _marker_params(num_classes, images_per_class, seed, image_size):
+def _marker_params(num_classes, images_per_class, seed, image_size, difficulty):
     return {
         "generator": "pipeline.data.synthetic",
         "version": GENERATOR_VERSION,
@@ -231,6 +263,7 @@ def _marker_params(num_classes, images_per_class, seed, image_size):
         "images_per_class": images_per_class,
         "seed": seed,
         "image_size": tuple(image_size),
+        "difficulty": difficulty,
     }
 
 
