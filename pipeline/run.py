@@ -117,7 +117,8 @@ CACHE_SHARE_OF_RAM = 0.5  # of the memory available: the rest is the trainers' a
 
 def _plan_cache(cfg: DictConfig, graph: StageGraph) -> str | None:
     """The line that says what the graph's cache stage will hold, once checked against this host's
-    memory: the decoded dataset's size is estimated from a sample, and the cache takes at most that."""
+    memory: the decoded dataset's size is estimated from a sample, and the cache takes at most that.
+    A budget this host cannot hold for its nodes is lowered to what it can, and the line says so."""
     cache = graph.cache
     if cache is None:
         return None
@@ -127,18 +128,18 @@ def _plan_cache(cfg: DictConfig, graph: StageGraph) -> str | None:
     source = graph.source
     files = source.num_items(Split.TRAIN) + source.num_items(Split.VAL)
     dataset = (graph.cached_bytes_per_item(CACHE_SAMPLE) or 0) * files
-    need = min(cache.budget_bytes, dataset)
+    size = f"{_gb(dataset)} (estimated from {min(CACHE_SAMPLE, files)} files)"
     nodes_here = 0 if cfg.cluster.address else cfg.cluster.nodes  # other hosts' memory is not known here
     shm, ram = shutil.disk_usage(SHM_DIR).free, psutil.virtual_memory().available
-    for room, share, what in ((shm, CACHE_SHARE_OF_SHM, f"free in {SHM_DIR}"),
-                              (ram, CACHE_SHARE_OF_RAM, "of the memory available")):
-        if need * nodes_here > share * room:
-            raise ConfigError(
-                f"{key}={cache.budget_gb:g}: the cache would take {_gb(need)} on each of {nodes_here} "
-                f"node(s) on this host, more than {share:.0%} of the {_gb(room)} {what}; lower it (in the "
-                f"default pipeline: pipeline.cache_gb; 0 turns the cache off)"
-                + (" or give the host a larger /dev/shm (docker: --shm-size)" if room is shm else ""))
-    size = f"{_gb(dataset)} (estimated from {min(CACHE_SAMPLE, files)} files)"
+    room, short = min((CACHE_SHARE_OF_SHM * shm, f"{CACHE_SHARE_OF_SHM:.0%} of the {_gb(shm)} free in {SHM_DIR}"),
+                      (CACHE_SHARE_OF_RAM * ram, f"{CACHE_SHARE_OF_RAM:.0%} of the {_gb(ram)} of memory available"))
+    if nodes_here and min(cache.budget_bytes, dataset) * nodes_here > room:
+        asked = cache.budget_gb
+        cache.budget_gb = room / nodes_here / GB
+        return (f"[bold yellow]cache[/]    on, lowered: {key}={asked:g} per node, but this host allows "
+                f"{_gb(room / nodes_here)} for each of its {nodes_here} node(s) ({short}): it holds about "
+                f"{min(1.0, cache.budget_bytes / dataset):.0%} of the decoded dataset, {size}; give the host more "
+                "(docker: --shm-size) to hold all, or set pipeline.cache_gb (0 turns the cache off)")
     if dataset <= cache.budget_bytes:
         return (f"[bold]cache[/]    on: the decoded dataset, {size}, fits {key}={cache.budget_gb:g} per node; "
                 "epochs after the first neither read nor decode")
