@@ -292,7 +292,8 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
     paths = write_report(results, tmp_path)
     report = json.loads(paths.json.read_text())
     assert report["verdict"]["bound"] in ("input", "transport", "compute")
-    assert {s["name"] for s in report["stages"]} == {"read", "decode", "cache", "crop_main", "crop_alt", "main", "alt"}
+    assert {s["name"] for s in report["stages"]} == {"read", "decode", "cache", "crop_main", "crop_alt", "main",
+                                                     "alt"}
     assert report["workers"]["threads"] == 2 and report["workers"]["busy_source"] == "measured"
     assert len(report["models"]) == 4 and sum(m["sets_pace"] for m in report["models"]) == 1
     assert paths.html.read_text().count("data:image/png;base64,") == 6  # with CPU per epoch, the timeline, ring occupancy

@@ -260,8 +260,8 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     out = tmp_path_factory.mktemp("grouped")
     results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
                                   "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
-                                  "pipeline.alt_image_size=24", "trainer.epochs=5", "trainer.slots=2",
-                                  "cluster.workers=2", "trainer.grouping=fuse"]), out)
+                                  "pipeline.alt_image_size=24", "trainer.epochs=5", "scheduler.patience=0",
+                                  "trainer.slots=2", "cluster.workers=2", "trainer.grouping=fuse"]), out)
     groups = {name: (group["mode"], sorted(group["members"])) for name, group in results["groups"].items()}
     assert sorted(groups.values()) == [("alone", ["pa"]), ("fused+packed", ["fa", "fb", "pb"])], groups
     models = {m["name"]: m for m in results["models"]}

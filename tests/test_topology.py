@@ -360,8 +360,8 @@ def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, ag
     import psutil
 
     driver = subprocess.Popen([sys.executable, "-m", "pipeline", *overrides, "trainer.epochs=50",
-                               f"hydra.run.dir={tmp_path / 'killed'}"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                               "scheduler.patience=0", f"hydra.run.dir={tmp_path / 'killed'}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     flotilla = lambda: [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
                         if c.name() in ("hub", "trainer")]
     deadline = time.monotonic() + 180
