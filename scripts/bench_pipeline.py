@@ -130,8 +130,8 @@ class Ours:
 
         self.size, self.name = size, "ours cached" if cached else "ours"
         graph = make_graph(root, size, CACHE_GB if cached else 0)
-        self.cache = cache_kept(client, graph)  # its stores go when the contender closes
-        self.cache.__enter__()
+        self.kept = ExitStack()  # the cache's stores go when the contender closes
+        self.kept.enter_context(cache_kept(client, graph))
         # As pipeline/run.py sizes it: two batch tasks in flight per worker thread.
         self.executor = Executor(client, graph, seed=0, on_error="fail",
                                  in_flight=2 * sum(client.nthreads().values()))
@@ -151,7 +151,7 @@ class Ours:
         return images
 
     def close(self) -> None:
-        self.cache.__exit__(None, None, None)
+        self.kept.close()
 
 
 class Dali:

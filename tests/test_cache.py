@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from pipeline.data.executor import Executor, cache_kept, dask_client
 from pipeline.data.graph import build_graph
+from pipeline.runtime.lifetime import remove_shm
 from stages.base import BatchContext, Split
 from stages.cache import SHM_DIR, Store, stored_bytes
 from tests.conftest import compose_config
@@ -36,9 +37,7 @@ def remove_stores():
     for graph in graphs:
         graph.cache.close()
         for prefix in graph.cache.prefixes():
-            for name in os.listdir(SHM_DIR):
-                if name.startswith(prefix):
-                    os.unlink(os.path.join(SHM_DIR, name))
+            remove_shm(prefix)
 
 
 def epochs(graph, count, dataset_split=(Split.TRAIN, Split.VAL)):
@@ -127,12 +126,10 @@ def test_workers_storing_at_once_keep_one_copy_each_within_the_budget(remove_sto
             assert (store.get(f"image-{key}") == key).all() and store.get(f"image-{key}").shape == (60, 50 + key, 3)
         assert not [n for n in os.listdir(SHM_DIR) if n.startswith(name) and ".partial-" in n]
     finally:
-        for n in os.listdir(SHM_DIR):
-            if n.startswith(name):
-                os.unlink(os.path.join(SHM_DIR, n))
+        remove_shm(name)
 
 
-def test_what_a_killed_writer_left_is_never_read(tmp_path):
+def test_what_a_killed_writer_left_is_never_read():
     name = f"ensemble-{os.getpid()}-cache-test{os.urandom(4).hex()}-n0"
     store = Store(name, 1 << 20)
     try:
@@ -144,9 +141,7 @@ def test_what_a_killed_writer_left_is_never_read(tmp_path):
             file.write(b"EIC1" + (10).to_bytes(4, "little") * 3)
         assert store.get("a") is None
     finally:
-        for n in os.listdir(SHM_DIR):
-            if n.startswith(name):
-                os.unlink(os.path.join(SHM_DIR, n))
+        remove_shm(name)
 
 
 @pytest.mark.slow

@@ -54,8 +54,8 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
 
 def _worker_node() -> int:
     """The node of this worker: the i of its resource node-<i> (0 without one)."""
-    return next((int(name.removeprefix("node-")) for name in get_worker().state.total_resources
-                 if name.startswith("node-")), 0)
+    return next((int(name.removeprefix(NODE_RESOURCE)) for name in get_worker().state.total_resources
+                 if name.startswith(NODE_RESOURCE)), 0)
 
 
 @contextmanager
@@ -121,9 +121,12 @@ def keep_sample(samples: list, sample) -> list:
     return samples[::2] if len(samples) > 2 * SAMPLES_KEPT else samples
 
 
+NODE_RESOURCE = "node-"  # then the node's number: the Dask worker resource that ties a worker to its node
+
+
 def node_resource(node: int) -> str:
     """The Dask worker resource that ties a worker to node `node`."""
-    return f"node-{node}"
+    return f"{NODE_RESOURCE}{node}"
 
 
 class Executor:

@@ -70,12 +70,12 @@ class StageGraph:
         return next(stage for stage in self.stages.values() if isinstance(stage, ImageFolder))
 
     @property
-    def cache(self) -> Cache | None:
-        return next((stage for stage in self.stages.values() if isinstance(stage, Cache)), None)
-
-    @property
     def cache_name(self) -> str | None:
         return next((name for name, stage in self.stages.items() if isinstance(stage, Cache)), None)
+
+    @property
+    def cache(self) -> Cache | None:
+        return self.stages[self.cache_name] if self.cache_name else None
 
     def cached_bytes_per_item(self, sample: int) -> float | None:
         """Shared memory the cache takes per file (pages counted as the cache counts them): the stages
@@ -86,15 +86,11 @@ class StageGraph:
             return None
         files = self.source.files[Split.TRAIN] + self.source.files[Split.VAL]
         picks = [files[i] for i in np.linspace(0, len(files) - 1, min(sample, len(files))).astype(int)]
-        ctx = BatchContext(seed=0, split=Split.TRAIN, epoch=0, index=0, wanted=picks)
-        chain = []
-        while self.inputs[name]:
-            name = self.inputs[name]
-            chain.append(name)
+        ctx = BatchContext(seed=0, split=Split.TRAIN, epoch=0, index=0, wanted=picks)  # the source reads these
         batch = None
-        for name in reversed(chain):
-            ctx.stage = name
-            batch = self.stages[name](batch, ctx)
+        for stage_name, stage in self.feeding({self.inputs[name]}).stages.items():  # the stages before it, in order
+            ctx.stage = stage_name
+            batch = stage(batch, ctx)
         return float(np.mean([stored_bytes(image) for image in batch.data])) if batch.data else None
 
     @property
