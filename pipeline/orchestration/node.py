@@ -35,7 +35,7 @@ from multiprocessing.managers import BaseManager
 
 import psutil
 
-from pipeline.data.executor import TlsFiles, connect
+from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
@@ -385,7 +385,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key:
         dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
                                          "--nworkers", str(workers), "--nthreads", str(threads), "--host", host,
                                          "--resources", resource, "--name", f"n{node}", "--no-dashboard",
-                                         *tls_options])
+                                         *tls_options], env={**os.environ, **WORKER_MALLOC})
         try:
             _wait_for_workers(client, f"node-{node}", workers)
             client.set_metadata([AGENTS, str(node)], {  # the secret is not published: the driver has it already
