@@ -66,13 +66,12 @@ class RandomResizedCropFlip(Stage):
             else:
                 box, flip = self._center_box(height, width), False
             x0, y0, x1, y1 = box
-            if flip:
-                cv2.flip(self._resize(image[y0:y1, x0:x1]), 1, dst=out[i])
-            else:
-                self._resize(image[y0:y1, x0:x1], dst=out[i])
+            self._resize(image[y0:y1, x0:x1], dst=out[i])
+            if flip:  # in place, while the image is in cache
+                cv2.flip(out[i], 1, dst=out[i])
         return Batch(out, batch.labels, batch.paths)
 
-    def _resize(self, crop: np.ndarray, dst: np.ndarray | None = None) -> np.ndarray:
+    def _resize(self, crop: np.ndarray, dst: np.ndarray) -> np.ndarray:
         height, width = crop.shape[:2]
         block = min(height, width) // self.size
         if block >= 2:  # whole blocks only: the edge loses under `block` pixels
