@@ -47,7 +47,7 @@ from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
 from stages.cache import GB
 
-PROBE_BATCHES = 3  # topology=auto, several nodes: batches timed on one node before the first flotilla
+PROBE_BATCHES = 3  # batches timed on one node before the first plan (FLEET policies; auto on several nodes)
 STATE_DIR = "state"  # in a run's folder: what resume= continues from
 # Keys a resumed run may set differently from the run it continues; any other difference is refused.
 RESUME_MAY_CHANGE = ("resume", "timeouts", "rates.cache")
@@ -207,18 +207,11 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups})
     nodes = cfg.cluster.nodes
     s = cfg.scheduler
-    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=nodes, slots_per_node=len(slots) // nodes), policy,
-                          cfg.seed, s.checkpoint_every, s.max_failures)
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes)
-    first = []
     if table is not None:
         console.print(format_table(table))
-        first = [decision for name, rates in table.rates.items()
-                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
         results["rates"] = {name: list(rates) for name, rates in table.rates.items()}
-    elif not cfg.resume:
-        first = scheduler.start(0.0)
     if not cfg.resume:
         state_dir.mkdir(exist_ok=True)
         write_json(state_dir / "run.json", {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -245,7 +238,18 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                                  cfg.delivery.ring_depth, agents, key, tls, t.drain_s, t.exit_s,
                                  Patience(t.warn_s, t.stall_s), t.collective_s)
         auto = cfg.topology == Topology.auto
-        probed = _probe_seconds_per_image(client, graph, cfg) if auto and nodes > 1 else None
+        # The CPU side of the plan: each node's worker threads, and the preprocessing cost per image,
+        # probed here and then refreshed from the run's own stage timings after every epoch.
+        probed = _probe_seconds_per_image(client, graph, cfg) if needs_rates or (auto and nodes > 1) else None
+        cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
+        scheduler = Scheduler([g.name for g in groups], cluster, policy, cfg.seed, s.checkpoint_every,
+                              s.max_failures)
+        first = []
+        if table is not None and not cfg.resume:
+            first = [decision for name, rates in table.rates.items()
+                     for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
+        elif not cfg.resume:
+            first = scheduler.start(0.0)
         topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
                                   results.get("rates"), probed)
         context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s, t.stop_s, state_dir)
@@ -267,7 +271,10 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
                     "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
-                      "flotillas": sorted({stint["flotilla"] for r in recorder.models.values() for stint in r.stints})},
+                      "cluster": {"nodes": nodes, "slots_per_node": cluster.slots_per_node,
+                                  "cores_per_node": cluster.cores_per_node,
+                                  "prep_seconds_per_image": scheduler.cluster.prep_seconds_per_image},
+                      "flotillas": recorder.flotilla_rates()},
         **recorder.as_dict(training_s),
     })
     return results
@@ -312,9 +319,9 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         save_table(table, output_dir / "rates.json")
     return groups, table
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:
-    """topology=auto on several nodes: worker seconds per image, measured as a run
-    measures it (RunRecorder.seconds_per_image) on a few batches of node 0; later
-    flotillas use the run's own measurements."""
+    """Worker seconds per image, measured as a run measures it (RunRecorder.seconds_per_image) on a
+    few validation batches of node 0, for the first plan (the scheduler's CPU cap; topology=auto on
+    several nodes); later plans use the run's own measurements. The batches it makes stay in the cache."""
     probe = RunRecorder([], {}, {})
     with Executor(client, graph, cfg.seed, cfg.on_error, in_flight=1, node=0, drain_s=cfg.timeouts.drain_s,
                   patience=Patience(cfg.timeouts.warn_s, cfg.timeouts.stall_s)) as executor:

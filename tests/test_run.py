@@ -1,5 +1,6 @@
 """The main job end to end on CPU slots: Dask workers, trainer processes,
 shared-memory streams, DDP over gloo, results; and its errors."""
+import ast
 import json
 import math
 import os
@@ -64,7 +65,7 @@ def test_every_trainer_received_every_batch_once_in_order_bit_identical(full_run
 
 def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     results, out, bad, _ = full_run
-    assert json.loads((out / "results.json").read_text())["scheduler"]["flotillas"] == [0]
+    assert list(json.loads((out / "results.json").read_text())["scheduler"]["flotillas"]) == ["0"]
     delivered = results["pipeline"]["train_images"]  # training images every trainer received, both epochs
     for model in results["models"]:
         assert model["epochs"] == len(model["val_accuracy"]) == 2
@@ -197,6 +198,19 @@ def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_pat
         assert model["epochs"] == 2 and model["converged"]
         assert model["flotillas"][0]["start_epoch"] == 0
         assert all(1 <= len(stint["devices"]) <= 2 for stint in model["flotillas"])  # rates on 1..2 slots
+    # Planned with the real CPUs: the node's worker threads, the probed cost for the first flotilla and
+    # the run's own measurement after that; each planned rate capped by that preprocessing, as simulated.
+    cluster, plans = results["scheduler"]["cluster"], results["scheduler"]["flotillas"]
+    assert cluster["cores_per_node"] == results["cluster"]["threads"] and cluster["slots_per_node"] == 2
+    assert plans["0"]["prep_seconds_per_image"] > 0
+    assert plans["1"]["prep_seconds_per_image"] != plans["0"]["prep_seconds_per_image"]
+    for form in formed:
+        members = ast.literal_eval(form["members"])
+        plan = plans[form["flotilla"]]
+        slowest = min(results["rates"][model][slots - 1] for model, slots in members.items())
+        prep = cluster["cores_per_node"] / 2 / plan["prep_seconds_per_image"] * sum(members.values())
+        assert plan["planned_images_per_s"] == pytest.approx(min(slowest, prep))
+        assert plan["measured_images_per_s"] is not None
 
 
 def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, monkeypatch):

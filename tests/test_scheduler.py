@@ -5,7 +5,8 @@ import random
 import pytest
 
 from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetG, FleetL,
-                                FormFlotilla, Homogeneous, ModelConverged, RateTable, RatesMeasured, Scheduler, Slot,
+                                FormFlotilla, Homogeneous, ModelConverged, PrepCostMeasured, RateTable, RatesMeasured,
+                                Scheduler, Slot,
                                 SlotFreed, Start, Stop, TrainerFailed, assign_slots, greedy_flotilla, make_policy)
 from pipeline.scheduler.planner import lookahead_flotilla
 from pipeline.scheduler.exact import optimal_time, run_round
@@ -55,6 +56,28 @@ def test_worked_example_through_the_state_machine():
     assert form.members == {"DNN1": 1, "DNN4": 3} and form.rate == 100
     assert {d.model: len(d.slots) for d in of(AssignSlots, decisions)} == {"DNN1": 1, "DNN4": 3}
     assert all(d.resume_epoch == 0 for d in of(Start, decisions))
+
+
+def test_measured_preprocessing_cost_caps_the_flotillas_planned_after_it():
+    # 8 cores for 4 slots at 10 ms per image: 200 img/s per slot, above every flotilla's slowest member
+    scheduler = Scheduler(list(SEED_RATES), Cluster(1, 4, cores_per_node=8), FleetG(lookahead=0))
+    assert scheduler.handle(PrepCostMeasured(0.0, 0.01)) == []  # no rates yet: nothing planned
+    first = of(FormFlotilla, started(scheduler, SEED_RATES))[0]
+    assert first.members == {"DNN1": 1, "DNN4": 3} and first.rate == 100
+    # The run measures 80 ms per image: 8 / 4 / 0.08 = 25 img/s per slot caps the next flotilla at 25 x its slots
+    scheduler.handle(PrepCostMeasured(1.0, 0.08))
+    assert scheduler.state()["prep_seconds_per_image"] == 0.08
+    for model in first.members:
+        scheduler.handle(EpochFinished(2.0, model, 1))
+        scheduler.handle(ModelConverged(2.0, model))
+    replan = []
+    for slot in Cluster(1, 4).slots:
+        replan += scheduler.handle(SlotFreed(3.0, slot))
+    second = of(FormFlotilla, replan)[0]
+    assert second.rate == 25 * sum(second.members.values())
+    restored = Scheduler(list(SEED_RATES), Cluster(1, 4, cores_per_node=8), FleetG(lookahead=0))
+    restored.restore(scheduler.state())
+    assert restored.cluster.prep_seconds_per_image == 0.08
 
 
 def test_slot_assignment_keeps_multi_slot_models_on_one_node_and_packs_small_ones():

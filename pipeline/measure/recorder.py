@@ -2,11 +2,13 @@
 summary table and the report render it: pipeline/report/)."""
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from pipeline.training.group import GroupSpec, ModelSpec
 
 
 MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline
+RECENT_BATCHES = 32  # batch tasks the preprocessing cost per image is measured over
 
 
 @dataclass
@@ -68,6 +71,7 @@ class RunRecorder:
         self.stages: dict[str, StageTiming] = defaultdict(StageTiming)
         self.stage_walls: dict[str, list[float]] = defaultdict(list)  # per batch, for latency percentiles
         self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
+        self.recent: deque = deque(maxlen=RECENT_BATCHES)  # (worker seconds, images produced) per batch task
         # flotilla -> epoch of its sequence -> preprocessing CPU seconds (its batch tasks' and hubs')
         self.cpu_by_epoch: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         self.cache_by_epoch: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # epoch -> [hits, lookups]
@@ -81,6 +85,7 @@ class RunRecorder:
         self.checksums: dict[str, list] = {}
         self.train_images = 0
         self.delivery: dict[int, dict] = {}  # flotilla -> its topology, why, and what each hub moved
+        self.plans: dict[int, dict] = {}  # flotilla -> its planned images/s and the CPU model it was planned on
         self.queues: dict[str, dict] = {}  # name -> occupancy over time, the report's queue shape
         self._saved: dict[str, np.ndarray] = {}  # the arrays save_state last wrote
 
@@ -96,10 +101,12 @@ class RunRecorder:
                 total.bytes_in += timing.bytes_in
                 total.bytes_out += timing.bytes_out
                 self.stage_walls[name].append(timing.wall_s)
+            produced = len(next(iter(output.streams.values())).labels) if output.streams else 0
+            self.recent.append((sum(timing.wall_s for timing in output.timings.values()), produced))
             self._span(output.worker, "task", output.started, output.ended)
             self.worker_task_s[output.worker] += output.ended - output.started
             if train:
-                self.train_images += len(next(iter(output.streams.values())).labels)
+                self.train_images += produced
             new = [(p, r) for p, r in output.skipped if p not in self.skipped]
             self.skipped.update(new)
             self.converted.update(dict(output.converted))
@@ -120,10 +127,11 @@ class RunRecorder:
                 counts[1] += lookups
 
     def seconds_per_image(self) -> float | None:
-        """Worker seconds the pipeline has spent per image produced so far."""
+        """Worker seconds the pipeline spent per image it produced, over its last RECENT_BATCHES batch
+        tasks: what preprocessing costs now (epochs after the first cost less with a cache)."""
         with self.lock:
-            source = next(iter(self.stages.values()), None)
-            return sum(t.wall_s for t in self.stages.values()) / source.items if source and source.items else None
+            images = sum(produced for _, produced in self.recent)
+            return sum(seconds for seconds, _ in self.recent) / images if images else None
 
     def delivery_plan(self, flotilla: int, plan, why: str) -> None:
         with self.lock:
@@ -170,7 +178,16 @@ class RunRecorder:
                         del epochs[epoch]
                 record.stints.append({
                     "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch, "group": group.name,
-                    "group_members": [m.name for m in group.members], "group_mode": group.mode})
+                    "group_members": [m.name for m in group.members], "group_mode": group.mode,
+                    "images": 0, "train_s": 0.0})  # trained on in this stint, and the time it took
+
+    def planned(self, flotilla: int, images_per_s: float, cores_per_node: int, prep_seconds_per_image: float
+                ) -> None:
+        """The scheduler formed `flotilla` to run at `images_per_s` (NaN: planned without rates), with
+        `cores_per_node` cores preprocessing at `prep_seconds_per_image` core-seconds an image."""
+        with self.lock:
+            self.plans[flotilla] = {"planned_images_per_s": None if math.isnan(images_per_s) else images_per_s,
+                                    "cores_per_node": cores_per_node, "prep_seconds_per_image": prep_seconds_per_image}
 
     def epochs_before(self, flotilla: int, model: str, start_epoch: int) -> int:
         """Epochs `flotilla` ran before `model`, just joined after `start_epoch` epochs, joined it again (a
@@ -213,10 +230,14 @@ class RunRecorder:
             for start, end in report.spans:  # a group's steps come once, with its first member's report
                 self._span(f"trainer {record.stints[-1]['group']}/{report.rank}", "step", start, end)
             if report.rank == 0:  # rank 0 speaks for its model's ranks
+                stint = record.stints[-1]
+                images = report.images * len(stint["devices"])
                 record.train_loss[report.epoch] = report.loss
-                record.images += report.images * len(record.stints[-1]["devices"])
+                record.images += images
                 record.step_s += report.step_s
                 record.wait_s += report.wait_s
+                stint["images"] = stint.get("images", 0) + images  # (absent from older runs' state)
+                stint["train_s"] = stint.get("train_s", 0.0) + report.step_s + report.wait_s
 
     def save_state(self, folder: Path) -> None:
         """What it has recorded, into `folder` (a stopped run's state/recorder): JSON, and the softmax
@@ -237,7 +258,9 @@ class RunRecorder:
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
                 "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
-                "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch, "cache_by_epoch": self.cache_by_epoch}
+                "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch, "cache_by_epoch": self.cache_by_epoch,
+                "plans": self.plans}
+            state = copy.deepcopy(state)  # written after the lock: flotilla threads go on changing the originals
         folder.mkdir(parents=True, exist_ok=True)
         arrays = {key: array for key, array in arrays.items() if array is not None}
         for key, array in arrays.items():  # an array changes by being replaced: unchanged ones are on disk
@@ -278,6 +301,7 @@ class RunRecorder:
             for flotilla, epochs in state.get("cpu_by_epoch", {}).items():  # absent from older runs
                 self.cpu_by_epoch[int(flotilla)].update(by_epoch(epochs))
             self.cache_by_epoch.update(by_epoch(state.get("cache_by_epoch", {})))
+            self.plans = by_epoch(state.get("plans", {}))
 
     def _cpu_s_by_epoch(self) -> dict:
         """Preprocessing CPU seconds per epoch, first epoch first: of the whole run (an epoch of every
@@ -294,6 +318,18 @@ class RunRecorder:
         return {"cpu_s_by_epoch": listed(run),
                 "cpu_s_by_flotilla_epoch": {str(f): listed(epochs) for f, epochs in sorted(self.cpu_by_epoch.items())},
                 **({"cache_hit_rate_by_epoch": listed(hits)} if hits else {})}
+
+    def flotilla_rates(self) -> dict[str, dict]:
+        """Each flotilla as planned and as it ran: measured, its slowest member's images/s over its time
+        training, waits for batches included (what the plan's rate predicts)."""
+        with self.lock:
+            measured = defaultdict(list)
+            for record in self.models.values():
+                for stint in record.stints:
+                    if stint.get("train_s"):
+                        measured[stint["flotilla"]].append(stint["images"] / stint["train_s"])
+            return {str(f): {**plan, "measured_images_per_s": min(measured[f], default=None)}
+                    for f, plan in sorted(self.plans.items())}
 
     def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
         """Share of the training time each worker's threads spent in batch tasks."""

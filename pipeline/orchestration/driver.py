@@ -17,6 +17,7 @@ closes its processes within timeouts.stop_s.
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 import time
@@ -34,8 +35,8 @@ from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
-from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged, Scheduler,
-                                SlotFreed, Start, Stop, TrainerFailed)
+from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged,
+                                PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.machine import FAILED
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerReport, ValReport
@@ -509,6 +510,9 @@ class Driver:
     def _epoch_finished(self, thread: FlotillaThread, reports: list[ValReport], failed: list[tuple[str, str]]
                         ) -> None:
         decisions, converging = [], []
+        cost = self.run_ctx.recorder.seconds_per_image()  # the run's own figure replaces the probe's
+        if cost:
+            decisions += self.scheduler.handle(PrepCostMeasured(self.now(), cost))
         by_group: dict[str, list[ValReport]] = {}
         for report in sorted(reports, key=lambda r: r.model):
             self.run_ctx.recorder.add_report(report)
@@ -558,8 +562,12 @@ class Driver:
                 continue
             if isinstance(decision, FormFlotilla):
                 forming[decision.flotilla] = []
+                cluster = self.scheduler.cluster
+                self.run_ctx.recorder.planned(decision.flotilla, decision.rate, cluster.cores_per_node,
+                                              cluster.prep_seconds_per_image)
+                planned = f"; planned {decision.rate:.0f} img/s" if not math.isnan(decision.rate) else ""
                 self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
-                    f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()))
+                    f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()) + planned)
             elif isinstance(decision, AssignSlots):
                 self.assigned[decision.model] = decision.slots
             elif isinstance(decision, Start):

@@ -222,8 +222,26 @@ def _models_section(results: dict, analysis: Analysis) -> str:
             + "<p class=\"note\">Compute rate: images over time in training steps (waits excluded). A flotilla "
               "moves at the pace of its slowest member, so its faster members also wait. The members of a slot "
               "group step together: they share its rate and stall.</p>" + _groups_section(results)
+            + _flotillas_section(results)
             + _img(plots.stall_chart(analysis.models), "data stall per trainer")
             + (_img(plots.accuracy_chart(analysis.models, ensemble), "accuracy per epoch") if trained else ""))
+
+
+def _flotillas_section(results: dict) -> str:
+    """Each flotilla's rate as the scheduler planned it (its slowest member's measured rate, capped by the
+    preprocessing its slots' cores do at the cost measured then) and as it ran."""
+    plans = results.get("scheduler", {}).get("flotillas")
+    if not isinstance(plans, dict) or not plans:  # (a list in runs before plans were recorded)
+        return ""
+    rows = [[flotilla, _num(p["planned_images_per_s"], "{:,.0f}"), _num(p["measured_images_per_s"], "{:,.0f}"),
+             _num(1e3 * p["prep_seconds_per_image"] if p["prep_seconds_per_image"] else None, "{:.2f} ms"),
+             str(p["cores_per_node"])] for flotilla, p in plans.items()]
+    return ("<h3>Flotillas: planned and measured</h3>"
+            + _table(["flotilla", "planned img/s", "measured img/s", "preprocessing per image (then)",
+                      "cores per node"], rows)
+            + "<p class=\"note\">Measured: the slowest member's training images over its time training, "
+              "waits for batches included. On CPU slots the members share the cores with each other and with "
+              "the pipeline, which the rate table (each model measured alone) does not see.</p>")
 
 
 def _groups_section(results: dict) -> str:

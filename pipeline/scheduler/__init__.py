@@ -1,8 +1,8 @@
 """The FLEET scheduler: pure logic (state machine, planner, policies, simulator,
 exact solver). No Dask, no torch, no files: events in, decisions out.
 
-A driver sends events (`RatesMeasured`, `EpochFinished`, `ModelConverged`,
-`SlotFreed`, `TrainerFailed`) to `Scheduler.handle` and carries out the
+A driver sends events (`RatesMeasured`, `PrepCostMeasured`, `EpochFinished`,
+`ModelConverged`, `SlotFreed`, `TrainerFailed`) to `Scheduler.handle` and carries out the
 decisions it returns (`FormFlotilla`, `AssignSlots`, `Start`, `Checkpoint`,
 `Stop`); the simulator drives the same code. See docs/scheduler.md.
 
@@ -11,7 +11,8 @@ every layer above may use its types (`Slot`, `RateTable`, `Cluster`).
 """
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
-                                       ModelConverged, RatesMeasured, SlotFreed, Start, Stop, TrainerFailed)
+                                       ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
+                                       TrainerFailed)
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import assign_slots, greedy_flotilla
 from pipeline.scheduler.policies import POLICIES, Baseline, FleetG, FleetL, Homogeneous, Policy, Shared, make_policy
@@ -19,7 +20,7 @@ from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 __all__ = [
     "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetG", "FleetL",
-    "FormFlotilla", "Homogeneous", "ModelConverged", "POLICIES", "Policy", "RateTable", "RatesMeasured",
-    "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed", "assign_slots", "greedy_flotilla",
-    "make_policy",
+    "FormFlotilla", "Homogeneous", "ModelConverged", "POLICIES", "Policy", "PrepCostMeasured", "RateTable",
+    "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed", "assign_slots",
+    "greedy_flotilla", "make_policy",
 ]

@@ -58,7 +58,17 @@ class TrainerFailed:
     error: str = ""
 
 
-Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed
+@dataclass(frozen=True)
+class PrepCostMeasured:
+    """The pipeline's preprocessing cost as the run measures it: worker core-seconds per image (a probe
+    before the first plan, then the run's own stage timings after each epoch). Flotillas planned after
+    it are capped by what the nodes' cores preprocess at that cost."""
+
+    time: float
+    seconds_per_image: float
+
+
+Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed | PrepCostMeasured
 
 # ------------------------------------------------------------- decisions out
 
@@ -67,8 +77,9 @@ Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFail
 class FormFlotilla:
     """Create one shared preprocessing pipeline feeding these models.
 
-    `members` maps model -> slot count; `rate` is the expected images/s (the
-    slowest member's measured rate).
+    `members` maps model -> slot count; `rate` is the planned images/s: the
+    slowest member's measured rate, capped by the preprocessing its slots'
+    cores can do (`Cluster.prep_rate_per_slot`).
     """
 
     flotilla: int

@@ -7,10 +7,11 @@ A driver (the simulator, or the runner of a real run) sends every event to
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
-                                       ModelConverged, RatesMeasured, SlotFreed, Start, Stop, TrainerFailed)
+                                       ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
+                                       TrainerFailed)
 from pipeline.scheduler.planner import assign_slots, flotilla_rate
 from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
@@ -93,7 +94,8 @@ class Scheduler:
                                          "active": sorted(f.active)} for fid, f in self.flotillas.items()},
                 "slots": {f"{slot.node}/{slot.index}": state for slot, state in self.slots.items()},
                 "next_flotilla": self.next_flotilla, "now": self.now, "rng": self.rng.getstate(),
-                "rates": {name: list(rates) for name, rates in self.table.rates.items()}}
+                "rates": {name: list(rates) for name, rates in self.table.rates.items()},
+                "prep_seconds_per_image": self.cluster.prep_seconds_per_image}
 
     def restore(self, saved: dict) -> list[Decision]:
         """Continue from `state()` of a run that stopped: the flotillas it was running form again, on the
@@ -112,6 +114,7 @@ class Scheduler:
         self.rng.setstate((version, tuple(internal), gauss))
         for name, rates in saved["rates"].items():
             self.table.add(name, tuple(rates))
+        self.cluster = replace(self.cluster, prep_seconds_per_image=saved.get("prep_seconds_per_image", 0.0))
         decisions: list[Decision] = []
         for fid, flotilla in sorted(self.flotillas.items()):
             active = {m: slots for m, slots in flotilla.members.items() if m in flotilla.active}  # in plan order
@@ -139,6 +142,9 @@ class Scheduler:
             decisions = self._slot_freed(event)
         elif isinstance(event, TrainerFailed):
             decisions = self._failed(event)
+        elif isinstance(event, PrepCostMeasured):
+            self.cluster = replace(self.cluster, prep_seconds_per_image=event.seconds_per_image)
+            decisions = []
         else:
             raise TypeError(f"unknown event {event!r}; send one of the events in pipeline.scheduler.events")
         return decisions + self._plan()
