@@ -75,6 +75,13 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
         # count x 2 rounds odd batches up). Steps fit in the run, so the rate is at least this.
         assert delivered <= model["images"] <= delivered + (model["slots"] - 1) * math.ceil(delivered / 16)
         assert model["images_per_s"] >= model["images"] / results["wall_s"]
+        best = model["best_checkpoint"]  # every epoch is checkpointed: the best is the first of the highest
+        assert best["val_accuracy"] == max(model["val_accuracy"])
+        assert best["epochs"] == model["val_accuracy"].index(best["val_accuracy"]) + 1
+        assert json.loads((out / "checkpoints" / model["name"] / "best.json").read_text()) == best
+    kept = results["ensemble"]["kept"]
+    assert kept["epochs"] == {m["name"]: m["best_checkpoint"]["epochs"] for m in results["models"]}
+    assert kept["best_model_val_accuracy"] == max(m["best_checkpoint"]["val_accuracy"] for m in results["models"])
     assert [m["slots"] for m in results["models"]] == [2, 1, 1, 1]
     assert len(results["ensemble"]["val_accuracy"]) == 2
     assert set(results["pipeline"]["stages"]) == {"read", "decode", "cache", "crop_main", "crop_alt", "main", "alt"}

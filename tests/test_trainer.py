@@ -1,5 +1,6 @@
 """The trainer process's parts, in this process: checkpoints and resume of every member of a group, the
 device feed's hand-back of ring buffers, and steps that never wait for the device."""
+import json
 import queue
 
 import numpy as np
@@ -9,7 +10,8 @@ import torch
 from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
 from pipeline.training.models import build_model
 from pipeline.training.reports import CheckpointSaved
-from pipeline.training.trainer import DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec
+from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
+                                       saved_epochs)
 
 
 def model(name, width=8, lr=0.1):
@@ -84,6 +86,18 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     with pytest.raises(RuntimeError, match="keeps its state after \\[1\\]"):
         pipe.sent.append(SaveCheckpoint(("a",), 2))
         first._obey()
+
+
+def test_pruning_keeps_the_newest_checkpoints_and_the_best(tmp_path):
+    pipe = Pipe()
+    trainer = Trainer(trainer_spec(GroupSpec("g", (model("a"),), 1), tmp_path), queue.Queue(), pipe)
+    for epochs, accuracy in enumerate([0.5, 0.9, 0.6, 0.9, 0.7], start=1):
+        trainer.epoch = epochs - 1  # the end of that epoch
+        trainer._keep_state("a", accuracy)
+        pipe.sent.append(SaveCheckpoint(("a",), epochs))
+        trainer._obey()
+    assert saved_epochs(tmp_path, "a") == [2, 4, 5]  # the best (the first of equals) and the newest two
+    assert json.loads((tmp_path / "a" / "best.json").read_text()) == {"epochs": 2, "val_accuracy": 0.9}
 
 
 def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):

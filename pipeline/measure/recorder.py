@@ -37,6 +37,8 @@ class ModelRecord:
     # Its softmax of epochs after its last checkpoint that the ensemble still waits on: if it resumes
     # from that checkpoint, the epochs it does again replace these instead of counting twice.
     recent_probs: dict[int, np.ndarray] = field(default_factory=dict)
+    best_checkpoint: tuple[int, float] | None = None  # (epochs, val accuracy) of its best checkpoint so far
+    best_probs: np.ndarray | None = None  # the validation softmax of that checkpoint
     images: int = 0
     step_s: float = 0.0  # rank 0, summed over epochs
     wait_s: float = 0.0
@@ -53,6 +55,8 @@ class ModelRecord:
             "epochs": len(epochs), "converged": self.converged, "failures": self.failures,
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
+            "best_checkpoint": dict(zip(("epochs", "val_accuracy"), self.best_checkpoint))
+            if self.best_checkpoint else None,  # checkpoints/<name>/epoch<epochs>.pt, kept (best.json)
             "train_loss": [self.train_loss[e] for e in sorted(self.train_loss)],
             "images": self.images,  # trained on, all slots and epochs
             "images_per_s": self.images / self.step_s if self.step_s else None,
@@ -201,11 +205,18 @@ class RunRecorder:
             self.models[model].converged = reason
 
     def checkpointed(self, model: str, epochs: int) -> None:
-        """`model` will resume from after `epochs` epochs at the earliest: its softmax of those is final."""
+        """`model` will resume from after `epochs` epochs at the earliest: its softmax of those is final.
+        The checkpoint of highest validation accuracy is the one kept as the model (trainer.note_best)."""
         with self.lock:
-            recent = self.models[model].recent_probs
+            record = self.models[model]
+            recent = record.recent_probs
             for epoch in [e for e in recent if e < epochs]:
                 del recent[epoch]
+            accuracy = record.val_accuracy.get(epochs - 1)
+            best = record.best_checkpoint
+            if accuracy is not None and max(record.val_accuracy) == epochs - 1 \
+                    and (best is None or accuracy > best[1] or best[0] == epochs):
+                record.best_checkpoint, record.best_probs = (epochs, accuracy), record.last_probs
 
     def failed(self, model: str, why: str) -> None:
         with self.lock:
@@ -246,12 +257,14 @@ class RunRecorder:
             arrays = {"val_labels": self.val_labels}
             for name, record in self.models.items():
                 arrays[f"last-{name}"] = record.last_probs
+                arrays[f"best-{name}"] = record.best_probs
                 arrays.update({f"recent-{name}-{epoch}": probs for epoch, probs in record.recent_probs.items()})
             arrays.update({f"sum-{epoch}": total for epoch, (total, _) in self.epoch_probs.items()})
             state = {
                 "models": {name: {"val_accuracy": r.val_accuracy, "train_loss": r.train_loss, "stints": r.stints,
                                   "converged": r.converged, "failures": r.failures, "images": r.images,
-                                  "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs)}
+                                  "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs),
+                                  "best_checkpoint": r.best_checkpoint}
                            for name, r in self.models.items()},
                 "epoch_models": {epoch: sorted(models) for epoch, (_, models) in self.epoch_probs.items()},
                 "ensemble_accuracy": self.ensemble_accuracy, "origin": self.origin, "timeline": self.timeline,
@@ -286,6 +299,8 @@ class RunRecorder:
                 record.failures = saved["failures"]
                 record.images, record.step_s, record.wait_s = saved["images"], saved["step_s"], saved["wait_s"]
                 record.last_probs = array(f"last-{name}")
+                best = saved.get("best_checkpoint")  # (absent from older runs' state)
+                record.best_checkpoint, record.best_probs = (tuple(best), array(f"best-{name}")) if best else (None, None)
                 record.recent_probs = {epoch: array(f"recent-{name}-{epoch}") for epoch in saved["recent"]}
             self.epoch_probs = {int(epoch): (array(f"sum-{epoch}"), set(models))
                                 for epoch, models in state["epoch_models"].items()}
@@ -369,6 +384,16 @@ class RunRecorder:
             self.epoch_probs[epoch] = (total, models)
             record.recent_probs[epoch] = report.probs
 
+    def _kept_ensemble(self) -> dict | None:
+        """The ensemble the run leaves in checkpoints/: each member's best checkpoint (its highest
+        validation accuracy), against the best of those members. None until every member has one."""
+        records = list(self.models.values())
+        if not records or any(r.best_probs is None for r in records):
+            return None
+        return {"val_accuracy": self._accuracy(np.sum([r.best_probs for r in records], axis=0)),
+                "best_model_val_accuracy": max(r.best_checkpoint[1] for r in records),
+                "epochs": {r.model.name: r.best_checkpoint[0] for r in records}}
+
     def _accuracy(self, summed_probs: np.ndarray) -> float:
         """Accuracy of the averaged softmax (the sum has the same argmax)."""
         labels = self.val_labels
@@ -395,6 +420,7 @@ class RunRecorder:
                 "final_val_accuracy": self._accuracy(np.sum(last, axis=0)) if len(last) == len(self.models)
                 else None,
                 "best_model_val_accuracy": max(finals) if finals else None,
+                "kept": self._kept_ensemble(),
             },
             "pipeline": {
                 "train_images": self.train_images,

@@ -17,6 +17,10 @@ def print_summary(console: Console, results: dict) -> None:
     ensemble = results["ensemble"]
     table.add_row("[bold]ensemble (mean softmax)", "", "", "", "", f"[bold]{_pct(ensemble['final_val_accuracy'])}",
                   "", "")
+    kept = ensemble.get("kept")
+    if kept:  # each member's best checkpoint, the models the run leaves
+        table.add_row("ensemble, best checkpoints",
+                      "", "", "", "", _pct(kept["val_accuracy"]), "", "")
     console.print(table)
     stages = Table(title="Pipeline stages (all epochs)", title_justify="left")
     for column in ("stage", "items", "CPU s", "CPU share", "items/s per core"):

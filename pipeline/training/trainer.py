@@ -16,6 +16,7 @@ host copy of every member's state, and writes it when the driver says so.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import traceback
@@ -34,6 +35,7 @@ from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
 STAGING_BUFFERS = 2  # pinned buffers per stream: one being copied to the GPU while the next fills
 CHECKPOINTS_KEPT = 2  # per model: the newest, and the one before (a trainer may die while writing the next)
+BEST_CHECKPOINT = "best.json"  # per model: its checkpoint of highest validation accuracy, kept whatever is pruned
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,19 @@ def checkpoint_path(checkpoint_dir: str | Path, model: str, epochs: int) -> Path
 def saved_epochs(checkpoint_dir: str | Path, model: str) -> list[int]:
     """The epochs after which `model` has a checkpoint, oldest first."""
     return sorted(int(path.stem[len("epoch"):]) for path in (Path(checkpoint_dir) / model).glob("epoch*.pt"))
+
+
+def note_best(checkpoint_dir: str | Path, model: str, epochs: int, accuracy: float) -> int:
+    """The epochs of `model`'s best checkpoint (the highest validation accuracy; the earliest of equals),
+    now that its checkpoint after `epochs` epochs, at `accuracy`, is written: <model>/best.json says which."""
+    path = Path(checkpoint_dir) / model / BEST_CHECKPOINT
+    best = json.loads(path.read_text()) if path.exists() else None
+    if best is None or accuracy > best["val_accuracy"] or epochs == best["epochs"]:  # (an epoch done again)
+        best = {"epochs": epochs, "val_accuracy": accuracy}
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(best))
+        os.replace(partial, path)
+    return best["epochs"]
 
 
 def trainer_main(spec: TrainerSpec, readers: dict, commands, reports) -> None:
@@ -354,8 +369,10 @@ class Trainer:
             tmp = path.with_suffix(".tmp")
             self.torch.save(state, tmp)
             os.replace(tmp, path)  # never a half-written checkpoint
+            best = note_best(self.spec.checkpoint_dir, name, epochs, state["val_accuracy"])
             for older in saved_epochs(self.spec.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
-                checkpoint_path(self.spec.checkpoint_dir, name, older).unlink(missing_ok=True)
+                if older != best:
+                    checkpoint_path(self.spec.checkpoint_dir, name, older).unlink(missing_ok=True)
             self.reports.put(CheckpointSaved(self.spec.group.name, name, epochs))
 
 
