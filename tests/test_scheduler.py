@@ -215,6 +215,16 @@ def test_simulation_invariants(policy):
     assert (again.end_time, again.bars) == (result.end_time, result.bars)  # deterministic
 
 
+def test_a_time_limit_stops_a_model_at_the_end_of_the_epoch_that_reaches_it():
+    table = RateTable({"slow": (100.0,), "fast": (200.0,)})
+    instance = Instance(table, {"slow": 10, "fast": 10}, Cluster(2, 1), images_per_epoch=1000,
+                        time_limit_seconds=35.0)
+    result = simulate(instance, Baseline())
+    # slow: 10 s epochs, stopped after its 4th (40 s); fast: 5 s epochs, stopped after its 7th (35 s)
+    assert sorted((bar.model, bar.end - bar.start) for bar in result.bars) == [("fast", 35.0), ("slow", 40.0)]
+    assert result.end_time == 40.0
+
+
 def test_baseline_and_homogeneous_use_one_slot_per_model():
     instance = small_instance(4)
     for policy in (Baseline(), Homogeneous()):

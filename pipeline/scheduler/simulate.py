@@ -5,7 +5,9 @@ Execution model (the exact solver in `exact.py` uses the same one):
 * a flotilla's members consume one shared stream in lockstep, at the flotilla
   rate: its slowest active member's measured rate, capped by the preprocessing
   its pipeline gets (cores of its busy slots / cost per image);
-* a model converges at the end of its `epochs[model]`-th epoch;
+* a model converges at the end of its `epochs[model]`-th epoch, or, with a
+  `time_limit_seconds` (the FLEET paper's 240 minutes per model), at the end
+  of the epoch in which its training time reaches the limit;
 * a stopped model's slots come back `checkpoint_seconds` later.
 """
 
@@ -33,6 +35,7 @@ class Instance:
     cluster: Cluster
     images_per_epoch: int
     checkpoint_seconds: float = 0.0
+    time_limit_seconds: float | None = None  # a model stops once it has trained this long, converged or not
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class _Simulation:
         self.flotillas: dict[int, _Flotilla] = {}
         self.slots_of: dict[str, tuple[Slot, ...]] = {}
         self.epochs_done: dict[str, int] = {}
+        self.trained_s: dict[str, float] = {}  # time in flotillas before the current one
         self.open_bars: dict[str, tuple[int, float]] = {}
         self.bars: list[Bar] = []
         self.queue: list[tuple[float, int, str, object]] = []
@@ -117,6 +121,7 @@ class _Simulation:
             self.settle(flotilla)
             slots = flotilla.members.pop(decision.model)
             flotilla_id, start = self.open_bars.pop(decision.model)
+            self.trained_s[decision.model] = self.trained_s.get(decision.model, 0.0) + self.now - start
             self.bars += [Bar(s, decision.model, flotilla_id, start, self.now) for s in slots]
             for slot in slots:
                 self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
@@ -152,8 +157,11 @@ class _Simulation:
             self.epochs_done[model] += 1
             epoch, target = self.epochs_done[model], self.instance.epochs[model]
             self.send(EpochFinished(self.now, model, epoch, {"val_accuracy": min(epoch / target, 1.0)}))
+        limit = self.instance.time_limit_seconds
         for model in members:
-            if self.epochs_done[model] >= self.instance.epochs[model]:
+            running = self.open_bars.get(model)  # (absent when its flotilla stopped it just now)
+            trained = self.trained_s.get(model, 0.0) + (self.now - running[1] if running else 0.0)
+            if self.epochs_done[model] >= self.instance.epochs[model] or (limit and trained >= limit):
                 self.send(ModelConverged(self.now, model))
         if flotilla_id in self.flotillas and self.flotillas[flotilla_id] is flotilla:
             self.reschedule(flotilla_id)
@@ -170,18 +178,19 @@ def simulate(instance: Instance, policy: Policy, seed: int = 0) -> SimResult:
 
 def random_instance(rng: random.Random, models: int, cluster: Cluster,
                     single_slot_rates: tuple[float, float] = (21.0, 176.0), epochs: tuple[int, int] = (10, 60),
-                    images_per_epoch: int = 30_000, checkpoint_seconds: float = 0.0) -> Instance:
+                    images_per_epoch: int = 30_000, checkpoint_seconds: float = 0.0,
+                    time_limit_seconds: float | None = None) -> Instance:
     """Random heterogeneous ensemble: single-slot rates uniform in
     `single_slot_rates`, sublinear data-parallel scaling
     rate(g) = rate(1) * g / (1 + s * (g - 1)) with s uniform in [0.05, 0.35],
-    convergence epochs uniform in `epochs`."""
+    convergence epochs uniform in `epochs`; no model trains past `time_limit_seconds`."""
     table, converge = RateTable(), {}
     for i in range(models):
         name = f"dnn{i + 1:03d}" if models > 9 else f"dnn{i + 1}"
         rate, slowdown = rng.uniform(*single_slot_rates), rng.uniform(0.05, 0.35)
         table.add(name, [rate * g / (1 + slowdown * (g - 1)) for g in range(1, cluster.slots_per_node + 1)])
         converge[name] = rng.randint(*epochs)
-    return Instance(table, converge, cluster, images_per_epoch, checkpoint_seconds)
+    return Instance(table, converge, cluster, images_per_epoch, checkpoint_seconds, time_limit_seconds)
 
 
 def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
