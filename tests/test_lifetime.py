@@ -273,8 +273,10 @@ def test_a_model_given_up_makes_the_run_exit_non_zero_and_is_listed(data, tmp_pa
 def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_never_stopped(data, tmp_path):
     """scheduler=fleet_g on a cached rate table, 4 models on 2 slots (flotillas in turn): SIGTERM once the
     first epoch is saved; resumed, every model trains its epochs and the flotillas formed from the stop on
-    are those of a run never stopped (the one running then formed again, the same)."""
-    settings = ["scheduler=fleet_g", "trainer.slots=2", "trainer.epochs=2", "rates.steps=2", "rates.warmup=1",
+    are those of a run never stopped (the one running then formed again, the same). Three epochs: a
+    flotilla starts an epoch only once the driver has handled the one before, so a stop sent after epoch
+    1 is seen before epoch 3 can end, and a flotilla is still running at the stop."""
+    settings = ["scheduler=fleet_g", "trainer.slots=2", "trainer.epochs=3", "rates.steps=2", "rates.warmup=1",
                 f"rates.cache={tmp_path / 'rates.json'}"]
     never_stopped = run(compose_config(overrides(data, *settings)), tmp_path / "never")  # it caches the rates
     stopped = tmp_path / "stopped"
@@ -290,11 +292,11 @@ def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_nev
     with StopSignals() as stop:
         first = run(compose_config(overrides(data, *settings)), stopped, stop)
     assert first["interrupted"]["signal"] == "SIGTERM"
-    assert any(m["epochs"] < 2 for m in first["models"])
+    assert any(m["epochs"] < 3 for m in first["models"])
     whole = run(compose_config(overrides(data, *settings, f"resume={stopped}")), tmp_path / "unused")
     assert "interrupted" not in whole
     epochs = lambda results: {m["name"]: len(m["val_accuracy"]) for m in results["models"]}
-    assert epochs(whole) == epochs(never_stopped) == {m["name"]: 2 for m in whole["models"]}
+    assert epochs(whole) == epochs(never_stopped) == {m["name"]: 3 for m in whole["models"]}
     formed = lambda results: [(d["flotilla"], d["members"]) for d in results["scheduler"]["decisions"]
                               if d["decision"] == "FormFlotilla"]
     history = formed(whole)
