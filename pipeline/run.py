@@ -244,12 +244,11 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
         scheduler = Scheduler([g.name for g in groups], cluster, policy, cfg.seed, s.checkpoint_every,
                               s.max_failures)
-        first = []
-        if table is not None and not cfg.resume:
-            first = [decision for name, rates in table.rates.items()
-                     for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
-        elif not cfg.resume:
-            first = scheduler.start(0.0)
+        first = []  # a resumed run's come from driver.resume() below
+        if not cfg.resume:
+            first = scheduler.start(0.0) if table is None else [
+                decision for name, rates in table.rates.items()
+                for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
         topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
                                   results.get("rates"), probed)
         context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s, t.stop_s, state_dir)

@@ -2,7 +2,6 @@
 summary table and the report render it: pipeline/report/)."""
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -17,6 +16,7 @@ import numpy as np
 from pipeline.data.graph import BatchOutput, StageTiming
 from pipeline.training.reports import TrainerDone, TrainReport, ValReport
 from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.trainer import better_checkpoint
 
 
 MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline
@@ -185,13 +185,12 @@ class RunRecorder:
                     "group_members": [m.name for m in group.members], "group_mode": group.mode,
                     "images": 0, "train_s": 0.0})  # trained on in this stint, and the time it took
 
-    def planned(self, flotilla: int, images_per_s: float, cores_per_node: int, prep_seconds_per_image: float
-                ) -> None:
+    def planned(self, flotilla: int, images_per_s: float, prep_seconds_per_image: float) -> None:
         """The scheduler formed `flotilla` to run at `images_per_s` (NaN: planned without rates), with
-        `cores_per_node` cores preprocessing at `prep_seconds_per_image` core-seconds an image."""
+        preprocessing at `prep_seconds_per_image` core-seconds an image."""
         with self.lock:
             self.plans[flotilla] = {"planned_images_per_s": None if math.isnan(images_per_s) else images_per_s,
-                                    "cores_per_node": cores_per_node, "prep_seconds_per_image": prep_seconds_per_image}
+                                    "prep_seconds_per_image": prep_seconds_per_image}
 
     def epochs_before(self, flotilla: int, model: str, start_epoch: int) -> int:
         """Epochs `flotilla` ran before `model`, just joined after `start_epoch` epochs, joined it again (a
@@ -206,16 +205,15 @@ class RunRecorder:
 
     def checkpointed(self, model: str, epochs: int) -> None:
         """`model` will resume from after `epochs` epochs at the earliest: its softmax of those is final.
-        The checkpoint of highest validation accuracy is the one kept as the model (trainer.note_best)."""
+        Its best checkpoint is chosen by the trainer's rule (`better_checkpoint`), which keeps that file."""
         with self.lock:
             record = self.models[model]
             recent = record.recent_probs
             for epoch in [e for e in recent if e < epochs]:
                 del recent[epoch]
             accuracy = record.val_accuracy.get(epochs - 1)
-            best = record.best_checkpoint
             if accuracy is not None and max(record.val_accuracy) == epochs - 1 \
-                    and (best is None or accuracy > best[1] or best[0] == epochs):
+                    and better_checkpoint(record.best_checkpoint, epochs, accuracy):  # last_probs are that epoch's
                 record.best_checkpoint, record.best_probs = (epochs, accuracy), record.last_probs
 
     def failed(self, model: str, why: str) -> None:
@@ -273,14 +271,14 @@ class RunRecorder:
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
                 "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch, "cache_by_epoch": self.cache_by_epoch,
                 "plans": self.plans}
-            state = copy.deepcopy(state)  # written after the lock: flotilla threads go on changing the originals
+            text = _json(state)  # under the lock: flotilla threads go on changing what it holds
         folder.mkdir(parents=True, exist_ok=True)
         arrays = {key: array for key, array in arrays.items() if array is not None}
         for key, array in arrays.items():  # an array changes by being replaced: unchanged ones are on disk
             if self._saved.get(key) is not array:
                 np.save(folder / f"{key}.partial.npy", array, allow_pickle=False)
                 os.replace(folder / f"{key}.partial.npy", folder / f"{key}.npy")
-        write_json(folder / "recorder.json", state)
+        _write_whole(folder / "recorder.json", text)
         for path in folder.glob("*.npy"):
             if path.name[:-len(".npy")] not in arrays:
                 path.unlink()
@@ -448,7 +446,15 @@ class RunRecorder:
 
 
 def write_json(path: Path, results: dict) -> None:
+    _write_whole(path, _json(results))
+
+
+def _json(content) -> str:
+    return json.dumps(content, indent=2, default=str)
+
+
+def _write_whole(path: Path, text: str) -> None:
     """Written whole or not at all: a run killed while writing leaves the previous file."""
     partial = path.with_name(f"{path.name}.partial")
-    partial.write_text(json.dumps(results, indent=2, default=str))
+    partial.write_text(text)
     os.replace(partial, path)

@@ -562,9 +562,8 @@ class Driver:
                 continue
             if isinstance(decision, FormFlotilla):
                 forming[decision.flotilla] = []
-                cluster = self.scheduler.cluster
-                self.run_ctx.recorder.planned(decision.flotilla, decision.rate, cluster.cores_per_node,
-                                              cluster.prep_seconds_per_image)
+                self.run_ctx.recorder.planned(decision.flotilla, decision.rate,
+                                              self.scheduler.cluster.prep_seconds_per_image)
                 planned = f"; planned {decision.rate:.0f} img/s" if not math.isnan(decision.rate) else ""
                 self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
                     f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()) + planned)

@@ -234,11 +234,11 @@ def _flotillas_section(results: dict) -> str:
     if not isinstance(plans, dict) or not plans:  # (a list in runs before plans were recorded)
         return ""
     rows = [[flotilla, _num(p["planned_images_per_s"], "{:,.0f}"), _num(p["measured_images_per_s"], "{:,.0f}"),
-             _num(1e3 * p["prep_seconds_per_image"] if p["prep_seconds_per_image"] else None, "{:.2f} ms"),
-             str(p["cores_per_node"])] for flotilla, p in plans.items()]
-    return ("<h3>Flotillas: planned and measured</h3>"
-            + _table(["flotilla", "planned img/s", "measured img/s", "preprocessing per image (then)",
-                      "cores per node"], rows)
+             _num(1e3 * p["prep_seconds_per_image"] if p["prep_seconds_per_image"] else None, "{:.2f} ms")]
+            for flotilla, p in plans.items()]
+    cores = results["scheduler"]["cluster"]["cores_per_node"]
+    return (f"<h3>Flotillas: planned and measured ({cores} preprocessing cores per node)</h3>"
+            + _table(["flotilla", "planned img/s", "measured img/s", "preprocessing per image (then)"], rows)
             + "<p class=\"note\">Measured: the slowest member's training images over its time training, "
               "waits for batches included. On CPU slots the members share the cores with each other and with "
               "the pipeline, which the rate table (each model measured alone) does not see.</p>")

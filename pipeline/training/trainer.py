@@ -82,12 +82,18 @@ def saved_epochs(checkpoint_dir: str | Path, model: str) -> list[int]:
     return sorted(int(path.stem[len("epoch"):]) for path in (Path(checkpoint_dir) / model).glob("epoch*.pt"))
 
 
+def better_checkpoint(best: tuple[int, float] | None, epochs: int, accuracy: float) -> bool:
+    """Whether the checkpoint after `epochs` epochs, at validation `accuracy`, replaces `best` (epochs,
+    accuracy) as the model's best: a higher accuracy (the earliest of equals stays), or that epoch done again."""
+    return best is None or accuracy > best[1] or epochs == best[0]
+
+
 def note_best(checkpoint_dir: str | Path, model: str, epochs: int, accuracy: float) -> int:
-    """The epochs of `model`'s best checkpoint (the highest validation accuracy; the earliest of equals),
-    now that its checkpoint after `epochs` epochs, at `accuracy`, is written: <model>/best.json says which."""
+    """The epochs of `model`'s best checkpoint, now that its checkpoint after `epochs` epochs, at
+    `accuracy`, is written: <model>/best.json says which."""
     path = Path(checkpoint_dir) / model / BEST_CHECKPOINT
     best = json.loads(path.read_text()) if path.exists() else None
-    if best is None or accuracy > best["val_accuracy"] or epochs == best["epochs"]:  # (an epoch done again)
+    if better_checkpoint(best and (best["epochs"], best["val_accuracy"]), epochs, accuracy):
         best = {"epochs": epochs, "val_accuracy": accuracy}
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(best))
