@@ -4,13 +4,13 @@ import random
 
 import pytest
 
-from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetG, FleetL,
+from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetE, FleetG, FleetL,
                                 FormFlotilla, Homogeneous, ModelConverged, PrepCostMeasured, RateTable, RatesMeasured,
                                 Scheduler, Slot,
                                 SlotFreed, Start, Stop, TrainerFailed, assign_slots, greedy_flotilla, make_policy)
-from pipeline.scheduler.planner import lookahead_flotilla
+from pipeline.scheduler.planner import longest_first, lookahead_flotilla, share_streams, spread_slots
 from pipeline.scheduler.exact import optimal_time, run_round
-from pipeline.scheduler.simulate import Instance, random_instance, simulate
+from pipeline.scheduler.simulate import Instance, loss_curve, lower_bound, random_instance, simulate
 
 SEED_RATES = {"DNN1": (100, 190, 270, 350), "DNN2": (80, 150, 220, 280),
               "DNN3": (80, 150, 200, 240), "DNN4": (40, 75, 105, 120)}
@@ -102,6 +102,7 @@ def test_impossible_requests_say_what_and_how_to_fix():
 
 def test_policies_are_selectable_by_name():
     assert isinstance(make_policy("fleet_g"), FleetG) and isinstance(make_policy("fleet_l"), FleetL)
+    assert make_policy("fleet_e", phase_threshold=0.02) == FleetE(phase_threshold=0.02)
     assert isinstance(make_policy("baseline"), Baseline) and isinstance(make_policy("homogeneous"), Homogeneous)
     assert make_policy("fleet_l", min_active_fraction=0.5).min_active_fraction == 0.5
 
@@ -180,7 +181,8 @@ def test_late_convergence_of_a_stopped_model_counts():
 
 # --------------------------------------------------------------- simulation
 
-POLICIES = [FleetG(), FleetL(), Baseline(), Homogeneous(), FleetG(lookahead=0)]
+POLICIES = [FleetG(), FleetL(), Baseline(), Homogeneous(), FleetG(lookahead=0), FleetE(),
+            FleetE(phase_threshold=0.05)]
 
 
 def small_instance(seed: int, nodes: int = 2) -> Instance:
@@ -190,7 +192,8 @@ def small_instance(seed: int, nodes: int = 2) -> Instance:
 
 
 def policy_id(policy) -> str:
-    return type(policy).__name__ + ("-greedy-alone" if getattr(policy, "lookahead", 1) == 0 else "")
+    return (type(policy).__name__ + ("-greedy-alone" if getattr(policy, "lookahead", 1) == 0 else "")
+            + ("-phases" if getattr(policy, "phase_threshold", 0) else ""))
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=policy_id)
@@ -211,6 +214,7 @@ def test_simulation_invariants(policy):
     # simulate() raises unless every model converged; each one did train
     assert {model for model, _ in runs} == instance.epochs.keys()
     assert 0 < result.utilisation <= 1
+    assert result.end_time >= lower_bound(instance) * (1 - 1e-9)
     again = simulate(instance, policy, seed=1)
     assert (again.end_time, again.bars) == (result.end_time, result.bars)  # deterministic
 
@@ -291,3 +295,96 @@ def test_fleet_g_is_near_the_optimum_on_fixed_small_instances():
             gaps[lookahead].append(simulate(instance, FleetG(lookahead=lookahead)).end_time / optimum - 1)
     mean = {lookahead: sum(g) / len(g) for lookahead, g in gaps.items()}
     assert mean[8] < 0.05 and mean[8] < mean[0] / 2, mean
+
+
+# ------------------------------------------------------------------ fleet_e
+
+def test_fleet_e_plans_longest_first_one_slot_each_and_shares_streams_only_where_cpus_hold_models_back():
+    table = RateTable({"slow": (20.0, 38.0), "fast1": (176.0, 300.0), "fast2": (160.0, 290.0),
+                       "mid": (90.0, 170.0), "quick": (120.0, 200.0)})
+    cluster = Cluster(1, 4, cores_per_node=4, prep_seconds_per_image=0.04)  # 100 images/s per slot
+    assert longest_first(list(table.rates), table, cluster) == ["slow", "mid", "quick", "fast2", "fast1"]
+    # more models than slots: the slowest four, one slot each (the fastest waits)
+    groups = FleetE().form(list(table.rates), table, cluster, list(cluster.slots), random.Random(0))
+    assert sorted(m for g in groups for m in g) == ["fast2", "mid", "quick", "slow"]
+    assert all(g == 1 for group in groups for g in group.values())
+    # fast2 and quick are held back alone (above the 100 images/s of a slot's cores) but 120 < 0.8 x 160:
+    # too unlike to share; slow and mid are not held back
+    assert sorted(map(sorted, groups)) == [["fast2"], ["mid"], ["quick"], ["slow"]]
+    assert share_streams({"fast1": 1, "fast2": 1, "slow": 1}, table, cluster) == [{"slow": 1},
+                                                                                 {"fast1": 1, "fast2": 1}]
+    # fewer models than slots: leftover slots go where they cut time per unit of work most (the slow one)
+    assert spread_slots({"slow": 1, "fast1": 1}, table, cluster, [4]) == {"slow": 2, "fast1": 2}
+
+
+def elastic_run(policy: FleetE) -> tuple[Scheduler, list]:
+    """Two models on a node of 4 slots, nothing waiting: fleet_e spreads them over 2 slots each."""
+    rates = {"a": (50.0, 95.0, 135.0, 170.0), "b": (60.0, 110.0, 150.0, 180.0)}
+    scheduler = Scheduler(list(rates), Cluster(1, 4), policy)
+    first = started(scheduler, rates)
+    return scheduler, first
+
+
+def test_fleet_e_restarts_a_model_on_idle_slots_from_the_epoch_it_just_finished():
+    scheduler, first = elastic_run(FleetE())
+    assert {d.model: len(d.slots) for d in of(AssignSlots, first)} == {"a": 2, "b": 2}
+    scheduler.handle(EpochFinished(10.0, "b", 1))
+    converged = scheduler.handle(ModelConverged(10.0, "b"))
+    assert of(Stop, converged)[0].reason == "converged"
+    for slot in of(AssignSlots, first)[1].slots:
+        assert scheduler.handle(SlotFreed(11.0, slot)) == []  # nobody waits: the slots stay idle...
+    resized = scheduler.handle(EpochFinished(12.0, "a", 3))  # ...until a's epoch ends: it restarts on all 4
+    assert resized == [Checkpoint(0, "a", 3), Stop(0, "a", "resized", flotilla_ends=True)]
+    replan = []
+    for slot in of(AssignSlots, first)[0].slots:
+        replan += scheduler.handle(SlotFreed(13.0, slot))
+    assert of(FormFlotilla, replan)[0].members == {"a": 4} and of(Start, replan) == [Start(2, "a", 3)]
+    assert scheduler.handle(EpochFinished(14.0, "a", 4)) == [Checkpoint(2, "a", 4)]  # no gain left: stays
+
+
+def test_fleet_e_phases_move_slots_from_a_plateaued_model_to_one_still_improving():
+    scheduler, first = elastic_run(FleetE(phase_threshold=0.05))
+    slots = {d.model: d.slots for d in of(AssignSlots, first)}
+    scheduler.handle(EpochFinished(10.0, "a", 1, {"train_loss": 4.0}))
+    scheduler.handle(EpochFinished(10.0, "b", 1, {"train_loss": 3.0}))
+    assert scheduler.handle(EpochFinished(20.0, "b", 2, {"train_loss": 2.0})) == [Checkpoint(1, "b", 2)]
+    # a's loss fell 2% (< 5%): on its plateau; b's still falls 33% and would gain from a's second slot
+    assert of(Stop, scheduler.handle(EpochFinished(21.0, "a", 2, {"train_loss": 3.92}))) == [
+        Stop(0, "a", "resized", flotilla_ends=True)]
+    replan = []
+    for slot in slots["a"]:
+        replan += scheduler.handle(SlotFreed(22.0, slot))
+    assert of(FormFlotilla, replan)[0].members == {"a": 1} and of(Start, replan) == [Start(2, "a", 2)]
+    # b, still improving, takes the slot a gave up at its next epoch end: 3 slots
+    assert of(Stop, scheduler.handle(EpochFinished(30.0, "b", 3, {"train_loss": 1.5})))[0].reason == "resized"
+    replan = []
+    for slot in slots["b"]:
+        replan += scheduler.handle(SlotFreed(31.0, slot))
+    assert of(FormFlotilla, replan)[0].members == {"b": 3}
+    # without phases a keeps its two slots
+    scheduler, _ = elastic_run(FleetE())
+    scheduler.handle(EpochFinished(10.0, "a", 1, {"train_loss": 4.0}))
+    assert of(Stop, scheduler.handle(EpochFinished(21.0, "a", 2, {"train_loss": 3.92}))) == []
+
+
+def test_loss_curves_level_off_at_convergence_and_the_lower_bound_holds_for_every_schedule():
+    for epochs in (2, 10, 60):
+        curve = loss_curve(epochs)
+        drops = [(a - b) / a for a, b in zip((5.5, *curve), curve)]
+        assert len(curve) == epochs and all(d > 0 for d in drops)
+        assert drops[-1] == pytest.approx(0.01) and all(a >= b for a, b in zip(drops, drops[1:]))
+    table = RateTable({"m": (100.0, 150.0)})
+    alone = Instance(table, {"m": 3}, Cluster(1, 2), images_per_epoch=300, checkpoint_seconds=1.0)
+    assert lower_bound(alone) == pytest.approx(3 * 300 / 150 + 1.0) == simulate(alone, FleetE()).end_time
+    with pytest.raises(ValueError, match="time_limit_seconds"):
+        lower_bound(Instance(table, {"m": 3}, Cluster(1, 2), 300, time_limit_seconds=10.0))
+
+
+def test_fleet_e_beats_the_baseline_by_the_papers_least_speedup_in_the_paper_like_setting():
+    """scripts/simulate_fleet.py (b), one ensemble at the smallest and largest cluster; the docs give all."""
+    for slots in (20, 160):
+        cluster = Cluster(slots // 4, 4, cores_per_node=20, prep_seconds_per_image=0.05)
+        instance = random_instance(random.Random(0), 100, cluster, epochs=(10, 60), checkpoint_seconds=30)
+        baseline, elastic = (simulate(instance, policy).end_time for policy in (Baseline(), FleetE()))
+        assert baseline / elastic >= 1.12
+        assert elastic <= simulate(instance, FleetL()).end_time

@@ -225,6 +225,11 @@ class RunRecorder:
             record = self.models[model]
             return [record.val_accuracy[e] for e in sorted(record.val_accuracy)]
 
+    def train_loss(self, model: str, epoch: int) -> float | None:
+        """Mean training loss of `model`'s epoch `epoch` (0-based), if its report came in."""
+        with self.lock:
+            return self.models[model].train_loss.get(epoch)
+
     def add_checksums(self, flotilla: int, done: TrainerDone) -> None:
         with self.lock:
             for stream, checksums in done.checksums.items():

@@ -38,7 +38,7 @@ from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged,
                                 PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
-from pipeline.scheduler.machine import FAILED
+from pipeline.scheduler.machine import FAILED, TRAIN_LOSS
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerReport, ValReport
 from pipeline.training.group import GroupSpec
 from stages.base import Split
@@ -521,9 +521,11 @@ class Driver:
             if reason:
                 converging.append((report.model, reason))
         for group, group_reports in by_group.items():
-            accuracy = sum(r.accuracy for r in group_reports) / len(group_reports)
-            decisions += self.scheduler.handle(EpochFinished(self.now(), group, group_reports[0].epoch + 1,
-                                                             {"val_accuracy": accuracy}))
+            metrics = {"val_accuracy": sum(r.accuracy for r in group_reports) / len(group_reports)}
+            losses = [self.run_ctx.recorder.train_loss(r.model, r.epoch) for r in group_reports]
+            if None not in losses:  # training phases (scheduler.phase_threshold) are read from it
+                metrics[TRAIN_LOSS] = sum(losses) / len(losses)
+            decisions += self.scheduler.handle(EpochFinished(self.now(), group, group_reports[0].epoch + 1, metrics))
         if reports:
             epoch = max(report.epoch for report in reports)
             ensemble = self.run_ctx.recorder.ensemble_accuracy.get(epoch)

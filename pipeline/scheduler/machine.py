@@ -17,6 +17,7 @@ from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 WAITING, RUNNING, CONVERGED, FAILED = "waiting", "running", "converged", "failed"
+TRAIN_LOSS = "train_loss"  # the metric of `EpochFinished` that training phases are read from
 FREE, BUSY, RELEASING = "free", "busy", "releasing"
 
 
@@ -28,6 +29,7 @@ class ModelState:
     failures: int = 0
     flotilla: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # of the last epoch
+    loss_drop: float | None = None  # of the training loss in the last epoch, as a fraction of the loss before
 
 
 @dataclass
@@ -166,11 +168,37 @@ class Scheduler:
         state = self._model(event.model)
         if state.status != RUNNING:  # a late report from trainers already stopped
             return []
+        before, loss = state.metrics.get(TRAIN_LOSS), event.metrics.get(TRAIN_LOSS)
         state.epochs_done, state.metrics = event.epoch, dict(event.metrics)
-        if self.checkpoint_every and event.epoch % self.checkpoint_every == 0:
-            state.checkpoint_epoch = event.epoch
-            return [Checkpoint(state.flotilla, event.model, event.epoch)]
-        return []
+        if before and loss is not None:
+            state.loss_drop = (before - loss) / before
+        if not (self.checkpoint_every and event.epoch % self.checkpoint_every == 0):
+            return []
+        state.checkpoint_epoch = event.epoch
+        checkpoint = Checkpoint(state.flotilla, event.model, event.epoch)
+        if self._restarts_on_more_slots(event.model):
+            state.status = WAITING
+            return [checkpoint, *self._leave(event.model, "resized")]
+        return [checkpoint]
+
+    def _restarts_on_more_slots(self, model: str) -> bool:
+        """An elastic policy's call, once no model waits: `model`, just checkpointed, restarts on the
+        slot count its phase allows (more of the idle slots, or fewer for a model whose loss has levelled
+        off while another's still falls)."""
+        if (not self.policy.elastic or RELEASING in self.slots.values()
+                or any(s.status == WAITING for s in self.models.values())):
+            return False
+        free = [s for s, state in self.slots.items() if state == FREE]
+        running = {m: len(slots) for f in self.flotillas.values() for m, slots in f.members.items() if m in f.active}
+        slots = self.flotillas[self.models[model].flotilla].members[model]
+        return self.policy.resize(model, slots, self._planning_table(), self.cluster, free, running)
+
+    def _planning_table(self) -> RateTable:
+        """The rate table as the policy plans with it: an elastic policy may hold back the slot counts of
+        models in a late training phase."""
+        if not self.policy.elastic:
+            return self.table
+        return self.policy.by_phase(self.table, {m: s.loss_drop for m, s in self.models.items()})
 
     def _converged(self, event: ModelConverged) -> list[Decision]:
         state = self._model(event.model)
@@ -237,7 +265,7 @@ class Scheduler:
                 or RELEASING in self.slots.values()
                 or (self.policy.waits_for_idle_cluster and self.flotillas)):
             return []
-        groups = self.policy.form(waiting, self.table, self.cluster, free, self.rng)
+        groups = self.policy.form(waiting, self._planning_table(), self.cluster, free, self.rng)
         placement = assign_slots({m: g for group in groups for m, g in group.items()}, free)
         decisions: list[Decision] = []
         for group in groups:

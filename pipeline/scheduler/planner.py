@@ -189,3 +189,50 @@ def upgrade_bottleneck(members: dict[str, int], table: RateTable, cluster: Clust
                 or not fits([g for m, g in members.items() if m != slowest] + [more], free_nodes)):
             return members
         members[slowest] = more
+
+
+def longest_first(pending: list[str], table: RateTable, cluster: Cluster) -> list[str]:
+    """`pending` with the models expected to take longest first. Convergence is
+    unknown ahead, so every model is assumed to have the same work left and
+    the slowest on its smallest runnable slot count comes first (ties: `pending` order)."""
+    k = cluster.slots_per_node
+    return sorted(pending, key=lambda m: table.rate(m, table.slot_counts(m, k)[0]))
+
+
+def spread_slots(members: dict[str, int], table: RateTable, cluster: Cluster,
+                 free_nodes: list[int]) -> dict[str, int]:
+    """Slots left over go, one at a time, to the member whose time per unit
+    of work drops most with one more slot, while one still fits."""
+    members = dict(members)
+    while True:
+        gains = []
+        for model, slots in members.items():
+            more = slots + 1
+            if table.rate(model, more) > table.rate(model, slots) and fits(
+                    [g for m, g in members.items() if m != model] + [more], free_nodes):
+                gains.append((1 / table.rate(model, slots) - 1 / table.rate(model, more), model))
+        if not gains:
+            return members
+        members[max(gains)[1]] += 1
+
+
+def share_streams(members: dict[str, int], table: RateTable, cluster: Cluster,
+                  tolerance: float = TOLERANCE) -> list[dict[str, int]]:
+    """Flotillas for `members` (model -> slots): a model whose pipeline alone
+    would hold it below its training rate (its slots' cores preprocess less)
+    shares one stream with CPU-held models of like rate (each within
+    `tolerance` of the group's fastest), which together have the cores of all
+    their slots; every other model has a stream of its own, since lockstep
+    would only slow it down."""
+    prep = cluster.prep_rate_per_slot
+    held = sorted((m for m, g in members.items() if table.rate(m, g) > prep * g),
+                  key=lambda m: -table.rate(m, members[m]))
+    flotillas = [{m: g} for m, g in members.items() if m not in held]
+    group: dict[str, int] = {}
+    for model in held:
+        if group and table.rate(model, members[model]) < (1 - tolerance) * max(
+                table.rate(m, g) for m, g in group.items()):
+            flotillas.append(group)
+            group = {}
+        group[model] = members[model]
+    return flotillas + ([group] if group else [])

@@ -1,8 +1,9 @@
 """Scheduling policies: which flotillas to form on the free slots, and when.
 
-Selected by name (Hydra: `scheduler=shared|fleet_g|fleet_l|baseline|homogeneous`).
-A policy only chooses flotillas; the state machine (`machine.py`) applies the
-rules every policy shares (convergence releases slots, stop below
+Selected by name (Hydra: `scheduler=shared|fleet_e|fleet_g|fleet_l|baseline|homogeneous`).
+A policy only chooses flotillas (and, if `elastic`, which running models to
+restart on more slots); the state machine (`machine.py`) applies the rules
+every policy shares (convergence releases slots, stop below
 `min_active_fraction` active slots, resume from checkpoints).
 """
 
@@ -13,7 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.scheduler.planner import TOLERANCE, fits, free_per_node, greedy_flotilla, lookahead_flotilla
+from pipeline.scheduler.planner import (TOLERANCE, fits, free_per_node, greedy_flotilla, longest_first,
+                                        lookahead_flotilla, share_streams, spread_slots)
 from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 
 
@@ -27,6 +29,7 @@ class Shared:
     min_active_fraction: float = 0.0  # the flotilla runs until its last model converges
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = False
+    elastic: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -49,6 +52,7 @@ class FleetG:
     lookahead: int = 8  # up to this many waiting models, pick the flotilla by lookahead (0: greedy alone)
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = True
+    elastic: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -68,6 +72,77 @@ class FleetL(FleetG):
 
 
 @dataclass
+class FleetE:
+    """FLEET-E (elastic), the recommended policy: no slot waits and no model
+    waits for another.
+
+    * Free slots are refilled at once (as FLEET-L), with the waiting models
+      expected to take longest first (`longest_first`), one slot each while
+      models wait, since one slot is the most work per slot under sublinear
+      scaling; slots left over go to the models they speed up most.
+    * Only models whose own pipeline would hold them back share a stream
+      (`share_streams`): sharing pays in CPU, and lockstep costs the faster
+      members of a flotilla their speed.
+    * A flotilla runs on as members leave (their slots are refilled); once no
+      model waits, a running model that would train faster on the idle slots
+      is restarted there from the checkpoint of the epoch it just finished
+      (`resize`), so the tail of the run uses the whole cluster.
+    * Training phases (Wei and Shudo), with `phase_threshold` > 0: a model
+      whose training loss fell by less than that fraction in its last epoch
+      is on its plateau. It is planned on its smallest slot count
+      (`by_phase`), and gives up the slots above it, by restarting there, as
+      soon as a model whose loss still falls could train faster on them.
+    """
+
+    tolerance: float = TOLERANCE  # a stream's members are within this fraction of its fastest's rate
+    min_gain: float = 0.1  # a restart on more slots must raise the model's rate by this fraction
+    phase_threshold: float = 0.0  # loss drop per epoch below which a model is on its plateau; 0: phases unused
+    min_active_fraction: float = 0.0  # flotillas never stop for members leaving
+    waits_for_idle_cluster: ClassVar[bool] = False
+    needs_rates: ClassVar[bool] = True
+    elastic: ClassVar[bool] = True
+
+    def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
+             rng: random.Random) -> list[dict[str, int]]:
+        nodes, members = free_per_node(free_slots), {}
+        for model in longest_first(pending, table, cluster):
+            slots = table.slot_counts(model, cluster.slots_per_node)[0]
+            if fits([*members.values(), slots], nodes):
+                members[model] = slots
+        return share_streams(spread_slots(members, table, cluster, nodes), table, cluster, self.tolerance)
+
+    def by_phase(self, table: RateTable, loss_drops: dict[str, float | None]) -> RateTable:
+        """`table` with every model on its plateau limited to its smallest runnable slot count."""
+        if not self.phase_threshold:
+            return table
+        limited = RateTable(dict(table.rates))
+        for model, drop in loss_drops.items():
+            if drop is not None and drop < self.phase_threshold and model in table.rates:
+                rates = table.rates[model]
+                smallest = next(i for i, r in enumerate(rates) if r > 0)
+                limited.rates[model] = tuple(r if i == smallest else 0.0 for i, r in enumerate(rates))
+        return limited
+
+    def resize(self, model: str, slots: tuple[Slot, ...], table: RateTable, cluster: Cluster,
+               free_slots: list[Slot], running: dict[str, int]) -> bool:
+        """Whether `model`, running on `slots` while no model waits, should restart now (`table` is the
+        planning table, `by_phase`): on fewer slots if it holds more than `table` allows and another
+        `running` model could use them; on more if its rate on the most slots it could get (the idle
+        ones and its own, within one node) beats its rate now by `min_gain`."""
+        now, k = len(slots), cluster.slots_per_node
+        if now not in table.slot_counts(model, k):
+            return any(self._gains(other, g, g + now - 1, table, k) for other, g in running.items() if other != model)
+        room = [len([s for s in free_slots if s.node == node]) + (now if node == slots[0].node else 0)
+                for node in range(cluster.nodes)]
+        return self._gains(model, now, max(room), table, k)
+
+    def _gains(self, model: str, now: int, most: int, table: RateTable, slots_per_node: int) -> bool:
+        """Whether `model` on up to `most` slots beats its rate on `now` by `min_gain`."""
+        best = max((table.rate(model, g) for g in table.slot_counts(model, min(most, slots_per_node))), default=0.0)
+        return best > (1 + self.min_gain) * table.rate(model, now)
+
+
+@dataclass
 class Baseline:
     """Each model alone on one slot with its own pipeline; a random waiting
     model takes each free slot."""
@@ -75,6 +150,7 @@ class Baseline:
     min_active_fraction: float = 0.0  # a one-model flotilla ends with its model
     waits_for_idle_cluster: ClassVar[bool] = False
     needs_rates: ClassVar[bool] = True
+    elastic: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -90,6 +166,7 @@ class Homogeneous:
     min_active_fraction: float = 0.0
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = True
+    elastic: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -111,29 +188,32 @@ def _random_fill(pending: list[str], table: RateTable, cluster: Cluster, free_sl
     return chosen
 
 
-Policy = Shared | FleetG | FleetL | Baseline | Homogeneous
+Policy = Shared | FleetE | FleetG | FleetL | Baseline | Homogeneous
 
 
 class PolicyName(enum.StrEnum):
     """scheduler.policy (set by scheduler=<name>)."""
 
     shared = "shared"
+    fleet_e = "fleet_e"
     fleet_g = "fleet_g"
     fleet_l = "fleet_l"
     baseline = "baseline"
     homogeneous = "homogeneous"
 
 
-POLICIES = {PolicyName.shared: Shared, PolicyName.fleet_g: FleetG, PolicyName.fleet_l: FleetL,
+POLICIES = {PolicyName.shared: Shared, PolicyName.fleet_e: FleetE, PolicyName.fleet_g: FleetG, PolicyName.fleet_l: FleetL,
             PolicyName.baseline: Baseline, PolicyName.homogeneous: Homogeneous}
 
 
 def make_policy(name: PolicyName, min_active_fraction: float = 0.8,
-                requested_slots: dict[str, int] | None = None) -> Policy:
-    """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l
-    only, `requested_slots` (model -> slots) to shared only."""
+                requested_slots: dict[str, int] | None = None, phase_threshold: float = 0.0) -> Policy:
+    """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l only, `requested_slots`
+    (model -> slots) to shared only, `phase_threshold` to fleet_e only."""
     if name == PolicyName.shared:
         return Shared(dict(requested_slots or {}))
     if name in (PolicyName.fleet_g, PolicyName.fleet_l):
         return POLICIES[name](min_active_fraction=min_active_fraction)
+    if name == PolicyName.fleet_e:
+        return FleetE(phase_threshold=phase_threshold)
     return POLICIES[name]()

@@ -8,7 +8,9 @@ Execution model (the exact solver in `exact.py` uses the same one):
 * a model converges at the end of its `epochs[model]`-th epoch, or, with a
   `time_limit_seconds` (the FLEET paper's 240 minutes per model), at the end
   of the epoch in which its training time reaches the limit;
-* a stopped model's slots come back `checkpoint_seconds` later.
+* a stopped model's slots come back `checkpoint_seconds` later;
+* each epoch reports the model's training loss from `Instance.losses` (see
+  `loss_curve`), which elastic policies read training phases from.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
-from pipeline.scheduler.machine import Scheduler
+from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
 from pipeline.scheduler.planner import flotilla_rate
 from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
@@ -36,6 +38,7 @@ class Instance:
     images_per_epoch: int
     checkpoint_seconds: float = 0.0
     time_limit_seconds: float | None = None  # a model stops once it has trained this long, converged or not
+    losses: dict[str, tuple[float, ...]] = field(default_factory=dict)  # training loss after epoch 1, 2, ...
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,11 @@ class _Simulation:
         for model in members:
             self.epochs_done[model] += 1
             epoch, target = self.epochs_done[model], self.instance.epochs[model]
-            self.send(EpochFinished(self.now, model, epoch, {"val_accuracy": min(epoch / target, 1.0)}))
+            metrics = {"val_accuracy": min(epoch / target, 1.0)}
+            curve = self.instance.losses.get(model)
+            if curve:
+                metrics[TRAIN_LOSS] = curve[min(epoch, len(curve)) - 1]
+            self.send(EpochFinished(self.now, model, epoch, metrics))
         limit = self.instance.time_limit_seconds
         for model in members:
             running = self.open_bars.get(model)  # (absent when its flotilla stopped it just now)
@@ -176,6 +183,22 @@ def simulate(instance: Instance, policy: Policy, seed: int = 0) -> SimResult:
     return _Simulation(instance, policy, seed).run()
 
 
+def lower_bound(instance: Instance) -> float:
+    """End-to-end time no schedule can beat, whatever it runs at once: the slot-seconds of every model
+    on its most slot-efficient count (usually one slot) spread over all slots, and each model's
+    epochs on its fastest count; plus the checkpoint that ends every model's training. The CPUs are
+    left out (sharing one stream could feed any number of models), so the bound holds for every policy.
+    With a time limit a model's work depends on the schedule: no bound is given."""
+    if instance.time_limit_seconds is not None:
+        raise ValueError("a time-limited model's work depends on its schedule; give an instance without "
+                         "time_limit_seconds for a lower bound")
+    table, k, n = instance.table, instance.cluster.slots_per_node, instance.images_per_epoch
+    slot_seconds = sum(e * n / max(table.rate(m, g) / g for g in table.slot_counts(m, k))
+                       for m, e in instance.epochs.items())
+    alone = max(e * n / max(table.rates[m][:k]) for m, e in instance.epochs.items())
+    return max(slot_seconds / instance.cluster.total_slots, alone) + instance.checkpoint_seconds
+
+
 def random_instance(rng: random.Random, models: int, cluster: Cluster,
                     single_slot_rates: tuple[float, float] = (21.0, 176.0), epochs: tuple[int, int] = (10, 60),
                     images_per_epoch: int = 30_000, checkpoint_seconds: float = 0.0,
@@ -190,7 +213,32 @@ def random_instance(rng: random.Random, models: int, cluster: Cluster,
         rate, slowdown = rng.uniform(*single_slot_rates), rng.uniform(0.05, 0.35)
         table.add(name, [rate * g / (1 + slowdown * (g - 1)) for g in range(1, cluster.slots_per_node + 1)])
         converge[name] = rng.randint(*epochs)
-    return Instance(table, converge, cluster, images_per_epoch, checkpoint_seconds, time_limit_seconds)
+    losses = {name: loss_curve(epochs) for name, epochs in converge.items()}
+    return Instance(table, converge, cluster, images_per_epoch, checkpoint_seconds, time_limit_seconds, losses)
+
+
+def loss_curve(epochs: int, start: float = 5.5, floor: float = 0.5, last_drop: float = 0.01) -> tuple[float, ...]:
+    """Training loss after each of `epochs` epochs, for a model that converges then: it decays
+    geometrically from `start` (ln 256 ~ 5.5, chance on 256 classes) towards `floor`,
+    loss(e) = floor + (start - floor) d^e, with the factor d that makes the last epoch's drop
+    `last_drop` of the loss before it (the loss has levelled off near `floor`; with too few epochs to get
+    there, the steepest decay whose last drop still is `last_drop`). So every model levels off in the same way
+    just before it converges, whatever its epoch count: a threshold on the drop per epoch marks the
+    same late phase of each."""
+    scale = start - floor
+
+    def drop(d: float) -> float:
+        before = floor + scale * d ** (epochs - 1)
+        return scale * d ** (epochs - 1) * (1 - d) / before
+
+    # The drop rises then falls in d (at d near 1 the loss has hardly moved); the root below the peak
+    # is the curve that has levelled off near `floor`.
+    low, high = 0.0, max((i / 1000 for i in range(1, 1000)), key=drop)
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (low, middle) if drop(middle) > last_drop else (middle, high)
+    d = (low + high) / 2
+    return tuple(floor + scale * d ** e for e in range(1, epochs + 1))
 
 
 def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
