@@ -115,8 +115,10 @@ class DeliveryConf:
 
 @dataclass
 class SchedulerConf:
-    policy: PolicyName = PolicyName.shared  # shared (all models at once) | fleet_g | fleet_l | baseline | homogeneous
+    policy: PolicyName = PolicyName.shared  # shared (all models at once) | fleet_e | fleet_g | fleet_l | baseline | homogeneous
     min_active_fraction: float = 0.8  # fleet_g/fleet_l: a flotilla stops when fewer of its slots are active
+    phase_threshold: float = 0.0  # fleet_e: a model whose training loss fell less than this fraction in an epoch
+    # is on its plateau and gives its slots above one to models still improving (0: off)
     target_accuracy: Optional[float] = None  # a model converges on reaching this validation accuracy
     patience: int = 0  # ...or after this many epochs without improving its best by min_delta (0: off)
     min_delta: float = 0.005  # the smallest gain in validation accuracy that counts
@@ -247,6 +249,9 @@ def check(cfg: DictConfig) -> None:
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")
+    if not 0 <= cfg.scheduler.phase_threshold < 1:
+        raise ConfigError(f"scheduler.phase_threshold={cfg.scheduler.phase_threshold}: give the fraction of the "
+                          "training loss an epoch must remove, in [0, 1) (e.g. 0.02), or 0 to leave phases unused")
 
 
 def _check_tls(cluster: DictConfig) -> None:

@@ -204,7 +204,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     else:
         groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates, output_dir,
                                console, results)
-    policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups})
+    policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups},
+                         cfg.scheduler.phase_threshold)
     nodes = cfg.cluster.nodes
     s = cfg.scheduler
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
