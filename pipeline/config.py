@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeline.data.dataset import Synthetic
-from pipeline.delivery.topology import Topology
+from pipeline.scheduler.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName

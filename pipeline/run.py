@@ -26,12 +26,11 @@ from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, das
                                     node_threads, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
-from pipeline.delivery.topology import Topology
 from pipeline.runtime.hang import Patience
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
-from pipeline.orchestration.driver import Convergence, Driver, RunContext, TopologyChoice
+from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, remove_stale_shm
 from pipeline.orchestration.node import agent_key, registered_agents
@@ -42,6 +41,7 @@ from pipeline.report.summary import print_summary
 from pipeline.scheduler import POLICIES, Cluster, RatesMeasured, RateTable, Scheduler, make_policy
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
+from pipeline.scheduler.topology import Topology
 from pipeline.training.rates import Measurement, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
@@ -244,15 +244,13 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         probed = _probe_seconds_per_image(client, graph, cfg) if needs_rates or (auto and nodes > 1) else None
         cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
         scheduler = Scheduler([g.name for g in groups], cluster, policy, cfg.seed, s.checkpoint_every,
-                              s.max_failures)
+                              s.max_failures, cfg.topology, cfg.delivery.broadcast_groups)
         first = []  # a resumed run's come from driver.resume() below
         if not cfg.resume:
             first = scheduler.start(0.0) if table is None else [
                 decision for name, rates in table.rates.items()
                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
-        topology = TopologyChoice(cfg.topology, cfg.delivery.broadcast_groups, threads_of_node,
-                                  results.get("rates"), probed)
-        context = RunContext(graph, setup, delivery, topology, recorder, progress, t.report_s, t.stop_s, state_dir)
+        context = RunContext(graph, setup, delivery, recorder, progress, t.report_s, t.stop_s, state_dir)
         driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console)
         if cfg.resume:
             first = driver.resume()

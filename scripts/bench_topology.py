@@ -34,7 +34,7 @@ import traceback
 from pathlib import Path
 
 from pipeline.report.measurements import occupancy_stats
-from pipeline.delivery.topology import TOPOLOGIES
+from pipeline.scheduler.topology import TOPOLOGIES
 
 # pipeline.run (Dask, torch) is imported where it is used: spawned processes
 # (hubs, trainers) re-import this script as __mp_main__ and need none of it.

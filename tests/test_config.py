@@ -47,7 +47,7 @@ def test_duplicate_model_names_are_refused():
     ("on_error=ignore", "on_error", "skip, fail"),
     ("trainer.device=tpu", "trainer.device", "auto, cuda, cpu"),
     ("pipeline.decode_backend=turbo", "pipeline.decode_backend", "simplejpeg, pillow, dali"),
-    ("scheduler.policy=fleet", "scheduler.policy", "shared, fleet_g, fleet_l, baseline, homogeneous"),
+    ("scheduler.policy=fleet", "scheduler.policy", "shared, fleet_e, fleet_g, fleet_l, baseline, homogeneous"),
     ("dataset.synthetic=sometimes", "dataset.synthetic", "auto, never"),
 ])
 def test_a_value_outside_its_choices_is_refused_naming_the_key_and_the_choices(override, key, allowed):

@@ -46,7 +46,7 @@ def driver_of(groups: list[GroupSpec], tmp_path, monkeypatch, epochs=5) -> Drive
     scheduler = Scheduler([g.name for g in groups], Cluster(1, len(groups)), FleetG(min_active_fraction=0.8),
                           checkpoint_every=2)
     recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
-    context = RunContext(None, None, None, None, recorder, None, 60.0, 10.0, tmp_path / "state")
+    context = RunContext(None, None, None, recorder, None, 60.0, 10.0, tmp_path / "state")
     slots = {Slot(0, i): "cpu" for i in range(len(groups))}
     driver = Driver(scheduler, {g.name: g for g in groups}, slots, Convergence(epochs, None, 0, 0.005), context,
                     Console(file=io.StringIO()))

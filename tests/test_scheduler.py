@@ -6,11 +6,12 @@ import pytest
 
 from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetE, FleetG, FleetL,
                                 FormFlotilla, Homogeneous, ModelConverged, PrepCostMeasured, RateTable, RatesMeasured,
-                                Scheduler, Slot,
+                                Scheduler, Shared, Slot,
                                 SlotFreed, Start, Stop, TrainerFailed, assign_slots, greedy_flotilla, make_policy)
 from pipeline.scheduler.planner import longest_first, lookahead_flotilla, share_streams, spread_slots
 from pipeline.scheduler.exact import optimal_time, run_round
 from pipeline.scheduler.simulate import Instance, loss_curve, lower_bound, random_instance, simulate
+from pipeline.scheduler.topology import Topology, choose_topology, split_streams, stream_rate
 
 SEED_RATES = {"DNN1": (100, 190, 270, 350), "DNN2": (80, 150, 220, 280),
               "DNN3": (80, 150, 200, 240), "DNN4": (40, 75, 105, 120)}
@@ -147,7 +148,9 @@ def test_fleet_g_waits_for_the_flotilla_to_stop_while_fleet_l_refills_at_once():
         decisions[type(policy)] = scheduler.handle(SlotFreed(2.0, Slot(0, 0)))
     assert decisions[FleetG] == []
     refill = decisions[FleetL]
-    assert refill[0] == FormFlotilla(1, {"f": 1}, 100.0) and of(Start, refill) == [Start(1, "f", 0)]
+    form = refill[0]
+    assert (form.flotilla, form.members, form.rate) == (1, {"f": 1}, 100.0)
+    assert (form.topology, form.streams) == ("single_broadcast", (("f",),)) and of(Start, refill) == [Start(1, "f", 0)]
 
 
 def test_failed_trainer_resumes_from_last_checkpoint_and_is_given_up_after_max_failures():
@@ -388,3 +391,47 @@ def test_fleet_e_beats_the_baseline_by_the_papers_least_speedup_in_the_paper_lik
         baseline, elastic = (simulate(instance, policy).end_time for policy in (Baseline(), FleetE()))
         assert baseline / elastic >= 1.12
         assert elastic <= simulate(instance, FleetL()).end_time
+
+
+# ---------------------------------------------------------------- topology
+
+def test_the_scheduler_chooses_the_topology_from_its_cluster_model():
+    table = RateTable({"a": (100.0, 190.0), "b": (90.0, 170.0), "slow": (30.0, 55.0)})
+    # 2 nodes of 2 slots, 2 cores each at 0.01 core-s/image: 100 images/s per slot
+    cluster = Cluster(2, 2, cores_per_node=2, prep_seconds_per_image=0.01)
+    one_node = {"a": (0,), "b": (0,)}
+    assert choose_topology(one_node, table, cluster)[0] == Topology.single_broadcast
+    # a on node 0's 2 slots (190 images/s), b on node 1's (170): the producer (node 0: 200 images/s) keeps up
+    assert choose_topology({"a": (0, 0), "b": (1, 1)}, table, cluster)[0] == Topology.single_broadcast
+    # at 0.02 core-s/image node 0 makes 100 images/s, the flotilla takes 170: every node makes a share
+    scarce = Cluster(2, 2, cores_per_node=2, prep_seconds_per_image=0.02)
+    topology, why = choose_topology({"a": (0, 0), "b": (1, 1)}, table, scarce)
+    assert topology == Topology.all_shared and "every node makes a share" in why
+    assert stream_rate(("a", "b"), {"a": (0, 0), "b": (1, 1)}, topology, table, scarce) == 170.0
+    assert stream_rate(("a", "b"), {"a": (0, 0), "b": (1, 1)}, Topology.single_broadcast, table, scarce) == 100.0
+    # the network into node 1 carries 60 images/s: a whole batch per image under a broadcast,
+    # half of each under all_shared on 2 nodes
+    narrow = Cluster(2, 2, cores_per_node=4, prep_seconds_per_image=0.01, network_images_per_s=60.0)
+    assert stream_rate(("a", "b"), {"a": (0, 0), "b": (1, 1)}, Topology.single_broadcast, table, narrow) == 60.0
+    assert stream_rate(("a", "b"), {"a": (0, 0), "b": (1, 1)}, Topology.all_shared, table, narrow) == 120.0
+    # speeds 3x apart: streams of like speed; a fixed setting is kept
+    assert choose_topology({"a": (0,), "slow": (0,)}, table, cluster)[0] == Topology.multi_broadcast
+    assert choose_topology(one_node, table, cluster, Topology.duplicated)[0] == Topology.duplicated
+    assert split_streams(Topology.multi_broadcast, ["slow", "a", "b"], {"a": 100, "b": 90, "slow": 30}, 2) == (
+        ("a", "b"), ("slow",))
+    assert split_streams(Topology.duplicated, ["a", "b"], {}, 2) == (("a",), ("b",))
+
+
+def test_streams_of_a_flotilla_move_at_their_own_pace_in_simulation_and_in_the_decision():
+    table = RateTable({"fast": (200.0,), "slow": (50.0,)})
+    instance = Instance(table, {"fast": 2, "slow": 2}, Cluster(1, 2), images_per_epoch=1000)
+    scheduler = Scheduler(["fast", "slow"], Cluster(1, 2), Homogeneous())  # both at once, one slot each
+    (form,) = of(FormFlotilla, started(scheduler, {"fast": (200.0,), "slow": (50.0,)}))
+    assert (form.topology, form.streams, form.rate) == (Topology.multi_broadcast, (("fast",), ("slow",)), 50.0)
+    bars = {bar.model: bar for bar in simulate(instance, Homogeneous()).bars}
+    assert bars["fast"].end == pytest.approx(10.0) and bars["slow"].end == pytest.approx(40.0)  # not 40 and 40
+    fixed = Scheduler(["fast", "slow"], Cluster(1, 2), Shared({"fast": 1, "slow": 1}),
+                      topology=Topology.single_broadcast)
+    (form,) = of(FormFlotilla, fixed.start(0.0))
+    assert (form.topology, form.streams, form.why) == (Topology.single_broadcast, (("fast", "slow"),),
+                                                       "topology=single_broadcast")

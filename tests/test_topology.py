@@ -1,4 +1,4 @@
-"""Topologies: the plans, the auto choice, the collective exchange, and the
+"""Topologies: the plans of the scheduler's streams, the collective exchange, and the
 delivery invariants of every topology in real runs on two simulated nodes
 (own Dask workers and trainers each, gloo over loopback)."""
 import multiprocessing as mp
@@ -16,8 +16,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.data.graph import build_graph
-from pipeline.delivery.topology import TOPOLOGIES, choose_topology, plan_delivery
+from pipeline.delivery.topology import plan_delivery
 from pipeline.orchestration.node import AGENT_KEY_ENV
+from pipeline.scheduler.topology import TOPOLOGIES, split_streams
 from stages.base import BatchContext, Split, UserError
 from stages.cache import cache_prefix
 from tests.conftest import compose_config
@@ -27,44 +28,35 @@ PLACEMENT = {"A": (0,), "B": (1, 1), "C": (0,)}
 
 
 def test_single_broadcast_has_one_producer_where_most_trainers_are():
-    plan = plan_delivery("single_broadcast", {"A": (0,), "B": (1, 1)})
+    plan = plan_delivery("single_broadcast", {"A": (0,), "B": (1, 1)}, (("A", "B"),))
     (group,) = plan.groups
     assert not group.gather and plan.hubs[group.hubs[0]].node == 1 and plan.hubs[group.hubs[0]].part == 0
     assert [h.part for h in plan.hubs] == [0, None]
 
 
 def test_all_shared_makes_every_hub_a_share():
-    plan = plan_delivery("all_shared", PLACEMENT)
+    plan = plan_delivery("all_shared", PLACEMENT, (("A", "B", "C"),))
     (group,) = plan.groups
     assert group.gather and group.parts == 2 and sorted(h.part for h in plan.hubs) == [0, 1]
 
 
-def test_multi_broadcast_groups_members_of_similar_speed():
-    plan = plan_delivery("multi_broadcast", PLACEMENT, broadcast_groups=2, rates={"A": 100, "B": 10, "C": 90})
+def test_multi_broadcast_gives_each_of_the_schedulers_streams_its_hubs():
+    streams = split_streams("multi_broadcast", list(PLACEMENT), {"A": 100, "B": 10, "C": 90}, 2)
+    plan = plan_delivery("multi_broadcast", PLACEMENT, streams)
     assert [g.members for g in plan.groups] == [("A", "C"), ("B",)]
     assert [len(g.hubs) for g in plan.groups] == [1, 1]
-    spanning = plan_delivery("multi_broadcast", PLACEMENT, broadcast_groups=2)  # no rates: config order
-    assert [g.members for g in spanning.groups] == [("A", "B"), ("C",)]
+    spanning = plan_delivery("multi_broadcast", PLACEMENT, split_streams("multi_broadcast", list(PLACEMENT), {}, 2))
+    assert [g.members for g in spanning.groups] == [("A", "B"), ("C",)]  # no rates: plan order
     assert {spanning.hubs[r].node for r in spanning.groups[0].hubs} == {0, 1}
     assert plan.hub_of("C", 0).group == 0 and spanning.hub_of("C", 0).group == 1
 
 
 def test_duplicated_gives_every_member_its_own_pipeline():
-    plan = plan_delivery("duplicated", PLACEMENT)
+    plan = plan_delivery("duplicated", PLACEMENT, split_streams("duplicated", list(PLACEMENT), {}, 2))
     assert [g.members for g in plan.groups] == [("A",), ("B",), ("C",)]
     assert all(h.part == 0 for h in plan.hubs)
-
-
-@pytest.mark.parametrize("nodes, producer_rate, rates, expected", [
-    (1, None, None, "single_broadcast"),  # one node: shared memory is all it takes
-    (1, 50.0, {"A": 300.0, "B": 100.0}, "multi_broadcast"),  # 3x apart in speed
-    (2, 500.0, {"A": 300.0, "B": 250.0}, "single_broadcast"),  # one node's workers keep up
-    (2, 100.0, {"A": 300.0, "B": 250.0}, "all_shared"),  # they do not
-    (2, None, None, "all_shared"),  # nothing measured: spread the work
-])
-def test_auto_picks_from_measurements(nodes, producer_rate, rates, expected):
-    topology, why = choose_topology(nodes, producer_rate, rates)
-    assert topology == expected and why
+    with pytest.raises(ValueError, match="the scheduler resolves topology=auto"):
+        plan_delivery("auto", PLACEMENT, (("A", "B", "C"),))
 
 
 def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):

@@ -29,7 +29,7 @@ from rich.progress import Progress
 
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import SplitDone
-from pipeline.delivery.topology import DeliveryPlan, Topology, choose_topology, plan_delivery
+from pipeline.delivery.topology import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
@@ -67,40 +67,12 @@ class Convergence:
 
 
 @dataclass(frozen=True)
-class TopologyChoice:
-    """topology=...: fixed, or `auto` (chosen per flotilla from measurements)."""
-
-    topology: Topology
-    broadcast_groups: int
-    node_threads: dict[int, int]  # worker threads of each node
-    rates: dict[str, list[float]] | None  # each group's measured images/s on 1, 2, ... slots, if measured
-    probed_seconds_per_image: float | None  # worker seconds per image, measured before the run (auto, several nodes)
-
-    def plan(self, members: list[Member], recorder: RunRecorder) -> tuple[DeliveryPlan, str]:
-        placement = {m.group.name: m.nodes for m in members}
-        # A member's speed on the slots it holds.
-        rates = {m.group.name: self.rates[m.group.name][len(m.devices) - 1] for m in members} \
-            if self.rates else None
-        if self.topology != Topology.auto:
-            topology, why = self.topology, f"topology={self.topology}"
-        else:
-            per_image = recorder.seconds_per_image() or self.probed_seconds_per_image
-            nodes = sorted({node for m in members for node in m.nodes})
-            # What one node's workers make: the least-equipped node hosting the flotilla, to be safe.
-            producer_rate = min(self.node_threads[n] for n in nodes) / per_image if per_image else None
-            topology, why = choose_topology(len(nodes), producer_rate, rates)
-            why = f"auto: {why}"
-        return plan_delivery(topology, placement, self.broadcast_groups, rates), why
-
-
-@dataclass(frozen=True)
 class RunContext:
     """What the flotilla threads share."""
 
     graph: StageGraph
     setup: TrainingSetup
     delivery: DeliverySetup
-    topology: TopologyChoice
     recorder: RunRecorder
     progress: Progress
     report_s: float  # timeouts.report_s: a trainer silent this long when it owes a report is hung
@@ -185,10 +157,11 @@ STOP_SAVE_SHARE = 0.5  # of timeouts.stop_s, what checkpointing the last epochs 
 class FlotillaThread(threading.Thread):
     """Runs one flotilla: its epochs, split by split, until no member is left or the run stops."""
 
-    def __init__(self, flotilla_id: int, members: list[Member], run: RunContext, events: queue.Queue,
+    def __init__(self, formed: FormFlotilla, members: list[Member], run: RunContext, events: queue.Queue,
                  first_epoch: int = 0):
-        super().__init__(name=f"flotilla-{flotilla_id}", daemon=True)
-        self.flotilla_id, self.members, self.run_ctx, self.events = flotilla_id, members, run, events
+        super().__init__(name=f"flotilla-{formed.flotilla}", daemon=True)
+        self.flotilla_id, self.formed, self.members = formed.flotilla, formed, members
+        self.run_ctx, self.events = run, events
         self.first_epoch = first_epoch  # of its sequence: > 0 for a flotilla formed again (a resumed run)
         self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
@@ -219,7 +192,9 @@ class FlotillaThread(threading.Thread):
     def _train(self) -> None:
         r = self.run_ctx
         graph = r.graph.feeding({stream for member in self.members for stream in member.group.inputs})
-        plan, why = r.topology.plan(self.members, r.recorder)
+        # The scheduler chose the topology and the streams; the hubs go where the trainers are.
+        plan = plan_delivery(self.formed.topology, {m.group.name: m.nodes for m in self.members}, self.formed.streams)
+        why = self.formed.why
         r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
                                  f"group(s), {len(plan.hubs)} hub(s) ({why})")
         r.recorder.delivery_plan(self.flotilla_id, plan, why)
@@ -556,14 +531,14 @@ class Driver:
         thread.commands.put(SaveCheckpoints(group, models, epochs))
 
     def _carry_out(self, decisions: list) -> None:
-        forming: dict[int, list[Member]] = {}
+        forming: dict[int, tuple[FormFlotilla, list[Member]]] = {}
         for decision in decisions:
             self.log.append({"t": round(self.now(), 3), "decision": type(decision).__name__,
                              **{k: str(v) for k, v in decision.__dict__.items()}})
             if self.stopping:  # the scheduler's state keeps them: a resumed run carries them out
                 continue
             if isinstance(decision, FormFlotilla):
-                forming[decision.flotilla] = []
+                forming[decision.flotilla] = (decision, [])
                 self.run_ctx.recorder.planned(decision.flotilla, decision.rate,
                                               self.scheduler.cluster.prep_seconds_per_image)
                 planned = f"; planned {decision.rate:.0f} img/s" if not math.isnan(decision.rate) else ""
@@ -576,7 +551,7 @@ class Driver:
                 slots = self.assigned[decision.model]
                 devices = tuple(self.slot_devices[s] for s in slots)
                 group = self.groups[decision.model].without(self.converged)  # its models still training
-                forming[decision.flotilla].append(Member(group, devices, tuple(s.node for s in slots),
+                forming[decision.flotilla][1].append(Member(group, devices, tuple(s.node for s in slots),
                                                          decision.resume_epoch))
                 self.run_ctx.recorder.joined(group, decision.flotilla, devices, decision.resume_epoch)
             elif isinstance(decision, Checkpoint):
@@ -593,9 +568,9 @@ class Driver:
                     self.threads[decision.flotilla].commands.put(StopMember(decision.model))
             else:
                 raise TypeError(f"the driver cannot carry out {decision!r}")
-        for flotilla_id, members in forming.items():
+        for flotilla_id, (formed, members) in forming.items():
             first = members[0]  # a flotilla's members joined it together
             before = self.run_ctx.recorder.epochs_before(flotilla_id, first.group.members[0].name, first.start_epoch)
-            thread = FlotillaThread(flotilla_id, members, self.run_ctx, self.events, before)
+            thread = FlotillaThread(formed, members, self.run_ctx, self.events, before)
             self.threads[flotilla_id] = thread
             thread.start()

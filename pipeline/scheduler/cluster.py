@@ -31,13 +31,14 @@ class Cluster:
     (core-seconds); 0 means the CPUs are never the bottleneck. The cores of a
     node are shared by the pipelines on it in proportion to the slots they
     hold, so each busy slot brings `prep_rate_per_slot` images/s of
-    preprocessing to its pipeline.
+    preprocessing to its pipeline. What each topology costs: `topology.py`.
     """
 
     nodes: int
     slots_per_node: int
     cores_per_node: int = 0
     prep_seconds_per_image: float = 0.0
+    network_images_per_s: float = 0.0  # images/s a node can receive from the others; 0: not limited
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.slots_per_node < 1:

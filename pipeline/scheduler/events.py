@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.scheduler.cluster import Slot
+from pipeline.scheduler.topology import Streams, Topology
 
 # ---------------------------------------------------------------- events in
 
@@ -75,16 +76,22 @@ Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFail
 
 @dataclass(frozen=True)
 class FormFlotilla:
-    """Create one shared preprocessing pipeline feeding these models.
+    """Create the preprocessing that feeds these models, laid out as `topology`.
 
-    `members` maps model -> slot count; `rate` is the planned images/s: the
-    slowest member's measured rate, capped by the preprocessing its slots'
-    cores can do (`Cluster.prep_rate_per_slot`).
+    `members` maps model -> slot count; `streams` splits them into the
+    sequences of batches they read in lockstep (one, but for multi_broadcast
+    and duplicated), and `why` says why this topology; `rate` is the planned
+    images/s of its slowest stream: that stream's slowest member's measured
+    rate, capped by the preprocessing and network the topology gives it
+    (`topology.stream_rate`), nan before rates are measured.
     """
 
     flotilla: int
     members: dict[str, int]
     rate: float
+    topology: Topology
+    streams: Streams
+    why: str = ""
 
 
 @dataclass(frozen=True)

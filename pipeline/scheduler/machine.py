@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
                                        ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
                                        TrainerFailed)
-from pipeline.scheduler.planner import assign_slots, flotilla_rate
+from pipeline.scheduler.planner import assign_slots
 from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
+from pipeline.scheduler.topology import Topology, choose_topology, split_streams, stream_rate
 
 WAITING, RUNNING, CONVERGED, FAILED = "waiting", "running", "converged", "failed"
 TRAIN_LOSS = "train_loss"  # the metric of `EpochFinished` that training phases are read from
@@ -55,10 +56,12 @@ class Scheduler:
     """
 
     def __init__(self, models: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
-                 checkpoint_every: int = 1, max_failures: int = 2):
+                 checkpoint_every: int = 1, max_failures: int = 2, topology: Topology = Topology.auto,
+                 broadcast_groups: int = 2):
         if len(set(models)) != len(models) or not models:
             raise ValueError(f"models must be a non-empty list of distinct names, got {models}")
         self.cluster, self.policy = cluster, policy
+        self.topology, self.broadcast_groups = topology, broadcast_groups  # config: fixed, or auto per flotilla
         self.checkpoint_every, self.max_failures = checkpoint_every, max_failures
         self.table = RateTable()
         self.models = {m: ModelState() for m in models}
@@ -120,10 +123,7 @@ class Scheduler:
         decisions: list[Decision] = []
         for fid, flotilla in sorted(self.flotillas.items()):
             active = {m: slots for m, slots in flotilla.members.items() if m in flotilla.active}  # in plan order
-            measured = len(self.table.rates) == len(self.models)
-            rate = flotilla_rate({m: len(s) for m, s in active.items()}, self.table,
-                                 self.cluster.prep_rate_per_slot) if measured else float("nan")
-            decisions.append(FormFlotilla(fid, {m: len(s) for m, s in active.items()}, rate))
+            decisions.append(self._form(fid, active))
             decisions += [AssignSlots(fid, m, slots) for m, slots in active.items()]
             for m in active:  # what it did after its last checkpoint is done again
                 self.models[m].epochs_done = self.models[m].checkpoint_epoch
@@ -254,6 +254,19 @@ class Scheduler:
             del self.flotillas[flotilla_id]
         return decisions
 
+    def _form(self, flotilla_id: int, members: dict[str, tuple[Slot, ...]]) -> FormFlotilla:
+        """The decision that forms a flotilla of `members` (model -> its slots, in plan order): its
+        topology and streams chosen from the cluster model, and its planned rate (its slowest stream's)."""
+        nodes = {m: tuple(slot.node for slot in slots) for m, slots in members.items()}
+        topology, why = choose_topology(nodes, self.table, self.cluster, self.topology)
+        measured = all(m in self.table.rates for m in members)
+        rates = {m: self.table.rate(m, len(slots)) for m, slots in members.items()} if measured else {}
+        streams = split_streams(topology, list(members), rates, self.broadcast_groups)
+        rate = min(stream_rate(stream, nodes, topology, self.table, self.cluster)
+                   for stream in streams) if measured else float("nan")
+        return FormFlotilla(flotilla_id, {m: len(slots) for m, slots in members.items()}, rate, topology,
+                            streams, why)
+
     def _plan(self) -> list[Decision]:
         """Form flotillas on the free slots when the policy wants them: never
         while slots are being released (they come back together), and for
@@ -271,8 +284,7 @@ class Scheduler:
         for group in groups:
             flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
             self.flotillas[flotilla_id] = FlotillaState({m: placement[m] for m in group}, set(group))
-            rate = flotilla_rate(group, self.table, self.cluster.prep_rate_per_slot) if measured else float("nan")
-            decisions.append(FormFlotilla(flotilla_id, dict(group), rate))
+            decisions.append(self._form(flotilla_id, {m: placement[m] for m in group}))
             decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in group]
             for m in group:
                 state = self.models[m]

@@ -2,9 +2,10 @@
 per-model convergence epochs, with a CPU model, and draws Gantt charts.
 
 Execution model (the exact solver in `exact.py` uses the same one):
-* a flotilla's members consume one shared stream in lockstep, at the flotilla
-  rate: its slowest active member's measured rate, capped by the preprocessing
-  its pipeline gets (cores of its busy slots / cost per image);
+* a flotilla's members consume its streams (`FormFlotilla.streams`, one but
+  for multi_broadcast and duplicated), each in lockstep at its rate: its
+  slowest active member's measured rate, capped by the preprocessing and the
+  network its topology gives it (`topology.stream_rate`);
 * a model converges at the end of its `epochs[model]`-th epoch, or, with a
   `time_limit_seconds` (the FLEET paper's 240 minutes per model), at the end
   of the epoch in which its training time reaches the limit;
@@ -23,9 +24,9 @@ from dataclasses import dataclass, field
 from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
-from pipeline.scheduler.planner import flotilla_rate
 from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
+from pipeline.scheduler.topology import Topology, stream_rate
 
 
 @dataclass
@@ -62,7 +63,10 @@ class SimResult:
 
 
 @dataclass
-class _Flotilla:
+class _Stream:
+    """One stream of a flotilla: its members read it in lockstep."""
+
+    topology: Topology
     members: dict[str, tuple[Slot, ...]] = field(default_factory=dict)
     progress: float = 0.0  # images of the current epoch already consumed
     rate: float = 0.0
@@ -74,7 +78,8 @@ class _Simulation:
     def __init__(self, instance: Instance, policy: Policy, seed: int):
         self.instance = instance
         self.scheduler = Scheduler(list(instance.epochs), instance.cluster, policy, seed=seed)
-        self.flotillas: dict[int, _Flotilla] = {}
+        self.streams: dict[tuple[int, int], _Stream] = {}  # (flotilla, index) -> stream
+        self.stream_of: dict[str, tuple[int, int]] = {}
         self.slots_of: dict[str, tuple[Slot, ...]] = {}
         self.epochs_done: dict[str, int] = {}
         self.trained_s: dict[str, float] = {}  # time in flotillas before the current one
@@ -106,56 +111,60 @@ class _Simulation:
         decisions = self.scheduler.handle(event)
         self.decision_seconds += time.perf_counter() - started
         changed = {self.apply(d) for d in decisions} - {None}
-        for flotilla_id in changed:
-            self.reschedule(flotilla_id)
+        for key in changed:
+            self.reschedule(key)
 
-    def apply(self, decision: Decision) -> int | None:
-        """Carry out one decision; return the flotilla whose rate may change."""
+    def apply(self, decision: Decision) -> tuple[int, int] | None:
+        """Carry out one decision; return the stream whose rate may change."""
         if isinstance(decision, FormFlotilla):
-            self.flotillas[decision.flotilla] = _Flotilla(since=self.now)
+            for index, names in enumerate(decision.streams):
+                self.streams[decision.flotilla, index] = _Stream(decision.topology, since=self.now)
+                self.stream_of.update({name: (decision.flotilla, index) for name in names})
         elif isinstance(decision, AssignSlots):
             self.slots_of[decision.model] = decision.slots
         elif isinstance(decision, Start):
-            self.flotillas[decision.flotilla].members[decision.model] = self.slots_of[decision.model]
+            self.streams[self.stream_of[decision.model]].members[decision.model] = self.slots_of[decision.model]
             self.epochs_done[decision.model] = decision.resume_epoch
             self.open_bars[decision.model] = (decision.flotilla, self.now)
+            return self.stream_of[decision.model]
         elif isinstance(decision, Stop):
-            flotilla = self.flotillas[decision.flotilla]
-            self.settle(flotilla)
-            slots = flotilla.members.pop(decision.model)
+            key = self.stream_of[decision.model]
+            stream = self.streams[key]
+            self.settle(stream)
+            slots = stream.members.pop(decision.model)
             flotilla_id, start = self.open_bars.pop(decision.model)
             self.trained_s[decision.model] = self.trained_s.get(decision.model, 0.0) + self.now - start
             self.bars += [Bar(s, decision.model, flotilla_id, start, self.now) for s in slots]
             for slot in slots:
                 self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
-            if decision.flotilla_ends:
-                del self.flotillas[decision.flotilla]
+            if not stream.members:
+                del self.streams[key]
                 return None
-        else:  # Checkpoint: its cost is modelled by the delay before slots come back
-            return None
-        return decision.flotilla
+            return key
+        return None  # Checkpoint: its cost is modelled by the delay before slots come back
 
-    def settle(self, flotilla: _Flotilla) -> None:
-        flotilla.progress += flotilla.rate * (self.now - flotilla.since)
-        flotilla.since = self.now
+    def settle(self, stream: _Stream) -> None:
+        stream.progress += stream.rate * (self.now - stream.since)
+        stream.since = self.now
 
-    def reschedule(self, flotilla_id: int) -> None:
-        flotilla = self.flotillas.get(flotilla_id)
-        if flotilla is None:
+    def reschedule(self, key: tuple[int, int]) -> None:
+        stream = self.streams.get(key)
+        if stream is None:
             return
-        self.settle(flotilla)
-        members = {m: len(s) for m, s in flotilla.members.items()}
-        flotilla.rate = flotilla_rate(members, self.instance.table, self.instance.cluster.prep_rate_per_slot)
-        flotilla.version += 1
-        left = max(self.instance.images_per_epoch - flotilla.progress, 0.0)
-        self.push(self.now + left / flotilla.rate, "epoch", (flotilla_id, flotilla.version))
+        self.settle(stream)
+        nodes = {m: tuple(slot.node for slot in slots) for m, slots in stream.members.items()}
+        stream.rate = stream_rate(tuple(stream.members), nodes, stream.topology, self.instance.table,
+                                  self.instance.cluster)
+        stream.version += 1
+        left = max(self.instance.images_per_epoch - stream.progress, 0.0)
+        self.push(self.now + left / stream.rate, "epoch", (key, stream.version))
 
-    def end_epoch(self, flotilla_id: int, version: int) -> None:
-        flotilla = self.flotillas.get(flotilla_id)
-        if flotilla is None or flotilla.version != version:
+    def end_epoch(self, key: tuple[int, int], version: int) -> None:
+        stream = self.streams.get(key)
+        if stream is None or stream.version != version:
             return
-        flotilla.progress, flotilla.since = 0.0, self.now
-        members = list(flotilla.members)
+        stream.progress, stream.since = 0.0, self.now
+        members = list(stream.members)
         for model in members:
             self.epochs_done[model] += 1
             epoch, target = self.epochs_done[model], self.instance.epochs[model]
@@ -170,8 +179,8 @@ class _Simulation:
             trained = self.trained_s.get(model, 0.0) + (self.now - running[1] if running else 0.0)
             if self.epochs_done[model] >= self.instance.epochs[model] or (limit and trained >= limit):
                 self.send(ModelConverged(self.now, model))
-        if flotilla_id in self.flotillas and self.flotillas[flotilla_id] is flotilla:
-            self.reschedule(flotilla_id)
+        if self.streams.get(key) is stream:
+            self.reschedule(key)
 
     def push(self, at: float, kind: str, payload: object) -> None:
         self.sequence += 1
