@@ -71,7 +71,8 @@ class DatasetConf:
     synthetic_classes: int = 10  # classes of the generated stand-in
     synthetic_images_per_class: int = 110  # images per class of the generated stand-in
     synthetic_difficulty: float = 0.3  # 0 (every model learns it in two epochs) to 1 (the classes blend most)
-    val_per_class: float = 0.1  # validation images per class: a fraction if < 1, else a count
+    val_per_class: Optional[float] = None  # validation images per class: a fraction if < 1, else a count;
+    # null: the dataset's own split (the stand-in declares 0.23: 30 of 129 a class), else 0.1
 
 
 @dataclass
@@ -246,6 +247,9 @@ def check(cfg: DictConfig) -> None:
     if not 0 <= cfg.dataset.synthetic_difficulty <= 1:
         raise ConfigError(f"dataset.synthetic_difficulty={cfg.dataset.synthetic_difficulty}: give a value in [0, 1] "
                           "(0: easy, 1: the classes blend most)")
+    if cfg.dataset.val_per_class is not None and cfg.dataset.val_per_class < 0:
+        raise ConfigError(f"dataset.val_per_class={cfg.dataset.val_per_class}: give a fraction < 1 (e.g. 0.1) or "
+                          "a count of validation images per class, or null for the dataset's own split")
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,15 +12,22 @@ import numpy as np
 
 from stages.base import Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
 
+SPLIT_FILE = "split.json"  # a dataset's own split, {"val_per_class": <fraction or count>}, at its root
+DEFAULT_VAL_PER_CLASS = 0.1  # the split of a dataset that declares none
+
 
 @dataclass
 class ImageFolder(Stage):
     """Class folders of images (`001.ak47/001_0001.jpg`); a fixed per-class
-    train/val split; training batches reshuffled every epoch by seed."""
+    train/val split; training batches reshuffled every epoch by seed.
+
+    A split that leaves a class fewer than 2 training images, or fewer training
+    than validation images, is an error naming the class and the fix."""
 
     root: str  # dataset folder holding one sub-folder per class
     batch_size: int  # images per batch (the last batch of a split may be smaller)
-    val_per_class: float = 0.1  # validation images per class: a fraction if < 1, else a count
+    val_per_class: float | None = None  # validation images per class: a fraction if < 1, else a count;
+    # None: the dataset's own split, declared in <root>/split.json (the synthetic stand-in has one), else 0.1
     split_seed: int = 0  # fixes which files are validation, independent of the training seed
 
     role: ClassVar[Role] = Role.SOURCE
@@ -28,12 +36,15 @@ class ImageFolder(Stage):
 
     class_names: list[str] = field(init=False, default_factory=list)
     files: dict[Split, list[tuple[str, int]]] = field(init=False, default_factory=dict)
+    split: float = field(init=False, default=DEFAULT_VAL_PER_CLASS)  # the val_per_class in use
+    split_source: str = field(init=False, default="")  # where it comes from, for messages
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise StageError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.val_per_class < 0:
-            raise StageError(f"val_per_class must be >= 0 (a fraction < 1 or a count), got {self.val_per_class}")
+        if self.val_per_class is not None and self.val_per_class < 0:
+            raise StageError(f"val_per_class must be >= 0 (a fraction < 1 or a count), got {self.val_per_class}; "
+                             "set dataset.val_per_class")
         self._scan()
 
     def _scan(self) -> None:
@@ -41,12 +52,15 @@ class ImageFolder(Stage):
         if not root.is_dir():
             raise StageError(f"dataset root {root} does not exist; set dataset.root to an ImageFolder tree "
                              "(one sub-folder per class) or dataset.synthetic=auto to generate a stand-in")
+        self.split, self.split_source = self._choose_split(root)
         class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
         self.class_names = [d.name for d in class_dirs]
         self.files = {Split.TRAIN: [], Split.VAL: []}
-        for label, class_dir in enumerate(class_dirs):
-            paths = sorted(str(p) for p in class_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-            n_val = self._val_count(len(paths))
+        classes = [sorted(str(p) for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
+                   for d in class_dirs]
+        counts = [self._val_count(len(paths)) for paths in classes]
+        self._check_split(classes, counts)
+        for label, (paths, n_val) in enumerate(zip(classes, counts)):
             order = np.random.default_rng([self.split_seed, label]).permutation(len(paths))
             for rank, i in enumerate(order):
                 self.files[Split.VAL if rank < n_val else Split.TRAIN].append((paths[i], label))
@@ -54,10 +68,44 @@ class ImageFolder(Stage):
             raise StageError(f"dataset root {root} holds no class folders with files; expected "
                              "<root>/<class>/<image> (e.g. 001.ak47/001_0001.jpg); set dataset.root")
 
+    def _choose_split(self, root: Path) -> tuple[float, str]:
+        """val_per_class if given, else the one the dataset declares in its SPLIT_FILE, else 0.1."""
+        if self.val_per_class is not None:
+            return self.val_per_class, f"val_per_class={self.val_per_class:g} (dataset.val_per_class)"
+        declared = root / SPLIT_FILE
+        if not declared.is_file():
+            return DEFAULT_VAL_PER_CLASS, f"the default val_per_class={DEFAULT_VAL_PER_CLASS:g}"
+        try:
+            value = json.loads(declared.read_text())["val_per_class"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(value)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise StageError(f"{declared} does not declare a split as {{\"val_per_class\": <fraction or count "
+                             f">= 0>}} ({type(err).__name__}: {err}); fix or remove the file, or set "
+                             "dataset.val_per_class") from None
+        return value, f"val_per_class={value:g} declared in {declared}"
+
     def _val_count(self, n: int) -> int:
-        if self.val_per_class < 1:
-            return int(round(n * self.val_per_class))
-        return min(int(self.val_per_class), max(n - 1, 0))  # keep at least one training image
+        if self.split < 1:
+            return int(round(n * self.split))
+        return min(int(self.split), n)
+
+    def _check_split(self, classes: list[list[str]], counts: list[int]) -> None:
+        """A class keeps at least 2 training images and no fewer than it gives to validation."""
+        bad = [(name, len(paths), n_val) for name, paths, n_val in zip(self.class_names, classes, counts)
+               if n_val and (len(paths) - n_val < 2 or n_val > len(paths) - n_val)]
+        if not bad:
+            return
+        name, n, n_val = bad[0]
+        smallest = min(len(paths) for paths in classes if paths)
+        largest_count = min(smallest // 2, smallest - 2)
+        fix = (f"a count of at most {largest_count}" if largest_count >= 1
+               else f"0 (its smallest class has {smallest} images)")
+        raise StageError(f"{self.split_source} takes {n_val} of the {n} images of class {name} for "
+                         f"validation, leaving {n - n_val} for training ({len(bad)} of "
+                         f"{len(classes)} classes alike); a class needs at least 2 training images and no fewer "
+                         f"than it validates on: set dataset.val_per_class to a fraction such as "
+                         f"{DEFAULT_VAL_PER_CLASS:g} or {fix}")
 
     def num_items(self, split: Split) -> int:
         return len(self.files[split])
