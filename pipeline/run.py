@@ -33,7 +33,7 @@ from pipeline.orchestration.grouping import check_group_memory, choose_fusion, m
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, remove_stale_shm
-from pipeline.orchestration.node import agent_key, registered_agents
+from pipeline.orchestration.node import agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
@@ -42,7 +42,7 @@ from pipeline.scheduler import POLICIES, Cluster, RatesMeasured, RateTable, Sche
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
-from pipeline.training.rates import Measurement, format_table, measure_rate_table, save_table
+from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec, ModelSpec
 from stages.base import Split
 from stages.cache import GB
@@ -202,10 +202,11 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         results.update(saved["results"])
         table = None
     else:
-        groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates, output_dir,
-                               console, results)
+        with agent_rates(agents, key) as where:  # with node agents, node 0's measures on its host
+            groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates,
+                                   output_dir, console, results, where)
     policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups},
-                         cfg.scheduler.phase_threshold)
+                         cfg.scheduler.phase_threshold, cfg.scheduler.join_running)
     nodes = cfg.cluster.nodes
     s = cfg.scheduler
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
@@ -279,9 +280,11 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
 
 
 def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: dict, device_kind: DeviceKind,
-           slots: dict, slot_bytes: int, needs_rates: bool, output_dir: Path, console: Console, results: dict):
+           slots: dict, slot_bytes: int, needs_rates: bool, output_dir: Path, console: Console, results: dict,
+           where: RateHost | None = None):
     """The slot groups (trainer.grouping), checked against a slot's memory, and, for the policies that
-    need one, their rate table (each model measured alone first: its cost decides who shares a slot)."""
+    need one, their rate table (each model measured alone first: its cost decides who shares a slot).
+    `where`: the host that measures (a node agent's: on one node's devices), else this process."""
     classes = len(graph.source.class_names)
     image_sizes = {name: spec.item_shape[0] for name, spec in graph.sinks.items()}
     batch = cfg.pipeline.batch_size
@@ -292,11 +295,14 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
     check_group_memory(fewest, sizes, slot_bytes)
     r = cfg.rates
-    how = Measurement(classes, image_sizes, batch, device_kind, list(slots.values()), r.steps, r.warmup,
-                      cfg.trainer.threads, cfg.trainer.precision, cfg.timeouts.report_s)
+    # An agent measures on its own host's devices: those of one node's slots (the nodes are alike).
+    devices = [device for slot, device in slots.items() if slot.node == 0] if where else list(slots.values())
+    how = Measurement(classes, image_sizes, batch, device_kind, devices, r.steps, r.warmup,
+                      cfg.trainer.threads, cfg.trainer.precision, cfg.timeouts.report_s, where)
     cache = Path(to_absolute_path(r.cache))
-    max_slots = min(r.max_slots, len(slots))
-    single_rates = measure_rate_table(alone, max_slots, how, cache) if needs_rates else None
+    max_slots = min(r.max_slots, len(devices))
+    measured_by: dict = {}  # group -> slot count -> the host and process that measured its rate
+    single_rates = measure_rate_table(alone, max_slots, how, cache, measured_by) if needs_rates else None
     grouping = cfg.trainer.grouping
     if grouping == Grouping.auto and cfg.scheduler.policy != PolicyName.shared:
         grouping = Grouping.separate  # policies that take turns share slots over time; pack or fuse on request
@@ -313,8 +319,9 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     table = None
     if needs_rates:
         table = RateTable({g.name: single_rates.rates[g.name] for g in groups if len(g.members) == 1})
-        table.rates.update(measure_rate_table(shared, max_slots, how, cache).rates)
+        table.rates.update(measure_rate_table(shared, max_slots, how, cache, measured_by).rates)
         save_table(table, output_dir / "rates.json")
+        results["rates_measured_by"] = {name: measured_by[name] for name in table.rates}
     return groups, table
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:
     """Worker seconds per image, measured as a run measures it (RunRecorder.seconds_per_image) on a

@@ -8,8 +8,8 @@ import pytest
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.group import GroupSpec, ModelSpec
-from pipeline.training.rates import (Measurement, RateError, format_table, measure_rate_table, measure_rates,
-                                     save_table)
+from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, RateError, format_table,
+                                     measure_rate_table, measure_rates, save_table)
 
 TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
 DENSE = ModelSpec("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")
@@ -100,6 +100,59 @@ def test_only_missing_slot_counts_are_measured_and_names_do_not_matter(measured,
     table = rate_table([renamed_sweep_member], cache, max_slots=3)
     assert measured == [("tiny", [1, 2]), ("tiny-lr0.01", [3])]
     assert table.rates == {"tiny-lr0.01": (100.0, 200.0, 300.0)}
+
+
+class FarHost:
+    """A RateHost standing in for a node agent's host (pipeline/orchestration/node.py: AgentRates):
+    other hardware, another process. Records what it was asked to measure."""
+
+    def __init__(self, gpus: int = 0):
+        self.calls = []
+        self.gpus = gpus
+
+    def hardware(self, how):
+        return HostHardware({"device_kind": how.device_kind, "device_name": "far-cpu", "cores": 64,
+                             "threads": how.threads, "torch": "far"}, MeasuredBy("far", 4242))
+
+    def measure(self, group, slot_counts, how):
+        self.calls.append((group.name, slot_counts, how.devices))
+        return Measured({k: 10.0 * k for k in slot_counts}, MeasuredBy("far", 4242))
+
+
+def test_rates_measured_elsewhere_are_keyed_on_that_hosts_hardware_and_name_who_measured(measured, tmp_path):
+    """With `where` (a node agent's host), the measurement and the hardware of the cache key are that
+    host's; the cache and `measured_by` name its process. The same model measured here is another
+    entry, measured here, by this process."""
+    import os
+    import socket
+
+    cache, far = tmp_path / "rates.json", FarHost()
+    by_far, by_here = {}, {}
+    table = measure_rate_table([alone(TINY)], 2, how(where=far), cache, by_far)
+    assert far.calls == [("tiny", [1, 2], ["cpu", "cpu"])] and measured == []
+    assert table.rates == {"tiny": (10.0, 20.0)}
+    assert by_far == {"tiny": {"1": {"host": "far", "pid": 4242}, "2": {"host": "far", "pid": 4242}}}
+    here = measure_rate_table([alone(TINY)], 2, how(), cache, by_here)
+    assert measured == [("tiny", [1, 2])] and here.rates == {"tiny": (100.0, 200.0)}
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    assert by_here == {"tiny": {"1": me, "2": me}}
+    entries = json.loads(cache.read_text())
+    assert [e["key"]["device_name"] for e in entries][0] == "far-cpu" and len(entries) == 2
+    # Read again from the cache: nothing measured, and the record still names who measured.
+    again = {}
+    measure_rate_table([alone(TINY)], 2, how(where=far), cache, again)
+    assert len(far.calls) == 1 and again == by_far
+
+
+def test_gpus_of_a_host_measuring_elsewhere_are_checked_there_not_here(measured, tmp_path):
+    """This machine has no such GPUs, the far host has: the request goes there (which checks them)."""
+    far = FarHost()
+    table = measure_rate_table([alone(TINY)], 2, how(device_kind="cuda", devices=["cuda:6", "cuda:7"], where=far),
+                               tmp_path / "rates.json")
+    assert far.calls == [("tiny", [1, 2], ["cuda:6", "cuda:7"])] and table.rates == {"tiny": (10.0, 20.0)}
+    with pytest.raises(RateError, match="are not all visible GPUs"):  # here, they are checked
+        measure_rate_table([alone(TINY)], 2, how(device_kind="cuda", devices=["cuda:6", "cuda:7"]),
+                           tmp_path / "rates.json")
 
 
 def test_table_lists_every_model_and_slot_count_with_speedups(tmp_path):

@@ -331,6 +331,7 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
                                                        for rank, n in enumerate(nodes) if n == node), started
             assert not [name for name in os.listdir("/dev/shm")
                         if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
+            _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path)
             _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, agents, tmp_path)
         finally:
             for agent in agents:
@@ -344,6 +345,58 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
         while client.scheduler_info()["workers"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
+
+
+def _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path):
+    """A driver (python -m pipeline) with a policy that needs rates (fleet_g): node 0's agent measures them
+    on its host (its children, its devices), not the driver: the run's recorded results (state/run.json,
+    written once the rates are in, before training) name the agent's process for every rate, and only
+    node 0's agent logs measuring. The driver is then killed: training is not what this checks (a
+    fleet_g flotilla here can stall at node 1's hub, whoever measured the rates). A rank failing at the
+    agent is an error here naming the model and the agent's host."""
+    import json
+
+    import psutil
+
+    from pipeline.orchestration.node import agent_rates
+    from pipeline.training.group import GroupSpec, ModelSpec
+    from pipeline.training.rates import Measurement, measure_rate_table
+
+    folder = tmp_path / "fleet"
+    with open(tmp_path / "fleet.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "pipeline", *overrides, "scheduler=fleet_g",
+                                   f"rates.cache={tmp_path / 'rate_cache.json'}", f"hydra.run.dir={folder}"],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while not (folder / "state" / "run.json").is_file():
+                assert time.monotonic() < deadline and driver.poll() is None, (tmp_path / "fleet.log").read_text()
+                time.sleep(0.2)
+        finally:
+            driver.kill()
+            driver.wait()
+    results = json.loads((folder / "state" / "run.json").read_text())["results"]
+    measured_by = results["rates_measured_by"]
+    assert set(measured_by) == {"A", "B", "C"} and all(set(by) == {"1", "2"} for by in measured_by.values())
+    assert {by["pid"] for rates in measured_by.values() for by in rates.values()} == {agents[0].pid}, measured_by
+    saved = json.loads((folder / "rates.json").read_text())
+    assert set(saved) == {"A", "B", "C"} and all(rate > 0 for rates in saved.values() for rate in rates.values())
+    # What the killed driver had started at the agents goes with it.
+    started = [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
+               if c.name() in ("hub", "trainer", "rates")]
+    _, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    logs = [(tmp_path / f"agent{node}.log").read_text() for node in (0, 1)]
+    # C has A's shape: its rates are A's cache entry, which names the agent too.
+    assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
+    assert "measuring" not in logs[1]
+    resnet11 = ModelSpec("resnet11", "resnet", 11, 8, 0, 0.1, 0.9, 5e-4, 1, "main")  # no such depth
+    with agent_rates(registered, AGENT_KEY.encode()) as where:
+        how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
+        with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
+                                               rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
+                                               "resnet depth must be one of"):
+            measure_rate_table([GroupSpec("resnet11", (resnet11,))], 1, how, tmp_path / "bad_cache.json")
 
 
 def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, agents, tmp_path):

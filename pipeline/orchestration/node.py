@@ -11,7 +11,9 @@ It starts the host's Dask workers (resource node-<i>), registers its address
 in the Dask scheduler's metadata, and serves NodeProcesses to the driver over
 multiprocessing's manager protocol: the driver's calls run on that host, so
 that host's hubs and trainers are its children and its rings its memory.
-Driver and agents share a secret given out of band (a mode 0600 file or the
+It serves `HostRates` too: the scheduler's rate table is measured by node
+0's agent on its host's devices (`AgentRates` is the driver's end), not on
+the driver's. Driver and agents share a secret given out of band (a mode 0600 file or the
 environment variable PIPELINE_AGENT_KEY), never published: an agent refuses
 a connection that does not prove it knows the secret.
 """
@@ -28,7 +30,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing import connection
 from multiprocessing.managers import BaseManager
@@ -40,6 +44,9 @@ from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_a
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.runtime.lifetime import quiet_children, remove_shm, remove_shm_of
+from pipeline.training.group import GroupSpec
+from pipeline.training.rates import (HostHardware, Measured, Measurement, RateError, describe_hardware,
+                                     measure_rates, measured_by_me)
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.ring import Ring
@@ -95,18 +102,9 @@ class NodeProcesses:
         """In an agent: (address, key) of a connection the driver opens and holds while the flotilla lives.
         When it breaks (the driver died: SIGKILL, the OOM killer, a lost host), the agent closes the
         flotilla's processes here; children watch their parent, and here that is the agent."""
-        key = os.urandom(16)
-        listener = connection.Listener((self.host, 0), authkey=key)
-        threading.Thread(target=self._close_without_driver, args=(listener,), name=f"watch-driver-{self.node}",
-                         daemon=True).start()
-        return listener.address, key
+        return _watch_driver(self.host, self._close_without_driver, f"watch-driver-{self.node}")
 
-    def _close_without_driver(self, listener) -> None:
-        try:
-            with listener, listener.accept() as link:
-                link.recv()  # the driver sends nothing: this returns when its end closes
-        except (EOFError, OSError, mp.AuthenticationError):
-            pass
+    def _close_without_driver(self) -> None:
         if not self.closed:
             log.info("node %d: the driver is gone: closing its flotilla and the run's cache here", self.node)
             self.close()
@@ -241,6 +239,59 @@ class NodeProcesses:
                 q.join_thread()
 
 
+@dataclass(frozen=True)
+class RatesFailed:
+    """An agent's answer to a measurement that failed on its host: the error, with the host that ran it."""
+
+    host: str
+    pid: int
+    error: str  # the message; for an unexpected error, its traceback
+    user_error: bool  # a request the host cannot meet (RateError: no such GPU, ...), not a crash
+
+
+class HostRates:
+    """In an agent: rate measurement on this host for a driver elsewhere (pipeline/training/rates.py):
+    the ranks are the agent's children, on this host's devices. The driver holds `watch_driver`'s link
+    while it measures; when the link breaks, a measurement under way is abandoned and its ranks killed."""
+
+    def __init__(self, node: int, host: str = LOOPBACK):
+        self.node, self.host = node, host
+        self.driver_gone = threading.Event()
+
+    def watch_driver(self) -> tuple[tuple[str, int], bytes]:
+        return _watch_driver(self.host, self.driver_gone.set, f"watch-rates-driver-{self.node}")
+
+    def hardware(self, how: Measurement) -> HostHardware | RatesFailed:
+        """describe_hardware of this host: the rate cache's key."""
+        return self._answer(lambda: HostHardware(describe_hardware(how.device_kind, how.devices, how.threads),
+                                                 measured_by_me()))
+
+    def measure(self, group: GroupSpec, slot_counts: list[int], how: Measurement) -> Measured | RatesFailed:
+        log.info("node %d: measuring %s on %s slot(s) of %s", self.node, group.name,
+                 ", ".join(map(str, slot_counts)), how.devices[:max(slot_counts, default=0)])
+        answer = self._answer(lambda: Measured(measure_rates(group, slot_counts, how, self.driver_gone),
+                                               measured_by_me()))
+        log.info("node %d: %s: %s", self.node, group.name, f"failed: {answer.error.partition(chr(10))[0]}" if
+                 isinstance(answer, RatesFailed) else
+                 ", ".join(f"{rate:.1f} images/s on {k}" for k, rate in answer.images_per_s.items()))
+        return answer
+
+    @staticmethod
+    def _answer(work):
+        try:
+            return work()
+        except RateError as error:
+            return RatesFailed(*_me(), str(error), user_error=True)
+        except Exception as error:  # a rank failed (its traceback is in the message), or a bug here
+            text = str(error) if isinstance(error, RuntimeError) else traceback.format_exc()
+            return RatesFailed(*_me(), text, user_error=False)
+
+
+def _me() -> tuple[str, int]:
+    by = measured_by_me()
+    return by.host, by.pid
+
+
 class Inbox:
     """Messages from many child processes, one queue each. A shared queue would not do: its
     writers share a lock, and a child killed while holding it (SIGKILL, the OOM killer) would
@@ -294,6 +345,7 @@ class _Agent(BaseManager):
 
 
 _Agent.register("NodeProcesses", NodeProcesses)
+_Agent.register("HostRates", HostRates)
 
 
 def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: bytes | None,
@@ -304,6 +356,65 @@ def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: byte
     agent = agents.get(node)
     if agent is None:
         return NodeProcesses(node, drain_s, tls=tls), None
+    manager, host = _connect(node, agent, key)
+    processes = manager.NodeProcesses(node, drain_s, host)
+    address, link_key = processes.watch_driver()
+    return processes, connection.Client(address, authkey=link_key)
+
+
+class AgentRates:
+    """The driver's end of a node agent's HostRates: a RateHost (pipeline/training/rates.py) whose
+    measurements run on the agent's host. It connects on first use and holds the agent's watch link
+    until closed; an error there is raised here, naming the agent and its host."""
+
+    def __init__(self, node: int, agent: dict, key: bytes):
+        self.node, self.agent, self.key = node, agent, key
+        self.remote = None  # the agent's HostRates, once connected
+        self.link: connection.Connection | None = None
+
+    def hardware(self, how: Measurement) -> HostHardware:
+        return self._result(self._host().hardware(replace(how, where=None)))
+
+    def measure(self, group: GroupSpec, slot_counts: list[int], how: Measurement) -> Measured:
+        return self._result(self._host().measure(group, slot_counts, replace(how, where=None)))
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()  # the agent's watch ends; nothing of ours runs there any more
+        self.remote = self.link = None
+
+    def _host(self):
+        if self.remote is None:
+            manager, host = _connect(self.node, self.agent, self.key)
+            self.remote = manager.HostRates(self.node, host)
+            address, link_key = self.remote.watch_driver()
+            self.link = connection.Client(address, authkey=link_key)
+        return self.remote
+
+    def _result(self, answer):
+        if isinstance(answer, RatesFailed):
+            kind = RateError if answer.user_error else RuntimeError
+            raise kind(f"rate measurement by node {self.node}'s agent at {self.agent['address']} (host "
+                       f"{answer.host}, pid {answer.pid}) failed: {answer.error}")
+        return answer
+
+
+@contextmanager
+def agent_rates(agents: dict[int, dict], key: bytes | None):
+    """Where a run measures its rates: node 0's agent when the nodes have agents (they are alike, so
+    one host's rates are every node's), else None (the driver's own devices)."""
+    if not agents:
+        yield None
+        return
+    rates = AgentRates(0, agents[0], key)
+    try:
+        yield rates
+    finally:
+        rates.close()
+
+
+def _connect(node: int, agent: dict, key: bytes | None) -> tuple[_Agent, str]:
+    """A manager connected to `node`'s agent, and that agent's host."""
     host, port = agent["address"].rsplit(":", 1)
     manager = _Agent(address=(host, int(port)), authkey=key)
     try:
@@ -315,9 +426,25 @@ def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: byte
     except OSError as err:
         raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
                            f"its host: python -m pipeline.node <scheduler> --node {node}") from None
-    processes = manager.NodeProcesses(node, drain_s, host)
-    address, link_key = processes.watch_driver()
-    return processes, connection.Client(address, authkey=link_key)
+    return manager, host
+
+
+def _watch_driver(host: str, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
+    """In an agent: (address, key) of a connection for the driver to open and hold; `on_gone` runs once
+    it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host)."""
+    key = os.urandom(16)
+    listener = connection.Listener((host, 0), authkey=key)
+    threading.Thread(target=_wait_for_break, args=(listener, on_gone), name=name, daemon=True).start()
+    return listener.address, key
+
+
+def _wait_for_break(listener, on_gone) -> None:
+    try:
+        with listener, listener.accept() as link:
+            link.recv()  # the driver sends nothing: this returns when its end closes
+    except (EOFError, OSError, mp.AuthenticationError):
+        pass
+    on_gone()
 
 
 def agent_key(key_file: str | None, option: str) -> bytes:

@@ -15,11 +15,20 @@ where a step's time is that of its slowest rank (the allreduce makes every
 rank wait for it); the median ignores the odd step stalled by the OS or a
 collective's first use.
 
+Where the ranks run is the measurement's `RateHost` (`Measurement.where`):
+by default this process, on its own devices; on real hosts the driver passes
+a node agent's (pipeline/orchestration/node.py), so the ranks are that
+agent's children on the host that will train, and the driver gets the rates
+back as a typed answer (`Measured`, naming the host and process that
+measured).
+
 The cache is a JSON file of entries keyed by what decides the rate: the
 members' shapes (arch, depth, width, growth rate), whether they fuse, the
-classes, image sizes, batch size, precision and the hardware (device kind
-and name, cores, threads per trainer, torch version). Learning rates and
-names do not change the speed and are left out, so a sweep is measured once.
+classes, image sizes, batch size, precision and the hardware of the host
+that measures (device kind and name, cores, threads per trainer, torch
+version: described there). Learning rates and names do not change the speed
+and are left out, so a sweep is measured once. Each entry also records who
+measured each slot count (`measured_by`: host name and pid), out of the key.
 """
 from __future__ import annotations
 
@@ -28,11 +37,14 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import socket
 import statistics
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pipeline.delivery.collective import LocalRendezvous
 from pipeline.runtime.lifetime import child_started, quiet_children
@@ -73,24 +85,80 @@ class Measurement:
     threads: int  # torch threads per trainer process
     precision: Precision = Precision.fp32
     report_s: float = 600.0  # a rank silent this long is taken as hung (timeouts.report_s)
+    where: RateHost | None = None  # the host whose devices are measured (None: this process's); never sent on
 
 
-def measure_rates(group: GroupSpec, slot_counts: list[int], how: Measurement) -> dict[int, float]:
-    """Images/s of `group` trained on each of `slot_counts` slots."""
+@dataclass(frozen=True)
+class MeasuredBy:
+    """The process that ran a measurement (its ranks are its children) and the host it runs on."""
+
+    host: str  # socket.gethostname() there
+    pid: int
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A host's answer to a measurement: images/s of the group on each slot count asked."""
+
+    images_per_s: dict[int, float]
+    by: MeasuredBy
+
+
+@dataclass(frozen=True)
+class HostHardware:
+    """A host's answer to `RateHost.hardware`: describe_hardware run there."""
+
+    hardware: dict
+    by: MeasuredBy
+
+
+class RateHost(Protocol):
+    """Where rates are measured: `Here` (this process's devices), or a node agent's host
+    (pipeline/orchestration/node.py). Both calls run on that host; `how.where` is not sent."""
+
+    def hardware(self, how: Measurement) -> HostHardware: ...
+
+    def measure(self, group: GroupSpec, slot_counts: list[int], how: Measurement) -> Measured: ...
+
+
+def measured_by_me() -> MeasuredBy:
+    return MeasuredBy(socket.gethostname(), os.getpid())
+
+
+class Here:
+    """Rates measured by this process, on its own devices."""
+
+    def hardware(self, how: Measurement) -> HostHardware:
+        return HostHardware(describe_hardware(how.device_kind, how.devices, how.threads), measured_by_me())
+
+    def measure(self, group: GroupSpec, slot_counts: list[int], how: Measurement) -> Measured:
+        return Measured(measure_rates(group, slot_counts, how), measured_by_me())
+
+
+def measure_rates(group: GroupSpec, slot_counts: list[int], how: Measurement,
+                  abandon: threading.Event | None = None) -> dict[int, float]:
+    """Images/s of `group` trained on each of `slot_counts` slots, on this process's devices. When
+    `abandon` is set (an agent's driver is gone), a measurement under way stops and its ranks are killed."""
     _check_request(group, slot_counts, how)
-    return {slots: how.batch_size / _median_step_seconds(group, how.devices[:slots], how) for slots in slot_counts}
+    return {slots: how.batch_size / _median_step_seconds(group, how.devices[:slots], how, abandon)
+            for slots in slot_counts}
 
 
-def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement, cache_path: Path) -> RateTable:
-    """The scheduler's rate table: each group's rate on 1..max_slots slots (a group of several: on 1).
+def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement, cache_path: Path,
+                       measured_by: dict[str, dict[str, dict]] | None = None) -> RateTable:
+    """The scheduler's rate table: each group's rate on 1..max_slots slots (a group of several: on 1),
+    measured where `how.where` says (default: here).
 
-    Rates already in the cache at `cache_path` are read from it; the rest are measured and added."""
-    hardware = describe_hardware(how.device_kind, how.devices, how.threads)
+    Rates already in the cache at `cache_path` are read from it; the rest are measured and added.
+    `measured_by`, if given, gets group -> slot count -> {host, pid} of the process that measured each
+    rate (this run's measurer, or the one that cached it; none for entries older than the record)."""
+    where = how.where or Here()
+    hardware = where.hardware(how).hardware  # the measuring host's: the cache keys on it, not on this process
     cache = _read_cache(Path(cache_path))
     table = RateTable()
     for group in groups:
         counts = list(range(1, max_slots + 1)) if len(group.members) == 1 else [1]
-        _check_request(group, counts, how)
+        _check_request(group, counts, how, devices_here=how.where is None)  # a remote host checks its own
         key = cache_key(group, how, hardware)
         entry = next((e for e in cache if e["key"] == key), None)
         if entry is None:
@@ -98,10 +166,14 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
             cache.append(entry)
         missing = [k for k in counts if str(k) not in entry["images_per_s"]]
         if missing:
-            measured = measure_rates(group, missing, how)
-            entry["images_per_s"].update({str(k): rate for k, rate in measured.items()})
+            measured = where.measure(group, missing, how)
+            entry["images_per_s"].update({str(k): rate for k, rate in measured.images_per_s.items()})
+            entry.setdefault("measured_by", {}).update({str(k): asdict(measured.by) for k in missing})
             _write_json(Path(cache_path), cache)  # after each group: an interrupted measurement keeps its work
         table.add(group.name, [entry["images_per_s"][str(k)] for k in counts])
+        if measured_by is not None:
+            by = entry.get("measured_by", {})
+            measured_by[group.name] = {str(k): by[str(k)] for k in counts if str(k) in by}
     return table
 
 
@@ -116,6 +188,7 @@ def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dic
     import torch
 
     if device_kind == "cuda":
+        _check_gpus(devices)  # before asking for a GPU's name: a clear error for one this machine lacks
         device_name = torch.cuda.get_device_name(devices[0])
     else:
         device_name = _cpu_model()
@@ -151,10 +224,12 @@ def save_table(table: RateTable, path: Path) -> None:
                              for model, rates in table.rates.items()})
 
 
-def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement) -> None:
+def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement, devices_here: bool = True) -> None:
+    """`devices_here`: the devices are this machine's, and checked against what it has."""
     devices = how.devices
     if how.device_kind == "cuda":
-        _check_gpus(devices)
+        if devices_here:
+            _check_gpus(devices)
     elif any(d != "cpu" for d in devices):
         raise RateError(f"devices {devices} are not all CPU slots; with device_kind='cpu' list each as 'cpu'")
     if not slot_counts or any(not isinstance(k, int) or k < 1 for k in slot_counts):
@@ -189,7 +264,8 @@ def _check_gpus(devices: list[str]) -> None:
         raise RateError(f"devices {devices} repeat a GPU, but NCCL needs one GPU per rank; list each once")
 
 
-def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement) -> float:
+def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
+                         abandon: threading.Event | None) -> float:
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
     rendezvous = LocalRendezvous()
@@ -201,7 +277,8 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement)
         with quiet_children():
             for process in processes:
                 process.start()
-        step_seconds = [_next_report(reports, processes, group, len(devices), how.report_s) for _ in processes]
+        step_seconds = [_next_report(reports, processes, group, len(devices), how.report_s, abandon)
+                        for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
             process.join(5)
@@ -214,12 +291,16 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement)
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
-def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: float) -> list[float]:
+def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: float,
+                 abandon: threading.Event | None) -> list[float]:
     deadline = time.monotonic() + report_s
     while True:
         try:
             report = reports.get(timeout=1)
         except queue.Empty:
+            if abandon is not None and abandon.is_set():
+                raise RuntimeError(f"measuring {group.name} on {slots} slot(s): abandoned, the driver that "
+                                   "asked for it is gone") from None
             dead = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"measuring {group.name} on {slots} slot(s): {', '.join(dead)} died "
