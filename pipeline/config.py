@@ -120,6 +120,8 @@ class SchedulerConf:
     min_active_fraction: float = 0.8  # fleet_g/fleet_l: a flotilla stops when fewer of its slots are active
     phase_threshold: float = 0.0  # fleet_e: a model whose training loss fell less than this fraction in an epoch
     # is on its plateau and gives its slots above one to models still improving (0: off)
+    join_running: bool = False  # fleet_l/fleet_e: a waiting model of like rate joins a running flotilla's stream
+    # at its next epoch boundary, instead of forming a flotilla of its own
     target_accuracy: Optional[float] = None  # a model converges on reaching this validation accuracy
     patience: int = 0  # ...or after this many epochs without improving its best by min_delta (0: off)
     min_delta: float = 0.005  # the smallest gain in validation accuracy that counts

@@ -1,4 +1,5 @@
-"""fleet_e in a real run on CPU slots: a model restarts on more slots mid-run and trains on."""
+"""Real runs on CPU slots where the scheduler changes a running flotilla: a model restarts on more
+slots (fleet_e), a waiting model joins a running stream (fleet_l with scheduler.join_running)."""
 import pytest
 
 from pipeline.run import run
@@ -7,34 +8,68 @@ from tests.test_run import small
 
 pytestmark = pytest.mark.slow
 
-# Rates as a GPU host measures them (two slots faster than one). On this machine's 2 cores two CPU slots
-# train slower than one, so fleet_e would rightly never grow a model: the table is fixed to fix the plan.
-# The ResNets are the slowest here, so they start first; resnet10_w16, made wider, takes longer in fact than
-# resnet10_w24, whose slot densenet40_k8 takes; the last, densenet40_k12, starts on resnet10_w16's slot, and
-# still has epochs to go when densenet40_k8's slot idles.
-RATES = {"resnet10_w16": (100.0, 190.0), "resnet10_w24": (110.0, 200.0),
-         "densenet40_k8": (300.0, 560.0), "densenet40_k12": (320.0, 600.0)}
+def fixed_rates(monkeypatch, rates):
+    """The rate table the scheduler plans with, instead of measuring: the plan is then known."""
+    monkeypatch.setattr("pipeline.training.rates.measure_rates",
+                        lambda group, slot_counts, how: {g: rates[group.name][g - 1] for g in slot_counts})
+
+
+# Two models: slow is a ResNet made wide, so it takes longer than fast; with two slots each starts on
+# one, and slow still has epochs to go when fast is done and its slot idles. Rates as a GPU host
+# measures them (two slots faster than one; on this machine's 2 cores two CPU slots train slower than
+# one, so fleet_e would rightly never grow a model here).
+TWO_MODELS = ("ensemble.models=[{name:slow,arch:resnet,depth:10,width:64,input:main},"
+              "{name:fast,arch:resnet,depth:10,width:16,input:alt}]")
+GROW_RATES = {"slow": (100.0, 190.0), "fast": (110.0, 200.0)}
 
 
 def test_a_model_restarts_on_the_idle_slot_and_its_accuracy_curve_carries_on(tiny_dataset, tmp_path, monkeypatch):
-    monkeypatch.setattr("pipeline.training.rates.measure_rates",
-                        lambda group, slot_counts, how: {g: RATES[group.name][g - 1] for g in slot_counts})
-    cfg = compose_config(small(tiny_dataset, "scheduler=fleet_e", "trainer.slots=2", "trainer.epochs=4",
-                               "scheduler.patience=0", "ensemble.models.0.width=64", f"rates.cache={tmp_path / 'rate_cache.json'}"))
+    fixed_rates(monkeypatch, GROW_RATES)
+    cfg = compose_config(small(tiny_dataset, TWO_MODELS, "scheduler=fleet_e", "trainer.slots=2", "trainer.epochs=6",
+                               "scheduler.patience=0", f"rates.cache={tmp_path / 'rate_cache.json'}"))
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
-    formed = [d for d in decisions if d["decision"] == "FormFlotilla"]
-    # longest first, one slot each while models wait: the two "slowest" ResNets, each with its own stream
-    assert [f["members"] for f in formed[:2]] == ["{'resnet10_w16': 1}", "{'resnet10_w24': 1}"]
-    resized = [d for d in decisions if d["decision"] == "Stop" and d["reason"] == "resized"]
-    assert resized, [(d["decision"], d.get("members", d.get("model"))) for d in decisions]
-    grown = {}
-    for model in results["models"]:
-        assert model["epochs"] == 4 and model["converged"]
-        assert len(model["val_accuracy"]) == 4  # one validation per epoch, none lost or repeated
-        if [len(stint["devices"]) for stint in model["flotillas"]][:2] == [1, 2]:
-            grown[model["name"]] = model
-    assert grown.keys() & {d["model"] for d in resized}
-    for model in grown.values():  # resumed from the epoch it had finished, not from scratch
-        restart = model["flotillas"][1]["start_epoch"]
-        assert 0 < restart < 4 and model["train_loss"][restart] < model["train_loss"][0]
+    formed = [d["members"] for d in decisions if d["decision"] == "FormFlotilla"]
+    # longest first, one slot each, each with its own stream; then slow again on both slots
+    assert formed == ["{'slow': 1}", "{'fast': 1}", "{'slow': 2}"], formed
+    (resized,) = [d for d in decisions if d["decision"] == "Stop" and d["reason"] == "resized"]
+    models = {m["name"]: m for m in results["models"]}
+    for model in models.values():
+        assert model["epochs"] == 6 and model["converged"]
+        assert len(model["val_accuracy"]) == 6  # one validation per epoch, none lost or repeated
+    slow = models["slow"]
+    assert resized["model"] == "slow" and [len(s["devices"]) for s in slow["flotillas"]] == [1, 2]
+    restart = slow["flotillas"][1]["start_epoch"]  # resumed from the epoch it had finished, not from scratch
+    assert 0 < restart < 6 and slow["train_loss"][restart] < slow["train_loss"][0]
+
+
+# Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.
+# resnet10_w24 forms flotilla 0, densenet40_k8 flotilla 1 on the other slot; when resnet10_w24 is done,
+# densenet40_k12, of like rate (190 against 200), joins flotilla 1's stream instead of forming its own.
+# densenet40_k8 is made wider so that it still has epochs to go then.
+JOIN_RATES = {"resnet10_w16": (100.0, 80.0), "resnet10_w24": (300.0, 250.0),
+              "densenet40_k12": (190.0, 150.0), "densenet40_k8": (200.0, 160.0)}
+
+
+def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(tiny_dataset, tmp_path, monkeypatch):
+    fixed_rates(monkeypatch, JOIN_RATES)
+    cfg = compose_config(small(tiny_dataset, "scheduler=fleet_l", "scheduler.join_running=true", "trainer.slots=2",
+                               "trainer.epochs=4", "scheduler.patience=0", "ensemble.models.3.growth_rate=16",
+                               f"rates.cache={tmp_path / 'rate_cache.json'}"))
+    results = run(cfg, tmp_path / "out")
+    decisions = results["scheduler"]["decisions"]
+    (join,) = [d for d in decisions if d["decision"] == "Join"]
+    assert (join["model"], join["flotilla"]) == ("densenet40_k12", "1")
+    models = {m["name"]: m for m in results["models"]}
+    for model in models.values():
+        assert model["epochs"] == 4 and model["converged"] and len(model["val_accuracy"]) == 4
+    host, joiner = models["densenet40_k8"], models["densenet40_k12"]
+    assert [s["flotilla"] for s in host["flotillas"]] == [1] and joiner["flotillas"][0]["flotilla"] == 1
+    # it joined the stream after the epochs flotilla 1 had run, which its host had trained by then (once the
+    # host is done, fleet_l's min_active_fraction stops the flotilla, and the joiner goes on in another)
+    joined_at = joiner["flotillas"][0]["flotilla_epoch"]
+    assert 0 < joined_at < 4 and joiner["flotillas"][0]["start_epoch"] == 0
+    # the host was laid out again with it, from the checkpoint of the epoch it had finished: its loss goes on
+    assert host["train_loss"][joined_at] < host["train_loss"][0]
+    (group,) = results["delivery"]["flotillas"]["1"]["groups"]
+    assert sorted(group["members"]) == ["densenet40_k12", "densenet40_k8"]

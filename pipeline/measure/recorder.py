@@ -171,8 +171,10 @@ class RunRecorder:
                     if latency else None
                 self.delivery[flotilla]["hubs"][rank] = summary
 
-    def joined(self, group: GroupSpec, flotilla: int, devices: tuple[str, ...], start_epoch: int) -> None:
-        """The group starts in `flotilla`, after `start_epoch` epochs: what its models did after that
+    def joined(self, group: GroupSpec, flotilla: int, devices: tuple[str, ...], start_epoch: int,
+               flotilla_epoch: int = 0) -> None:
+        """The group starts in `flotilla`, after `start_epoch` epochs, at the flotilla's epoch
+        `flotilla_epoch` (> 0 for a model that joined a running stream): what its models did after that
         checkpoint (before a failure or a stop) is done again, and counts once."""
         with self.lock:
             for model in group.members:
@@ -181,7 +183,8 @@ class RunRecorder:
                     for epoch in [e for e in epochs if e >= start_epoch]:
                         del epochs[epoch]
                 record.stints.append({
-                    "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch, "group": group.name,
+                    "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch,
+                    "flotilla_epoch": flotilla_epoch, "group": group.name,
                     "group_members": [m.name for m in group.members], "group_mode": group.mode,
                     "images": 0, "train_s": 0.0})  # trained on in this stint, and the time it took
 
@@ -197,7 +200,9 @@ class RunRecorder:
         resumed run forms it again): its sequence of shuffles goes on from there (0 for a new flotilla)."""
         with self.lock:
             stints = [s for s in self.models[model].stints if s["flotilla"] == flotilla]
-            return start_epoch - stints[0]["start_epoch"] if len(stints) > 1 else 0
+            if len(stints) < 2:
+                return 0
+            return stints[0].get("flotilla_epoch", 0) + start_epoch - stints[0]["start_epoch"]
 
     def converged(self, model: str, reason: str) -> None:
         with self.lock:

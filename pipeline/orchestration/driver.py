@@ -21,7 +21,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -35,7 +35,7 @@ from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
-from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, ModelConverged,
+from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged,
                                 PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.machine import FAILED, TRAIN_LOSS
@@ -142,6 +142,13 @@ class ReleaseModel:
 
 
 @dataclass(frozen=True)
+class JoinMember:
+    """`member` joins the flotilla's stream at its next epoch boundary."""
+
+    member: Member
+
+
+@dataclass(frozen=True)
 class Continue:
     pass
 
@@ -163,13 +170,14 @@ class FlotillaThread(threading.Thread):
         self.flotilla_id, self.formed, self.members = formed.flotilla, formed, members
         self.run_ctx, self.events = run, events
         self.first_epoch = first_epoch  # of its sequence: > 0 for a flotilla formed again (a resumed run)
-        self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | Continue] = queue.Queue()
+        self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | JoinMember | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
         self.stop_by = 0.0  # time.monotonic() by which a stop must be done
         self.reported: dict[str, int] = {}  # model -> epochs it has finished, as told to the main thread
         # model -> epochs of its newest checkpoint (where it started, or written since)
         self.saved: dict[str, int] = {m.name: member.start_epoch for member in members for m in member.group.members}
         self.saved_on_stop: dict[str, int] = {}  # group -> epochs
+        self.joining: list[Member] = []  # models that join the stream at the next epoch boundary
 
     def stop(self, by: float) -> None:
         """Leave the epochs: checkpoint the last finished ones, close, all by time.monotonic() `by`."""
@@ -191,33 +199,59 @@ class FlotillaThread(threading.Thread):
 
     def _train(self) -> None:
         r = self.run_ctx
-        graph = r.graph.feeding({stream for member in self.members for stream in member.group.inputs})
-        # The scheduler chose the topology and the streams; the hubs go where the trainers are.
-        plan = plan_delivery(self.formed.topology, {m.group.name: m.nodes for m in self.members}, self.formed.streams)
-        why = self.formed.why
-        r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
-                                 f"group(s), {len(plan.hubs)} hub(s) ({why})")
-        r.recorder.delivery_plan(self.flotilla_id, plan, why)
-        with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
-            try:
-                epoch = self.first_epoch  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
-                while flotilla.members:
-                    self._check_stop()
-                    # A trainer may report its validation before the driver hears that the hubs are done,
-                    # and then die: its failure is told after the epoch it finished (it resumes from there).
-                    early, failed = [], []
-                    for split in (Split.TRAIN, Split.VAL):
-                        reports, failures = self._deliver(flotilla, graph, split, epoch)
-                        early += reports
-                        failed += failures
-                    reports, failures = self._validation_reports(flotilla, early)
-                    self.reported.update({report.model: report.epoch + 1 for report in reports})
-                    self.events.put(EpochDone(self, reports, failed + failures))
-                    self._carry_out(flotilla)
-                    epoch += 1
-            except Stopping:
-                self._save_on_stop(flotilla)
-                flotilla.close(within=max(self.stop_by - time.monotonic(), 1.0))
+        epoch = self.first_epoch  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
+        streams = self.formed.streams
+        while self.members:  # one layout per membership: models joining at a boundary lay it out again
+            graph = r.graph.feeding({stream for member in self.members for stream in member.group.inputs})
+            # The scheduler chose the topology and the streams; the hubs go where the trainers are.
+            plan = plan_delivery(self.formed.topology, {m.group.name: m.nodes for m in self.members}, streams)
+            why = self.formed.why
+            r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
+                                     f"group(s), {len(plan.hubs)} hub(s) ({why})")
+            r.recorder.delivery_plan(self.flotilla_id, plan, why)
+            with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
+                try:
+                    while flotilla.members and not self.joining:
+                        self._check_stop()
+                        # A trainer may report its validation before the driver hears that the hubs are done,
+                        # and then die: its failure is told after the epoch it finished (it resumes from there).
+                        early, failed = [], []
+                        for split in (Split.TRAIN, Split.VAL):
+                            reports, failures = self._deliver(flotilla, graph, split, epoch)
+                            early += reports
+                            failed += failures
+                        reports, failures = self._validation_reports(flotilla, early)
+                        self.reported.update({report.model: report.epoch + 1 for report in reports})
+                        self.events.put(EpochDone(self, reports, failed + failures))
+                        self._carry_out(flotilla)
+                        epoch += 1
+                    self.members = self._lay_out_again(flotilla, epoch) if self.joining else []
+                except Stopping:
+                    self._save_on_stop(flotilla)
+                    flotilla.close(within=max(self.stop_by - time.monotonic(), 1.0))
+                    return
+            streams = (tuple(m.group.name for m in self.members),)  # a flotilla that takes joiners has one
+
+    def _lay_out_again(self, flotilla: Flotilla, epoch: int) -> list[Member]:
+        """Models join at this epoch boundary: the members still here are checkpointed after the epoch
+        they finished (if the plan did not just do it), the streams end, and the members to lay out next
+        are returned, each resuming from its checkpoint, the joiners with them; the stream's sequence of
+        epochs goes on."""
+        staying = list(flotilla.members.values())
+        wanted = {(member.group.name, m.name): self.reported[m.name] for member in staying
+                  for m in member.group.members if self.saved.get(m.name) != self.reported.get(m.name)}
+        self._save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
+        if flotilla.members:
+            flotilla.stop()
+            self._await_done(flotilla)
+            self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
+        joining, self.joining = self.joining, []
+        for member in joining:
+            self.saved.update({m.name: member.start_epoch for m in member.group.members})
+            self.run_ctx.recorder.joined(member.group, self.flotilla_id, member.devices, member.start_epoch, epoch)
+        self.run_ctx.progress.console.print(f"flotilla {self.flotilla_id}: " + ", ".join(
+            m.group.name for m in joining) + f" join{'s' * (len(joining) == 1)} its stream at epoch {epoch + 1}")
+        return [replace(member, start_epoch=self.saved[member.group.members[0].name]) for member in staying] + joining
 
     def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int
                  ) -> tuple[list[ValReport], list[tuple[str, str]]]:
@@ -315,7 +349,12 @@ class FlotillaThread(threading.Thread):
         for command in commands:
             if isinstance(command, ReleaseModel) and command.group in flotilla.members:
                 flotilla.release(command.group, command.model)  # before the next batch is published
+        self.joining += [command.member for command in commands if isinstance(command, JoinMember)]
         leaving = [command.group for command in commands if isinstance(command, StopMember)]
+        for group in [m.group.name for m in self.joining if m.group.name in leaving]:  # stopped before it joined
+            self.joining = [m for m in self.joining if m.group.name != group]
+            leaving.remove(group)
+            self.events.put(MemberLeft(self, group))
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)
@@ -554,6 +593,13 @@ class Driver:
                 forming[decision.flotilla][1].append(Member(group, devices, tuple(s.node for s in slots),
                                                          decision.resume_epoch))
                 self.run_ctx.recorder.joined(group, decision.flotilla, devices, decision.resume_epoch)
+            elif isinstance(decision, Join):  # its flotilla's thread lays it out at the next epoch boundary
+                self.gone.discard(decision.model)
+                slots = self.assigned[decision.model]
+                member = Member(self.groups[decision.model].without(self.converged),
+                                tuple(self.slot_devices[s] for s in slots), tuple(s.node for s in slots),
+                                decision.resume_epoch)
+                self.threads[decision.flotilla].commands.put(JoinMember(member))
             elif isinstance(decision, Checkpoint):
                 thread = self.threads.get(decision.flotilla)
                 if thread is not None and decision.model not in self.gone:

@@ -113,6 +113,17 @@ class Start:
 
 
 @dataclass(frozen=True)
+class Join:
+    """`model` (its slots assigned just before) joins the stream of running flotilla `flotilla` at that
+    stream's next epoch boundary: its trainers become readers of the flotilla's stream from the next
+    epoch on; they resume from the checkpoint after `resume_epoch` epochs if > 0."""
+
+    flotilla: int
+    model: str
+    resume_epoch: int
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """Save `model` after `epoch` completed epochs (`final` when it has converged)."""
 
@@ -136,4 +147,4 @@ class Stop:
     flotilla_ends: bool
 
 
-Decision = FormFlotilla | AssignSlots | Start | Checkpoint | Stop
+Decision = FormFlotilla | AssignSlots | Start | Join | Checkpoint | Stop

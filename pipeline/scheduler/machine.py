@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field, replace
 
-from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
+from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla, Join,
                                        ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
                                        TrainerFailed)
 from pipeline.scheduler.planner import assign_slots
@@ -37,6 +37,11 @@ class ModelState:
 class FlotillaState:
     members: dict[str, tuple[Slot, ...]]
     active: set[str]
+    streams: int = 1  # of its topology; a model may join a flotilla of one stream
+
+    @property
+    def nodes(self) -> set[int]:
+        return {slot.node for slots in self.members.values() for slot in slots}
 
     @property
     def slots(self) -> int:
@@ -123,7 +128,9 @@ class Scheduler:
         decisions: list[Decision] = []
         for fid, flotilla in sorted(self.flotillas.items()):
             active = {m: slots for m, slots in flotilla.members.items() if m in flotilla.active}  # in plan order
-            decisions.append(self._form(fid, active))
+            form = self._form(fid, active)
+            flotilla.streams = len(form.streams)
+            decisions.append(form)
             decisions += [AssignSlots(fid, m, slots) for m, slots in active.items()]
             for m in active:  # what it did after its last checkpoint is done again
                 self.models[m].epochs_done = self.models[m].checkpoint_epoch
@@ -254,6 +261,27 @@ class Scheduler:
             del self.flotillas[flotilla_id]
         return decisions
 
+    def _join(self, waiting: list[str], free: list[Slot], table: RateTable) -> list[Decision]:
+        """Waiting models the policy places into running flotillas of one stream on one node, on that
+        node's free slots: they join its stream at its next epoch boundary."""
+        running = {fid: (min(f.nodes), {m: len(f.members[m]) for m in f.active}) for fid, f in self.flotillas.items()
+                   if f.streams == 1 and len(f.nodes) == 1 and f.active}
+        decisions: list[Decision] = []
+        for model, fid in self.policy.join(waiting, table, self.cluster, free, running).items():
+            count, node = table.slot_counts(model, self.cluster.slots_per_node)[0], running[fid][0]
+            flotilla = self.flotillas[fid]
+            room = sorted(s for s in free if s.node == node and self.slots[s] == FREE)
+            if len(room) < count:
+                continue
+            slots, state = tuple(room[:count]), self.models[model]
+            flotilla.members[model] = slots
+            flotilla.active.add(model)
+            state.status, state.flotilla = RUNNING, fid
+            for slot in slots:
+                self.slots[slot] = BUSY
+            decisions += [AssignSlots(fid, model, slots), Join(fid, model, resume_epoch=state.checkpoint_epoch)]
+        return decisions
+
     def _form(self, flotilla_id: int, members: dict[str, tuple[Slot, ...]]) -> FormFlotilla:
         """The decision that forms a flotilla of `members` (model -> its slots, in plan order): its
         topology and streams chosen from the cluster model, and its planned rate (its slowest stream's)."""
@@ -278,13 +306,20 @@ class Scheduler:
                 or RELEASING in self.slots.values()
                 or (self.policy.waits_for_idle_cluster and self.flotillas)):
             return []
-        groups = self.policy.form(waiting, self._planning_table(), self.cluster, free, self.rng)
+        table = self._planning_table()
+        decisions = self._join(waiting, free, table) if self.policy.join_running else []
+        if decisions:
+            waiting = [m for m in waiting if self.models[m].status == WAITING]
+            free = [s for s, state in self.slots.items() if state == FREE]
+            if not waiting or not free:
+                return decisions
+        groups = self.policy.form(waiting, table, self.cluster, free, self.rng)
         placement = assign_slots({m: g for group in groups for m, g in group.items()}, free)
-        decisions: list[Decision] = []
         for group in groups:
             flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
-            self.flotillas[flotilla_id] = FlotillaState({m: placement[m] for m in group}, set(group))
-            decisions.append(self._form(flotilla_id, {m: placement[m] for m in group}))
+            form = self._form(flotilla_id, {m: placement[m] for m in group})
+            self.flotillas[flotilla_id] = FlotillaState({m: placement[m] for m in group}, set(group), len(form.streams))
+            decisions.append(form)
             decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in group]
             for m in group:
                 state = self.models[m]

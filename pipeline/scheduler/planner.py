@@ -236,3 +236,37 @@ def share_streams(members: dict[str, int], table: RateTable, cluster: Cluster,
             group = {}
         group[model] = members[model]
     return flotillas + ([group] if group else [])
+
+
+def join_running(pending: list[str], table: RateTable, cluster: Cluster, free_nodes: dict[int, int],
+                 running: dict[int, tuple[int, dict[str, int]]], tolerance: float = TOLERANCE,
+                 held_only: bool = False) -> dict[str, int]:
+    """Waiting models placed into running flotillas (FLEET-L joining a running stream), in `pending`
+    order: model -> flotilla. `running`: flotilla -> (its node, its members' slot counts);
+    `free_nodes`: free slots per node. A model joins, on its smallest slot count and on the
+    flotilla's node, the flotilla whose rate is nearest its own, if the flotilla's rate with it
+    stays within `tolerance` of both its rate before and the model's own: nobody slows by more than
+    a member of a flotilla may. With `held_only`, only models whose own pipeline would hold them
+    back (see `share_streams`) join: sharing pays in CPU alone."""
+    prep, k = cluster.prep_rate_per_slot, cluster.slots_per_node
+    room, members = dict(free_nodes), {fid: dict(m) for fid, (_, m) in running.items()}
+    placed: dict[str, int] = {}
+    for model in pending:
+        slots = table.slot_counts(model, k)[0]
+        own = table.rate(model, slots)
+        if held_only and own <= prep * slots:
+            continue
+        options = []
+        for fid, (node, _) in running.items():
+            if room.get(node, 0) < slots:
+                continue
+            before = flotilla_rate(members[fid], table, prep)
+            after = flotilla_rate({**members[fid], model: slots}, table, prep)
+            if after >= (1 - tolerance) * max(before, own):
+                options.append((abs(own - before), fid, node))
+        if options:
+            _, fid, node = min(options)
+            placed[model] = fid
+            members[fid][model] = slots
+            room[node] -= slots
+    return placed

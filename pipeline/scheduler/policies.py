@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.scheduler.planner import (TOLERANCE, fits, free_per_node, greedy_flotilla, longest_first,
+from pipeline.scheduler.planner import (TOLERANCE, fits, free_per_node, greedy_flotilla, join_running, longest_first,
                                         lookahead_flotilla, share_streams, spread_slots)
 from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 
@@ -30,6 +30,7 @@ class Shared:
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = False
     elastic: ClassVar[bool] = False
+    join_running: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -53,6 +54,7 @@ class FleetG:
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = True
     elastic: ClassVar[bool] = False
+    join_running: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -64,11 +66,19 @@ class FleetG:
 @dataclass
 class FleetL(FleetG):
     """FLEET-L: same greedy, but released slots are refilled at once with a
-    new flotilla of unconverged models, next to the flotillas still running.
-    No lookahead: it scores whole-cluster rounds, which is FLEET-G's execution."""
+    new flotilla next to the flotillas still running; with `join_running`, a
+    waiting model of like rate first joins a running flotilla's stream at its
+    next epoch boundary (`join`). No lookahead: it scores whole-cluster
+    rounds, which is FLEET-G's execution."""
 
     lookahead: int = 0
+    join_running: bool = False  # a waiting model of like rate joins a running stream (scheduler.join_running)
     waits_for_idle_cluster: ClassVar[bool] = False
+
+    def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
+             running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
+        """Waiting models into running flotillas of like rate, at their next epoch boundary."""
+        return join_running(pending, table, cluster, _free_by_node(free_slots), running, self.tolerance)
 
 
 @dataclass
@@ -82,7 +92,9 @@ class FleetE:
       scaling; slots left over go to the models they speed up most.
     * Only models whose own pipeline would hold them back share a stream
       (`share_streams`): sharing pays in CPU, and lockstep costs the faster
-      members of a flotilla their speed.
+      members of a flotilla their speed. With `join_running`, such a model,
+      waiting, joins a running stream of like rate at its next epoch
+      boundary (`join`).
     * A flotilla runs on as members leave (their slots are refilled); once no
       model waits, a running model that would train faster on the idle slots
       is restarted there from the checkpoint of the epoch it just finished
@@ -97,6 +109,7 @@ class FleetE:
     tolerance: float = TOLERANCE  # a stream's members are within this fraction of its fastest's rate
     min_gain: float = 0.1  # a restart on more slots must raise the model's rate by this fraction
     phase_threshold: float = 0.0  # loss drop per epoch below which a model is on its plateau; 0: phases unused
+    join_running: bool = False  # a CPU-held waiting model joins a running stream (scheduler.join_running)
     min_active_fraction: float = 0.0  # flotillas never stop for members leaving
     waits_for_idle_cluster: ClassVar[bool] = False
     needs_rates: ClassVar[bool] = True
@@ -110,6 +123,13 @@ class FleetE:
             if fits([*members.values(), slots], nodes):
                 members[model] = slots
         return share_streams(spread_slots(members, table, cluster, nodes), table, cluster, self.tolerance)
+
+    def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
+             running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
+        """Waiting models that their own pipeline would hold back join a running stream of like rate,
+        longest first."""
+        return join_running(longest_first(pending, table, cluster), table, cluster, _free_by_node(free_slots),
+                            running, self.tolerance, held_only=True)
 
     def by_phase(self, table: RateTable, loss_drops: dict[str, float | None]) -> RateTable:
         """`table` with every model on its plateau limited to its smallest runnable slot count."""
@@ -151,6 +171,7 @@ class Baseline:
     waits_for_idle_cluster: ClassVar[bool] = False
     needs_rates: ClassVar[bool] = True
     elastic: ClassVar[bool] = False
+    join_running: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
@@ -167,11 +188,19 @@ class Homogeneous:
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = True
     elastic: ClassVar[bool] = False
+    join_running: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
         flotilla = dict(_random_fill(pending, table, cluster, free_slots, rng))
         return [flotilla] if flotilla else []
+
+
+def _free_by_node(free_slots: list[Slot]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for slot in free_slots:
+        counts[slot.node] = counts.get(slot.node, 0) + 1
+    return counts
 
 
 def _random_fill(pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
@@ -207,13 +236,17 @@ POLICIES = {PolicyName.shared: Shared, PolicyName.fleet_e: FleetE, PolicyName.fl
 
 
 def make_policy(name: PolicyName, min_active_fraction: float = 0.8,
-                requested_slots: dict[str, int] | None = None, phase_threshold: float = 0.0) -> Policy:
+                requested_slots: dict[str, int] | None = None, phase_threshold: float = 0.0,
+                join_running: bool = False) -> Policy:
     """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l only, `requested_slots`
-    (model -> slots) to shared only, `phase_threshold` to fleet_e only."""
+    (model -> slots) to shared only, `phase_threshold` to fleet_e only, `join_running` to fleet_l and
+    fleet_e."""
     if name == PolicyName.shared:
         return Shared(dict(requested_slots or {}))
-    if name in (PolicyName.fleet_g, PolicyName.fleet_l):
-        return POLICIES[name](min_active_fraction=min_active_fraction)
+    if name == PolicyName.fleet_g:
+        return FleetG(min_active_fraction=min_active_fraction)
+    if name == PolicyName.fleet_l:
+        return FleetL(min_active_fraction=min_active_fraction, join_running=join_running)
     if name == PolicyName.fleet_e:
-        return FleetE(phase_threshold=phase_threshold)
+        return FleetE(phase_threshold=phase_threshold, join_running=join_running)
     return POLICIES[name]()

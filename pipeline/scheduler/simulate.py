@@ -9,7 +9,10 @@ Execution model (the exact solver in `exact.py` uses the same one):
 * a model converges at the end of its `epochs[model]`-th epoch, or, with a
   `time_limit_seconds` (the FLEET paper's 240 minutes per model), at the end
   of the epoch in which its training time reaches the limit;
-* a stopped model's slots come back `checkpoint_seconds` later;
+* a stopped model's slots come back `checkpoint_seconds` later; a model
+  that joins a running stream (`Join`) holds its slots at once and reads
+  from the stream's next epoch boundary, where the stream pauses
+  `checkpoint_seconds` (the flotilla is laid out again with it);
 * each epoch reports the model's training loss from `Instance.losses` (see
   `loss_curve`), which elastic policies read training phases from.
 """
@@ -21,7 +24,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, ModelConverged,
+from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
 from pipeline.scheduler.policies import Policy
@@ -68,6 +71,8 @@ class _Stream:
 
     topology: Topology
     members: dict[str, tuple[Slot, ...]] = field(default_factory=dict)
+    joining: dict[str, tuple[Slot, ...]] = field(default_factory=dict)  # from its next epoch boundary
+    paused: bool = False  # it is laid out again for joiners: no images for `checkpoint_seconds`
     progress: float = 0.0  # images of the current epoch already consumed
     rate: float = 0.0
     since: float = 0.0  # when progress was last brought up to date
@@ -127,16 +132,24 @@ class _Simulation:
             self.epochs_done[decision.model] = decision.resume_epoch
             self.open_bars[decision.model] = (decision.flotilla, self.now)
             return self.stream_of[decision.model]
+        elif isinstance(decision, Join):  # its slots are held from now on, its training starts at the boundary
+            key = self.stream_of[decision.model] = (decision.flotilla, 0)
+            self.streams[key].joining[decision.model] = self.slots_of[decision.model]
+            self.epochs_done[decision.model] = decision.resume_epoch
+            self.open_bars[decision.model] = (decision.flotilla, self.now)
         elif isinstance(decision, Stop):
             key = self.stream_of[decision.model]
             stream = self.streams[key]
             self.settle(stream)
-            slots = stream.members.pop(decision.model)
+            members = stream.members if decision.model in stream.members else stream.joining
+            slots = members.pop(decision.model)
             flotilla_id, start = self.open_bars.pop(decision.model)
             self.trained_s[decision.model] = self.trained_s.get(decision.model, 0.0) + self.now - start
             self.bars += [Bar(s, decision.model, flotilla_id, start, self.now) for s in slots]
             for slot in slots:
                 self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
+            if not stream.members and stream.joining:  # nobody reads on: the joiners start a new epoch now
+                stream.members, stream.joining, stream.progress, stream.paused = stream.joining, {}, 0.0, True
             if not stream.members:
                 del self.streams[key]
                 return None
@@ -156,6 +169,8 @@ class _Simulation:
         stream.rate = stream_rate(tuple(stream.members), nodes, stream.topology, self.instance.table,
                                   self.instance.cluster)
         stream.version += 1
+        if stream.paused:  # the images it would have read while its trainers restart
+            stream.progress, stream.paused = -stream.rate * self.instance.checkpoint_seconds, False
         left = max(self.instance.images_per_epoch - stream.progress, 0.0)
         self.push(self.now + left / stream.rate, "epoch", (key, stream.version))
 
@@ -165,6 +180,9 @@ class _Simulation:
             return
         stream.progress, stream.since = 0.0, self.now
         members = list(stream.members)
+        if stream.joining:  # they read from the next epoch on, once the flotilla is laid out again
+            stream.members.update(stream.joining)
+            stream.joining, stream.paused = {}, True
         for model in members:
             self.epochs_done[model] += 1
             epoch, target = self.epochs_done[model], self.instance.epochs[model]
