@@ -17,9 +17,10 @@ register()
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
-    """4 classes x 16 photo-sized synthetic JPEGs."""
+    """4 classes x 16 photo-sized synthetic JPEGs, split as a dataset a user gives."""
     root = tmp_path_factory.mktemp("data") / "tiny"
-    generate_imagefolder(root, num_classes=4, images_per_class=16, seed=3, image_size=(120, 160))
+    generate_imagefolder(root, num_classes=4, images_per_class=16, seed=3, image_size=(120, 160),
+                         val_per_class=None)  # declares no split: the read stage's own (10%)
     return root
 
 

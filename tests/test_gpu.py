@@ -36,7 +36,7 @@ def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
     from tests.test_run import GROUPED
 
     root = tmp_path_factory.mktemp("data") / "learnable"
-    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80))
+    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
     results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
                                   "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
                                   "pipeline.alt_image_size=24", "trainer.epochs=5", "scheduler.patience=0",

@@ -98,7 +98,7 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
     from pipeline.delivery.messages import BatchPublished
 
     root = tmp_path / "data"
-    generate_imagefolder(root, num_classes=2, images_per_class=80, seed=1, image_size=(40, 40))
+    generate_imagefolder(root, num_classes=2, images_per_class=80, seed=1, image_size=(40, 40), val_per_class=None)
     stopped = {}
     progress = Flotilla.hub_progress
 

@@ -270,7 +270,7 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     from pipeline.training.models import build_model
 
     root = tmp_path_factory.mktemp("data") / "learnable"
-    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80))
+    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
     accuracies = RunRecorder.accuracies
 
     def fb_done_after_3(recorder, model):

@@ -1,15 +1,16 @@
 """Stage behaviour, and a suite every stage must pass: the output matches the
 declared spec, the same seed gives the same bytes, the stage pickles."""
 import pickle
+import shutil
 
 import numpy as np
 import pytest
 import simplejpeg
 
 from stages.augment import RandomResizedCropFlip
-from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split
+from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split, StageError
 from stages.decode import Decode
-from stages.read import ImageFolder, shuffle
+from stages.read import SPLIT_FILE, ImageFolder, shuffle
 from stages.broadcast import Broadcast
 
 
@@ -62,6 +63,45 @@ def test_split_is_fixed_per_class_by_fraction_and_count(tiny_dataset):
     train = {p for p, _ in by_fraction.files[Split.TRAIN]}
     assert train.isdisjoint(p for p, _ in by_fraction.files[Split.VAL])
     assert len(train) == 4 * 12
+
+
+def test_a_dataset_declares_its_split_and_val_per_class_overrides_it(tiny_dataset, tmp_path):
+    assert ImageFolder(root=str(tiny_dataset), batch_size=8).num_items(Split.VAL) == 4 * 2  # 10% of 16
+    root = tmp_path / "declared"
+    shutil.copytree(tiny_dataset, root)
+    (root / SPLIT_FILE).write_text('{"val_per_class": 0.25}')
+    declared = ImageFolder(root=str(root), batch_size=8)
+    assert (declared.split, declared.num_items(Split.VAL)) == (0.25, 4 * 4)
+    assert "declared in" in declared.split_source
+    assert ImageFolder(root=str(root), batch_size=8, val_per_class=0.1).num_items(Split.VAL) == 4 * 2
+    assert ImageFolder(root=str(root), batch_size=8, val_per_class=0).num_items(Split.VAL) == 0
+    (root / SPLIT_FILE).write_text('{"val_per_class": "most"}')
+    with pytest.raises(StageError, match=r"split.json does not declare a split .*set dataset.val_per_class"):
+        ImageFolder(root=str(root), batch_size=8)
+
+
+@pytest.mark.parametrize("val_per_class, taken, left", [(15, 15, 1), (16, 16, 0), (40, 16, 0), (9, 9, 7), (0.6, 10, 6)])
+def test_a_split_that_takes_most_of_a_class_is_an_error_naming_the_key_and_the_fix(tiny_dataset, val_per_class,
+                                                                                    taken, left):
+    with pytest.raises(StageError) as error:
+        ImageFolder(root=str(tiny_dataset), batch_size=8, val_per_class=val_per_class)
+    message = str(error.value)
+    assert f"val_per_class={val_per_class:g} (dataset.val_per_class) takes {taken} of the 16 images of class 001." \
+        in message
+    assert f"leaving {left} for training (4 of 4 classes alike)" in message
+    assert message.endswith("set dataset.val_per_class to a fraction such as 0.1 or a count of at most 8")
+    assert ImageFolder(root=str(tiny_dataset), batch_size=8, val_per_class=8).num_items(Split.TRAIN) == 4 * 8
+
+
+def test_a_class_too_small_for_any_validation_image_says_so(tmp_path):
+    for name, count in (("001.a", 2), ("002.b", 10)):
+        (tmp_path / name).mkdir()
+        for i in range(count):
+            (tmp_path / name / f"{i}.jpg").write_bytes(b"x")
+    with pytest.raises(StageError, match=r"takes 1 of the 2 images of class 001.a for validation, leaving 1 .* "
+                                         r"or 0 \(its smallest class has 2 images\)"):
+        ImageFolder(root=str(tmp_path), batch_size=8, val_per_class=1)
+    assert ImageFolder(root=str(tmp_path), batch_size=8).num_items(Split.VAL) == 1  # round(0.2) + round(1.0)
 
 
 def test_training_order_changes_with_epoch_and_seed_but_not_otherwise(source):

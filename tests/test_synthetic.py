@@ -1,13 +1,17 @@
+import json
 import re
 
 import numpy as np
 import pytest
 import simplejpeg
 import torch
+from omegaconf import OmegaConf
 from PIL import Image
 
 from pipeline.data import synthetic
 from pipeline.data.synthetic import generate_imagefolder, read_marker, write_bad_files
+from stages.base import Split
+from stages.read import SPLIT_FILE, ImageFolder
 
 NUM_CLASSES, IMAGES_PER_CLASS, SEED = 10, 40, 7
 
@@ -228,3 +232,50 @@ def test_difficulty_blends_the_classes_and_is_recorded(tmp_path):
     assert easy > 0.6 and hard < easy - 0.15, (easy, hard)  # (chance: 1/6; measured 0.80 and 0.56)
     with pytest.raises(ValueError, match=r"difficulty must be in \[0, 1\], got 1.5"):
         generate_imagefolder(tmp_path / "bad", 2, 2, 0, image_size=(60, 80), difficulty=1.5)
+
+
+def test_the_stand_in_declares_its_split_and_a_new_split_regenerates_it(tmp_path):
+    root = tmp_path / "data"
+    generate_imagefolder(root, 2, 13, 0, image_size=(60, 80))
+    assert synthetic.VAL_PER_CLASS == 0.23  # 30 of the default ensemble's 129 images a class
+    assert json.loads((root / SPLIT_FILE).read_text()) == {"val_per_class": 0.23}
+    assert read_marker(root)["val_per_class"] == 0.23
+    source = ImageFolder(root=str(root), batch_size=8)
+    assert (source.num_items(Split.TRAIN), source.num_items(Split.VAL)) == (2 * 10, 2 * 3)  # round(13 * 0.23)
+
+    # The marker holds the split: another split is another dataset (prepare_dataset makes it again).
+    with pytest.raises(FileExistsError, match="not the synthetic dataset"):
+        generate_imagefolder(root, 2, 13, 0, image_size=(60, 80), val_per_class=None)
+    plain = tmp_path / "plain"
+    generate_imagefolder(plain, 2, 13, 0, image_size=(60, 80), val_per_class=None)
+    assert not (plain / SPLIT_FILE).exists() and read_marker(plain)["val_per_class"] is None
+    assert ImageFolder(root=str(plain), batch_size=8).num_items(Split.VAL) == 2 * 1  # round(13 * 0.1)
+    with pytest.raises(ValueError, match="val_per_class must be >= 0 or None, got -1"):
+        generate_imagefolder(tmp_path / "bad", 2, 2, 0, image_size=(60, 80), val_per_class=-1)
+
+
+def test_the_default_ensembles_stand_in_validates_on_30_images_a_class_and_a_given_root_on_10_percent(
+        tmp_path):
+    """The split is the stand-in's alone: the same config on a dataset the user gives keeps 10%."""
+    from pipeline.data.dataset import Synthetic, prepare_dataset
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tmp_path / 'c256'}"])
+    assert cfg.dataset.val_per_class is None and cfg.dataset.synthetic_images_per_class == 129
+    stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True)
+    assert stages["read"]["val_per_class"] is None
+
+    # A tree the user gives (no marker, no split.json), 129 images a class: 13 validation images a class.
+    given = tmp_path / "given"
+    generate_imagefolder(given, 2, 129, 0, image_size=(24, 32), val_per_class=None)
+    (given / synthetic.MARKER).unlink()
+    info = prepare_dataset(str(given), Synthetic.auto, 2, 129, 0.0, 0)
+    assert (info.root, info.synthetic) == (given, False)
+    read = ImageFolder(root=str(given), batch_size=64, val_per_class=stages["read"]["val_per_class"])
+    assert (read.num_items(Split.TRAIN), read.num_items(Split.VAL)) == (2 * 116, 2 * 13)
+
+    # The stand-in the run makes at an empty root (its call, as pipeline/run.py makes it): 30 a class.
+    made = tmp_path / "made"
+    assert prepare_dataset(str(made), Synthetic.auto, 2, 129, 0.0, 0).synthetic
+    read = ImageFolder(root=str(made), batch_size=64, val_per_class=stages["read"]["val_per_class"])
+    assert (read.num_items(Split.TRAIN), read.num_items(Split.VAL)) == (2 * 99, 2 * 30)
