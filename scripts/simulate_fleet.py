@@ -1,8 +1,8 @@
 """Measure the FLEET scheduler in simulation: gap to the optimum over
 one-flotilla-at-a-time schedules on small instances, speedups over the
 baseline and distance to a lower bound valid for any schedule in a paper-like
-setting, training-phase reallocation against the same policy without it, and
-the scheduler's own decision time. Prints tables, writes results.json and
+setting, training-phase reallocation and joining a running stream against the
+same policy without them, and the scheduler's own decision time. Prints tables, writes results.json and
 Gantt PNGs to the output directory.
 
     python scripts/simulate_fleet.py [OUT_DIR] [--small N] [--seeds S]
@@ -126,6 +126,28 @@ def phases(seeds: int) -> dict:
     return results
 
 
+def joins(seeds: int) -> dict:
+    """(e) joining a running stream (`join_running`) against the same policy without it, 100 models."""
+    policies = {"fleet_l": (FleetL(), FleetL(join_running=True)), "fleet_e": (FleetE(), FleetE(join_running=True))}
+    print("\n(e) joining a running stream: time without joins / with them (> 1: joins help), mean of "
+          f"{seeds} ensembles")
+    print(f"{'slots':>5}" + "".join(f"{f'{name}, {cpu.split()[0]}':>22}" for cpu in CPU_SETTINGS for name in policies))
+    rows = []
+    for slots in range(20, 161, 20):
+        row = {"slots": slots}
+        for cpu, cost in CPU_SETTINGS.items():
+            cluster = Cluster(slots // 4, 4, cores_per_node=20, prep_seconds_per_image=cost)
+            instances = [random_instance(random.Random(seed), 100, cluster, epochs=(10, 60), checkpoint_seconds=30)
+                         for seed in range(seeds)]
+            for name, (without, with_joins) in policies.items():
+                row[f"{name}, {cpu}"] = statistics.mean(
+                    simulate(i, without, seed=n).end_time / simulate(i, with_joins, seed=n).end_time
+                    for n, i in enumerate(instances))
+        rows.append(row)
+        print(f"{slots:>5}" + "".join(f"{value:>21.3f}x" for key, value in row.items() if key != "slots"))
+    return {"rows": rows}
+
+
 def small_gantt(out: Path) -> None:
     cluster = Cluster(2, 4, cores_per_node=20, prep_seconds_per_image=0.05)
     instance = random_instance(random.Random(5), 10, cluster, epochs=(10, 60), checkpoint_seconds=30)
@@ -143,7 +165,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report = {"gap": small_gaps(args.small), "paper_like": paper_like(args.seeds, out), "phases": phases(args.seeds)}
+    report = {"gap": small_gaps(args.small), "paper_like": paper_like(args.seeds, out), "phases": phases(args.seeds),
+              "joins": joins(args.seeds)}
     small_gantt(out)
     report["wall_seconds"] = time.perf_counter() - started
     (out / "results.json").write_text(json.dumps(report, indent=1))
