@@ -41,6 +41,10 @@ def test_a_model_restarts_on_the_idle_slot_and_its_accuracy_curve_carries_on(tin
     assert resized["model"] == "slow" and [len(s["devices"]) for s in slow["flotillas"]] == [1, 2]
     restart = slow["flotillas"][1]["start_epoch"]  # resumed from the epoch it had finished, not from scratch
     assert 0 < restart < 6 and slow["train_loss"][restart] < slow["train_loss"][0]
+    # on 2 slots its two trainers are one data-parallel model, each on half of every batch (the world the
+    # scheduler gave it, not the config's 1 slot): it still trains on each image once an epoch
+    per_epoch = slow["flotillas"][0]["images"] / restart
+    assert slow["flotillas"][1]["images"] == per_epoch * (6 - restart)
 
 
 # Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.

@@ -589,14 +589,14 @@ class Driver:
                 self.gone.discard(decision.model)
                 slots = self.assigned[decision.model]
                 devices = tuple(self.slot_devices[s] for s in slots)
-                group = self.groups[decision.model].without(self.converged)  # its models still training
+                group = self.groups[decision.model].without(self.converged).on_slots(len(slots))  # still training
                 forming[decision.flotilla][1].append(Member(group, devices, tuple(s.node for s in slots),
                                                          decision.resume_epoch))
                 self.run_ctx.recorder.joined(group, decision.flotilla, devices, decision.resume_epoch)
             elif isinstance(decision, Join):  # its flotilla's thread lays it out at the next epoch boundary
                 self.gone.discard(decision.model)
                 slots = self.assigned[decision.model]
-                member = Member(self.groups[decision.model].without(self.converged),
+                member = Member(self.groups[decision.model].without(self.converged).on_slots(len(slots)),
                                 tuple(self.slot_devices[s] for s in slots), tuple(s.node for s in slots),
                                 decision.resume_epoch)
                 self.threads[decision.flotilla].commands.put(JoinMember(member))

@@ -183,12 +183,12 @@ class Scheduler:
             return []
         state.checkpoint_epoch = event.epoch
         checkpoint = Checkpoint(state.flotilla, event.model, event.epoch)
-        if self._restarts_on_more_slots(event.model):
+        if self._restarts_resized(event.model):
             state.status = WAITING
             return [checkpoint, *self._leave(event.model, "resized")]
         return [checkpoint]
 
-    def _restarts_on_more_slots(self, model: str) -> bool:
+    def _restarts_resized(self, model: str) -> bool:
         """An elastic policy's call, once no model waits: `model`, just checkpointed, restarts on the
         slot count its phase allows (more of the idle slots, or fewer for a model whose loss has levelled
         off while another's still falls)."""

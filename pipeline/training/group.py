@@ -16,7 +16,7 @@ import enum
 import functools
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -99,6 +99,13 @@ class GroupSpec:
 
     def without(self, names: set[str]) -> GroupSpec:
         return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.array_size)
+
+    def on_slots(self, slots: int) -> GroupSpec:
+        """The group as it trains on `slots` slots, the count the scheduler gave it (a FLEET policy chooses
+        its own, whatever the config asked): its trainers' data-parallel world."""
+        if len(self.members) > 1 and slots > 1:
+            raise ValueError(f"group {self.name}: a group of several models trains on one slot, not {slots}")
+        return replace(self, members=tuple(replace(m, slots=slots) for m in self.members))
 
 
 def cosine(total_steps: int):
