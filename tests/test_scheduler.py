@@ -153,6 +153,18 @@ def test_fleet_g_waits_for_the_flotilla_to_stop_while_fleet_l_refills_at_once():
     assert (form.topology, form.streams) == ("single_broadcast", (("f",),)) and of(Start, refill) == [Start(1, "f", 0)]
 
 
+def test_fleet_l_fills_every_free_slot_at_once_fleet_g_one_flotilla_at_a_time():
+    # the fastest, alone within tolerance, is the greedy's reference (no model is critical); more slots
+    # only slow a model down
+    rates = {"a": (300.0, 250.0, 200.0, 150.0), **{m: (200.0, 160.0, 120.0, 100.0) for m in "cdef"}}
+    formed = {}
+    for policy in (FleetG(), FleetL()):
+        scheduler = Scheduler(list(rates), Cluster(1, 4), policy)
+        formed[type(policy)] = [d.members for d in of(FormFlotilla, started(scheduler, rates))]
+    assert formed[FleetG] == [{"a": 1}]  # 3 slots wait for that flotilla to end
+    assert formed[FleetL] == [{"a": 1}, {"c": 1, "d": 1, "e": 1}]
+
+
 def test_failed_trainer_resumes_from_last_checkpoint_and_is_given_up_after_max_failures():
     scheduler = Scheduler(["m"], Cluster(1, 1), FleetG(), checkpoint_every=2, max_failures=1)
     started(scheduler, {"m": (50,)})

@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.scheduler.planner import (TOLERANCE, fits, free_per_node, greedy_flotilla, join_running, longest_first,
-                                        lookahead_flotilla, share_streams, spread_slots)
+from pipeline.scheduler.planner import (TOLERANCE, assign_slots, fits, free_per_node, greedy_flotilla, join_running,
+                                        longest_first, lookahead_flotilla, share_streams, spread_slots)
 from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 
 
@@ -65,8 +65,9 @@ class FleetG:
 
 @dataclass
 class FleetL(FleetG):
-    """FLEET-L: same greedy, but released slots are refilled at once with a
-    new flotilla next to the flotillas still running; with `join_running`, a
+    """FLEET-L: same greedy, but released slots are refilled at once with new
+    flotillas (as many as the free slots take) next to the flotillas still
+    running; with `join_running`, a
     waiting model of like rate first joins a running flotilla's stream at its
     next epoch boundary (`join`). No lookahead: it scores whole-cluster
     rounds, which is FLEET-G's execution."""
@@ -74,6 +75,23 @@ class FleetL(FleetG):
     lookahead: int = 0
     join_running: bool = False  # a waiting model of like rate joins a running stream (scheduler.join_running)
     waits_for_idle_cluster: ClassVar[bool] = False
+
+    def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
+             rng: random.Random) -> list[dict[str, int]]:
+        """Greedy flotillas, one after another, until the free slots or the waiting models run out: no
+        slot idles while a model waits."""
+        flotillas: list[dict[str, int]] = []
+        free, waiting = list(free_slots), list(pending)
+        while waiting and free:
+            flotilla = greedy_flotilla(waiting, table, cluster, free_per_node(free), self.tolerance)
+            if not flotilla:
+                break
+            flotillas.append(flotilla)
+            used = {s for slots in assign_slots({m: g for f in flotillas for m, g in f.items()}, free_slots).values()
+                    for s in slots}  # where the machine will place them all, by the same rule
+            free = [s for s in free_slots if s not in used]
+            waiting = [m for m in waiting if m not in flotilla]
+        return flotillas
 
     def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
