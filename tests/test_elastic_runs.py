@@ -50,7 +50,8 @@ def test_a_model_restarts_on_the_idle_slot_and_its_accuracy_curve_carries_on(tin
 # Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.
 # resnet10_w24 forms flotilla 0, densenet40_k8 flotilla 1 on the other slot; when resnet10_w24 is done,
 # densenet40_k12, of like rate (190 against 200), joins flotilla 1's stream instead of forming its own.
-# densenet40_k8 is made wider so that it still has epochs to go then.
+# densenet40_k8 is made to grow 4x wider so that it still has epochs to go then (it takes about 3x as long
+# as resnet10_w24; at twice as wide it took 1.3x on an idle machine, and the joiner came too late).
 JOIN_RATES = {"resnet10_w16": (100.0, 80.0), "resnet10_w24": (300.0, 250.0),
               "densenet40_k12": (190.0, 150.0), "densenet40_k8": (200.0, 160.0)}
 
@@ -58,7 +59,7 @@ JOIN_RATES = {"resnet10_w16": (100.0, 80.0), "resnet10_w24": (300.0, 250.0),
 def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(tiny_dataset, tmp_path, monkeypatch):
     fixed_rates(monkeypatch, JOIN_RATES)
     cfg = compose_config(small(tiny_dataset, "scheduler=fleet_l", "scheduler.join_running=true", "trainer.slots=2",
-                               "trainer.epochs=4", "scheduler.patience=0", "ensemble.models.3.growth_rate=16",
+                               "trainer.epochs=4", "scheduler.patience=0", "ensemble.models.3.growth_rate=32",
                                f"rates.cache={tmp_path / 'rate_cache.json'}"))
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
