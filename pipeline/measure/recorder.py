@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.graph import BatchOutput, StageTiming
+from pipeline.runtime.files import write_whole
 from pipeline.training.reports import TrainerDone, TrainReport, ValReport
 from pipeline.training.group import GroupSpec, ModelSpec
 from pipeline.training.trainer import better_checkpoint
@@ -288,7 +289,7 @@ class RunRecorder:
             if self._saved.get(key) is not array:
                 np.save(folder / f"{key}.partial.npy", array, allow_pickle=False)
                 os.replace(folder / f"{key}.partial.npy", folder / f"{key}.npy")
-        _write_whole(folder / "recorder.json", text)
+        write_whole(folder / "recorder.json", text)
         for path in folder.glob("*.npy"):
             if path.name[:-len(".npy")] not in arrays:
                 path.unlink()
@@ -456,15 +457,8 @@ class RunRecorder:
 
 
 def write_json(path: Path, results: dict) -> None:
-    _write_whole(path, _json(results))
+    write_whole(path, _json(results))
 
 
 def _json(content) -> str:
     return json.dumps(content, indent=2, default=str)
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Written whole or not at all: a run killed while writing leaves the previous file."""
-    partial = path.with_name(f"{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.delivery.collective import LocalRendezvous
+from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
@@ -390,7 +391,4 @@ def _read_cache(path: Path) -> list[dict]:
 
 
 def _write_json(path: Path, content) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(content, indent=1))
-    os.replace(tmp, path)  # never a half-written file
+    write_whole(path, json.dumps(content, indent=1))

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.delivery.stream import MessageKind
+from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
@@ -95,9 +96,7 @@ def note_best(checkpoint_dir: str | Path, model: str, epochs: int, accuracy: flo
     best = json.loads(path.read_text()) if path.exists() else None
     if better_checkpoint(best and (best["epochs"], best["val_accuracy"]), epochs, accuracy):
         best = {"epochs": epochs, "val_accuracy": accuracy}
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(best))
-        os.replace(partial, path)
+        write_whole(path, json.dumps(best))
     return best["epochs"]
 
 
