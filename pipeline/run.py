@@ -323,6 +323,8 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         save_table(table, output_dir / "rates.json")
         results["rates_measured_by"] = {name: measured_by[name] for name in table.rates}
     return groups, table
+
+
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:
     """Worker seconds per image, measured as a run measures it (RunRecorder.seconds_per_image) on a
     few validation batches of node 0, for the first plan (the scheduler's CPU cap; topology=auto on

@@ -569,6 +569,13 @@ class Driver:
             self.run_ctx.recorder.checkpointed(model, epochs)
         thread.commands.put(SaveCheckpoints(group, models, epochs))
 
+    def _member(self, group: str, resume_epoch: int) -> Member:
+        """`group`'s models still training, on the slots assigned to it: a data-parallel world of as many
+        (the scheduler's count, whatever the config asked)."""
+        slots = self.assigned[group]
+        return Member(self.groups[group].without(self.converged).on_slots(len(slots)),
+                      tuple(self.slot_devices[s] for s in slots), tuple(s.node for s in slots), resume_epoch)
+
     def _carry_out(self, decisions: list) -> None:
         forming: dict[int, tuple[FormFlotilla, list[Member]]] = {}
         for decision in decisions:
@@ -585,21 +592,15 @@ class Driver:
                     f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()) + planned)
             elif isinstance(decision, AssignSlots):
                 self.assigned[decision.model] = decision.slots
-            elif isinstance(decision, Start):
+            elif isinstance(decision, (Start, Join)):
                 self.gone.discard(decision.model)
-                slots = self.assigned[decision.model]
-                devices = tuple(self.slot_devices[s] for s in slots)
-                group = self.groups[decision.model].without(self.converged).on_slots(len(slots))  # still training
-                forming[decision.flotilla][1].append(Member(group, devices, tuple(s.node for s in slots),
-                                                         decision.resume_epoch))
-                self.run_ctx.recorder.joined(group, decision.flotilla, devices, decision.resume_epoch)
-            elif isinstance(decision, Join):  # its flotilla's thread lays it out at the next epoch boundary
-                self.gone.discard(decision.model)
-                slots = self.assigned[decision.model]
-                member = Member(self.groups[decision.model].without(self.converged).on_slots(len(slots)),
-                                tuple(self.slot_devices[s] for s in slots), tuple(s.node for s in slots),
-                                decision.resume_epoch)
-                self.threads[decision.flotilla].commands.put(JoinMember(member))
+                member = self._member(decision.model, decision.resume_epoch)
+                if isinstance(decision, Join):  # its flotilla's thread lays it out at the next epoch boundary
+                    self.threads[decision.flotilla].commands.put(JoinMember(member))
+                else:
+                    forming[decision.flotilla][1].append(member)
+                    self.run_ctx.recorder.joined(member.group, decision.flotilla, member.devices,
+                                                 decision.resume_epoch)
             elif isinstance(decision, Checkpoint):
                 thread = self.threads.get(decision.flotilla)
                 if thread is not None and decision.model not in self.gone:

@@ -20,7 +20,7 @@ from functools import lru_cache
 from itertools import product
 
 from pipeline.scheduler.planner import fits, flotilla_rate
-from pipeline.scheduler.simulate import Instance
+from pipeline.scheduler.simulate import Instance, lower_bound
 
 MAX_MODELS, MAX_SLOTS = 6, 8
 
@@ -51,21 +51,10 @@ def optimal_time(instance: Instance, min_active_fraction: float = 0.8) -> float:
         raise ValueError(
             f"exact search is for up to {MAX_MODELS} models and {MAX_SLOTS} slots, got {len(models)} models "
             f"and {cluster.total_slots} slots; use a smaller instance or the greedy policies")
-    k, n = cluster.slots_per_node, instance.images_per_epoch
+    k = cluster.slots_per_node
     nodes = [k] * cluster.nodes
     choices = [[0, *table.slot_counts(m, k)] for m in models]
     plans = [counts for counts in product(*choices) if any(counts) and fits([g for g in counts if g], nodes)]
-    fastest = [max(table.rates[m][:k]) for m in models]
-    best_per_slot = [max(table.rate(m, g) / g for g in table.slot_counts(m, k)) for m in models]
-
-    def lower_bound(left: tuple[int, ...]) -> float:
-        """No model beats its fastest rate, and the cluster's slot-seconds cannot
-        beat every model on its most slot-efficient count; plus one checkpoint."""
-        if not any(left):
-            return 0.0
-        alone = max(e * n / r for e, r in zip(left, fastest))
-        packed = sum(e * n / r for e, r in zip(left, best_per_slot)) / cluster.total_slots
-        return max(alone, packed) + instance.checkpoint_seconds
 
     @lru_cache(maxsize=None)
     def best(left: tuple[int, ...]) -> float:
@@ -78,7 +67,7 @@ def optimal_time(instance: Instance, min_active_fraction: float = 0.8) -> float:
             members = {m: g for m, g in zip(models, counts) if g}
             duration, after = run_round(members, dict(zip(models, left)), instance, min_active_fraction)
             after_left = tuple(after[m] for m in models)
-            options.append((duration + lower_bound(after_left), duration, after_left))
+            options.append((duration + lower_bound(instance, after), duration, after_left))
         options.sort()
         result = float("inf")
         for estimate, duration, after_left in options:

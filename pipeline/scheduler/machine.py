@@ -196,7 +196,7 @@ class Scheduler:
                 or any(s.status == WAITING for s in self.models.values())):
             return False
         free = [s for s, state in self.slots.items() if state == FREE]
-        running = {m: len(slots) for f in self.flotillas.values() for m, slots in f.members.items() if m in f.active}
+        running = {m: slots for f in self.flotillas.values() for m, slots in f.members.items() if m in f.active}
         slots = self.flotillas[self.models[model].flotilla].members[model]
         return self.policy.resize(model, slots, self._planning_table(), self.cluster, free, running)
 

@@ -52,11 +52,16 @@ def assign_slots(members: dict[str, int], free_slots: list[Slot]) -> dict[str, t
     return placement
 
 
-def free_per_node(free_slots: list[Slot]) -> list[int]:
+def free_by_node(free_slots: list[Slot]) -> dict[int, int]:
+    """Node -> its free slots (nodes with none left out)."""
     counts: dict[int, int] = defaultdict(int)
     for slot in free_slots:
         counts[slot.node] += 1
-    return list(counts.values())
+    return dict(counts)
+
+
+def free_per_node(free_slots: list[Slot]) -> list[int]:
+    return list(free_by_node(free_slots).values())
 
 
 def greedy_flotilla(pending: list[str], table: RateTable, cluster: Cluster, free_nodes: list[int],
@@ -147,13 +152,20 @@ def remaining_time(pending: list[str], table: RateTable, cluster: Cluster, toler
 
 
 def lower_bound(pending: list[str], table: RateTable, cluster: Cluster) -> float:
-    """No model beats its fastest rate, and the slot-seconds cannot beat every
-    model on its most slot-efficient count (per unit of work per model)."""
-    if not pending:
+    """`work_bound` with one unit of work left in every pending model."""
+    return work_bound(dict.fromkeys(pending, 1.0), table, cluster)
+
+
+def work_bound(work: dict[str, float], table: RateTable, cluster: Cluster) -> float:
+    """Time no schedule can beat for `work` (model -> images left): no model beats its fastest rate,
+    and the slot-seconds cannot beat every model on its most slot-efficient count spread over all
+    slots. Whatever runs at once and whoever shares a stream: the CPUs are left out."""
+    work = {m: w for m, w in work.items() if w > 0}
+    if not work:
         return 0.0
     k = cluster.slots_per_node
-    alone = max(1 / max(table.rates[m][:k]) for m in pending)
-    packed = sum(1 / max(table.rate(m, g) / g for g in table.slot_counts(m, k)) for m in pending)
+    alone = max(w / max(table.rates[m][:k]) for m, w in work.items())
+    packed = sum(w / max(table.rate(m, g) / g for g in table.slot_counts(m, k)) for m, w in work.items())
     return max(alone, packed / cluster.total_slots)
 
 
@@ -238,18 +250,17 @@ def share_streams(members: dict[str, int], table: RateTable, cluster: Cluster,
     return flotillas + ([group] if group else [])
 
 
-def join_running(pending: list[str], table: RateTable, cluster: Cluster, free_nodes: dict[int, int],
+def join_running(pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
                  running: dict[int, tuple[int, dict[str, int]]], tolerance: float = TOLERANCE,
                  held_only: bool = False) -> dict[str, int]:
     """Waiting models placed into running flotillas (FLEET-L joining a running stream), in `pending`
-    order: model -> flotilla. `running`: flotilla -> (its node, its members' slot counts);
-    `free_nodes`: free slots per node. A model joins, on its smallest slot count and on the
+    order: model -> flotilla. `running`: flotilla -> (its node, its members' slot counts). A model joins, on its smallest slot count and on the
     flotilla's node, the flotilla whose rate is nearest its own, if the flotilla's rate with it
     stays within `tolerance` of both its rate before and the model's own: nobody slows by more than
     a member of a flotilla may. With `held_only`, only models whose own pipeline would hold them
     back (see `share_streams`) join: sharing pays in CPU alone."""
     prep, k = cluster.prep_rate_per_slot, cluster.slots_per_node
-    room, members = dict(free_nodes), {fid: dict(m) for fid, (_, m) in running.items()}
+    room, members = free_by_node(free_slots), {fid: dict(m) for fid, (_, m) in running.items()}
     placed: dict[str, int] = {}
     for model in pending:
         slots = table.slot_counts(model, k)[0]

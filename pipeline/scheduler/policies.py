@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.scheduler.planner import (TOLERANCE, assign_slots, fits, free_per_node, greedy_flotilla, join_running,
-                                        longest_first, lookahead_flotilla, share_streams, spread_slots)
+from pipeline.scheduler.planner import (TOLERANCE, assign_slots, fits, free_by_node, free_per_node, greedy_flotilla,
+                                        join_running, longest_first, lookahead_flotilla, share_streams, spread_slots)
 from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 
 
@@ -96,7 +96,7 @@ class FleetL(FleetG):
     def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
         """Waiting models into running flotillas of like rate, at their next epoch boundary."""
-        return join_running(pending, table, cluster, _free_by_node(free_slots), running, self.tolerance)
+        return join_running(pending, table, cluster, free_slots, running, self.tolerance)
 
 
 @dataclass
@@ -146,8 +146,8 @@ class FleetE:
              running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
         """Waiting models that their own pipeline would hold back join a running stream of like rate,
         longest first."""
-        return join_running(longest_first(pending, table, cluster), table, cluster, _free_by_node(free_slots),
-                            running, self.tolerance, held_only=True)
+        return join_running(longest_first(pending, table, cluster), table, cluster, free_slots, running,
+                            self.tolerance, held_only=True)
 
     def by_phase(self, table: RateTable, loss_drops: dict[str, float | None]) -> RateTable:
         """`table` with every model on its plateau limited to its smallest runnable slot count."""
@@ -162,17 +162,19 @@ class FleetE:
         return limited
 
     def resize(self, model: str, slots: tuple[Slot, ...], table: RateTable, cluster: Cluster,
-               free_slots: list[Slot], running: dict[str, int]) -> bool:
+               free_slots: list[Slot], running: dict[str, tuple[Slot, ...]]) -> bool:
         """Whether `model`, running on `slots` while no model waits, should restart now (`table` is the
         planning table, `by_phase`): on fewer slots if it holds more than `table` allows and another
-        `running` model could use them; on more if its rate on the most slots it could get (the idle
-        ones and its own, within one node) beats its rate now by `min_gain`."""
-        now, k = len(slots), cluster.slots_per_node
+        `running` model on its node could use them; on more if its rate on the most slots it could get
+        (the idle ones and its own, within one node) beats its rate now by `min_gain`."""
+        now, k, node = len(slots), cluster.slots_per_node, slots[0].node
+        room = free_by_node(free_slots)
         if now not in table.slot_counts(model, k):
-            return any(self._gains(other, g, g + now - 1, table, k) for other, g in running.items() if other != model)
-        room = [len([s for s in free_slots if s.node == node]) + (now if node == slots[0].node else 0)
-                for node in range(cluster.nodes)]
-        return self._gains(model, now, max(room), table, k)
+            given_up = room.get(node, 0) + now - table.slot_counts(model, k)[0]
+            return any(self._gains(other, len(held), len(held) + given_up, table, k)
+                       for other, held in running.items() if other != model and held[0].node == node)
+        room[node] = room.get(node, 0) + now
+        return self._gains(model, now, max(room.values()), table, k)
 
     def _gains(self, model: str, now: int, most: int, table: RateTable, slots_per_node: int) -> bool:
         """Whether `model` on up to `most` slots beats its rate on `now` by `min_gain`."""
@@ -212,13 +214,6 @@ class Homogeneous:
              rng: random.Random) -> list[dict[str, int]]:
         flotilla = dict(_random_fill(pending, table, cluster, free_slots, rng))
         return [flotilla] if flotilla else []
-
-
-def _free_by_node(free_slots: list[Slot]) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for slot in free_slots:
-        counts[slot.node] = counts.get(slot.node, 0) + 1
-    return counts
 
 
 def _random_fill(pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],

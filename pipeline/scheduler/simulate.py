@@ -1,7 +1,8 @@
 """Event-driven simulator: drives the real `Scheduler` from a rate table and
 per-model convergence epochs, with a CPU model, and draws Gantt charts.
 
-Execution model (the exact solver in `exact.py` uses the same one):
+Execution model (the exact solver in `exact.py` uses the same one for flotillas
+of one stream, without joins):
 * a flotilla's members consume its streams (`FormFlotilla.streams`, one but
   for multi_broadcast and duplicated), each in lockstep at its rate: its
   slowest active member's measured rate, capped by the preprocessing and the
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
+from pipeline.scheduler.planner import work_bound
 from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 from pipeline.scheduler.topology import Topology, stream_rate
@@ -210,20 +212,18 @@ def simulate(instance: Instance, policy: Policy, seed: int = 0) -> SimResult:
     return _Simulation(instance, policy, seed).run()
 
 
-def lower_bound(instance: Instance) -> float:
-    """End-to-end time no schedule can beat, whatever it runs at once: the slot-seconds of every model
-    on its most slot-efficient count (usually one slot) spread over all slots, and each model's
-    epochs on its fastest count; plus the checkpoint that ends every model's training. The CPUs are
-    left out (sharing one stream could feed any number of models), so the bound holds for every policy.
-    With a time limit a model's work depends on the schedule: no bound is given."""
+def lower_bound(instance: Instance, epochs: dict[str, int] | None = None) -> float:
+    """End-to-end time no schedule can beat for the `epochs` left of each model (default: all of
+    them; `planner.work_bound`, whatever runs at once), plus the checkpoint that ends training, if any
+    is left. With a time limit a model's work depends on the schedule: no bound is given."""
     if instance.time_limit_seconds is not None:
         raise ValueError("a time-limited model's work depends on its schedule; give an instance without "
                          "time_limit_seconds for a lower bound")
-    table, k, n = instance.table, instance.cluster.slots_per_node, instance.images_per_epoch
-    slot_seconds = sum(e * n / max(table.rate(m, g) / g for g in table.slot_counts(m, k))
-                       for m, e in instance.epochs.items())
-    alone = max(e * n / max(table.rates[m][:k]) for m, e in instance.epochs.items())
-    return max(slot_seconds / instance.cluster.total_slots, alone) + instance.checkpoint_seconds
+    epochs = instance.epochs if epochs is None else epochs
+    if not any(epochs.values()):
+        return 0.0
+    work = {m: e * instance.images_per_epoch for m, e in epochs.items()}
+    return work_bound(work, instance.table, instance.cluster) + instance.checkpoint_seconds
 
 
 def random_instance(rng: random.Random, models: int, cluster: Cluster,
