@@ -10,8 +10,8 @@ pytestmark = pytest.mark.slow
 
 def fixed_rates(monkeypatch, rates):
     """The rate table the scheduler plans with, instead of measuring: the plan is then known."""
-    monkeypatch.setattr("pipeline.training.rates.measure_rates",
-                        lambda group, slot_counts, how: {g: rates[group.name][g - 1] for g in slot_counts})
+    monkeypatch.setattr("pipeline.training.rates.measure_rates", lambda group, slot_counts, how, abandon=None:
+                        {g: rates[group.name][g - 1] for g in slot_counts})
 
 
 # Two models: slow is a ResNet made wide, so it takes longer than fast; with two slots each starts on

@@ -131,7 +131,7 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
 
     measured = []
 
-    def fake_measure(group, slot_counts, how):  # stands in for the real runs: a group is slower per image
+    def fake_measure(group, slot_counts, how, abandon=None):  # the real runs' stand-in: a group is slower per image
         measured.append((tuple(m.name for m in group.members), slot_counts))
         return {k: 100.0 * k / len(group.members) for k in slot_counts}
 

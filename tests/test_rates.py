@@ -60,7 +60,7 @@ def measured(monkeypatch) -> list[tuple[str, list[int]]]:
     measurement and returns 100 images/s per slot."""
     calls = []
 
-    def fake_measure(group, slot_counts, how):
+    def fake_measure(group, slot_counts, how, abandon=None):
         calls.append((group.name, slot_counts))
         return {k: 100.0 * k for k in slot_counts}
 

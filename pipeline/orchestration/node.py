@@ -45,8 +45,7 @@ from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.runtime.lifetime import quiet_children, remove_shm, remove_shm_of
 from pipeline.training.group import GroupSpec
-from pipeline.training.rates import (HostHardware, Measured, Measurement, RateError, describe_hardware,
-                                     measure_rates, measured_by_me)
+from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.ring import Ring
@@ -241,10 +240,9 @@ class NodeProcesses:
 
 @dataclass(frozen=True)
 class RatesFailed:
-    """An agent's answer to a measurement that failed on its host: the error, with the host that ran it."""
+    """An agent's answer to a measurement that failed on its host: the error, with the process that ran it."""
 
-    host: str
-    pid: int
+    by: MeasuredBy
     error: str  # the message; for an unexpected error, its traceback
     user_error: bool  # a request the host cannot meet (RateError: no such GPU, ...), not a crash
 
@@ -256,21 +254,19 @@ class HostRates:
 
     def __init__(self, node: int, host: str = LOOPBACK):
         self.node, self.host = node, host
-        self.driver_gone = threading.Event()
+        self.here = Here(abandon=threading.Event())
 
     def watch_driver(self) -> tuple[tuple[str, int], bytes]:
-        return _watch_driver(self.host, self.driver_gone.set, f"watch-rates-driver-{self.node}")
+        return _watch_driver(self.host, self.here.abandon.set, f"watch-rates-driver-{self.node}")
 
     def hardware(self, how: Measurement) -> HostHardware | RatesFailed:
         """describe_hardware of this host: the rate cache's key."""
-        return self._answer(lambda: HostHardware(describe_hardware(how.device_kind, how.devices, how.threads),
-                                                 measured_by_me()))
+        return self._answer(lambda: self.here.hardware(how))
 
     def measure(self, group: GroupSpec, slot_counts: list[int], how: Measurement) -> Measured | RatesFailed:
         log.info("node %d: measuring %s on %s slot(s) of %s", self.node, group.name,
                  ", ".join(map(str, slot_counts)), how.devices[:max(slot_counts, default=0)])
-        answer = self._answer(lambda: Measured(measure_rates(group, slot_counts, how, self.driver_gone),
-                                               measured_by_me()))
+        answer = self._answer(lambda: self.here.measure(group, slot_counts, how))
         log.info("node %d: %s: %s", self.node, group.name, f"failed: {answer.error.partition(chr(10))[0]}" if
                  isinstance(answer, RatesFailed) else
                  ", ".join(f"{rate:.1f} images/s on {k}" for k, rate in answer.images_per_s.items()))
@@ -281,15 +277,10 @@ class HostRates:
         try:
             return work()
         except RateError as error:
-            return RatesFailed(*_me(), str(error), user_error=True)
+            return RatesFailed(measured_by_me(), str(error), user_error=True)
         except Exception as error:  # a rank failed (its traceback is in the message), or a bug here
             text = str(error) if isinstance(error, RuntimeError) else traceback.format_exc()
-            return RatesFailed(*_me(), text, user_error=False)
-
-
-def _me() -> tuple[str, int]:
-    by = measured_by_me()
-    return by.host, by.pid
+            return RatesFailed(measured_by_me(), text, user_error=False)
 
 
 class Inbox:
@@ -395,7 +386,7 @@ class AgentRates:
         if isinstance(answer, RatesFailed):
             kind = RateError if answer.user_error else RuntimeError
             raise kind(f"rate measurement by node {self.node}'s agent at {self.agent['address']} (host "
-                       f"{answer.host}, pid {answer.pid}) failed: {answer.error}")
+                       f"{answer.by.host}, pid {answer.by.pid}) failed: {answer.error}")
         return answer
 
 

@@ -15,12 +15,13 @@ from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochF
                                        TrainerFailed)
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import assign_slots, greedy_flotilla
-from pipeline.scheduler.policies import POLICIES, Baseline, FleetE, FleetG, FleetL, Homogeneous, Policy, Shared, make_policy
+from pipeline.scheduler.policies import (POLICIES, Baseline, FleetE, FleetG, FleetL, Homogeneous, Policy, Shared,
+                                         make_policy)
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 __all__ = [
-    "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetE", "FleetG", "FleetL",
-    "FormFlotilla", "Homogeneous", "Join", "ModelConverged", "POLICIES", "Policy", "PrepCostMeasured", "RateTable",
-    "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed", "assign_slots",
-    "greedy_flotilla", "make_policy",
+    "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetE", "FleetG",
+    "FleetL", "FormFlotilla", "Homogeneous", "Join", "ModelConverged", "POLICIES", "Policy", "PrepCostMeasured",
+    "RateTable", "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed",
+    "assign_slots", "greedy_flotilla", "make_policy",
 ]

@@ -254,11 +254,12 @@ def join_running(pending: list[str], table: RateTable, cluster: Cluster, free_sl
                  running: dict[int, tuple[int, dict[str, int]]], tolerance: float = TOLERANCE,
                  held_only: bool = False) -> dict[str, int]:
     """Waiting models placed into running flotillas (FLEET-L joining a running stream), in `pending`
-    order: model -> flotilla. `running`: flotilla -> (its node, its members' slot counts). A model joins, on its smallest slot count and on the
-    flotilla's node, the flotilla whose rate is nearest its own, if the flotilla's rate with it
-    stays within `tolerance` of both its rate before and the model's own: nobody slows by more than
-    a member of a flotilla may. With `held_only`, only models whose own pipeline would hold them
-    back (see `share_streams`) join: sharing pays in CPU alone."""
+    order: model -> flotilla. `running`: flotilla -> (its node, its members' slot counts). A model
+    joins, on its smallest slot count and on the flotilla's node, the flotilla whose rate is nearest its
+    own, if the flotilla's rate with it stays within `tolerance` of both its rate before and the model's
+    own: nobody slows by more than a member of a flotilla may. With `held_only`, only models whose own
+    pipeline would hold them back (see `share_streams`) join: sharing pays in CPU alone.
+    """
     prep, k = cluster.prep_rate_per_slot, cluster.slots_per_node
     room, members = free_by_node(free_slots), {fid: dict(m) for fid, (_, m) in running.items()}
     placed: dict[str, int] = {}

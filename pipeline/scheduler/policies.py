@@ -244,8 +244,8 @@ class PolicyName(enum.StrEnum):
     homogeneous = "homogeneous"
 
 
-POLICIES = {PolicyName.shared: Shared, PolicyName.fleet_e: FleetE, PolicyName.fleet_g: FleetG, PolicyName.fleet_l: FleetL,
-            PolicyName.baseline: Baseline, PolicyName.homogeneous: Homogeneous}
+POLICIES = {PolicyName.shared: Shared, PolicyName.fleet_e: FleetE, PolicyName.fleet_g: FleetG,
+            PolicyName.fleet_l: FleetL, PolicyName.baseline: Baseline, PolicyName.homogeneous: Homogeneous}
 
 
 def make_policy(name: PolicyName, min_active_fraction: float = 0.8,

@@ -126,14 +126,18 @@ def measured_by_me() -> MeasuredBy:
     return MeasuredBy(socket.gethostname(), os.getpid())
 
 
+@dataclass(frozen=True)
 class Here:
-    """Rates measured by this process, on its own devices."""
+    """Rates measured by this process, on its own devices (in a node agent, for a driver elsewhere:
+    `abandon` is set when that driver is gone, and a measurement under way stops)."""
+
+    abandon: threading.Event | None = None
 
     def hardware(self, how: Measurement) -> HostHardware:
         return HostHardware(describe_hardware(how.device_kind, how.devices, how.threads), measured_by_me())
 
     def measure(self, group: GroupSpec, slot_counts: list[int], how: Measurement) -> Measured:
-        return Measured(measure_rates(group, slot_counts, how), measured_by_me())
+        return Measured(measure_rates(group, slot_counts, how, self.abandon), measured_by_me())
 
 
 def measure_rates(group: GroupSpec, slot_counts: list[int], how: Measurement,
