@@ -272,7 +272,8 @@ class Scheduler:
             flotilla = self.flotillas[fid]
             room = sorted(s for s in free if s.node == node and self.slots[s] == FREE)
             if len(room) < count:
-                continue
+                raise ValueError(f"the policy placed {model} ({count} slots) into flotilla {fid} on node {node}, "
+                                 f"which has {len(room)} free; a policy's join must fit the free slots")
             slots, state = tuple(room[:count]), self.models[model]
             flotilla.members[model] = slots
             flotilla.active.add(model)
