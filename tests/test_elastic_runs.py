@@ -1,5 +1,6 @@
 """Real runs on CPU slots where the scheduler changes a running flotilla: a model restarts on more
-slots (fleet_e), a waiting model joins a running stream (fleet_l with scheduler.join_running)."""
+slots (fleet_e), a model on its plateau gives a slot to one whose loss still falls (fleet_e with
+scheduler.phase_threshold), a waiting model joins a running stream (fleet_l with scheduler.join_running)."""
 import pytest
 
 from pipeline.run import run
@@ -45,6 +46,50 @@ def test_a_model_restarts_on_the_idle_slot_and_its_accuracy_curve_carries_on(tin
     # scheduler gave it, not the config's 1 slot): it still trains on each image once an epoch
     per_epoch = slow["flotillas"][0]["images"] / restart
     assert slow["flotillas"][1]["images"] == per_epoch * (6 - restart)
+
+
+# Seed 003's older and younger task on three slots of one node. old's learning rate is so small that its
+# loss is level from its first epoch (it moves by a few percent either way: the augmentation), so the loss
+# rule reads it as on its plateau; young, a ResNet made wide (its epochs take longer), still cuts its loss
+# by a third or more an epoch (measured: 35-45% in its epochs 2-4, in every try). Both gain from a
+# second slot (GPU-like rates), old most, so fleet_e starts old on two slots and young on one.
+PHASE_MODELS = ("ensemble.models=[{name:old,arch:resnet,depth:10,width:16,input:main,lr:0.0001},"
+                "{name:young,arch:resnet,depth:10,width:64,input:alt,lr:0.01}]")
+PHASE_RATES = {"old": (100.0, 190.0, 270.0), "young": (100.0, 150.0, 190.0)}
+THRESHOLD = 0.1
+
+
+def loss_drop(model, epoch):
+    """The fraction of its training loss `model` (results) removed in `epoch` (1-based)."""
+    before, after = model["train_loss"][epoch - 2], model["train_loss"][epoch - 1]
+    return (before - after) / before
+
+
+def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_dataset, tmp_path, monkeypatch):
+    fixed_rates(monkeypatch, PHASE_RATES)
+    cfg = compose_config(small(tiny_dataset, PHASE_MODELS, "scheduler=fleet_e", "trainer.slots=3",
+                               "trainer.epochs=6", "scheduler.patience=0", f"scheduler.phase_threshold={THRESHOLD}",
+                               f"rates.cache={tmp_path / 'rate_cache.json'}"))
+    results = run(cfg, tmp_path / "out")
+    decisions = results["scheduler"]["decisions"]
+    restarts = [(d["model"], d["reason"]) for d in decisions if d["decision"] == "Stop" and d["reason"] != "converged"]
+    assert restarts == [("old", "plateau"), ("young", "resized")], restarts
+    models = {m["name"]: m for m in results["models"]}
+    old, young = models["old"], models["young"]
+    assert [len(s["devices"]) for s in old["flotillas"]] == [2, 1]
+    assert [len(s["devices"]) for s in young["flotillas"]] == [1, 2]
+    # each restarted from the checkpoint of the epoch it finished, where the rule read its loss: old's fell
+    # by less than the threshold (its first drop), young's by more (it had trained on while old restarted)
+    gave_up, grew = old["flotillas"][1]["start_epoch"], young["flotillas"][1]["start_epoch"]
+    assert gave_up == 2 and loss_drop(old, gave_up) < THRESHOLD
+    assert 2 <= grew < 6 and loss_drop(young, grew) >= THRESHOLD
+    for model in models.values():
+        assert model["epochs"] == 6 and model["converged"] and len(model["val_accuracy"]) == 6
+    # young's curve carries on from its checkpoint on two slots: its loss stays below its first epoch's, and it
+    # trains on each image once an epoch (its two trainers are one data-parallel model)
+    assert max(young["train_loss"][grew:]) < young["train_loss"][0]
+    per_epoch = young["flotillas"][0]["images"] / grew
+    assert young["flotillas"][1]["images"] == per_epoch * (6 - grew)
 
 
 # Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.

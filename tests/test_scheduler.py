@@ -365,7 +365,7 @@ def test_fleet_e_phases_move_slots_from_a_plateaued_model_to_one_still_improving
     assert scheduler.handle(EpochFinished(20.0, "b", 2, {"train_loss": 2.0})) == [Checkpoint(1, "b", 2)]
     # a's loss fell 2% (< 5%): on its plateau; b's still falls 33% and would gain from a's second slot
     assert of(Stop, scheduler.handle(EpochFinished(21.0, "a", 2, {"train_loss": 3.92}))) == [
-        Stop(0, "a", "resized", flotilla_ends=True)]
+        Stop(0, "a", "plateau", flotilla_ends=True)]
     replan = []
     for slot in slots["a"]:
         replan += scheduler.handle(SlotFreed(22.0, slot))

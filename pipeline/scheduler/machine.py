@@ -183,18 +183,19 @@ class Scheduler:
             return []
         state.checkpoint_epoch = event.epoch
         checkpoint = Checkpoint(state.flotilla, event.model, event.epoch)
-        if self._restarts_resized(event.model):
+        restart = self._restart_reason(event.model)
+        if restart:
             state.status = WAITING
-            return [checkpoint, *self._leave(event.model, "resized")]
+            return [checkpoint, *self._leave(event.model, restart)]
         return [checkpoint]
 
-    def _restarts_resized(self, model: str) -> bool:
-        """An elastic policy's call, once no model waits: `model`, just checkpointed, restarts on the
-        slot count its phase allows (more of the idle slots, or fewer for a model whose loss has levelled
-        off while another's still falls)."""
+    def _restart_reason(self, model: str) -> str | None:
+        """An elastic policy's call, once no model waits: why `model`, just checkpointed, restarts on the
+        slot count its phase allows ("resized": more of the idle slots; "plateau": fewer, its loss having
+        levelled off while another's on its node still falls), or None."""
         if (not self.policy.elastic or RELEASING in self.slots.values()
                 or any(s.status == WAITING for s in self.models.values())):
-            return False
+            return None
         free = [s for s, state in self.slots.items() if state == FREE]
         running = {m: slots for f in self.flotillas.values() for m, slots in f.members.items() if m in f.active}
         slots = self.flotillas[self.models[model].flotilla].members[model]

@@ -162,19 +162,21 @@ class FleetE:
         return limited
 
     def resize(self, model: str, slots: tuple[Slot, ...], table: RateTable, cluster: Cluster,
-               free_slots: list[Slot], running: dict[str, tuple[Slot, ...]]) -> bool:
-        """Whether `model`, running on `slots` while no model waits, should restart now (`table` is the
-        planning table, `by_phase`): on fewer slots if it holds more than `table` allows and another
-        `running` model on its node could use them; on more if its rate on the most slots it could get
-        (the idle ones and its own, within one node) beats its rate now by `min_gain`."""
+               free_slots: list[Slot], running: dict[str, tuple[Slot, ...]]) -> str | None:
+        """Why `model`, running on `slots` while no model waits, should restart now, or None (`table` is
+        the planning table, `by_phase`): "plateau", on fewer slots, if it holds more than `table` allows
+        and another `running` model on its node could use them; "resized", on more, if its rate on the
+        most slots it could get (the idle ones and its own, within one node) beats its rate now by
+        `min_gain`."""
         now, k, node = len(slots), cluster.slots_per_node, slots[0].node
         room = free_by_node(free_slots)
         if now not in table.slot_counts(model, k):
             given_up = room.get(node, 0) + now - table.slot_counts(model, k)[0]
-            return any(self._gains(other, len(held), len(held) + given_up, table, k)
-                       for other, held in running.items() if other != model and held[0].node == node)
+            gains = any(self._gains(other, len(held), len(held) + given_up, table, k)
+                        for other, held in running.items() if other != model and held[0].node == node)
+            return "plateau" if gains else None
         room[node] = room.get(node, 0) + now
-        return self._gains(model, now, max(room.values()), table, k)
+        return "resized" if self._gains(model, now, max(room.values()), table, k) else None
 
     def _gains(self, model: str, now: int, most: int, table: RateTable, slots_per_node: int) -> bool:
         """Whether `model` on up to `most` slots beats its rate on `now` by `min_gain`."""
