@@ -270,6 +270,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
                     "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
+                      "gantt": [bar.to_json() for bar in driver.gantt.bars],
                       "cluster": {"nodes": nodes, "slots_per_node": cluster.slots_per_node,
                                   "cores_per_node": cluster.cores_per_node,
                                   "prep_seconds_per_image": scheduler.cluster.prep_seconds_per_image},

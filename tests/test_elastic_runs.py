@@ -90,6 +90,15 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
     assert max(young["train_loss"][grew:]) < young["train_loss"][0]
     per_epoch = young["flotillas"][0]["images"] / grew
     assert young["flotillas"][1]["images"] == per_epoch * (6 - grew)
+    # the run's Gantt chart: young's second stint holds a slot of old's first, and no slot is held twice at once
+    gantt = results["scheduler"]["gantt"]
+    held = lambda model, flotilla: {tuple(b["slot"]) for b in gantt if (b["model"], b["flotilla"]) == (model, flotilla)}
+    assert sorted((b["model"], b["flotilla"]) for b in gantt) == [
+        ("old", 0), ("old", 0), ("old", 2), ("young", 1), ("young", 3), ("young", 3)]
+    assert len(held("young", 3) & held("old", 0)) == 1
+    bars = sorted((tuple(b["slot"]), b["start"], b["end"]) for b in gantt)
+    for (slot, _, end), (next_slot, start, _) in zip(bars, bars[1:]):
+        assert slot != next_slot or end <= start
 
 
 # Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.

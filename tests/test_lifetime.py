@@ -303,3 +303,8 @@ def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_nev
     reformed = [f for i, f in enumerate(history) if i == 0 or f != history[i - 1]]
     assert len(history) == len(reformed) + 1  # the flotilla running at the stop, formed again
     assert reformed == formed(never_stopped)
+    # the Gantt chart goes on: the stopped run's stints, then the resumed run's, on the scheduler's one clock
+    stints = lambda results: [(b["model"], b["flotilla"], b["start"], b["end"]) for b in results["scheduler"]["gantt"]]
+    before = stints(first)
+    assert stints(whole)[:len(before)] == before
+    assert min(start for *_, start, _ in stints(whole)[len(before):]) >= max(end for *_, end in before)

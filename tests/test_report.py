@@ -296,7 +296,8 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
                                                      "alt"}
     assert report["workers"]["threads"] == 2 and report["workers"]["busy_source"] == "measured"
     assert len(report["models"]) == 4 and sum(m["sets_pace"] for m in report["models"]) == 1
-    assert paths.html.read_text().count("data:image/png;base64,") == 6  # with CPU per epoch, the timeline, ring occupancy
+    # with CPU per epoch, the timeline, ring occupancy, the slots over time
+    assert paths.html.read_text().count("data:image/png;base64,") == 7
     # One node, one hub (single_broadcast): its ring, and its prefetch queue of batch tasks.
     assert set(report["occupancy"]) == {"flotilla 0 hub 0 ring", "flotilla 0 hub 0 prefetch"}
     assert "<h2>Delivery</h2>" in paths.html.read_text()

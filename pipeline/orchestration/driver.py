@@ -38,6 +38,7 @@ from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged,
                                 PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
+from pipeline.scheduler.gantt import Bar, Gantt
 from pipeline.scheduler.machine import FAILED, TRAIN_LOSS
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerReport, ValReport
 from pipeline.training.group import GroupSpec
@@ -433,6 +434,7 @@ class Driver:
         self.converged: set[str] = set()  # models
         self.started = time.monotonic()
         self.log: list[dict] = []  # every decision, for results.json
+        self.gantt = Gantt()  # who held which slot when, for results.json and the report's chart
         self.stopping = False  # a stop was requested: decisions are recorded, not carried out
 
     def now(self) -> float:
@@ -449,6 +451,7 @@ class Driver:
         state_dir = self.run_ctx.state_dir
         saved = json.loads((state_dir / "driver.json").read_text())
         self.log, self.converged = saved["log"], set(saved["converged"])
+        self.gantt = Gantt([Bar.from_json(b) for b in saved["gantt"]])  # the stopped run's, ended then
         self.started = time.monotonic() - saved["now"]  # the scheduler's clock goes on
         self.run_ctx.recorder.load_state(state_dir / "recorder")
         return self.scheduler.restore(saved["scheduler"])
@@ -457,8 +460,10 @@ class Driver:
         state_dir = self.run_ctx.state_dir
         state_dir.mkdir(parents=True, exist_ok=True)
         self.run_ctx.recorder.save_state(state_dir / "recorder")
+        now = self.now()
         write_json(state_dir / "driver.json", {"scheduler": self.scheduler.state(), "log": self.log,
-                                               "converged": sorted(self.converged), "now": self.now()})
+                                               "gantt": [b.to_json() for b in self.gantt.until(now)],
+                                               "converged": sorted(self.converged), "now": now})
 
     def run(self, first_decisions: list, stop: StopSignals) -> None:
         """Until the scheduler is done, or a stop request has ended every flotilla in order."""
@@ -491,6 +496,8 @@ class Driver:
             event = self.events.get()
             if isinstance(event, ThreadFailed) and not self.stopping:
                 raise event.error
+        self.gantt.close(self.now())
+        self._save_state()  # as the run ended: a resumed run's clock and Gantt chart go on from there
 
     def _handle(self, event: ThreadEvent) -> None:
         if isinstance(event, ThreadFailed):
@@ -583,6 +590,7 @@ class Driver:
                              **{k: str(v) for k, v in decision.__dict__.items()}})
             if self.stopping:  # the scheduler's state keeps them: a resumed run carries them out
                 continue
+            self.gantt.saw(decision, self.now())
             if isinstance(decision, FormFlotilla):
                 forming[decision.flotilla] = (decision, [])
                 self.run_ctx.recorder.planned(decision.flotilla, decision.rate,

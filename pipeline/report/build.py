@@ -241,7 +241,9 @@ def _flotillas_section(results: dict) -> str:
             + _table(["flotilla", "planned img/s", "measured img/s", "preprocessing per image (then)"], rows)
             + "<p class=\"note\">Measured: the slowest member's training images over its time training, "
               "waits for batches included. On CPU slots the members share the cores with each other and with "
-              "the pipeline, which the rate table (each model measured alone) does not see.</p>")
+              "the pipeline, which the rate table (each model measured alone) does not see.</p>"
+            + (_img(plots.gantt_chart(results["scheduler"]), "slots over time")
+               if results["scheduler"].get("gantt") else ""))
 
 
 def _groups_section(results: dict) -> str:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
+from pipeline.scheduler.gantt import Bar, Gantt, gantt_figure, utilisation
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
 from pipeline.scheduler.planner import work_bound
 from pipeline.scheduler.policies import Policy
@@ -45,17 +46,6 @@ class Instance:
     checkpoint_seconds: float = 0.0
     time_limit_seconds: float | None = None  # a model stops once it has trained this long, converged or not
     losses: dict[str, tuple[float, ...]] = field(default_factory=dict)  # training loss after epoch 1, 2, ...
-
-
-@dataclass(frozen=True)
-class Bar:
-    """`model` of `flotilla` held `slot` from `start` to `end` (seconds)."""
-
-    slot: Slot
-    model: str
-    flotilla: int
-    start: float
-    end: float
 
 
 @dataclass
@@ -90,8 +80,7 @@ class _Simulation:
         self.slots_of: dict[str, tuple[Slot, ...]] = {}
         self.epochs_done: dict[str, int] = {}
         self.trained_s: dict[str, float] = {}  # time in flotillas before the current one
-        self.open_bars: dict[str, tuple[int, float]] = {}
-        self.bars: list[Bar] = []
+        self.gantt = Gantt()
         self.queue: list[tuple[float, int, str, object]] = []
         self.sequence = 0
         self.decision_seconds = 0.0
@@ -108,17 +97,19 @@ class _Simulation:
                 self.end_epoch(*payload)
         if not self.scheduler.done:
             raise RuntimeError("simulation ran out of events before every model converged")
-        cluster = self.instance.cluster
-        busy = sum(bar.end - bar.start for bar in self.bars)
-        return SimResult(self.now, busy / (cluster.total_slots * self.now), self.decision_seconds,
-                         self.bars, self.scheduler.next_flotilla)
+        bars = self.gantt.bars  # every model stopped
+        return SimResult(self.now, utilisation(bars, self.instance.cluster.total_slots, self.now),
+                         self.decision_seconds, bars, self.scheduler.next_flotilla)
 
     def send(self, event) -> None:
         started = time.perf_counter()
         decisions = self.scheduler.handle(event)
         self.decision_seconds += time.perf_counter() - started
-        changed = {self.apply(d) for d in decisions} - {None}
-        for key in changed:
+        changed = set()
+        for decision in decisions:
+            changed.add(self.apply(decision))
+            self.gantt.saw(decision, self.now)
+        for key in changed - {None}:
             self.reschedule(key)
 
     def apply(self, decision: Decision) -> tuple[int, int] | None:
@@ -132,22 +123,19 @@ class _Simulation:
         elif isinstance(decision, Start):
             self.streams[self.stream_of[decision.model]].members[decision.model] = self.slots_of[decision.model]
             self.epochs_done[decision.model] = decision.resume_epoch
-            self.open_bars[decision.model] = (decision.flotilla, self.now)
             return self.stream_of[decision.model]
         elif isinstance(decision, Join):  # its slots are held from now on, its training starts at the boundary
             key = self.stream_of[decision.model] = (decision.flotilla, 0)
             self.streams[key].joining[decision.model] = self.slots_of[decision.model]
             self.epochs_done[decision.model] = decision.resume_epoch
-            self.open_bars[decision.model] = (decision.flotilla, self.now)
         elif isinstance(decision, Stop):
             key = self.stream_of[decision.model]
             stream = self.streams[key]
             self.settle(stream)
             members = stream.members if decision.model in stream.members else stream.joining
             slots = members.pop(decision.model)
-            flotilla_id, start = self.open_bars.pop(decision.model)
-            self.trained_s[decision.model] = self.trained_s.get(decision.model, 0.0) + self.now - start
-            self.bars += [Bar(s, decision.model, flotilla_id, start, self.now) for s in slots]
+            since = self.gantt.running[decision.model][1]
+            self.trained_s[decision.model] = self.trained_s.get(decision.model, 0.0) + self.now - since
             for slot in slots:
                 self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
             if not stream.members and stream.joining:  # nobody reads on: the joiners start a new epoch now
@@ -195,7 +183,7 @@ class _Simulation:
             self.send(EpochFinished(self.now, model, epoch, metrics))
         limit = self.instance.time_limit_seconds
         for model in members:
-            running = self.open_bars.get(model)  # (absent when its flotilla stopped it just now)
+            running = self.gantt.running.get(model)  # (absent when its flotilla stopped it just now)
             trained = self.trained_s.get(model, 0.0) + (self.now - running[1] if running else 0.0)
             if self.epochs_done[model] >= self.instance.epochs[model] or (limit and trained >= limit):
                 self.send(ModelConverged(self.now, model))
@@ -269,30 +257,6 @@ def loss_curve(epochs: int, start: float = 5.5, floor: float = 0.5, last_drop: f
 
 
 def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
-    """One row per slot, one bar per model on it, coloured by flotilla."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = {slot: i for i, slot in enumerate(cluster.slots)}
-    height = min(2 + 0.12 * len(rows), 12)
-    fig, ax = plt.subplots(figsize=(8, height), dpi=80)
-    colours = plt.get_cmap("tab20").colors
-    hours = 3600.0
-    for bar in result.bars:
-        ax.barh(rows[bar.slot], (bar.end - bar.start) / hours, left=bar.start / hours, height=0.85,
-                color=colours[bar.flotilla % len(colours)], edgecolor="black", linewidth=0.2)
-        if len(rows) <= 16:
-            ax.text((bar.start + bar.end) / 2 / hours, rows[bar.slot], bar.model, ha="center", va="center",
-                    fontsize=6)
-    ax.set_yticks(range(len(rows)) if len(rows) <= 32 else [])
-    if len(rows) <= 32:
-        ax.set_yticklabels([str(s) for s in rows], fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlabel("hours")
-    ax.set_ylabel("slot")
-    ax.set_title(f"{title}: {result.end_time / hours:.2f} h, utilisation {result.utilisation:.0%}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    """The schedule's Gantt chart (`gantt.gantt_figure`), in hours, saved as a PNG."""
+    gantt_figure(result.bars, cluster.slots, f"{title}: {result.end_time / 3600:.2f} h, "
+                 f"utilisation {result.utilisation:.0%}", hours=True).savefig(path)
