@@ -102,33 +102,40 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
 
 
 # Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.
-# resnet10_w24 forms flotilla 0, densenet40_k8 flotilla 1 on the other slot; when resnet10_w24 is done,
-# densenet40_k12, of like rate (190 against 200), joins flotilla 1's stream instead of forming its own.
+# resnet10_w24 forms flotilla 0, densenet40_k8 flotilla 1 on the other slot; when resnet10_w24 is done, the
+# joiner, of like rate (190 against 200), joins flotilla 1's stream instead of forming its own.
 # densenet40_k8 is made to grow 4x wider so that it still has epochs to go then (it takes about 3x as long
 # as resnet10_w24; at twice as wide it took 1.3x on an idle machine, and the joiner came too late).
-JOIN_RATES = {"resnet10_w16": (100.0, 80.0), "resnet10_w24": (300.0, 250.0),
-              "densenet40_k12": (190.0, 150.0), "densenet40_k8": (200.0, 160.0)}
+# densenet40_k12 reads the stream's input (alt): its trainer attaches to the running hub's ring; resnet10_w16
+# reads main, which the hub does not make: the flotilla is laid out again with it.
+JOIN_RATES = {"resnet10_w24": (300.0, 250.0), "densenet40_k8": (200.0, 160.0)}
+JOINERS = {"densenet40_k12": ("attached", "resnet10_w16"), "resnet10_w16": ("laid out again", "densenet40_k12")}
 
 
-def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(tiny_dataset, tmp_path, monkeypatch):
-    fixed_rates(monkeypatch, JOIN_RATES)
+@pytest.mark.parametrize("joiner_name", JOINERS)
+def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(joiner_name, tiny_dataset, tmp_path,
+                                                                          monkeypatch):
+    how, other = JOINERS[joiner_name]
+    fixed_rates(monkeypatch, {**JOIN_RATES, joiner_name: (190.0, 150.0), other: (100.0, 80.0)})
     cfg = compose_config(small(tiny_dataset, "scheduler=fleet_l", "scheduler.join_running=true", "trainer.slots=2",
                                "trainer.epochs=4", "scheduler.patience=0", "ensemble.models.3.growth_rate=32",
                                f"rates.cache={tmp_path / 'rate_cache.json'}"))
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
     (join,) = [d for d in decisions if d["decision"] == "Join"]
-    assert (join["model"], join["flotilla"]) == ("densenet40_k12", "1")
+    assert (join["model"], join["flotilla"]) == (joiner_name, "1")
     models = {m["name"]: m for m in results["models"]}
     for model in models.values():
         assert model["epochs"] == 4 and model["converged"] and len(model["val_accuracy"]) == 4
-    host, joiner = models["densenet40_k8"], models["densenet40_k12"]
+    host, joiner = models["densenet40_k8"], models[joiner_name]
     assert [s["flotilla"] for s in host["flotillas"]] == [1] and joiner["flotillas"][0]["flotilla"] == 1
     # it joined the stream after the epochs flotilla 1 had run, which its host had trained by then (once the
     # host is done, fleet_l's min_active_fraction stops the flotilla, and the joiner goes on in another)
-    joined_at = joiner["flotillas"][0]["flotilla_epoch"]
-    assert 0 < joined_at < 4 and joiner["flotillas"][0]["start_epoch"] == 0
-    # the host was laid out again with it, from the checkpoint of the epoch it had finished: its loss goes on
-    assert host["train_loss"][joined_at] < host["train_loss"][0]
+    stint = joiner["flotillas"][0]
+    assert 0 < stint["flotilla_epoch"] < 4 and stint["start_epoch"] == 0 and stint["joined"] == how
+    # the host trained on (attached: untouched; laid out again: from the checkpoint of the epoch it had
+    # finished): its loss goes on, and it trained on each image once an epoch, as resnet10_w24 did alone
+    assert host["train_loss"][stint["flotilla_epoch"]] < host["train_loss"][0]
+    assert host["flotillas"][0]["images"] == models["resnet10_w24"]["flotillas"][0]["images"]
     (group,) = results["delivery"]["flotillas"]["1"]["groups"]
-    assert sorted(group["members"]) == ["densenet40_k12", "densenet40_k8"]
+    assert sorted(group["members"]) == sorted(["densenet40_k8", joiner_name])

@@ -38,7 +38,7 @@ def segments():
 
 
 def test_every_reader_gets_every_message_in_order_and_bit_identical():
-    ring = Ring("s", LAYOUT, consumers=3, depth=3, context=CTX)
+    ring = Ring("s", LAYOUT, readers=3, depth=3, context=CTX)
     writer = ring.writer()
     results = CTX.Queue()
     readers = [CTX.Process(target=read_all, args=(ring.reader(i), results, 0.0)) for i in range(3)]
@@ -59,9 +59,32 @@ def test_every_reader_gets_every_message_in_order_and_bit_identical():
     assert segments() == set()
 
 
+def test_a_spare_reader_attached_mid_stream_gets_every_message_from_the_next_on_while_the_first_reads_on():
+    ring = Ring("s", LAYOUT, readers=1, depth=3, context=CTX, spare=2)
+    writer = ring.writer()
+    results = CTX.Queue()
+    first = CTX.Process(target=read_all, args=(ring.reader(0), results, 0.0))
+    first.start()
+    sent = []
+    for index, images, labels in batches(11):
+        if index == 7:  # a boundary of the stream: a trainer joins (its process may start later)
+            joiner = CTX.Process(target=read_all, args=(ring.reader(ring.attach_spare()), results, 0.01))
+            joiner.start()
+        writer.publish(MessageKind.BATCH, 0, 0, index, images, labels)
+        sent.append((int(MessageKind.BATCH), index, zlib.crc32(images.tobytes()), labels.tolist()))
+    writer.publish(MessageKind.STOP, 0, 0, 0)
+    received = dict(results.get(timeout=30) for _ in range(2))
+    for process in (first, joiner):
+        process.join(10)
+    ring.close()
+    assert [s[:4] for s in received[0.0][:-1]] == sent  # (index 7 sat in buffer 1 of 3: the joiner's first)
+    assert [s[:4] for s in received[0.01][:-1]] == sent[7:]
+    assert ring.spares == [2] and segments() == set()
+
+
 def test_slow_reader_holds_the_writer_to_the_ring_size():
     depth = 2
-    ring = Ring("s", LAYOUT, consumers=2, depth=depth, context=CTX)
+    ring = Ring("s", LAYOUT, readers=2, depth=depth, context=CTX)
     writer = ring.writer()
     results = CTX.Queue()
     readers = [CTX.Process(target=read_all, args=(ring.reader(i), results, delay)) for i, delay in
@@ -84,7 +107,7 @@ def test_slow_reader_holds_the_writer_to_the_ring_size():
 
 
 def test_a_detached_reader_is_not_waited_for():
-    ring = Ring("s", LAYOUT, consumers=2, depth=2, context=CTX)
+    ring = Ring("s", LAYOUT, readers=2, depth=2, context=CTX)
     writer = ring.writer()
     results = CTX.Queue()
     live = CTX.Process(target=read_all, args=(ring.reader(1), results, 0.0))
@@ -104,7 +127,7 @@ def test_a_detached_reader_is_not_waited_for():
 
 
 def test_oversized_batch_is_refused():
-    ring = Ring("s", LAYOUT, consumers=1, depth=2, context=CTX)
+    ring = Ring("s", LAYOUT, readers=1, depth=2, context=CTX)
     with pytest.raises(ValueError, match="exceeds its capacity 4"):
         ring.writer().publish(MessageKind.BATCH, 0, 0, 0, np.zeros((5, 8, 8, 3), np.uint8), np.zeros(5, np.int64))
     ring.close()

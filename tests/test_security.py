@@ -67,7 +67,7 @@ def test_a_planted_link_is_neither_followed_nor_overwritten(tmp_path, monkeypatc
 
 
 def test_ring_segments_are_private_and_named_by_their_owner():
-    ring = Ring("h0-main", StreamLayout(4, (8, 8, 3)), consumers=1, depth=2, context=mp.get_context("spawn"))
+    ring = Ring("h0-main", StreamLayout(4, (8, 8, 3)), readers=1, depth=2, context=mp.get_context("spawn"))
     try:
         assert re.fullmatch(rf"ensemble-{os.getpid()}-[0-9a-f]{{8}}-h0-main", ring.segment)
         assert mode(os.path.join(SHM_DIR, ring.segment)) == 0o600

@@ -8,6 +8,10 @@ two semaphores count buffers filled and buffers handed back; the writer takes a
 free buffer from every attached reader before reusing it, so a slow reader
 throttles the writer instead of letting messages pile up: memory is the
 ring and nothing else.
+
+A ring may keep spare readers for trainers that join its running stream
+(scheduler.join_running): one attaches at the writer's next message, and
+reads from there on; the others go on untouched.
 """
 from __future__ import annotations
 
@@ -54,10 +58,11 @@ def _map(segment: str, size: int, writable: bool) -> mmap.mmap:
 
 
 class Ring:
-    """One stream's ring on one node, for `consumers` readers. Picklable: the
-    driver owns it (and unlinks it on close); hub and trainers get copies."""
+    """One stream's ring on one node, for `readers` readers from the start and `spare` more that may
+    attach later. Picklable: the driver owns it (and unlinks it on close); hub and trainers get copies."""
 
-    def __init__(self, name: str, layout: StreamLayout, consumers: int, depth: int, context):
+    def __init__(self, name: str, layout: StreamLayout, readers: int, depth: int, context, spare: int = 0):
+        consumers = readers + spare
         self.name, self.layout, self.consumers, self.depth = name, layout, consumers, depth
         self.size = depth * _buffer_bytes(layout)
         owned = SharedMemory(name=f"ensemble-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}", create=True,
@@ -67,12 +72,26 @@ class Ring:
         self.filled = [context.Semaphore(0) for _ in range(consumers)]
         self.free = [context.Semaphore(depth) for _ in range(consumers)]
         self.detached = context.Array("b", consumers, lock=False)  # set by the driver: that reader is gone
+        self.detached[readers:] = [1] * spare  # spares wait detached until one attaches
+        self.attaching = context.Array("b", consumers, lock=False)  # set by the driver, cleared by the writer
+        self.first = context.Array("q", consumers, lock=False)  # the writer's sequence number where each began
+        self.spares = list(range(readers, consumers))  # not yet attached (the owner's copy counts)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_owned": None}
 
     def reader(self, consumer: int) -> ShmReader:
-        return ShmReader(self.segment, self.layout, self.depth, self.filled[consumer], self.free[consumer])
+        return ShmReader(self.segment, self.layout, self.depth, self.filled[consumer], self.free[consumer],
+                         self.first, consumer)
+
+    def attach_spare(self) -> int:
+        """A spare reader, attached from the writer's next message on (before it, the writer is between
+        messages or waits for one: a reader never sees half an epoch); its number."""
+        if not self.spares:
+            raise ValueError(f"ring {self.name} has no spare reader left")
+        consumer = self.spares.pop(0)
+        self.attaching[consumer] = 1
+        return consumer
 
     def writer(self) -> RingWriter:
         """The writing end, in the process that publishes (one per ring)."""
@@ -90,20 +109,24 @@ class Ring:
 
 
 class ShmReader(StreamReader):
-    def __init__(self, segment: str, layout: StreamLayout, depth: int, filled, free):
+    def __init__(self, segment: str, layout: StreamLayout, depth: int, filled, free, first, consumer: int):
         self.segment, self.layout, self.depth = segment, layout, depth
-        self.filled, self.free = filled, free
+        self.filled, self.free, self.first, self.consumer = filled, free, first, consumer
 
     def messages(self, idle=None) -> Iterator[Message]:
         buf = _map(self.segment, self.depth * _buffer_bytes(self.layout), writable=False)
-        for seq in range(1 << 62):
+        seq = None
+        while True:
             while not self.filled.acquire(timeout=IDLE_POLL_S if idle else None):
                 idle()
+            if seq is None:  # the first message tells where it began: set before it was filled
+                seq = self.first[self.consumer]
             header, labels, images = _buffer_views(buf, self.layout, seq % self.depth, writable=False)
             kind, split, epoch, index, count = (int(v) for v in header)
             yield Message(MessageKind(kind), split, epoch, index, images[:count], labels[:count], self.free.release)
             if kind == MessageKind.STOP:
                 return
+            seq += 1
 
 
 class RingWriter(StreamWriter):
@@ -127,6 +150,9 @@ class RingWriter(StreamWriter):
         count = 0 if images is None else len(images)
         if count > layout.batch_capacity:
             raise ValueError(f"stream {self.ring.name}: batch of {count} exceeds its capacity {layout.batch_capacity}")
+        for consumer in range(self.ring.consumers):
+            if self.ring.attaching[consumer]:  # a joiner's trainer reads from this message on
+                self.ring.first[consumer], self.ring.detached[consumer], self.ring.attaching[consumer] = self.seq, 0, 0
         for consumer in self.attached:
             while not self.ring.free[consumer].acquire(timeout=DETACH_POLL_S):
                 if self.ring.detached[consumer]:  # its trainer is gone: the others go on

@@ -21,7 +21,7 @@ The scheduler chooses the topology and splits the members into streams
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.scheduler.topology import Streams, Topology
 
@@ -52,6 +52,11 @@ class DeliveryPlan:
     topology: Topology
     groups: tuple[DeliveryGroup, ...]
     hubs: tuple[HubPlan, ...]
+
+    def joined(self, member: str) -> DeliveryPlan:
+        """The plan of one group with `member` joined to it (its trainers read the group's hubs)."""
+        (group,) = self.groups
+        return replace(self, groups=(replace(group, members=(*group.members, member)),))
 
     def hub_of(self, member: str, node: int) -> HubPlan:
         group = next(i for i, g in enumerate(self.groups) if member in g.members)

@@ -140,11 +140,14 @@ class RunRecorder:
 
     def delivery_plan(self, flotilla: int, plan, why: str) -> None:
         with self.lock:
-            self.delivery[flotilla] = {
-                "topology": plan.topology, "why": why,
-                "groups": [{"members": list(g.members), "hubs": list(g.hubs), "gather": g.gather}
-                           for g in plan.groups],
-                "hubs": {}}
+            self.delivery[flotilla] = {"topology": plan.topology, "why": why, "groups": [], "hubs": {}}
+        self.delivery_groups(flotilla, plan)
+
+    def delivery_groups(self, flotilla: int, plan) -> None:
+        """The delivery groups of `flotilla`'s plan, as laid out or since a model joined a running one."""
+        with self.lock:
+            self.delivery[flotilla]["groups"] = [{"members": list(g.members), "hubs": list(g.hubs),
+                                                  "gather": g.gather} for g in plan.groups]
 
     def add_queue(self, name: str, capacity: int, samples: list[tuple[float, int]]) -> dict:
         """A queue's occupancy, (time.time(), items held) samples, in the report's queue shape
@@ -173,10 +176,11 @@ class RunRecorder:
                 self.delivery[flotilla]["hubs"][rank] = summary
 
     def joined(self, group: GroupSpec, flotilla: int, devices: tuple[str, ...], start_epoch: int,
-               flotilla_epoch: int = 0) -> None:
+               flotilla_epoch: int = 0, how: str | None = None) -> None:
         """The group starts in `flotilla`, after `start_epoch` epochs, at the flotilla's epoch
-        `flotilla_epoch` (> 0 for a model that joined a running stream): what its models did after that
-        checkpoint (before a failure or a stop) is done again, and counts once."""
+        `flotilla_epoch` (> 0 for a model that joined a running stream, `how`: "attached" to the running
+        hub or "laid out again" with the members there): what its models did after that checkpoint
+        (before a failure or a stop) is done again, and counts once."""
         with self.lock:
             for model in group.members:
                 record = self.models[model.name]
@@ -185,7 +189,7 @@ class RunRecorder:
                         del epochs[epoch]
                 record.stints.append({
                     "flotilla": flotilla, "devices": list(devices), "start_epoch": start_epoch,
-                    "flotilla_epoch": flotilla_epoch, "group": group.name,
+                    "flotilla_epoch": flotilla_epoch, "joined": how, "group": group.name,
                     "group_members": [m.name for m in group.members], "group_mode": group.mode,
                     "images": 0, "train_s": 0.0})  # trained on in this stint, and the time it took
 

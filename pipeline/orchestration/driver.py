@@ -224,8 +224,8 @@ class FlotillaThread(threading.Thread):
                         reports, failures = self._validation_reports(flotilla, early)
                         self.reported.update({report.model: report.epoch + 1 for report in reports})
                         self.events.put(EpochDone(self, reports, failed + failures))
-                        self._carry_out(flotilla)
                         epoch += 1
+                        self._carry_out(flotilla, epoch)
                     self.members = self._lay_out_again(flotilla, epoch) if self.joining else []
                 except Stopping:
                     self._save_on_stop(flotilla)
@@ -234,10 +234,10 @@ class FlotillaThread(threading.Thread):
             streams = (tuple(m.group.name for m in self.members),)  # a flotilla that takes joiners has one
 
     def _lay_out_again(self, flotilla: Flotilla, epoch: int) -> list[Member]:
-        """Models join at this epoch boundary: the members still here are checkpointed after the epoch
-        they finished (if the plan did not just do it), the streams end, and the members to lay out next
-        are returned, each resuming from its checkpoint, the joiners with them; the stream's sequence of
-        epochs goes on."""
+        """Models join at this epoch boundary that the running hub cannot take (`Flotilla.attach`): the
+        members still here are checkpointed after the epoch they finished (if the plan did not just do
+        it), the streams end, and the members to lay out next are returned, each resuming from its
+        checkpoint, the joiners with them; the stream's sequence of epochs goes on."""
         staying = list(flotilla.members.values())
         wanted = {(member.group.name, m.name): self.reported[m.name] for member in staying
                   for m in member.group.members if self.saved.get(m.name) != self.reported.get(m.name)}
@@ -248,11 +248,23 @@ class FlotillaThread(threading.Thread):
             self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
         joining, self.joining = self.joining, []
         for member in joining:
-            self.saved.update({m.name: member.start_epoch for m in member.group.members})
-            self.run_ctx.recorder.joined(member.group, self.flotilla_id, member.devices, member.start_epoch, epoch)
-        self.run_ctx.progress.console.print(f"flotilla {self.flotilla_id}: " + ", ".join(
-            m.group.name for m in joining) + f" join{'s' * (len(joining) == 1)} its stream at epoch {epoch + 1}")
+            self._joined(member, epoch, "laid out again")
         return [replace(member, start_epoch=self.saved[member.group.members[0].name]) for member in staying] + joining
+
+    def _attach_joiners(self, flotilla: Flotilla, epoch: int) -> None:
+        """Joiners whose streams the running hub makes read its rings from epoch `epoch` on; the members
+        already there train on untouched."""
+        for member in list(self.joining):
+            if flotilla.attach(member, self.run_ctx.graph.sinks, self.run_ctx.setup):
+                self.joining.remove(member)
+                self._joined(member, epoch, "attached")
+                self.run_ctx.recorder.delivery_groups(self.flotilla_id, flotilla.plan)
+
+    def _joined(self, member: Member, epoch: int, how: str) -> None:
+        self.saved.update({m.name: member.start_epoch for m in member.group.members})
+        self.run_ctx.recorder.joined(member.group, self.flotilla_id, member.devices, member.start_epoch, epoch, how)
+        self.run_ctx.progress.console.print(
+            f"flotilla {self.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
 
     def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int
                  ) -> tuple[list[ValReport], list[tuple[str, str]]]:
@@ -335,9 +347,9 @@ class FlotillaThread(threading.Thread):
             failed += self._drop_failed(flotilla)
         return list(reports.values()), failed  # a model that reported and then failed finished its epoch
 
-    def _carry_out(self, flotilla: Flotilla) -> None:
-        """Applies the main thread's decisions for this epoch: checkpoints to write, models to release,
-        groups to stop."""
+    def _carry_out(self, flotilla: Flotilla, epoch: int) -> None:
+        """Applies the main thread's decisions at the boundary before `epoch`: checkpoints to write,
+        models to release, joiners to take in, groups to stop."""
         commands = list(iter(self.commands.get, Continue()))
         self._check_stop()
         wanted = {}  # (group, model) -> epochs
@@ -356,6 +368,7 @@ class FlotillaThread(threading.Thread):
             self.joining = [m for m in self.joining if m.group.name != group]
             leaving.remove(group)
             self.events.put(MemberLeft(self, group))
+        self._attach_joiners(flotilla, epoch)  # before the leavers: a stream a joiner reads goes on
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)

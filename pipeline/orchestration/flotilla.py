@@ -72,6 +72,7 @@ class DeliverySetup:
     exit_s: float  # timeouts.exit_s
     patience: Patience  # timeouts.warn_s, stall_s
     collective_s: float  # timeouts.collective_s
+    join_readers: int  # scheduler.join_running: spare readers in each ring of a one-hub flotilla (a node's slots)
 
 
 class Flotilla:
@@ -91,7 +92,7 @@ class Flotilla:
                 self.nodes[node], link = node_processes(node, delivery.agents, delivery.drain_s,
                                                         delivery.agent_key, delivery.tls)
                 self.driver_links += [link] if link else []
-            self._make_rings(graph, delivery.ring_depth)
+            self._make_rings(graph, delivery.ring_depth, delivery.join_readers if len(plan.hubs) == 1 else 0)
             self._start_hubs(graph, setup, delivery)
             self._start_trainers(graph.sinks, setup)
         except BaseException:
@@ -101,7 +102,7 @@ class Flotilla:
     def _hub(self, member: Member, rank: int) -> HubPlan:
         return self.plan.hub_of(member.group.name, member.nodes[rank])
 
-    def _make_rings(self, graph: StageGraph, depth: int) -> None:
+    def _make_rings(self, graph: StageGraph, depth: int, spare: int) -> None:
         readers: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
             for rank in range(len(member.devices)):
@@ -109,7 +110,7 @@ class Flotilla:
                     readers[self._hub(member, rank).rank, stream] += 1
         for (hub, stream), count in sorted(readers.items()):
             layout = StreamLayout(graph.source.batch_size, graph.sinks[stream].item_shape)
-            self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, depth)
+            self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, depth, spare)
 
     def _start_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:
         rendezvous = self.nodes[self.plan.hubs[0].node].rendezvous()
@@ -132,18 +133,44 @@ class Flotilla:
     def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
-            group = member.group
-            rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the group's process group
-            for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
-                spec = TrainerSpec(group, setup.num_classes, {s: sinks[s].item_shape[0] for s in group.inputs},
-                                   setup.epochs, member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
-                                   setup.threads, setup.precision, str(setup.checkpoint_dir),
-                                   setup.record_checksums, setup.consume_only, setup.collective_s)
-                hub = self._hub(member, rank).rank
+            self._start_member(member, sinks, setup, next_reader)
+
+    def _start_member(self, member: Member, sinks: dict[str, Spec], setup: TrainingSetup,
+                      next_reader: dict[tuple[int, str], int] | None) -> None:
+        """`member`'s trainers, each reading as the next reader of its hub's rings (`next_reader`, counted
+        on), or as a spare reader joining the running stream (None)."""
+        group = member.group
+        rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the group's process group
+        for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
+            spec = TrainerSpec(group, setup.num_classes, {s: sinks[s].item_shape[0] for s in group.inputs},
+                               setup.epochs, member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
+                               setup.threads, setup.precision, str(setup.checkpoint_dir),
+                               setup.record_checksums, setup.consume_only, setup.collective_s)
+            hub = self._hub(member, rank).rank
+            readers = None
+            if next_reader is not None:
                 readers = {stream: next_reader[hub, stream] for stream in group.inputs}
-                self.nodes[node].start_trainer(spec, hub, readers)
                 for stream in group.inputs:
                     next_reader[hub, stream] += 1
+            self.nodes[node].start_trainer(spec, hub, readers)
+
+    def attach(self, member: Member, sinks: dict[str, Spec], setup: TrainingSetup) -> bool:
+        """`member` joins the running stream at this epoch boundary (its hub is between epochs): its
+        trainers read the hub's rings as spare readers from the next epoch's first batch, and the other
+        members train on untouched. False if the flotilla has more than one hub, its hub does not make
+        every stream `member` reads, or too few spare readers are left (it is then laid out again)."""
+        if len(self.plan.hubs) != 1:
+            return False
+        hub = self.plan.hubs[0]
+        node = self.nodes[hub.node]
+        ranks = len(member.devices)
+        if set(member.nodes) != {hub.node} or any(node.spare_readers(hub.rank, stream) < ranks
+                                                   for stream in member.group.inputs):
+            return False
+        self.plan = self.plan.joined(member.group.name)
+        self.members[member.group.name] = member
+        self._start_member(member, sinks, setup, None)
+        return True
 
     def failed_members(self) -> dict[str, str]:
         """Groups with a trainer that reported an error or died: name -> why."""

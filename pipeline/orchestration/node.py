@@ -113,8 +113,13 @@ class NodeProcesses:
         """init_method of a process group whose rank 0 runs on this node."""
         return self.local.next() if self.local else rendezvous_at(self.host)
 
-    def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, depth: int) -> None:
-        self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, depth, self.context)
+    def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, depth: int, spare: int) -> None:
+        self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, depth, self.context, spare)
+
+    def spare_readers(self, hub: int, stream: str) -> int:
+        """Readers of hub `hub`'s ring of `stream` that a joining trainer may still take (0: no such ring)."""
+        ring = self.rings.get((hub, stream))
+        return len(ring.spares) if ring else 0
 
     def start_hub(self, spec: HubSpec) -> None:
         """`spec` with this node's rings of the hub and TLS files filled in."""
@@ -129,8 +134,12 @@ class NodeProcesses:
         self.hubs[rank] = (process, commands)
         log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, process.pid)
 
-    def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int]) -> None:
-        """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream."""
+    def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int] | None = None) -> None:
+        """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream;
+        without `readers`, a trainer that joins the running stream, as a spare reader of each ring, from
+        the hub's next message on."""
+        if readers is None:
+            readers = {stream: self.rings[hub, stream].attach_spare() for stream in spec.group.inputs}
         taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
         commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
         process = self.context.Process(
