@@ -67,9 +67,12 @@ def test_a_spare_reader_attached_mid_stream_gets_every_message_from_the_next_on_
     first.start()
     sent = []
     for index, images, labels in batches(11):
-        if index == 7:  # a boundary of the stream: a trainer joins (its process may start later)
-            joiner = CTX.Process(target=read_all, args=(ring.reader(ring.attach_spare()), results, 0.01))
+        if index == 3:  # a trainer joins: it starts, and waits for its first message...
+            spare = ring.take_spare()
+            joiner = CTX.Process(target=read_all, args=(ring.reader(spare), results, 0.01))
             joiner.start()
+        if index == 7:  # ...which is the first after the next boundary of the stream
+            ring.attach(spare)
         writer.publish(MessageKind.BATCH, 0, 0, index, images, labels)
         sent.append((int(MessageKind.BATCH), index, zlib.crc32(images.tobytes()), labels.tolist()))
     writer.publish(MessageKind.STOP, 0, 0, 0)

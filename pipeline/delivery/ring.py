@@ -84,14 +84,16 @@ class Ring:
         return ShmReader(self.segment, self.layout, self.depth, self.filled[consumer], self.free[consumer],
                          self.first, consumer)
 
-    def attach_spare(self) -> int:
-        """A spare reader, attached from the writer's next message on (before it, the writer is between
-        messages or waits for one: a reader never sees half an epoch); its number."""
+    def take_spare(self) -> int:
+        """A spare reader for a trainer that joins the running stream; it gets messages once `attach`ed."""
         if not self.spares:
             raise ValueError(f"ring {self.name} has no spare reader left")
-        consumer = self.spares.pop(0)
+        return self.spares.pop(0)
+
+    def attach(self, consumer: int) -> None:
+        """Deliver to spare reader `consumer` from the writer's next message on (the writer is between
+        messages or waits for one: a reader never sees part of a split before it)."""
         self.attaching[consumer] = 1
-        return consumer
 
     def writer(self) -> RingWriter:
         """The writing end, in the process that publishes (one per ring)."""

@@ -144,7 +144,8 @@ class ReleaseModel:
 
 @dataclass(frozen=True)
 class JoinMember:
-    """`member` joins the flotilla's stream at its next epoch boundary."""
+    """`member` joins the flotilla's stream: sent as the scheduler decides it (not at a boundary), so that
+    its trainers start during the epoch and read from the next one on."""
 
     member: Member
 
@@ -171,14 +172,16 @@ class FlotillaThread(threading.Thread):
         self.flotilla_id, self.formed, self.members = formed.flotilla, formed, members
         self.run_ctx, self.events = run, events
         self.first_epoch = first_epoch  # of its sequence: > 0 for a flotilla formed again (a resumed run)
-        self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | JoinMember | Continue] = queue.Queue()
+        self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | Continue] = queue.Queue()
         self.stop_requested = threading.Event()
         self.stop_by = 0.0  # time.monotonic() by which a stop must be done
         self.reported: dict[str, int] = {}  # model -> epochs it has finished, as told to the main thread
         # model -> epochs of its newest checkpoint (where it started, or written since)
         self.saved: dict[str, int] = {m.name: member.start_epoch for member in members for m in member.group.members}
         self.saved_on_stop: dict[str, int] = {}  # group -> epochs
-        self.joining: list[Member] = []  # models that join the stream at the next epoch boundary
+        self.joins: queue.Queue[JoinMember] = queue.Queue()  # models that join the stream, as they come
+        self.taken_in: list[Member] = []  # their trainers started: attached to the running hub at the next boundary
+        self.joining: list[Member] = []  # to lay the flotilla out again with, at the next epoch boundary
 
     def stop(self, by: float) -> None:
         """Leave the epochs: checkpoint the last finished ones, close, all by time.monotonic() `by`."""
@@ -251,14 +254,13 @@ class FlotillaThread(threading.Thread):
             self._joined(member, epoch, "laid out again")
         return [replace(member, start_epoch=self.saved[member.group.members[0].name]) for member in staying] + joining
 
-    def _attach_joiners(self, flotilla: Flotilla, epoch: int) -> None:
-        """Joiners whose streams the running hub makes read its rings from epoch `epoch` on; the members
-        already there train on untouched."""
-        for member in list(self.joining):
-            if flotilla.attach(member, self.run_ctx.graph.sinks, self.run_ctx.setup):
-                self.joining.remove(member)
-                self._joined(member, epoch, "attached")
-                self.run_ctx.recorder.delivery_groups(self.flotilla_id, flotilla.plan)
+    def _take_in(self, flotilla: Flotilla) -> None:
+        """Joiners whose streams the running hub makes start their trainers now, to read from the next
+        epoch boundary on (their start overlaps this epoch); the others wait to be laid out with it."""
+        while not self.joins.empty():
+            member = self.joins.get_nowait().member
+            taken = flotilla.take_in(member, self.run_ctx.graph.sinks, self.run_ctx.setup)
+            (self.taken_in if taken else self.joining).append(member)
 
     def _joined(self, member: Member, epoch: int, how: str) -> None:
         self.saved.update({m.name: member.start_epoch for m in member.group.members})
@@ -282,6 +284,7 @@ class FlotillaThread(threading.Thread):
         try:
             while len(done) < len(flotilla.plan.hubs) and flotilla.members:
                 self._check_stop()
+                self._take_in(flotilla)
                 for event in flotilla.hub_progress(timeout=0.2):
                     watch.saw(event)
                     if isinstance(event, SplitDone):
@@ -362,13 +365,21 @@ class FlotillaThread(threading.Thread):
         for command in commands:
             if isinstance(command, ReleaseModel) and command.group in flotilla.members:
                 flotilla.release(command.group, command.model)  # before the next batch is published
-        self.joining += [command.member for command in commands if isinstance(command, JoinMember)]
+        self._take_in(flotilla)
         leaving = [command.group for command in commands if isinstance(command, StopMember)]
-        for group in [m.group.name for m in self.joining if m.group.name in leaving]:  # stopped before it joined
-            self.joining = [m for m in self.joining if m.group.name != group]
-            leaving.remove(group)
-            self.events.put(MemberLeft(self, group))
-        self._attach_joiners(flotilla, epoch)  # before the leavers: a stream a joiner reads goes on
+        stopped_early = [m for m in self.joining + self.taken_in if m.group.name in leaving]  # before they joined
+        for member in stopped_early:
+            flotilla.remove(member.group.name)
+            leaving.remove(member.group.name)
+            self.events.put(MemberLeft(self, member.group.name))
+        self.joining = [m for m in self.joining if m not in stopped_early]
+        self.taken_in = [m for m in self.taken_in if m not in stopped_early]
+        for member in self.taken_in:  # before the leavers: a stream a joiner reads goes on
+            flotilla.attach(member.group.name)
+            self._joined(member, epoch, "attached")
+        if self.taken_in:
+            self.run_ctx.recorder.delivery_groups(self.flotilla_id, flotilla.plan)
+        self.taken_in = []
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self._await_done(flotilla)
@@ -616,8 +627,8 @@ class Driver:
             elif isinstance(decision, (Start, Join)):
                 self.gone.discard(decision.model)
                 member = self._member(decision.model, decision.resume_epoch)
-                if isinstance(decision, Join):  # its flotilla's thread lays it out at the next epoch boundary
-                    self.threads[decision.flotilla].commands.put(JoinMember(member))
+                if isinstance(decision, Join):  # its flotilla's thread takes it in (FlotillaThread._take_in)
+                    self.threads[decision.flotilla].joins.put(JoinMember(member))
                 else:
                     forming[decision.flotilla][1].append(member)
                     self.run_ctx.recorder.joined(member.group, decision.flotilla, member.devices,

@@ -80,6 +80,7 @@ class Flotilla:
                  setup: TrainingSetup, delivery: DeliverySetup):
         self.id = flotilla_id
         self.members = {m.group.name: m for m in members}
+        self.joiners: dict[str, Member] = {}  # taken in, their trainers waiting to be attached
         self.plan = plan
         self.nodes = {}  # node -> its NodeProcesses (or a proxy to it in the host's agent)
         self.errors: dict[str, str] = {}  # group -> traceback of a trainer that failed
@@ -146,19 +147,19 @@ class Flotilla:
                                setup.epochs, member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
                                setup.threads, setup.precision, str(setup.checkpoint_dir),
                                setup.record_checksums, setup.consume_only, setup.collective_s)
+            if next_reader is None:  # a joiner: spare readers of the flotilla's one hub
+                self.nodes[node].start_trainer(spec, self.plan.hubs[0].rank)
+                continue
             hub = self._hub(member, rank).rank
-            readers = None
-            if next_reader is not None:
-                readers = {stream: next_reader[hub, stream] for stream in group.inputs}
-                for stream in group.inputs:
-                    next_reader[hub, stream] += 1
-            self.nodes[node].start_trainer(spec, hub, readers)
+            self.nodes[node].start_trainer(spec, hub, {stream: next_reader[hub, stream] for stream in group.inputs})
+            for stream in group.inputs:
+                next_reader[hub, stream] += 1
 
-    def attach(self, member: Member, sinks: dict[str, Spec], setup: TrainingSetup) -> bool:
-        """`member` joins the running stream at this epoch boundary (its hub is between epochs): its
-        trainers read the hub's rings as spare readers from the next epoch's first batch, and the other
-        members train on untouched. False if the flotilla has more than one hub, its hub does not make
-        every stream `member` reads, or too few spare readers are left (it is then laid out again)."""
+    def take_in(self, member: Member, sinks: dict[str, Spec], setup: TrainingSetup) -> bool:
+        """`member` joins the running stream: its trainers start now, as spare readers of the hub's rings,
+        and wait for `attach` at the next epoch boundary; the other members train on untouched. False
+        (nothing started) if the flotilla has more than one hub, its hub does not make every stream
+        `member` reads, or too few spare readers are left: it is then laid out again with `member`."""
         if len(self.plan.hubs) != 1:
             return False
         hub = self.plan.hubs[0]
@@ -167,10 +168,16 @@ class Flotilla:
         if set(member.nodes) != {hub.node} or any(node.spare_readers(hub.rank, stream) < ranks
                                                    for stream in member.group.inputs):
             return False
-        self.plan = self.plan.joined(member.group.name)
-        self.members[member.group.name] = member
+        self.joiners[member.group.name] = member
         self._start_member(member, sinks, setup, None)
         return True
+
+    def attach(self, group: str) -> None:
+        """A member taken in reads the hub's messages from the next on (call it between epochs)."""
+        member = self.joiners.pop(group)
+        self.nodes[member.nodes[0]].attach(group)
+        self.members[group] = member
+        self.plan = self.plan.joined(group)
 
     def failed_members(self) -> dict[str, str]:
         """Groups with a trainer that reported an error or died: name -> why."""
@@ -241,7 +248,7 @@ class Flotilla:
 
     def remove(self, name: str) -> None:
         """Stop a group's trainers now; the last checkpoints of its models are their state."""
-        member = self.members.pop(name, None)
+        member = self.members.pop(name, None) or self.joiners.pop(name, None)
         if member is None:  # already gone (it failed)
             return
         for node in sorted(set(member.nodes)):

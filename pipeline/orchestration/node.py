@@ -136,10 +136,10 @@ class NodeProcesses:
 
     def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int] | None = None) -> None:
         """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream;
-        without `readers`, a trainer that joins the running stream, as a spare reader of each ring, from
-        the hub's next message on."""
+        without `readers`, a trainer that joins the running stream, as a spare reader of each ring: it
+        waits for messages until `attach`ed."""
         if readers is None:
-            readers = {stream: self.rings[hub, stream].attach_spare() for stream in spec.group.inputs}
+            readers = {stream: self.rings[hub, stream].take_spare() for stream in spec.group.inputs}
         taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
         commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
         process = self.context.Process(
@@ -152,6 +152,12 @@ class NodeProcesses:
         self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, process.pid)
+
+    def attach(self, group: str) -> None:
+        """`group`'s trainers here, started as spare readers, get the hubs' messages from the next on."""
+        for trainer in self.trainers.get(group, []):
+            for ring, reader in trainer.readers:
+                ring.attach(reader)
 
     def release(self, group: str, model: str) -> None:
         """`model` leaves `group`: its trainers free it before their next batch (the command is in their pipe
