@@ -12,8 +12,9 @@ of one stream, without joins):
   of the epoch in which its training time reaches the limit;
 * a stopped model's slots come back `checkpoint_seconds` later; a model
   that joins a running stream (`Join`) holds its slots at once and reads
-  from the stream's next epoch boundary, where the stream pauses
-  `checkpoint_seconds` (the flotilla is laid out again with it);
+  from the stream's next epoch boundary on; the stream does not pause (its
+  trainers start during the epoch and attach to the running hub: the
+  instances have one input, so a joiner always reads what the hub makes);
 * each epoch reports the model's training loss from `Instance.losses` (see
   `loss_curve`), which elastic policies read training phases from.
 """
@@ -64,7 +65,6 @@ class _Stream:
     topology: Topology
     members: dict[str, tuple[Slot, ...]] = field(default_factory=dict)
     joining: dict[str, tuple[Slot, ...]] = field(default_factory=dict)  # from its next epoch boundary
-    paused: bool = False  # it is laid out again for joiners: no images for `checkpoint_seconds`
     progress: float = 0.0  # images of the current epoch already consumed
     rate: float = 0.0
     since: float = 0.0  # when progress was last brought up to date
@@ -139,7 +139,7 @@ class _Simulation:
             for slot in slots:
                 self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
             if not stream.members and stream.joining:  # nobody reads on: the joiners start a new epoch now
-                stream.members, stream.joining, stream.progress, stream.paused = stream.joining, {}, 0.0, True
+                stream.members, stream.joining, stream.progress = stream.joining, {}, 0.0
             if not stream.members:
                 del self.streams[key]
                 return None
@@ -159,8 +159,6 @@ class _Simulation:
         stream.rate = stream_rate(tuple(stream.members), nodes, stream.topology, self.instance.table,
                                   self.instance.cluster)
         stream.version += 1
-        if stream.paused:  # the images it would have read while its trainers restart
-            stream.progress, stream.paused = -stream.rate * self.instance.checkpoint_seconds, False
         left = max(self.instance.images_per_epoch - stream.progress, 0.0)
         self.push(self.now + left / stream.rate, "epoch", (key, stream.version))
 
@@ -170,9 +168,9 @@ class _Simulation:
             return
         stream.progress, stream.since = 0.0, self.now
         members = list(stream.members)
-        if stream.joining:  # they read from the next epoch on, once the flotilla is laid out again
+        if stream.joining:  # they read from the next epoch on, their trainers started meanwhile
             stream.members.update(stream.joining)
-            stream.joining, stream.paused = {}, True
+            stream.joining = {}
         for model in members:
             self.epochs_done[model] += 1
             epoch, target = self.epochs_done[model], self.instance.epochs[model]
