@@ -296,6 +296,9 @@ CLUSTER_CONFIG = {"distributed.admin.tick.interval": "1s", "distributed.admin.sy
                   **{f"distributed.nanny.pre-spawn-environ.{name}": value for name, value in WORKER_MALLOC.items()}}
 
 
+WORKERS_START_S = 120  # local workers start in seconds; one that never does is not waited for for ever
+
+
 @contextmanager
 def dask_client(address: str | None, workers: int | str, threads_per_worker: int, nodes: int = 1,
                 tls: TlsFiles | None = None, dashboard: bool = False) -> Iterator[Client]:
@@ -323,7 +326,13 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
             spec["options"]["resources"] = {node_resource(node): threads_per_worker}
             cluster.worker_spec[f"n{node}-w{w}"] = spec
         cluster.scale(count)
-        client.wait_for_workers(count)
+        try:
+            client.wait_for_workers(count, timeout=WORKERS_START_S)
+        except TimeoutError:
+            raise UserError(
+                f"the {count} local Dask worker(s) did not start in {WORKERS_START_S:g} s. Called from a script of "
+                "your own? Put the call under `if __name__ == \"__main__\":` (the workers are new processes that "
+                "import the script), or give a running scheduler as cluster.address") from None
         yield client
 
 
