@@ -237,7 +237,7 @@ class FlotillaThread(threading.Thread):
             streams = (tuple(m.group.name for m in self.members),)  # a flotilla that takes joiners has one
 
     def _lay_out_again(self, flotilla: Flotilla, epoch: int) -> list[Member]:
-        """Models join at this epoch boundary that the running hub cannot take (`Flotilla.attach`): the
+        """Models join at this epoch boundary that the running hub cannot take (`Flotilla.take_in`): the
         members still here are checkpointed after the epoch they finished (if the plan did not just do
         it), the streams end, and the members to lay out next are returned, each resuming from its
         checkpoint, the joiners with them; the stream's sequence of epochs goes on."""
