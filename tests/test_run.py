@@ -1,10 +1,12 @@
 """The main job end to end on CPU slots: Dask workers, trainer processes,
 shared-memory streams, DDP over gloo, results; and its errors."""
 import ast
+import contextlib
 import json
 import math
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -170,10 +172,15 @@ def test_cli_a_users_mistake_is_one_message_and_exit_code_2(tiny_dataset, bad_da
         return subprocess.Popen([sys.executable, "-m", "pipeline", *map(str, overrides), *folder], cwd=REPO,
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env})
 
-    jobs = {name: start(name, overrides, {}) for name, (overrides, _) in cases.items()}
-    jobs["hydra"] = start("hydra", ["+ensemble=caltech256", "topology=ring"], {})
-    jobs["full"] = start("full", [f"dataset.root={tiny_dataset}"], {"HYDRA_FULL_ERROR": "1"})
-    done = {name: (job, *job.communicate(timeout=300)) for name, job in jobs.items()}
+    with contextlib.ExitStack() as held:  # Dask's usual port taken (another cluster): no warning on stderr
+        port = held.enter_context(socket.socket())
+        with contextlib.suppress(OSError):  # already taken: the same for the runs
+            port.bind(("127.0.0.1", 8787))
+            port.listen()
+        jobs = {name: start(name, overrides, {}) for name, (overrides, _) in cases.items()}
+        jobs["hydra"] = start("hydra", ["+ensemble=caltech256", "topology=ring"], {})
+        jobs["full"] = start("full", [f"dataset.root={tiny_dataset}"], {"HYDRA_FULL_ERROR": "1"})
+        done = {name: (job, *job.communicate(timeout=300)) for name, job in jobs.items()}
     for name, (_, message) in cases.items():
         job, stdout, stderr = done[name]
         assert job.returncode == 2, (name, stderr[-2000:])

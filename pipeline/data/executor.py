@@ -317,7 +317,10 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
                          f"{count}; set cluster.nodes between 1 and {count} or raise cluster.workers")
     with dask.config.set(CLUSTER_CONFIG), \
             LocalCluster(n_workers=0, threads_per_worker=threads_per_worker, processes=True, host=LOOPBACK,
-                         dashboard_address=DASHBOARD if dashboard else None, silence_logs=logging.ERROR) as cluster, \
+                         dashboard_address=DASHBOARD if dashboard else None, silence_logs=logging.ERROR,
+                         # without the dashboard the scheduler still serves HTTP (health, metrics), on 8787 unless
+                         # told otherwise, and warns on stderr when another cluster holds it: any free port
+                         scheduler_kwargs=None if dashboard else {"dashboard_address": f"{LOOPBACK}:0"}) as cluster, \
             Client(cluster) as client:
         client.register_plugin(LeaveInterruptsToTheDriver())
         for w in range(count):
