@@ -137,6 +137,7 @@ class RingWriter(StreamWriter):
         self.buf = _map(ring.segment, ring.size, writable=True)
         self.seq = 0
         self.bytes_written = 0
+        self.joinable = list(ring.spares)  # spare readers not attached yet: all of them when the hub starts
 
     @property
     def attached(self) -> list[int]:
@@ -152,9 +153,9 @@ class RingWriter(StreamWriter):
         count = 0 if images is None else len(images)
         if count > layout.batch_capacity:
             raise ValueError(f"stream {self.ring.name}: batch of {count} exceeds its capacity {layout.batch_capacity}")
-        for consumer in range(self.ring.consumers):
-            if self.ring.attaching[consumer]:  # a joiner's trainer reads from this message on
-                self.ring.first[consumer], self.ring.detached[consumer], self.ring.attaching[consumer] = self.seq, 0, 0
+        for consumer in [c for c in self.joinable if self.ring.attaching[c]]:  # a joiner reads from this message on
+            self.ring.first[consumer], self.ring.detached[consumer], self.ring.attaching[consumer] = self.seq, 0, 0
+            self.joinable.remove(consumer)
         for consumer in self.attached:
             while not self.ring.free[consumer].acquire(timeout=DETACH_POLL_S):
                 if self.ring.detached[consumer]:  # its trainer is gone: the others go on
