@@ -236,7 +236,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         threads = sum(threads_of_node.values())
         in_flight = {node: 2 * count if cfg.cluster.in_flight == AUTO else cfg.cluster.in_flight
                      for node, count in threads_of_node.items()}
-        joiners = len(slots) // nodes if cfg.scheduler.join_running else 0  # trainers a node's hub may take in
+        joiners = len(slots) // nodes if policy.join_running else 0  # trainers a node's hub may take in
         delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight,
                                  cfg.delivery.ring_depth, agents, key, tls, t.drain_s, t.exit_s,
                                  Patience(t.warn_s, t.stall_s), t.collective_s, joiners)

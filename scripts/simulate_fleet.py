@@ -34,7 +34,8 @@ TIME_LIMITS = {"no time limit": None, "240-minute limit per model": 240 * 60.0}
 def small_gaps(count: int) -> dict:
     """(a) fleet_g against the exhaustive optimum over round schedules (one flotilla at a time, see
     exact.py) on random small instances; fleet_e runs flotillas side by side, outside that class, so it
-    may beat that optimum (a negative gap)."""
+    may beat that optimum (a negative gap), and so may a fleet_g flotilla split into multi_broadcast
+    streams."""
     rng = random.Random(2024)
     policies = {"fleet_g": POLICIES["fleet_g"], "fleet_g, greedy alone": GREEDY_ALONE, "fleet_e": POLICIES["fleet_e"]}
     gaps = {name: [] for name in policies}

@@ -144,8 +144,9 @@ def test_rates_measured_elsewhere_are_keyed_on_that_hosts_hardware_and_name_who_
     assert len(far.calls) == 1 and again == by_far
 
 
-def test_gpus_of_a_host_measuring_elsewhere_are_checked_there_not_here(measured, tmp_path):
-    """This machine has no such GPUs, the far host has: the request goes there (which checks them)."""
+def test_gpus_of_a_host_measuring_elsewhere_are_not_checked_here(measured, tmp_path):
+    """This machine has no such GPUs, the far host has: the request goes there, unchecked here (whether
+    they exist is for the far host to say: its `hardware`, which this stand-in does not check)."""
     far = FarHost()
     table = measure_rate_table([alone(TINY)], 2, how(device_kind="cuda", devices=["cuda:6", "cuda:7"], where=far),
                                tmp_path / "rates.json")

@@ -381,6 +381,11 @@ def _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path
     assert {by["pid"] for rates in measured_by.values() for by in rates.values()} == {agents[0].pid}, measured_by
     saved = json.loads((folder / "rates.json").read_text())
     assert set(saved) == {"A", "B", "C"} and all(rate > 0 for rates in saved.values() for rate in rates.values())
+    # ...and they are the agent's measurements, as its cache entries hold them (C has A's shape: A's entry)
+    cached = {rate for entry in json.loads((tmp_path / "rate_cache.json").read_text())
+              if {by["pid"] for by in entry["measured_by"].values()} == {agents[0].pid}
+              for rate in entry["images_per_s"].values()}
+    assert {rate for rates in saved.values() for rate in rates.values()} == cached
     # What the killed driver had started at the agents goes with it.
     started = [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
                if c.name() in ("hub", "trainer", "rates")]

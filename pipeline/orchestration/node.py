@@ -347,7 +347,8 @@ def _kill(processes: list[mp.Process]) -> None:
 
 
 class _Agent(BaseManager):
-    """multiprocessing's manager protocol: the driver creates NodeProcesses in an agent and calls them."""
+    """multiprocessing's manager protocol: the driver creates NodeProcesses (a flotilla's processes on the
+    node) and HostRates (the rate measurement) in an agent and calls them."""
 
 
 _Agent.register("NodeProcesses", NodeProcesses)

@@ -10,7 +10,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.report.analysis import STALL_THRESHOLD_PCT, ModelRow, StageRow
-from pipeline.scheduler.cluster import Slot
+from pipeline.scheduler.cluster import Cluster
 from pipeline.scheduler.gantt import Bar, gantt_figure, utilisation
 
 PACE_COLOUR, OTHER_COLOUR, WALL_COLOUR = "#c0392b", "#2e86c1", "#aed6f1"
@@ -109,12 +109,11 @@ def occupancy_chart(occupancy: dict[str, dict]) -> str:
 
 def gantt_chart(scheduler: dict) -> str:
     """The run's slots over time (results.json `scheduler`): each model's stints, coloured by flotilla."""
-    cluster = scheduler["cluster"]
-    slots = [Slot(node, index) for node in range(cluster["nodes"]) for index in range(cluster["slots_per_node"])]
+    cluster = Cluster(scheduler["cluster"]["nodes"], scheduler["cluster"]["slots_per_node"])
     bars = [Bar.from_json(saved) for saved in scheduler["gantt"]]
     end = max(bar.end for bar in bars)
-    busy = utilisation(bars, len(slots), end)
-    return to_base64_png(gantt_figure(bars, slots, f"slots over time: {end:.0f} s, utilisation {busy:.0%}"))
+    busy = utilisation(bars, cluster.total_slots, end)
+    return to_base64_png(gantt_figure(bars, cluster.slots, f"slots over time: {end:.0f} s, utilisation {busy:.0%}"))
 
 
 def timeline_chart(events: list[dict]) -> str:

@@ -11,7 +11,9 @@ starts from the models still unconverged. The optimum is the least total
 time over all such sequences, found by exhaustive search (memoised on the
 epochs each model still needs; exact branch-and-bound pruning with a lower
 bound). FLEET-G picks one of these flotillas per round greedily, so its
-simulated time is never below the optimum.
+simulated time cannot fall below the optimum while each of its flotillas is
+one stream; the scheduler may split one into multi_broadcast streams, each
+at its own pace, which this search does not model.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ they come, the same way in the simulator and in real runs, and their chart."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.scheduler.cluster import Slot
@@ -59,7 +60,7 @@ class Gantt:
         return [Bar(slot, model, flotilla, since, now) for slot in self.assigned[model]]
 
 
-def gantt_figure(bars: list[Bar], slots: list[Slot], title: str, hours: bool = False):
+def gantt_figure(bars: list[Bar], slots: Sequence[Slot], title: str, hours: bool = False):
     """One row per slot, one bar per model on it, coloured by flotilla (a matplotlib Figure)."""
     from matplotlib import colormaps
     from matplotlib.figure import Figure  # a bare Figure renders with Agg and keeps no pyplot state

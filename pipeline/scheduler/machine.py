@@ -266,7 +266,7 @@ class Scheduler:
         """Waiting models the policy places into running flotillas of one stream on one node, on that
         node's free slots: they join its stream at its next epoch boundary."""
         running = {fid: (min(f.nodes), {m: len(f.members[m]) for m in f.active}) for fid, f in self.flotillas.items()
-                   if f.streams == 1 and len(f.nodes) == 1 and f.active}
+                   if f.streams == 1 and len(f.nodes) == 1}
         decisions: list[Decision] = []
         for model, fid in self.policy.join(waiting, table, self.cluster, free, running).items():
             count, node = table.slot_counts(model, self.cluster.slots_per_node)[0], running[fid][0]

@@ -1,8 +1,9 @@
 """Scheduling policies: which flotillas to form on the free slots, and when.
 
 Selected by name (Hydra: `scheduler=shared|fleet_e|fleet_g|fleet_l|baseline|homogeneous`).
-A policy only chooses flotillas (and, if `elastic`, which running models to
-restart on more slots); the state machine (`machine.py`) applies the rules
+A policy only chooses flotillas, which waiting models join a running one
+(`join`, with `join_running`) and, if `elastic`, which running models to
+restart on more slots or, on their plateau, on fewer; the state machine (`machine.py`) applies the rules
 every policy shares (convergence releases slots, stop below
 `min_active_fraction` active slots, resume from checkpoints).
 """

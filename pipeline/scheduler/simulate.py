@@ -26,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pipeline.scheduler.events import (AssignSlots, Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
+from pipeline.scheduler.events import (Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
 from pipeline.scheduler.gantt import Bar, Gantt, gantt_figure, utilisation
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
@@ -77,7 +77,6 @@ class _Simulation:
         self.scheduler = Scheduler(list(instance.epochs), instance.cluster, policy, seed=seed)
         self.streams: dict[tuple[int, int], _Stream] = {}  # (flotilla, index) -> stream
         self.stream_of: dict[str, tuple[int, int]] = {}
-        self.slots_of: dict[str, tuple[Slot, ...]] = {}
         self.epochs_done: dict[str, int] = {}
         self.trained_s: dict[str, float] = {}  # time in flotillas before the current one
         self.gantt = Gantt()
@@ -118,15 +117,13 @@ class _Simulation:
             for index, names in enumerate(decision.streams):
                 self.streams[decision.flotilla, index] = _Stream(decision.topology, since=self.now)
                 self.stream_of.update({name: (decision.flotilla, index) for name in names})
-        elif isinstance(decision, AssignSlots):
-            self.slots_of[decision.model] = decision.slots
         elif isinstance(decision, Start):
-            self.streams[self.stream_of[decision.model]].members[decision.model] = self.slots_of[decision.model]
+            self.streams[self.stream_of[decision.model]].members[decision.model] = self.gantt.assigned[decision.model]
             self.epochs_done[decision.model] = decision.resume_epoch
             return self.stream_of[decision.model]
         elif isinstance(decision, Join):  # its slots are held from now on, its training starts at the boundary
             key = self.stream_of[decision.model] = (decision.flotilla, 0)
-            self.streams[key].joining[decision.model] = self.slots_of[decision.model]
+            self.streams[key].joining[decision.model] = self.gantt.assigned[decision.model]
             self.epochs_done[decision.model] = decision.resume_epoch
         elif isinstance(decision, Stop):
             key = self.stream_of[decision.model]
