@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.orchestration.grouping import fused, measure_sizes
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision
 
 MODES = ("separate", "packed", "fused")
 
@@ -46,7 +46,7 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
     random = np.random.default_rng(0)
     images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)
     labels = torch.from_numpy(random.integers(0, 10, batch)).to(dev)
-    x = normalise(images, dev)
+    x = step.normalise(images)
     for _ in range(warmup):
         step.train({"main": (x, labels)})
     if dev.type == "cuda":

@@ -199,6 +199,7 @@ def test_dense_layer_concatenates_each_members_channels(memory_format):
     inputs = [torch.randn(2, 6, 5, 5) for _ in nets]
     out = dense_layer(member_major(inputs).contiguous(memory_format=memory_format))
     assert out.shape == (2, 3 * (6 + 4), 5, 5)
+    assert out.is_contiguous(memory_format=memory_format)  # the layout the group trains in carries through
     for i, (net, x) in enumerate(zip(nets, inputs)):
         torch.testing.assert_close(member_part(out, i), net[1](x), **TOLERANCE)
 
@@ -208,7 +209,7 @@ def test_fused_sgd_steps_each_member_as_torch_sgd_does():
     fused_shapes = [(3 * 4, 3, 3, 3), (3 * 4,), (3, 5, 4)]
     torch.manual_seed(0)
     fused = [nn.Parameter(torch.randn(shape)) for shape in fused_shapes]
-    fused[0].data = fused[0].data.contiguous(memory_format=torch.channels_last)  # as the trainer holds convs
+    fused[0].data = fused[0].data.contiguous(memory_format=torch.channels_last)  # as a GPU trainer holds convs
     members = [[nn.Parameter(p.detach().reshape(3, *shape)[i].clone()) for p, shape in zip(fused, member_shapes)]
                for i in range(3)]
     fused_optimizer = FusedSGD(fused, **HYPER)

@@ -1,13 +1,16 @@
 """The trainer process's parts, in this process: checkpoints and resume of every member of a group, the
 device feed's hand-back of ring buffers, and steps that never wait for the device."""
 import json
+import os
 import queue
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, normalise
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision
 from pipeline.training.models import build_model
 from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
@@ -54,11 +57,11 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     pipe, reports = Pipe(), queue.Queue()
     first = Trainer(trainer_spec(group, tmp_path), reports, pipe)
     images, labels = batch()
-    train = lambda: first.step.train({"main": (normalise(images, first.device), torch.from_numpy(labels))})
+    train = lambda: first.step.train({"main": (first.step.normalise(images), torch.from_numpy(labels))})
     train()
     for name in first.members:
         first._keep_state(name, accuracy=0.5)  # the end of epoch 1
-    x = normalise(batch(1)[0], first.device)
+    x = first.step.normalise(batch(1)[0])
     before = first.step.predict({"main": x})
     lrs = lambda trainer: [[g["lr"] for g in unit.optimizer.param_groups] for unit in trainer.step.units]
     lrs_then = lrs(first)
@@ -105,7 +108,7 @@ def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
     weights then match a group that never had it."""
     members = (model("a"), model("b", lr=0.02), model("c", lr=0.05))
     images, labels = batch()
-    inputs = lambda trainer: {"main": (normalise(images, trainer.device), torch.from_numpy(labels))}
+    inputs = lambda trainer: {"main": (trainer.step.normalise(images), torch.from_numpy(labels))}
     pipe = Pipe()
     trainer = Trainer(trainer_spec(GroupSpec("g", members, 3), tmp_path), queue.Queue(), pipe)
     without = Trainer(trainer_spec(GroupSpec("g", (members[0], members[2]), 2), tmp_path), queue.Queue())
@@ -116,7 +119,7 @@ def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
     assert trainer.members == ["a", "c"] and trainer.step.names == ["a", "c"] and not pipe.sent
     for t in (trainer, without):
         t.step.train(inputs(t))
-    x = normalise(batch(2)[0], trainer.device)
+    x = trainer.step.normalise(batch(2)[0])
     left, never = trainer.step.predict({"main": x}), without.step.predict({"main": x})
     assert set(left) == {"a", "c"}
     for name in "ac":
@@ -167,7 +170,7 @@ def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, arra
     step = GroupStep(group, 3, {"main": 32}, torch.device("cpu"), 10, precision, threads=threads)
     assert (step.pool is not None) == (threads > 1)
     images, labels = batch()
-    inputs = {"main": (normalise(images, torch.device("cpu")), torch.from_numpy(labels))}
+    inputs = {"main": (step.normalise(images), torch.from_numpy(labels))}
     step.train(inputs)  # the first step builds the optimisers' state: counted too, in the next
     syncs = []
     for name in ("item", "__float__", "__bool__", "tolist", "numpy", "cpu"):
@@ -182,3 +185,46 @@ def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, arra
     assert syncs == ["__float__"]
     monkeypatch.undo()
     assert all(np.isfinite(float(loss)) for loss in losses.values())
+
+
+# ResNets two and four channels wide: their 1x1 stride-2 shortcuts go from 2 to 4 and 4 to 8 channels, the
+# shapes whose channels-last backward in oneDNN's AVX2 kernels hangs or corrupts the heap (issue 29).
+NARROW_STEPS = """
+import numpy as np, torch
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec
+members = tuple(ModelSpec(f"w{w}", "resnet", 10, w, 0, 0.1, 0.9, 5e-4, 1, "main") for w in (2, 4))
+step = GroupStep(GroupSpec("narrow", members), 3, {"main": 16}, "cpu", 200)
+images = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)
+inputs = {"main": (step.normalise(images), torch.zeros(8, dtype=torch.long))}
+for _ in range(200):
+    losses = step.train(inputs)
+print(all(map(torch.isfinite, losses.values())))
+"""
+
+
+def test_narrow_convolutions_train_through_the_group_step_on_cpu():
+    """The trainer's own step on the shapes that met oneDNN's channels-last bug finishes, in a process of
+    its own (a hang or a crash there fails this test, not the suite). The mistake it catches: CPU slots
+    training channels_last (training_memory_format), which hangs here under the suite's ONEDNN_MAX_CPU_ISA=AVX2
+    (tests/conftest.py), on any x86 CPU."""
+    try:
+        done = subprocess.run([sys.executable, "-c", NARROW_STEPS], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("200 steps of two narrow ResNets did not finish in 120 s (a hang in a convolution kernel?)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True"]
+
+
+def test_the_suite_runs_onednn_at_most_avx2_whatever_the_cpu():
+    """What CI meets is what AVX2-only CPUs meet: tests/conftest.py holds oneDNN to its AVX2 kernels, and
+    the torch build honours it (oneDNN names the ISA of every kernel it runs). The mistake it catches: the
+    cap gone from conftest, on an AVX-512 machine; or a torch build that ignores it."""
+    code = "import torch; torch.nn.Conv2d(8, 8, 3)(torch.randn(2, 8, 8, 8))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ONEDNN_VERBOSE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    isa = [line for line in done.stdout.splitlines() if line.startswith("onednn_verbose,v1,info,cpu,isa:")]
+    kernels = [line.split(",")[6] for line in done.stdout.splitlines() if ",exec,cpu,convolution," in line]
+    assert len(isa) == 1 and kernels, done.stdout[-3000:]
+    assert isa[0].endswith(("Intel AVX2", "Intel AVX", "Intel SSE4.1")), isa  # the most oneDNN uses
+    assert not any("avx512" in kernel or "amx" in kernel for kernel in kernels), kernels

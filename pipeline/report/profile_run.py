@@ -42,7 +42,7 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, by_family, normalise
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, by_family
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -320,7 +320,7 @@ class _Trainee:
         return timed
 
     def _step(self, images: np.ndarray, labels: np.ndarray) -> float:
-        x = normalise(images, self.device)
+        x = self.step.normalise(images)
         y = self.torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
         losses = self.step.train({self.model.input: (x, y)})
         return float(losses[self.model.name])  # waits for the device: the step's time is its own

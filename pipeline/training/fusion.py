@@ -260,6 +260,6 @@ def _fused_conv(conv: nn.Conv2d, members: int, shares_input: bool, factory: dict
 
 
 def _memory_format(module: nn.Module) -> torch.memory_format:
-    """channels_last if the module's convs are (the trainer's layout), so that a fused module keeps it."""
+    """channels_last if the module's convs are (the group's layout), so that a fused module keeps it."""
     first_weight = next(m.weight for m in module.modules() if isinstance(m, nn.Conv2d))
     return torch.contiguous_format if first_weight.is_contiguous() else torch.channels_last

@@ -114,17 +114,16 @@ def cosine(total_steps: int):
     return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
 
 
-def normalise(images, device):
-    """uint8 NHWC (numpy, or a tensor on the device) -> normalised float NCHW on `device`, channels_last."""
+def training_memory_format(device):
+    """The layout a device trains in, chosen here once for every path that trains (trainers, rate
+    measurement, profile mode, benchmarks): channels_last on GPUs, cuDNN's fast layout; contiguous (NCHW)
+    on CPUs. oneDNN's channels-last convolution backward hangs or corrupts the heap on AVX2-only CPUs at
+    small channel counts (a 1x1 stride-2 conv from 2-4 channels to 4-8), and nothing tells which shapes
+    are safe; contiguous costs 0.61-0.91x of its speed on the default ensemble (docs/benchmarks.md, CPU
+    layout; scripts/bench_cpu_layout.py)."""
     import torch
 
-    if isinstance(images, np.ndarray):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
-            images = torch.from_numpy(images)
-    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2).float()  # NHWC memory: channels_last
-    mean, std = _statistics(x.device)
-    return x.sub_(mean).div_(std)  # in place: the float batch is the only copy made
+    return torch.channels_last if torch.device(device).type == "cuda" else torch.contiguous_format
 
 
 @functools.cache
@@ -217,19 +216,22 @@ class GroupStep:
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,
-                 precision: Precision = Precision.fp32, world: int = 1, threads: int = 1):
+                 precision: Precision = Precision.fp32, world: int = 1, threads: int = 1,
+                 memory_format=None):
         import torch
 
         from pipeline.training.models import build_model
 
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
+        # the layout every path trains in; another only where a benchmark compares them
+        self.memory_format = memory_format or training_memory_format(self.device)
         self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
         self.units: list[_Solo | _Array] = []
         for unit in group.units():
             nets = [self._build(build_model, m, num_classes, image_sizes[m.input]) for m in unit]
             if len(unit) == 1:
                 self.units.append(_Solo(unit[0], nets[0], world, self.device, cosine(total_steps)))
-            else:  # the array takes the nets' memory format (channels_last)
+            else:  # the array takes the nets' memory format
                 self.units.append(_Array(unit, nets, cosine(total_steps)))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
@@ -256,11 +258,24 @@ class GroupStep:
         # luck of the init, whatever group they train in.
         self.torch.manual_seed(0)
         net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=image_size)
-        return net.to(self.device, memory_format=self.torch.channels_last)
+        return net.to(self.device, memory_format=self.memory_format)
 
     @property
     def names(self) -> list[str]:
         return [name for unit in self.units for name in unit.names]
+
+    def normalise(self, images):
+        """uint8 NHWC (numpy, or a tensor on the device) -> normalised float NCHW on the group's device, in
+        its memory format: the float batch is the only copy made."""
+        torch = self.torch
+        if isinstance(images, np.ndarray):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
+                images = torch.from_numpy(images)
+        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # NHWC memory: channels_last
+        x = x.to(torch.float32, memory_format=self.memory_format)
+        mean, std = _statistics(x.device)
+        return x.sub_(mean).div_(std)
 
     def _autocast(self):
         if self.autocast_dtype is None:

@@ -294,7 +294,9 @@ def _concat_channels(x: torch.Tensor, new: torch.Tensor, members: int) -> torch.
     """torch.cat([x, new], dim=1), keeping each member's channels together in a fused array."""
     if members == 1:
         return torch.cat([x, new], dim=1)
-    # Concatenated with channels as the last dim, so that the result is channels_last (the trainer's layout).
+    if x.is_contiguous():  # NCHW (CPU slots): the result stays NCHW
+        return torch.cat([x.unflatten(1, (members, -1)), new.unflatten(1, (members, -1))], dim=2).flatten(1, 2)
+    # channels_last (GPU slots): concatenated with channels as the last dim, so that the result stays channels_last
     x, new = (t.movedim(1, -1).unflatten(-1, (members, -1)) for t in (x, new))
     return torch.cat([x, new], dim=-1).flatten(-2).movedim(-1, 1)
 

@@ -51,7 +51,7 @@ from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
-from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
+from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         for number in range(how.warmup + how.steps):
             _synchronize(torch, device)
             started = time.perf_counter()
-            step.train({s: (normalise(x, device), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
+            step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
             _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
             if number >= how.warmup:
                 step_seconds.append(time.perf_counter() - started)

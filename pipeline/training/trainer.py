@@ -30,7 +30,7 @@ import numpy as np
 from pipeline.delivery.stream import MessageKind
 from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started
-from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group, normalise
+from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
@@ -309,7 +309,7 @@ class Trainer:
         self.seen += rows_here
         if self.spec.consume_only or not self.members:
             return
-        inputs = {stream: (normalise(x, self.device), y) for stream, (x, y) in copied.items()}
+        inputs = {stream: (self.step.normalise(x), y) for stream, (x, y) in copied.items()}
         with self.collectives():
             losses = self.step.train(inputs)
         for name, loss in losses.items():
@@ -325,7 +325,7 @@ class Trainer:
             return
         for stream, (_, y) in copied.items():
             self.val_labels[stream].append(y)
-        probs = self.step.predict({stream: normalise(x, self.device) for stream, (x, _) in copied.items()})
+        probs = self.step.predict({stream: self.step.normalise(x) for stream, (x, _) in copied.items()})
         for name, p in probs.items():
             self.val_probs[name].append(p)
 
