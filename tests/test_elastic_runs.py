@@ -79,10 +79,12 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
     assert [len(s["devices"]) for s in old["flotillas"]] == [2, 1]
     assert [len(s["devices"]) for s in young["flotillas"]] == [1, 2]
     # each restarted from the checkpoint of the epoch it finished, where the rule read its loss: old's fell
-    # by less than the threshold (its first drop), young's by more (it had trained on while old restarted)
+    # by less than the threshold (its first drop); young's, read at whichever epoch it had reached when old
+    # gave up (how fast each trains decides that), put it on no plateau: unknown after its first epoch (no
+    # drop to read yet), or above the threshold
     gave_up, grew = old["flotillas"][1]["start_epoch"], young["flotillas"][1]["start_epoch"]
     assert gave_up == 2 and loss_drop(old, gave_up) < THRESHOLD
-    assert 2 <= grew < 6 and loss_drop(young, grew) >= THRESHOLD
+    assert 1 <= grew < 6 and (grew == 1 or loss_drop(young, grew) >= THRESHOLD)
     for model in models.values():
         assert model["epochs"] == 6 and model["converged"] and len(model["val_accuracy"]) == 6
     # young's curve carries on from its checkpoint on two slots: its loss stays below its first epoch's, and it

@@ -1,6 +1,9 @@
 """Rate measurement: short real DDP runs on CPU slots (gloo), the on-disk
 cache, the rate table and the errors. Behaviour only: nothing here asserts speed."""
 import json
+import multiprocessing
+import os
+import signal
 import time
 
 import pytest
@@ -215,3 +218,33 @@ def test_a_failing_trainer_process_is_reported_with_its_traceback():
     bad_depth = ModelSpec(**(TINY.__dict__ | {"name": "resnet11", "depth": 11}))
     with pytest.raises(RuntimeError, match="(?s)measuring resnet11 on 1 slot.*resnet depth must be one of"):
         measure_tiny(alone(bad_depth), slot_counts=[1])
+
+
+def _die_by(signum):
+    os.kill(os.getpid(), signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, says", [
+    (signal.SIGABRT, r"crashed \(SIGABRT\): a native library .* failed inside it; run again with PYTHONFAULTHANDLER=1"),
+    (signal.SIGSEGV, r"crashed \(SIGSEGV\): a native library"),
+    (signal.SIGKILL, r"was killed \(SIGKILL\): usually the kernel's out-of-memory killer")])
+def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, says):
+    """A measuring rank that dies without a report: its signal's usual cause and the next step, and the
+    models it trained. The mistake it catches: every death called "out of memory?" (oneDNN's SIGABRT was)."""
+    context = multiprocessing.get_context("spawn")
+    rank = context.Process(target=_die_by, args=(signum,), name="rates-tiny-0")
+    rank.start()
+    rank.join()
+    with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): "
+                                           f"rates-tiny-0 {says}"):
+        rate_measurement._next_report(context.Queue(), [rank], [context.Value("i", -1)], alone(TINY), how(), None)
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_is_named_with_the_step_it_is_on():
+    """A rank with no report by timeouts.report_s (here: far too many steps for it) is named with the model
+    and the step it was on when the wait ended. The mistake it catches: a message that says neither."""
+    with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): no "
+                                           r"report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of 1000001"):
+        measure_tiny(slot_counts=[1], steps=1_000_000, report_s=20)

@@ -24,6 +24,7 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
 from pipeline.runtime.hang import HangError, Patience
+from pipeline.runtime.lifetime import how_it_ended
 from pipeline.orchestration.node import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
 from pipeline.training.group import GroupSpec, Precision
@@ -186,7 +187,8 @@ class Flotilla:
             for name, trainers in node.trainer_exit_codes().items():
                 dead = [(process, code) for process, code in trainers if code is not None]
                 if dead and name in self.members and name not in failed:
-                    failed[name] = f"{dead[0][0]} exited with code {dead[0][1]}"
+                    process, code = dead[0]
+                    failed[name] = f"{process} (training {self.members[name].group.describe()}) {how_it_ended(code)}"
         return failed
 
     def __enter__(self) -> Flotilla:
@@ -223,7 +225,7 @@ class Flotilla:
             if isinstance(event, HubStopped):
                 self.summaries[event.hub] = event.summary
         for rank, code in dead:
-            raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) exited with code {code}")
+            raise RuntimeError(f"hub {rank} (node {self.plan.hubs[rank].node}) {how_it_ended(code)}")
         return [event for event in events if isinstance(event, (BatchPublished, SplitDone))]
 
     def laggards(self) -> list[Laggard]:

@@ -138,6 +138,27 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)
 
 
+# Signals that end a process because a native library (torch, oneDNN, a codec) crashed in it.
+CRASH_SIGNALS = (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+
+
+def how_it_ended(exit_code: int) -> str:
+    """What a child's exit code says of how it ended, with the usual cause and the next step."""
+    if exit_code >= 0:
+        return f"exited with code {exit_code}"
+    try:
+        name = signal.Signals(-exit_code).name
+    except ValueError:
+        return f"was ended by signal {-exit_code}"
+    if -exit_code == signal.SIGKILL:
+        return ("was killed (SIGKILL): usually the kernel's out-of-memory killer (`dmesg` says), or someone's "
+                "kill -9; give it more memory or train fewer or smaller models on a slot")
+    if -exit_code in CRASH_SIGNALS:
+        return (f"crashed ({name}): a native library (torch, oneDNN, a codec) failed inside it; run again with "
+                "PYTHONFAULTHANDLER=1 to see the Python line it was on")
+    return f"was ended by {name}"
+
+
 @contextmanager
 def quiet_children():
     """Spawn children (or threads that will) within: SIGINT and SIGTERM stay blocked in this thread

@@ -88,6 +88,10 @@ class GroupSpec:
             return "packed"
         return "fused" if len(units) == 1 else "fused+packed"
 
+    def describe(self) -> str:
+        """What the group trains, for messages: e.g. "a (resnet10, width 16), b (densenet40, width 24)"."""
+        return ", ".join(f"{m.name} ({m.arch}{m.depth}, width {m.width})" for m in self.members)
+
     @property
     def largest_family(self) -> int:
         return max(map(len, by_family(self.members).values()))

@@ -48,7 +48,7 @@ from typing import Protocol
 
 from pipeline.delivery.collective import LocalRendezvous
 from pipeline.runtime.files import write_whole
-from pipeline.runtime.lifetime import child_started, quiet_children
+from pipeline.runtime.lifetime import child_started, how_it_ended, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group
@@ -196,7 +196,7 @@ def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dic
         _check_gpus(devices)  # before asking for a GPU's name: a clear error for one this machine lacks
         device_name = torch.cuda.get_device_name(devices[0])
     else:
-        device_name = _cpu_model()
+        device_name = cpu_model()
     return {"device_kind": device_kind, "device_name": device_name, "cores": len(os.sched_getaffinity(0)),
             "threads": threads, "torch": torch.__version__}
 
@@ -275,15 +275,16 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     reports = context.Queue()
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
+    # each rank's step in hand (-1: not started), shared so that a rank that hangs is caught saying where
+    steps = [context.Value("i", -1, lock=False) for _ in devices]
     processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
-                                 args=(group, rank, devices, init_method, how, reports), daemon=True)
+                                 args=(group, rank, devices, init_method, how, reports, steps[rank]), daemon=True)
                  for rank in range(len(devices))]
     try:
         with quiet_children():
             for process in processes:
                 process.start()
-        step_seconds = [_next_report(reports, processes, group, len(devices), how.report_s, abandon)
-                        for _ in processes]
+        step_seconds = [_next_report(reports, processes, steps, group, how, abandon) for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
             process.join(5)
@@ -296,9 +297,9 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
-def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: float,
+def _next_report(reports, processes, steps, group: GroupSpec, how: Measurement,
                  abandon: threading.Event | None) -> list[float]:
-    deadline = time.monotonic() + report_s
+    slots, deadline = len(processes), time.monotonic() + how.report_s
     while True:
         try:
             report = reports.get(timeout=1)
@@ -306,14 +307,17 @@ def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: flo
             if abandon is not None and abandon.is_set():
                 raise RuntimeError(f"measuring {group.name} on {slots} slot(s): abandoned, the driver that "
                                    "asked for it is gone") from None
-            dead = [f"{p.name} (exit code {p.exitcode})" for p in processes if p.exitcode not in (None, 0)]
+            dead = [f"{p.name} {how_it_ended(p.exitcode)}" for p in processes if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"measuring {group.name} on {slots} slot(s): {', '.join(dead)} died "
-                                   "without a report (out of memory?)") from None
+                raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): "
+                                   f"{'; '.join(dead)}") from None
             if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
-                raise RuntimeError(f"measuring {group.name} on {slots} slot(s): a rank sent no report in "
-                                   f"{report_s:g} s (timeouts.report_s); lower rates.steps or check the "
-                                   "devices") from None
+                where = "; ".join(f"{p.name} at step {step.value + 1} of {how.warmup + how.steps}"
+                                  if step.value >= 0 else f"{p.name} before its first step"
+                                  for p, step in zip(processes, steps))
+                raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): no report "
+                                   f"in {how.report_s:g} s (timeouts.report_s): {where}; lower rates.steps or "
+                                   "check the devices") from None
             continue
         if isinstance(report, RankFailed):
             raise RuntimeError(f"measuring {group.name} on {slots} slot(s) failed in rank {report.rank}:\n"
@@ -322,7 +326,7 @@ def _next_report(reports, processes, group: GroupSpec, slots: int, report_s: flo
 
 
 def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
-                 reports) -> None:
+                 reports, step_in_hand) -> None:
     """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
     child_started("rates")
     try:
@@ -348,6 +352,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             batches[stream] = (images, labels)
         step_seconds = []
         for number in range(how.warmup + how.steps):
+            step_in_hand.value = number
             _synchronize(torch, device)
             started = time.perf_counter()
             step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
@@ -369,7 +374,8 @@ def _synchronize(torch, device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This host's CPU model name: the hardware a CPU rate was measured on (and benchmarks' header)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
