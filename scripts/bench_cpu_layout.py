@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from pipeline.runtime.lifetime import how_it_ended
 
 # name -> (memory format, oneDNN on, environment)
 SETTINGS = {
@@ -85,19 +86,14 @@ def _measure(model: str, setting: str, args) -> float | str:
     """images/s, or why there is none (a hang, a signal, an exit code)."""
     command = [sys.executable, __file__, "--child", model, setting, "--steps", str(args.steps),
                "--warmup", str(args.warmup)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **SETTINGS[setting][2]})
     try:
-        out, err = process.communicate(timeout=args.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                              env={**os.environ, **SETTINGS[setting][2]})  # killed on a timeout
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
         return f"hung (> {args.timeout:g} s)"
-    if process.returncode < 0:
-        return f"died ({signal.Signals(-process.returncode).name})"
-    if process.returncode:
-        return f"failed (exit code {process.returncode}): {err.strip().splitlines()[-1:]}"
-    return json.loads(out.strip().splitlines()[-1])["images_per_s"]
+    if done.returncode:
+        return f"{how_it_ended(done.returncode)}: {done.stderr.strip().splitlines()[-1:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])["images_per_s"]
 
 
 def main() -> None:

@@ -215,16 +215,25 @@ def test_narrow_convolutions_train_through_the_group_step_on_cpu():
     assert done.stdout.split() == ["True"]
 
 
-def test_the_suite_runs_onednn_at_most_avx2_whatever_the_cpu():
-    """What CI meets is what AVX2-only CPUs meet: tests/conftest.py holds oneDNN to its AVX2 kernels, and
-    the torch build honours it (oneDNN names the ISA of every kernel it runs). The mistake it catches: the
-    cap gone from conftest, on an AVX-512 machine; or a torch build that ignores it."""
+def onednn_conv(**environment) -> tuple[str, list[str]]:
+    """The ISA oneDNN says it uses, and its kernels' names, for one convolution in a fresh process."""
     code = "import torch; torch.nn.Conv2d(8, 8, 3)(torch.randn(2, 8, 8, 8))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "ONEDNN_VERBOSE": "1"})
+                          env={**os.environ, "ONEDNN_VERBOSE": "1", **environment})
     assert done.returncode == 0, done.stderr[-3000:]
     isa = [line for line in done.stdout.splitlines() if line.startswith("onednn_verbose,v1,info,cpu,isa:")]
     kernels = [line.split(",")[6] for line in done.stdout.splitlines() if ",exec,cpu,convolution," in line]
     assert len(isa) == 1 and kernels, done.stdout[-3000:]
-    assert isa[0].endswith(("Intel AVX2", "Intel AVX", "Intel SSE4.1")), isa  # the most oneDNN uses
+    return isa[0], kernels
+
+
+def test_the_suite_runs_onednn_at_most_avx2_whatever_the_cpu():
+    """What CI meets is what AVX2-only CPUs meet: tests/conftest.py holds oneDNN to its AVX2 kernels, and
+    the torch build honours such a cap (held to AVX, every machine here runs AVX kernels). The mistakes it
+    catches: a torch build that ignores the cap, on any machine; the cap gone from conftest, on an AVX-512
+    machine (on an AVX2-only one the suite's own line cannot tell)."""
+    isa, kernels = onednn_conv()
+    assert isa.endswith(("Intel AVX2", "Intel AVX", "Intel SSE4.1")), isa  # the most oneDNN uses
     assert not any("avx512" in kernel or "amx" in kernel for kernel in kernels), kernels
+    isa, kernels = onednn_conv(ONEDNN_MAX_CPU_ISA="AVX")
+    assert isa.endswith("Intel AVX") and all(not kernel.endswith(":avx2") for kernel in kernels), (isa, kernels)

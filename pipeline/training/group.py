@@ -228,7 +228,7 @@ class GroupStep:
 
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
         # the layout every path trains in; another only where a benchmark compares them
-        self.memory_format = memory_format or training_memory_format(self.device)
+        self.memory_format = training_memory_format(self.device) if memory_format is None else memory_format
         self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
         self.units: list[_Solo | _Array] = []
         for unit in group.units():
