@@ -123,7 +123,7 @@ def training_memory_format(device):
     measurement, profile mode, benchmarks): channels_last on GPUs, cuDNN's fast layout; contiguous (NCHW)
     on CPUs. oneDNN's channels-last convolution backward hangs or corrupts the heap on AVX2-only CPUs at
     small channel counts (a 1x1 stride-2 conv from 2-4 channels to 4-8), and nothing tells which shapes
-    are safe; contiguous trains the default ensemble at 0.71-0.77x its speed (docs/benchmarks.md, CPU
+    are safe; contiguous trains the default ensemble at 0.71-0.83x its speed (docs/benchmarks.md, CPU
     layout; scripts/bench_cpu_layout.py)."""
     import torch
 
