@@ -93,7 +93,7 @@ STALL_S = 8.0
 def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, monkeypatch, capsys):
     """A real run, one model: its trainer is stopped (SIGSTOP) once it has handed a ring buffer back.
     The hub fills its ring and waits; the driver says so after timeouts.warn_s, then fails within
-    timeouts.stall_s naming the trainer, its state and the ring; nothing is left behind."""
+    timeouts.stall_s naming the trainer, its state, its step and the ring; nothing is left behind."""
     from pipeline.data.synthetic import generate_imagefolder
     from pipeline.delivery.messages import BatchPublished
 
@@ -130,8 +130,10 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
                 pass
     assert stopped, f"the run failed before the trainer was stopped: {hang.value}"
     failed_after = time.monotonic() - stopped["at"]
-    assert re.fullmatch(r"flotilla 0: hub 0 \(node 0\) cannot publish: trainer trainer-m-0 \(pid \d+, stopped\) holds "
-                        r"all 2 buffers of its ring of stream main\. .* \(nothing moved for \d+ s: "
+    # Stopped wherever it was once batch 0 went back: before its first step, inside a step, or between two.
+    where = r"before its first step|at step \d+ of \d+ of epoch 1, (in the step of m|between members' steps)"
+    assert re.fullmatch(rf"flotilla 0: hub 0 \(node 0\) cannot publish: trainer trainer-m-0 \(pid \d+, stopped, "
+                        rf"({where})\) holds all 2 buffers of its ring of stream main\. .* \(nothing moved for \d+ s: "
                         rf"timeouts.stall_s={STALL_S:g}; .*\)", str(hang.value)), str(hang.value)
     assert failed_after < STALL_S + 10, failed_after
     said = capsys.readouterr().out

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
-from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.group import GroupSpec, ModelSpec, StepInHand
 from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, RateError, format_table,
                                      measure_rate_table, measure_rates, save_table)
 
@@ -238,13 +238,16 @@ def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, 
     rank.join()
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): "
                                            f"rates-tiny-0 {says}"):
-        rate_measurement._next_report(context.Queue(), [rank], [context.Value("i", -1)], alone(TINY), how(), None)
+        rate_measurement._next_report(context.Queue(), [rank], [StepInHand(context, alone(TINY))], alone(TINY),
+                                      how(), None)
 
 
 @pytest.mark.slow
 def test_a_rank_that_hangs_is_named_with_the_step_it_is_on():
     """A rank with no report by timeouts.report_s (here: far too many steps for it) is named with the model
-    and the step it was on when the wait ended. The mistake it catches: a message that says neither."""
+    and the step it was on when the wait ended (inside tiny's step, or between two). The mistake it catches:
+    a message that says neither."""
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): no "
-                                           r"report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of 1000001"):
+                                           r"report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of 1000001, "
+                                           r"(in the step of tiny|between members' steps);"):
         measure_tiny(slot_counts=[1], steps=1_000_000, report_s=20)

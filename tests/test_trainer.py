@@ -1,16 +1,18 @@
 """The trainer process's parts, in this process: checkpoints and resume of every member of a group, the
 device feed's hand-back of ring buffers, and steps that never wait for the device."""
 import json
+import multiprocessing as mp
 import os
 import queue
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision
+from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, StepInHand
 from pipeline.training.models import build_model
 from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
@@ -124,6 +126,27 @@ def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
     assert set(left) == {"a", "c"}
     for name in "ac":
         assert torch.allclose(left[name], never[name], atol=1e-5), name
+
+
+def test_a_trainer_shows_its_parent_its_step_and_the_members_inside_theirs(tmp_path):
+    """What the driver names when a trainer hangs (StepInHand, read from shared memory): the epoch and
+    step it has begun and which members are inside their step, a fused array's all at once. Planted
+    mistakes it catches: a step not counted, a unit not marked, a mark left after the step."""
+    group = GroupSpec("g", (model("a", width=4), model("b"), model("c")), array_size=2)  # units: a; b and c fused
+    in_hand = StepInHand(mp.get_context("spawn"), group)
+    trainer = Trainer(trainer_spec(group, tmp_path), queue.Queue(), Pipe(), in_hand)
+    seen = []
+    for unit in trainer.step.units:
+        unit.losses = lambda x, y, losses=unit.losses: (seen.append(in_hand.describe(10)), losses(x, y))[1]
+    images, labels = batch()
+    message = lambda: SimpleNamespace(images=images, labels=labels, release=lambda: None)
+    assert in_hand.describe(10) == "before its first step"
+    trainer.epoch = 2
+    trainer._train_step({"main": message()})
+    trainer._train_step({"main": message()})
+    assert seen == [f"at step {step} of 10 of epoch 3, in the step of {names}"
+                    for step in (1, 2) for names in ("a", "b, c")]
+    assert in_hand.describe(10) == "at step 2 of 10 of epoch 3, between members' steps"
 
 
 class FakeEvent:

@@ -44,7 +44,7 @@ from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_a
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.runtime.lifetime import quiet_children, remove_shm, remove_shm_of
-from pipeline.training.group import GroupSpec
+from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
@@ -68,6 +68,7 @@ class Laggard:
     pid: int
     state: str  # as the OS sees it: running, sleeping, stopped (SIGSTOP, a debugger), ...
     depth: int  # buffers of the ring, all held
+    where: str  # its step and the members inside theirs (StepInHand.describe)
 
 
 @dataclass
@@ -76,6 +77,8 @@ class TrainerProcess:
     rank: int  # in its group
     readers: list[tuple[Ring, int]]  # (ring, reader index) of each stream it reads
     commands: connection.Connection  # the driver's end of its command pipe
+    in_hand: StepInHand  # where its steps are
+    steps_per_epoch: int
 
 
 class NodeProcesses:
@@ -142,14 +145,16 @@ class NodeProcesses:
             readers = {stream: self.rings[hub, stream].take_spare() for stream in spec.group.inputs}
         taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
         commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
+        in_hand = StepInHand(self.context, spec.group)
         process = self.context.Process(
             target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
             args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,
-                  self.reports.channel()))
+                  self.reports.channel(), in_hand))
         with quiet_children():
             process.start()
         commands.close()  # the child's end
-        self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender))
+        self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender,
+                                                             in_hand, spec.steps_per_epoch))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, process.pid)
 
@@ -201,7 +206,8 @@ class NodeProcesses:
             for trainer, reader in ((t, reader) for t in trainers for taken, reader in t.readers if taken is ring):
                 if ring.free[reader].get_value() == 0 and not ring.detached[reader]:
                     pid = trainer.process.pid
-                    found.append(Laggard(hub, stream, trainer.process.name, pid, _state(pid), ring.depth))
+                    found.append(Laggard(hub, stream, trainer.process.name, pid, _state(pid), ring.depth,
+                                         trainer.in_hand.describe(trainer.steps_per_epoch)))
         return found
 
     def remove(self, group: str) -> None:

@@ -42,8 +42,8 @@ class SplitWatch:
         behind = [lag for lag in self.flotilla.laggards() if lag.hub == hub]
         if behind:
             return f"{where} cannot publish: " + "; ".join(
-                f"trainer {lag.process} (pid {lag.pid}, {lag.state}) holds all {lag.depth} buffers of its ring of "
-                f"stream {lag.stream}" for lag in behind) + \
+                f"trainer {lag.process} (pid {lag.pid}, {lag.state}, {lag.where}) holds all {lag.depth} buffers of "
+                f"its ring of stream {lag.stream}" for lag in behind) + \
                 ". A trainer that stopped taking batches is stuck or stopped (SIGSTOP, a debugger), or its " \
                 "steps are that slow"
         said = self.flotilla.waiting.get(hub)

@@ -112,6 +112,41 @@ class GroupSpec:
         return replace(self, members=tuple(replace(m, slots=slots) for m in self.members))
 
 
+class StepInHand:
+    """Where a training process is, in memory its parent reads while it runs: the step it has begun (of
+    which epoch, for a trainer) and which members are inside theirs. A child that hangs, in a native
+    kernel or a collective, cannot say where it is; its parent can, from this."""
+
+    def __init__(self, context, group: GroupSpec):
+        self.names = tuple(m.name for m in group.members)
+        self._epoch_step = context.Array("q", [-1, -1], lock=False)  # (epoch, step in it); -1: none
+        self._in_step = context.Array("b", len(self.names), lock=False)  # per member: inside its step
+
+    def begin(self, step: int, epoch: int = -1) -> None:
+        self._epoch_step[:] = [epoch, step]
+
+    @contextlib.contextmanager
+    def stepping(self, names):
+        """Marks `names` (a unit's members) as inside their step while the block runs."""
+        indices = [self.names.index(name) for name in names]
+        for i in indices:
+            self._in_step[i] = 1
+        try:
+            yield
+        finally:
+            for i in indices:
+                self._in_step[i] = 0
+
+    def describe(self, steps: int) -> str:
+        """E.g. "at step 5 of 40 of epoch 2, in the step of a, b"; `steps`: of an epoch, or of the run."""
+        epoch, step = self._epoch_step[:]
+        if step < 0:
+            return "before its first step"
+        where = f"at step {step + 1} of {steps}" + (f" of epoch {epoch + 1}" if epoch >= 0 else "")
+        inside = [name for name, flag in zip(self.names, self._in_step) if flag]
+        return where + (f", in the step of {', '.join(inside)}" if inside else ", between members' steps")
+
+
 def cosine(total_steps: int):
     """The learning-rate factor after `step` steps: cosine annealing to 0 over the run."""
     total = max(1, total_steps)
@@ -217,16 +252,18 @@ class GroupStep:
     `total_steps` is the length of every member's cosine schedule. A data-parallel
     model (a group of one on `world` slots) joins its process group first
     (`init_process_group`, pipeline/delivery/collective.py). Losses stay on the device: a step never waits for it.
+    `in_hand`, where given, is told which members are inside their step.
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,
                  precision: Precision = Precision.fp32, world: int = 1, threads: int = 1,
-                 memory_format=None):
+                 memory_format=None, in_hand: StepInHand | None = None):
         import torch
 
         from pipeline.training.models import build_model
 
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
+        self.in_hand = in_hand
         # the layout every path trains in; another only where a benchmark compares them
         self.memory_format = training_memory_format(self.device) if memory_format is None else memory_format
         self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
@@ -293,14 +330,15 @@ class GroupStep:
         return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
 
     def _train_unit(self, unit, x, y) -> tuple:
-        unit.net.train()
-        with self._autocast():  # autocast is per thread: entered where the unit steps
-            losses = unit.losses(x, y)
-        unit.optimizer.zero_grad(set_to_none=True)
-        unit.scaler.scale(losses.sum()).backward()  # members' parameters are disjoint: own gradients
-        unit.scaler.step(unit.optimizer)
-        unit.scaler.update()
-        unit.schedule.step()
+        with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():
+            unit.net.train()
+            with self._autocast():  # autocast is per thread: entered where the unit steps
+                losses = unit.losses(x, y)
+            unit.optimizer.zero_grad(set_to_none=True)
+            unit.scaler.scale(losses.sum()).backward()  # members' parameters are disjoint: own gradients
+            unit.scaler.step(unit.optimizer)
+            unit.scaler.update()
+            unit.schedule.step()
         return unit.names, losses.detach().float()
 
     def predict(self, inputs: dict[str, object]) -> dict[str, object]:

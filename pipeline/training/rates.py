@@ -51,7 +51,7 @@ from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, how_it_ended, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
-from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group
+from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand, join_process_group
 
 
 @dataclass(frozen=True)
@@ -275,16 +275,15 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     reports = context.Queue()
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
-    # each rank's step in hand (-1: not started), shared so that a rank that hangs is caught saying where
-    steps = [context.Value("i", -1, lock=False) for _ in devices]
+    in_hand = [StepInHand(context, group) for _ in devices]  # a rank that hangs is named with where it is
     processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
-                                 args=(group, rank, devices, init_method, how, reports, steps[rank]), daemon=True)
+                                 args=(group, rank, devices, init_method, how, reports, in_hand[rank]), daemon=True)
                  for rank in range(len(devices))]
     try:
         with quiet_children():
             for process in processes:
                 process.start()
-        step_seconds = [_next_report(reports, processes, steps, group, how, abandon) for _ in processes]
+        step_seconds = [_next_report(reports, processes, in_hand, group, how, abandon) for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
             process.join(5)
@@ -297,7 +296,7 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     return statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
-def _next_report(reports, processes, steps, group: GroupSpec, how: Measurement,
+def _next_report(reports, processes, in_hand: list[StepInHand], group: GroupSpec, how: Measurement,
                  abandon: threading.Event | None) -> list[float]:
     slots, deadline = len(processes), time.monotonic() + how.report_s
     while True:
@@ -312,9 +311,8 @@ def _next_report(reports, processes, steps, group: GroupSpec, how: Measurement,
                 raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): "
                                    f"{'; '.join(dead)}") from None
             if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
-                where = "; ".join(f"{p.name} at step {step.value + 1} of {how.warmup + how.steps}"
-                                  if step.value >= 0 else f"{p.name} before its first step"
-                                  for p, step in zip(processes, steps))
+                where = "; ".join(f"{p.name} {where.describe(how.warmup + how.steps)}"
+                                  for p, where in zip(processes, in_hand))
                 raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): no report "
                                    f"in {how.report_s:g} s (timeouts.report_s): {where}; lower rates.steps or "
                                    "check the devices") from None
@@ -326,7 +324,7 @@ def _next_report(reports, processes, steps, group: GroupSpec, how: Measurement,
 
 
 def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
-                 reports, step_in_hand) -> None:
+                 reports, in_hand: StepInHand) -> None:
     """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
     child_started("rates")
     try:
@@ -341,7 +339,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         if world > 1:
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
-                         world, how.threads)
+                         world, how.threads, in_hand=in_hand)
         # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.
         random = np.random.default_rng(rank)
         batches = {}
@@ -352,7 +350,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             batches[stream] = (images, labels)
         step_seconds = []
         for number in range(how.warmup + how.steps):
-            step_in_hand.value = number
+            in_hand.begin(number)
             _synchronize(torch, device)
             started = time.perf_counter()
             step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})

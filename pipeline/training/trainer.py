@@ -30,7 +30,7 @@ import numpy as np
 from pipeline.delivery.stream import MessageKind
 from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started
-from pipeline.training.group import GroupSpec, GroupStep, Precision, join_process_group
+from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand, join_process_group
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
@@ -100,11 +100,11 @@ def note_best(checkpoint_dir: str | Path, model: str, epochs: int, accuracy: flo
     return best["epochs"]
 
 
-def trainer_main(spec: TrainerSpec, readers: dict, commands, reports) -> None:
+def trainer_main(spec: TrainerSpec, readers: dict, commands, reports, in_hand: StepInHand) -> None:
     """Process entry point: train until the streams say STOP."""
     child_started("trainer")
     try:
-        Trainer(spec, reports, commands).consume(readers)
+        Trainer(spec, reports, commands, in_hand).consume(readers)
     except BaseException:  # the driver names the group and shows the traceback, once
         reports.put(TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
         raise SystemExit(1) from None
@@ -182,10 +182,11 @@ class DeviceFeed:
 
 
 class Trainer:
-    def __init__(self, spec: TrainerSpec, reports, commands=None):
+    def __init__(self, spec: TrainerSpec, reports, commands=None, in_hand: StepInHand | None = None):
         import torch
 
         self.torch, self.spec, self.reports, self.commands = torch, spec, reports, commands
+        self.in_hand = in_hand  # where its steps are, for the driver's message if it hangs
         torch.set_num_threads(spec.threads)
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
@@ -200,7 +201,8 @@ class Trainer:
             self.collectives = join_process_group(spec.rendezvous, spec.rank, self.world, self.device,
                                                   spec.collective_s, spec.group.name)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
-                              spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads)
+                              spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads,
+                              in_hand=in_hand)
         self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
@@ -237,7 +239,7 @@ class Trainer:
     def _reset_epoch(self) -> None:
         """Training counters, reported and cleared at the end of each epoch's training split."""
         self.loss_sums = {name: self.torch.zeros((), device=self.device) for name in self.members}
-        self.seen, self.step_time, self.wait_time = 0, 0.0, 0.0
+        self.seen, self.steps_begun, self.step_time, self.wait_time = 0, 0, 0.0, 0.0
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
 
     def _obey(self) -> None:
@@ -309,6 +311,9 @@ class Trainer:
         self.seen += rows_here
         if self.spec.consume_only or not self.members:
             return
+        if self.in_hand:
+            self.in_hand.begin(self.steps_begun, self.epoch)
+        self.steps_begun += 1
         inputs = {stream: (self.step.normalise(x), y) for stream, (x, y) in copied.items()}
         with self.collectives():
             losses = self.step.train(inputs)
