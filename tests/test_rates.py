@@ -238,8 +238,8 @@ def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, 
     rank.join()
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): "
                                            f"rates-tiny-0 {says}"):
-        rate_measurement._next_report(context.Queue(), [rank], [StepInHand(context, alone(TINY))], alone(TINY),
-                                      how(), None)
+        in_hand = StepInHand(context, alone(TINY), how().steps)
+        rate_measurement._next_report(context.Queue(), [rank], [in_hand], alone(TINY), how(), None)
 
 
 @pytest.mark.slow
@@ -248,6 +248,6 @@ def test_a_rank_that_hangs_is_named_with_the_step_it_is_on():
     and the step it was on when the wait ended (inside tiny's step, or between two). The mistake it catches:
     a message that says neither."""
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): no "
-                                           r"report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of 1000001, "
-                                           r"(in the step of tiny|between members' steps);"):
+                                           r"report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of "
+                                           r"1000001, (in the step of tiny|between members' steps);"):
         measure_tiny(slot_counts=[1], steps=1_000_000, report_s=20)

@@ -133,20 +133,20 @@ def test_a_trainer_shows_its_parent_its_step_and_the_members_inside_theirs(tmp_p
     step it has begun and which members are inside their step, a fused array's all at once. Planted
     mistakes it catches: a step not counted, a unit not marked, a mark left after the step."""
     group = GroupSpec("g", (model("a", width=4), model("b"), model("c")), array_size=2)  # units: a; b and c fused
-    in_hand = StepInHand(mp.get_context("spawn"), group)
+    in_hand = StepInHand(mp.get_context("spawn"), group, steps=10)
     trainer = Trainer(trainer_spec(group, tmp_path), queue.Queue(), Pipe(), in_hand)
     seen = []
     for unit in trainer.step.units:
-        unit.losses = lambda x, y, losses=unit.losses: (seen.append(in_hand.describe(10)), losses(x, y))[1]
+        unit.losses = lambda x, y, losses=unit.losses: (seen.append(in_hand.describe()), losses(x, y))[1]
     images, labels = batch()
     message = lambda: SimpleNamespace(images=images, labels=labels, release=lambda: None)
-    assert in_hand.describe(10) == "before its first step"
+    assert in_hand.describe() == "before its first step"
     trainer.epoch = 2
     trainer._train_step({"main": message()})
     trainer._train_step({"main": message()})
     assert seen == [f"at step {step} of 10 of epoch 3, in the step of {names}"
                     for step in (1, 2) for names in ("a", "b, c")]
-    assert in_hand.describe(10) == "at step 2 of 10 of epoch 3, between members' steps"
+    assert in_hand.describe() == "at step 2 of 10 of epoch 3, between members' steps"
 
 
 class FakeEvent:

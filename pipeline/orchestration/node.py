@@ -78,7 +78,6 @@ class TrainerProcess:
     readers: list[tuple[Ring, int]]  # (ring, reader index) of each stream it reads
     commands: connection.Connection  # the driver's end of its command pipe
     in_hand: StepInHand  # where its steps are
-    steps_per_epoch: int
 
 
 class NodeProcesses:
@@ -145,7 +144,7 @@ class NodeProcesses:
             readers = {stream: self.rings[hub, stream].take_spare() for stream in spec.group.inputs}
         taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
         commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
-        in_hand = StepInHand(self.context, spec.group)
+        in_hand = StepInHand(self.context, spec.group, spec.steps_per_epoch)
         process = self.context.Process(
             target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
             args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,
@@ -154,7 +153,7 @@ class NodeProcesses:
             process.start()
         commands.close()  # the child's end
         self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender,
-                                                             in_hand, spec.steps_per_epoch))
+                                                             in_hand))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, process.pid)
 
@@ -207,7 +206,7 @@ class NodeProcesses:
                 if ring.free[reader].get_value() == 0 and not ring.detached[reader]:
                     pid = trainer.process.pid
                     found.append(Laggard(hub, stream, trainer.process.name, pid, _state(pid), ring.depth,
-                                         trainer.in_hand.describe(trainer.steps_per_epoch)))
+                                         trainer.in_hand.describe()))
         return found
 
     def remove(self, group: str) -> None:

@@ -117,10 +117,11 @@ class StepInHand:
     which epoch, for a trainer) and which members are inside theirs. A child that hangs, in a native
     kernel or a collective, cannot say where it is; its parent can, from this."""
 
-    def __init__(self, context, group: GroupSpec):
-        self.names = tuple(m.name for m in group.members)
+    def __init__(self, context, group: GroupSpec, steps: int):
+        self.steps = steps  # of an epoch (a trainer), or of the whole run (a measuring rank)
+        self.index = {m.name: i for i, m in enumerate(group.members)}
         self._epoch_step = context.Array("q", [-1, -1], lock=False)  # (epoch, step in it); -1: none
-        self._in_step = context.Array("b", len(self.names), lock=False)  # per member: inside its step
+        self._in_step = context.Array("b", len(self.index), lock=False)  # per member: inside its step
 
     def begin(self, step: int, epoch: int = -1) -> None:
         self._epoch_step[:] = [epoch, step]
@@ -128,22 +129,21 @@ class StepInHand:
     @contextlib.contextmanager
     def stepping(self, names):
         """Marks `names` (a unit's members) as inside their step while the block runs."""
-        indices = [self.names.index(name) for name in names]
-        for i in indices:
-            self._in_step[i] = 1
+        for name in names:
+            self._in_step[self.index[name]] = 1
         try:
             yield
         finally:
-            for i in indices:
-                self._in_step[i] = 0
+            for name in names:
+                self._in_step[self.index[name]] = 0
 
-    def describe(self, steps: int) -> str:
-        """E.g. "at step 5 of 40 of epoch 2, in the step of a, b"; `steps`: of an epoch, or of the run."""
+    def describe(self) -> str:
+        """E.g. "at step 5 of 40 of epoch 2, in the step of a, b"."""
         epoch, step = self._epoch_step[:]
         if step < 0:
             return "before its first step"
-        where = f"at step {step + 1} of {steps}" + (f" of epoch {epoch + 1}" if epoch >= 0 else "")
-        inside = [name for name, flag in zip(self.names, self._in_step) if flag]
+        where = f"at step {step + 1} of {self.steps}" + (f" of epoch {epoch + 1}" if epoch >= 0 else "")
+        inside = [name for name, i in self.index.items() if self._in_step[i]]
         return where + (f", in the step of {', '.join(inside)}" if inside else ", between members' steps")
 
 

@@ -275,7 +275,8 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     reports = context.Queue()
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
-    in_hand = [StepInHand(context, group) for _ in devices]  # a rank that hangs is named with where it is
+    # each rank's step in hand, shared: a rank that hangs is named with where it is
+    in_hand = [StepInHand(context, group, how.warmup + how.steps) for _ in devices]
     processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
                                  args=(group, rank, devices, init_method, how, reports, in_hand[rank]), daemon=True)
                  for rank in range(len(devices))]
@@ -311,8 +312,7 @@ def _next_report(reports, processes, in_hand: list[StepInHand], group: GroupSpec
                 raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): "
                                    f"{'; '.join(dead)}") from None
             if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
-                where = "; ".join(f"{p.name} {where.describe(how.warmup + how.steps)}"
-                                  for p, where in zip(processes, in_hand))
+                where = "; ".join(f"{p.name} {rank.describe()}" for p, rank in zip(processes, in_hand))
                 raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): no report "
                                    f"in {how.report_s:g} s (timeouts.report_s): {where}; lower rates.steps or "
                                    "check the devices") from None

@@ -186,7 +186,6 @@ class Trainer:
         import torch
 
         self.torch, self.spec, self.reports, self.commands = torch, spec, reports, commands
-        self.in_hand = in_hand  # where its steps are, for the driver's message if it hangs
         torch.set_num_threads(spec.threads)
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
@@ -202,7 +201,7 @@ class Trainer:
                                                   spec.collective_s, spec.group.name)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
                               spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads,
-                              in_hand=in_hand)
+                              in_hand=in_hand)  # where its steps are, for the driver if it hangs
         self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
@@ -311,8 +310,8 @@ class Trainer:
         self.seen += rows_here
         if self.spec.consume_only or not self.members:
             return
-        if self.in_hand:
-            self.in_hand.begin(self.steps_begun, self.epoch)
+        if self.step.in_hand:
+            self.step.in_hand.begin(self.steps_begun, self.epoch)
         self.steps_begun += 1
         inputs = {stream: (self.step.normalise(x), y) for stream, (x, y) in copied.items()}
         with self.collectives():
