@@ -1,9 +1,13 @@
 """Real runs on CPU slots where the scheduler changes a running flotilla: a model restarts on more
 slots (fleet_e), a model on its plateau gives a slot to one whose loss still falls (fleet_e with
 scheduler.phase_threshold), a waiting model joins a running stream (fleet_l with scheduler.join_running)."""
+import threading
+
 import pytest
 
+from pipeline.orchestration.driver import Driver, FlotillaThread
 from pipeline.run import run
+from pipeline.scheduler import Join
 from tests.conftest import compose_config
 from tests.test_run import small
 
@@ -106,12 +110,30 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
 # Two slots train slower than one (as on this machine's 2 cores): every flotilla starts on one slot.
 # resnet10_w24 forms flotilla 0, densenet40_k8 flotilla 1 on the other slot; when resnet10_w24 is done, the
 # joiner, of like rate (190 against 200), joins flotilla 1's stream instead of forming its own.
-# densenet40_k8 is made to grow 4x wider so that it still has epochs to go then (it takes about 3x as long
-# as resnet10_w24; at twice as wide it took 1.3x on an idle machine, and the joiner came too late).
 # densenet40_k12 reads the stream's input (alt): its trainer attaches to the running hub's ring; resnet10_w16
 # reads main, which the hub does not make: the flotilla is laid out again with it.
 JOIN_RATES = {"resnet10_w24": (300.0, 250.0), "densenet40_k8": (200.0, 160.0)}
 JOINERS = {"densenet40_k12": ("attached", "resnet10_w16"), "resnet10_w16": ("laid out again", "densenet40_k12")}
+
+
+def hold_the_host_for_its_joiner(monkeypatch):
+    """Flotilla 1 waits at its first epoch boundary until the scheduler sends it a joiner: the host then
+    still has epochs to go when resnet10_w24 is done, however fast each trains here."""
+    sent = threading.Event()
+    carry_out_decisions, carry_out_commands = Driver._carry_out, FlotillaThread._carry_out
+
+    def decide(driver, decisions):
+        carry_out_decisions(driver, decisions)
+        if any(isinstance(d, Join) for d in decisions):
+            sent.set()
+
+    def wait_at_the_boundary(thread, flotilla, epoch):
+        if thread.flotilla_id == 1 and epoch == 1:
+            assert sent.wait(timeout=300), "no model joined flotilla 1 within 300 s"
+        carry_out_commands(thread, flotilla, epoch)
+
+    monkeypatch.setattr(Driver, "_carry_out", decide)
+    monkeypatch.setattr(FlotillaThread, "_carry_out", wait_at_the_boundary)
 
 
 @pytest.mark.parametrize("joiner_name", JOINERS)
@@ -119,9 +141,9 @@ def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(joine
                                                                           monkeypatch):
     how, other = JOINERS[joiner_name]
     fixed_rates(monkeypatch, {**JOIN_RATES, joiner_name: (190.0, 150.0), other: (100.0, 80.0)})
+    hold_the_host_for_its_joiner(monkeypatch)
     cfg = compose_config(small(tiny_dataset, "scheduler=fleet_l", "scheduler.join_running=true", "trainer.slots=2",
-                               "trainer.epochs=4", "scheduler.patience=0", "ensemble.models.3.growth_rate=32",
-                               f"rates.cache={tmp_path / 'rate_cache.json'}"))
+                               "trainer.epochs=4", "scheduler.patience=0", f"rates.cache={tmp_path / 'rate_cache.json'}"))
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
     (join,) = [d for d in decisions if d["decision"] == "Join"]
@@ -131,10 +153,10 @@ def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(joine
         assert model["epochs"] == 4 and model["converged"] and len(model["val_accuracy"]) == 4
     host, joiner = models["densenet40_k8"], models[joiner_name]
     assert [s["flotilla"] for s in host["flotillas"]] == [1] and joiner["flotillas"][0]["flotilla"] == 1
-    # it joined the stream after the epochs flotilla 1 had run, which its host had trained by then (once the
-    # host is done, fleet_l's min_active_fraction stops the flotilla, and the joiner goes on in another)
+    # it joined the stream at the boundary the host was held at (once the host is done, fleet_l's
+    # min_active_fraction stops the flotilla, and the joiner goes on in another)
     stint = joiner["flotillas"][0]
-    assert 0 < stint["flotilla_epoch"] < 4 and stint["start_epoch"] == 0 and stint["joined"] == how
+    assert stint["flotilla_epoch"] == 1 and stint["start_epoch"] == 0 and stint["joined"] == how
     # the host trained on (attached: untouched; laid out again: from the checkpoint of the epoch it had
     # finished): its loss goes on, and it trained on each image once an epoch, as resnet10_w24 did alone
     assert host["train_loss"][stint["flotilla_epoch"]] < host["train_loss"][0]
