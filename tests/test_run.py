@@ -74,9 +74,12 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
         assert model["converged"] == "reached trainer.epochs=2"
         assert (out / "checkpoints" / model["name"] / "epoch2.pt").is_file()
         # Trained images: every delivered one (DDP ranks take rows rank, rank + 2, ...: rank 0's
-        # count x 2 rounds odd batches up). Steps fit in the run, so the rate is at least this.
+        # count x 2 rounds odd batches up).
         assert delivered <= model["images"] <= delivered + (model["slots"] - 1) * math.ceil(delivered / 16)
-        assert model["images_per_s"] >= model["images"] / results["wall_s"]
+        # Its rate counts time inside its steps only: its stints' training time less the waits for batches
+        # (a rate over the waits too, or per slot, fails).
+        step_s = sum(s["train_s"] for s in model["flotillas"]) * (1 - model["data_stall_pct"] / 100)
+        assert model["images_per_s"] == pytest.approx(model["images"] / step_s)
         best = model["best_checkpoint"]  # every epoch is checkpointed: the best is the first of the highest
         assert best["val_accuracy"] == max(model["val_accuracy"])
         assert best["epochs"] == model["val_accuracy"].index(best["val_accuracy"]) + 1
@@ -216,15 +219,20 @@ def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_pat
     # the run's own measurement after that; each planned rate capped by that preprocessing, as simulated.
     cluster, plans = results["scheduler"]["cluster"], results["scheduler"]["flotillas"]
     assert cluster["cores_per_node"] == results["cluster"]["threads"] and cluster["slots_per_node"] == 2
-    assert plans["0"]["prep_seconds_per_image"] > 0
     assert plans["1"]["prep_seconds_per_image"] != plans["0"]["prep_seconds_per_image"]
+    models = {m["name"]: m for m in results["models"]}
     for form in formed:
         members = ast.literal_eval(form["members"])
         plan = plans[form["flotilla"]]
+        # A plan promises no more than its slowest member trains at on its slots, nor than the node's threads
+        # preprocess at the cost it was planned with (the formula itself: test_scheduler, on hand numbers).
         slowest = min(results["rates"][model][slots - 1] for model, slots in members.items())
         prep = cluster["cores_per_node"] / 2 / plan["prep_seconds_per_image"] * sum(members.values())
-        assert plan["planned_images_per_s"] == pytest.approx(min(slowest, prep))
-        assert plan["measured_images_per_s"] is not None
+        assert plan["planned_images_per_s"] <= min(slowest, prep) * (1 + 1e-9)
+        # As it ran: its slowest member's images over its time training, waits included (its fastest, or
+        # steps only, fails).
+        stints = [s for name in members for s in models[name]["flotillas"] if s["flotilla"] == int(form["flotilla"])]
+        assert plan["measured_images_per_s"] == pytest.approx(min(s["images"] / s["train_s"] for s in stints))
 
 
 def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, monkeypatch):
