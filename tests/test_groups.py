@@ -1,10 +1,13 @@
 """Slot groups: who shares a slot (pure), and the placement of the shipped ensembles on 1-8 GPUs of a
 given memory, as a run plans it (no GPU needed: the plan is made before any device is touched)."""
+from dataclasses import replace
+
 import pytest
 
 from pipeline.config import expand_ensemble
 from pipeline.orchestration.devices import DeviceKind, SlotError, slot_devices
-from pipeline.orchestration.grouping import check_group_memory, choose_fusion, group_bytes, measure_sizes, plan_groups
+from pipeline.orchestration.grouping import (ModelSize, check_group_memory, choose_fusion, group_bytes, measure_sizes,
+                                             plan_groups)
 from pipeline.scheduler import Cluster, Scheduler, Start, make_policy
 from pipeline.scheduler.cluster import PlacementError
 from pipeline.scheduler.groups import Candidate, Grouping, form_groups
@@ -59,14 +62,20 @@ def test_a_group_fuses_each_family_in_arrays_and_packs_the_rest():
 
 
 def test_a_fused_array_needs_its_members_activations_at_once_packed_members_one_at_a_time():
-    sizes = measure_sizes([spec("a")], 4, {"main": 32}, 16)
-    one = sizes["a"]
-    group = GroupSpec("g", tuple(spec(n) for n in "abc"))
-    sizes = {n: one for n in "abc"}
-    assert group_bytes(group, sizes) == 3 * one.state_bytes + one.activation_bytes
-    assert group_bytes(GroupSpec("g", group.members, 3), sizes) == 3 * one.state_bytes + 3 * one.activation_bytes
-    # on 2 CPU threads two units step side by side
-    assert group_bytes(group, sizes, lanes=2) == 3 * one.state_bytes + 2 * one.activation_bytes
+    """A slot holds every member's state and the activations of what steps at once: the largest unit
+    (a fused array: its members' together), or the `lanes` largest side by side; a data-parallel model
+    its share of the batch's. Packed members' activations summed, a fused array's taken as its largest
+    member's, or a model's share not rounded up, fails."""
+    def size(state, activations):
+        return ModelSize(0, state, activations, 0.0)
+
+    sizes = {"a": size(100, 1000), "b": size(200, 2000), "c": size(300, 4000), "d": size(400, 2500)}
+    members = (spec("a"), spec("b"), spec("c"), spec("d", "densenet"))
+    assert group_bytes(GroupSpec("g", members), sizes) == 1000 + 4000
+    assert group_bytes(GroupSpec("g", members, 3), sizes) == 1000 + (1000 + 2000 + 4000)
+    assert group_bytes(GroupSpec("g", members), sizes, lanes=2) == 1000 + (4000 + 2500)
+    data_parallel = replace(spec("a"), slots=2)
+    assert group_bytes(GroupSpec("a", (data_parallel,)), {"a": size(100, 1001)}) == 100 + 501
 
 
 def place(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES, grouping: Grouping | None = None):
