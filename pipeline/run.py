@@ -38,7 +38,7 @@ from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
-from pipeline.scheduler import POLICIES, Cluster, RatesMeasured, RateTable, Scheduler, make_policy
+from pipeline.scheduler import POLICIES, Cluster, Policy, RatesMeasured, RateTable, Scheduler, make_policy
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
@@ -193,8 +193,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     _print_header(console, cfg, inputs, device_kind, len(slots), workers)
     state_dir = output_dir / STATE_DIR
     results: dict = {}
-    sizes = measure_sizes(models, len(graph.source.class_names),
-                          {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, cfg.pipeline.batch_size)
+    sizes = _sizes(models, graph, cfg.pipeline.batch_size)
     if cfg.resume:  # the groups it formed, as they were (measuring again might form others)
         saved = json.loads((state_dir / "run.json").read_text())
         groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
@@ -205,8 +204,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         with agent_rates(agents, key) as where:  # with node agents, node 0's measures on its host
             groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates,
                                    output_dir, console, results, where)
-    policy = make_policy(cfg.scheduler.policy, cfg.scheduler.min_active_fraction, {g.name: g.slots for g in groups},
-                         cfg.scheduler.phase_threshold, cfg.scheduler.join_running)
+    policy = _policy(cfg, groups)
     nodes = cfg.cluster.nodes
     s = cfg.scheduler
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
@@ -279,6 +277,19 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         **recorder.as_dict(training_s),
     })
     return results
+
+
+def _sizes(models: list[ModelSpec], graph: StageGraph, batch_size: int) -> dict:
+    """Each model's weight (grouping.ModelSize) at the graph's classes and its input's image size."""
+    return measure_sizes(models, len(graph.source.class_names),
+                         {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, batch_size)
+
+
+def _policy(cfg: DictConfig, groups: list[GroupSpec]) -> Policy:
+    """The configured scheduling policy, each group asking for its slots."""
+    s = cfg.scheduler
+    return make_policy(s.policy, s.min_active_fraction, {g.name: g.slots for g in groups}, s.phase_threshold,
+                       s.join_running)
 
 
 def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: dict, device_kind: DeviceKind,

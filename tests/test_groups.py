@@ -1,11 +1,18 @@
 """Slot groups: who shares a slot (pure), and the placement of the shipped ensembles on 1-8 GPUs of a
 given memory, as a run plans it (no GPU needed: the plan is made before any device is touched)."""
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
 
 from pipeline.config import expand_ensemble
+from pipeline.data.graph import build_graph
 from pipeline.orchestration.devices import DeviceKind, SlotError, slot_devices
-from pipeline.orchestration.grouping import check_group_memory, choose_fusion, group_bytes, measure_sizes, plan_groups
-from pipeline.scheduler import Cluster, Scheduler, Start, make_policy
+from pipeline.orchestration.grouping import ModelSize, group_bytes
+from pipeline.run import _devices, _group, _policy, _sizes
+from pipeline.scheduler import Cluster, FormFlotilla, RatesMeasured, Scheduler, Start
 from pipeline.scheduler.cluster import PlacementError
 from pipeline.scheduler.groups import Candidate, Grouping, form_groups
 from pipeline.training.group import GroupSpec, ModelSpec
@@ -59,32 +66,36 @@ def test_a_group_fuses_each_family_in_arrays_and_packs_the_rest():
 
 
 def test_a_fused_array_needs_its_members_activations_at_once_packed_members_one_at_a_time():
-    sizes = measure_sizes([spec("a")], 4, {"main": 32}, 16)
-    one = sizes["a"]
-    group = GroupSpec("g", tuple(spec(n) for n in "abc"))
-    sizes = {n: one for n in "abc"}
-    assert group_bytes(group, sizes) == 3 * one.state_bytes + one.activation_bytes
-    assert group_bytes(GroupSpec("g", group.members, 3), sizes) == 3 * one.state_bytes + 3 * one.activation_bytes
-    # on 2 CPU threads two units step side by side
-    assert group_bytes(group, sizes, lanes=2) == 3 * one.state_bytes + 2 * one.activation_bytes
+    """A slot holds every member's state and the activations of what steps at once: the largest unit
+    (a fused array: its members' together), or the `lanes` largest side by side; a data-parallel model
+    its share of the batch's. Packed members' activations summed, a fused array's taken as its largest
+    member's, or a model's share not rounded up, fails."""
+    def size(state, activations):
+        return ModelSize(0, state, activations, 0.0)
+
+    sizes = {"a": size(100, 1000), "b": size(200, 2000), "c": size(300, 4000), "d": size(400, 2500)}
+    members = (spec("a"), spec("b"), spec("c"), spec("d", "densenet"))
+    assert group_bytes(GroupSpec("g", members), sizes) == 1000 + 4000
+    assert group_bytes(GroupSpec("g", members, 3), sizes) == 1000 + (1000 + 2000 + 4000)
+    assert group_bytes(GroupSpec("g", members), sizes, lanes=2) == 1000 + (4000 + 2500)
+    data_parallel = replace(spec("a"), slots=2)
+    assert group_bytes(GroupSpec("a", (data_parallel,)), {"a": size(100, 1001)}) == 100 + 501
 
 
-def place(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES, grouping: Grouping | None = None):
-    """The run's plan on `gpus` GPUs of `gpu_bytes` (run.py's steps before any device is used): slots,
-    groups, the memory check, and the shared policy's first flotilla. Returns the groups and the
-    slots each was started on."""
-    cfg = compose_config(overrides)
+def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES):
+    """The run's plan on `gpus` GPUs of `gpu_bytes` (as a node agent reports its host's), made by run.py's
+    own steps before any device is used: slots, groups, the memory check, and the policy's first flotilla.
+    Returns the groups and the slots each was started on."""
+    cfg = compose_config([*overrides, f"dataset.root={dataset}"])
     models = expand_ensemble(cfg.ensemble)
-    grouping = grouping or cfg.trainer.grouping
-    slots = slot_devices(DeviceKind.cuda, gpus, cfg.trainer.slots, models)
-    image_sizes = {"main": cfg.pipeline.image_size, "alt": cfg.pipeline.alt_image_size}
-    sizes = measure_sizes(models, cfg.dataset.synthetic_classes, image_sizes, cfg.pipeline.batch_size)
-    groups = plan_groups(models, sizes, len(slots), grouping, None)
-    groups, measured = choose_fusion(groups, grouping, sizes, gpu_bytes, lanes=1, how=None, cache=None)
-    assert not measured  # nothing here measures: auto has no family to fuse, fuse and pack need no rates
-    check_group_memory(groups, sizes, gpu_bytes)
-    policy = make_policy(cfg.scheduler.policy, requested_slots={g.name: g.slots for g in groups})
-    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(slots)), policy)
+    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
+                        {m.input for m in models})
+    device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": gpus, "gpu_memory": gpu_bytes}})
+    sizes = _sizes(models, graph, cfg.pipeline.batch_size)
+    results = {}
+    groups, _ = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, False, Path(), Console(), results)
+    assert not results  # nothing measured: the shared policy needs no rates, and fuse and pack none either
+    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(slots)), _policy(cfg, groups))
     starts = [d for d in scheduler.start(0.0) if isinstance(d, Start)]
     assert {d.model for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}
     placed = {name: scheduler.flotillas[0].members[name] for name in scheduler.flotillas[0].members}
@@ -92,8 +103,10 @@ def place(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES, grouping
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
-def test_the_default_command_is_placed_on_1_to_8_gpus(gpus):
-    groups, placed = place(["+ensemble=caltech256"], gpus)
+def test_the_default_command_is_placed_on_1_to_8_gpus(tiny_dataset, gpus):
+    """One group per GPU up to 4 (the models' count), each started on its own. Models sharing a GPU
+    while another is idle, a group given two GPUs, or a model left out, fails."""
+    groups, placed = place(tiny_dataset, ["+ensemble=caltech256"], gpus)
     members = sorted(m.name for g in groups for m in g.members)
     assert members == ["densenet40_k12", "densenet40_k8", "resnet10_w16", "resnet10_w24"]
     assert len(groups) == min(4, gpus)
@@ -102,8 +115,8 @@ def test_the_default_command_is_placed_on_1_to_8_gpus(gpus):
 
 
 @pytest.mark.parametrize("grouping", [Grouping.fuse, Grouping.pack])
-def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(grouping):
-    groups, placed = place(["+ensemble=caltech256_paper"], 8, grouping=grouping)
+def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(tiny_dataset, grouping):
+    groups, placed = place(tiny_dataset, ["+ensemble=caltech256_paper", f"trainer.grouping={grouping.value}"], 8)
     assert sum(len(g.members) for g in groups) == 100 and len(groups) == len(placed) == 8
     if grouping == Grouping.fuse:  # sweeps fuse: most models train in arrays
         fused = sum(len(unit) for g in groups for unit in g.units() if len(unit) > 1)
@@ -112,21 +125,16 @@ def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(group
         assert all(g.mode == "packed" for g in groups)
 
 
-def test_a_group_too_large_for_a_gpu_is_a_clear_error():
+def test_a_group_too_large_for_a_gpu_is_a_clear_error(tiny_dataset):
+    """On one GPU of 32 GiB each paper model fits alone (24.5 GiB at most, headroom included) but the 100
+    packed together do not (42 GiB): a plan that skips the group's memory check fails."""
     with pytest.raises(SlotError, match=r"group group0 \(100 models.*trainer.slots"):
-        place(["+ensemble=caltech256_paper"], 1, 8 * 2**30, Grouping.pack)
+        place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.grouping=pack"], 1, 32 * 2**30)
 
 
 def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monkeypatch):
     """scheduler=fleet_g with trainer.grouping=pack on 2 slots: every model is measured alone (its cost
     decides who shares), then each group of several on one slot; the planner's members are the groups."""
-    from omegaconf import OmegaConf
-    from rich.console import Console
-
-    from pipeline.data.graph import build_graph
-    from pipeline.orchestration.grouping import measure_sizes
-    from pipeline.run import _group
-    from pipeline.scheduler import FormFlotilla, RatesMeasured
     from pipeline.training import rates as rate_measurement
 
     measured = []
@@ -143,15 +151,13 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
     graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
                         {m.input for m in models})
     slots = slot_devices(DeviceKind.cpu, 0, 2, models)
-    sizes = measure_sizes(models, len(graph.source.class_names),
-                          {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, cfg.pipeline.batch_size)
+    sizes = _sizes(models, graph, cfg.pipeline.batch_size)
     groups, table = _group(cfg, models, graph, sizes, DeviceKind.cpu, slots, 2**34, True, tmp_path, Console(), {})
     assert len(groups) == 2 and all(len(g.members) == 2 and g.mode == "packed" for g in groups)
     assert measured[:4] == [((m.name,), [1, 2]) for m in models]
     assert sorted(measured[4:]) == sorted((tuple(m.name for m in g.members), [1]) for g in groups)
     assert table.rates == {g.name: (50.0,) for g in groups}
-    policy = make_policy(cfg.scheduler.policy)
-    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=2), policy)
+    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=2), _policy(cfg, groups))
     decisions = [d for name, rates in table.rates.items() for d in scheduler.handle(RatesMeasured(0.0, name, rates))]
     formed = [d for d in decisions if isinstance(d, FormFlotilla)]
     assert formed and set(formed[0].members) == {g.name for g in groups}

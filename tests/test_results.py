@@ -37,19 +37,23 @@ def test_ensemble_accuracy_waits_for_every_model_then_averages_softmax():
     assert recorder.ensemble_accuracy == {0: 1.0}
 
 
-def test_ensemble_beats_its_members_when_their_mistakes_differ():
-    """Three models each wrong on a different image: every one scores 2/3, the mean softmax 3/3."""
-    names = ["a", "b", "c"]
-    recorder = RunRecorder([spec(n) for n in names], dict.fromkeys(names, 1), dict.fromkeys(names, 32))
-    labels = np.array([0, 1, 0])
-    for index, name in enumerate(names):
+def test_ensemble_beats_its_best_member_when_their_mistakes_differ():
+    """Five images, each one wrong in one model only, sure when right and less sure when wrong: the mean
+    softmax gets all five right, the best member (b) 4 of 5. The ensemble taken as one member's softmax or
+    from the members' accuracies, or the best member's accuracy as the first's, the last's or their mean,
+    fails."""
+    labels = np.array([0, 1, 0, 1, 0])
+    wrong = {"a": [0, 1], "b": [2], "c": [3, 4]}
+    reported = {"a": 3 / 5, "b": 4 / 5, "c": 3 / 5}  # what their trainers measured
+    recorder = RunRecorder([spec(n) for n in wrong], dict.fromkeys(wrong, 1), dict.fromkeys(wrong, 32))
+    for name, images in wrong.items():
         recorder.joined(alone(name), 0, ("cpu",), 0)
         probs = np.where(np.eye(2, dtype=bool)[labels], 0.8, 0.2).astype(np.float32)  # right, sure of it
-        probs[index] = np.where(np.eye(2, dtype=bool)[labels[index]], 0.35, 0.65)  # wrong, less sure
-        recorder.add_report(ValReport(name, 0, float((probs.argmax(1) == labels).mean()), probs, labels))
-    results = recorder.as_dict(wall_s=1.0)
-    assert [m["final_val_accuracy"] for m in results["models"]] == [2 / 3] * 3
-    assert results["ensemble"]["val_accuracy"] == [1.0] and results["ensemble"]["final_val_accuracy"] == 1.0
+        probs[images] = np.where(np.eye(2, dtype=bool)[labels[images]], 0.35, 0.65)  # wrong, less sure
+        recorder.add_report(ValReport(name, 0, reported[name], probs, labels))
+    ensemble = recorder.as_dict(wall_s=1.0)["ensemble"]
+    assert ensemble["val_accuracy"] == [1.0] and ensemble["final_val_accuracy"] == 1.0
+    assert ensemble["best_model_val_accuracy"] == 4 / 5
 
 
 def test_an_epoch_done_again_after_a_resume_counts_once_and_the_record_survives_a_restart(tmp_path):
