@@ -3,16 +3,16 @@ cache, the rate table and the errors. Behaviour only: nothing here asserts speed
 import json
 import multiprocessing
 import os
+import queue
 import signal
-import time
 
 import pytest
 
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.group import GroupSpec, ModelSpec, StepInHand
-from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, RateError, format_table,
-                                     measure_rate_table, measure_rates, save_table)
+from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, RateError, StepTimes,
+                                     format_table, measure_rate_table, measure_rates, save_table)
 
 TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
 DENSE = ModelSpec("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")
@@ -32,29 +32,97 @@ def measure_tiny(group=alone(TINY), slot_counts=(1, 2), **changes):
     return measure_rates(group, list(slot_counts), how(**changes))
 
 
+def test_a_rate_is_the_whole_batch_over_the_median_step_of_the_slowest_rank():
+    """Two ranks' timed steps: the steps take 0.25, 0.5 and 0.2 s (the slower rank's), median 0.25 s, so
+    16 images make 64 images/s. Rank 0's steps alone (128), the mean step (50.5), the median of all
+    durations or of the slower rank's (80), images per ms, or a rank's share of the batch (32) fail."""
+    assert rate_measurement._images_per_s(16, [[0.1, 0.5, 0.125], [0.25, 0.2, 0.2]]) == 64
+
+
+class Clock:
+    """Stands in for the time module in rates: time passes only when the test says."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch):
+    """A rank run in this process, with steps of known cost: 1000 s pass between steps, the warmup step
+    trains for 100 s, the timed ones for 1, 2 and 3 s, and normalising a batch (part of a step, as in the
+    trainer) takes 0.5 s. It reports 1.5, 2.5 and 3.5 s. A timed warmup step, or a clock running between
+    steps, fails."""
+    import torch
+
+    clock, training = Clock(), iter([100, 1, 2, 3])
+
+    class Step:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def normalise(self, images):
+            clock.now += 0.5
+            return images
+
+        def train(self, batches):
+            clock.now += next(training)
+
+    class InHand:
+        def begin(self, step):
+            clock.now += 1000
+
+    monkeypatch.setattr(rate_measurement, "GroupStep", Step)
+    monkeypatch.setattr(rate_measurement, "time", clock)
+    monkeypatch.setattr(rate_measurement, "child_started", lambda role: None)  # keeps this process's signals
+    reports = queue.SimpleQueue()
+    # threads: this process's own count, which the rank sets
+    rate_measurement._train_steps(alone(TINY), 0, ["cpu"], "", how(devices=["cpu"], steps=3, warmup=1,
+                                                                   threads=torch.get_num_threads()),
+                                  reports, InHand())
+    assert reports.get_nowait() == StepTimes(0, [1.5, 2.5, 3.5]) and reports.empty()
+
+
+def measure_and_record(monkeypatch, slot_counts, **changes):
+    """measure_tiny's rates, and what each run's ranks reported (slot count -> each rank's step durations)."""
+    reported, next_report = [], rate_measurement._next_report
+
+    def record(*args):
+        reported.append(next_report(*args))
+        return reported[-1]
+
+    monkeypatch.setattr(rate_measurement, "_next_report", record)
+    rates = measure_tiny(slot_counts=slot_counts, **changes)
+    by_run = {}
+    for slots in slot_counts:
+        by_run[slots], reported = reported[:slots], reported[slots:]
+    return rates, by_run
+
+
 @pytest.mark.slow
-def test_rates_are_images_per_second_of_the_timed_steps_on_one_and_two_cpu_slots():
-    """A rate is batch / median step, and the timed steps lie inside the call: a median step is at
-    most twice the mean, so each rate is at least batch x steps / (2 x the call's seconds). A rate in
-    the wrong unit (images per ms), or of the wrong quantity (a rank's share of the batch), fails."""
-    started = time.perf_counter()
-    rates = measure_tiny(steps=4)
-    elapsed = time.perf_counter() - started
-    assert set(rates) == {1, 2}
-    for slots, rate in rates.items():
-        assert 16 * 4 / (2 * elapsed) <= rate < float("inf"), (slots, rate, elapsed)
+def test_rates_are_images_per_second_of_the_timed_steps_on_one_and_two_cpu_slots(monkeypatch):
+    """Each rank of a run reports its 4 timed steps (the warmup step left out), and the run's rate is the
+    whole batch over them (the rule: test_a_rate_is_the_whole_batch_over_the_median_step_of_the_slowest_rank).
+    A timed warmup step, or a rank's share of the batch, fails."""
+    rates, reported = measure_and_record(monkeypatch, [1, 2], steps=4)
+    assert {slots: [len(steps) for steps in ranks] for slots, ranks in reported.items()} == {1: [4], 2: [4, 4]}
+    assert rates == {slots: rate_measurement._images_per_s(16, ranks) for slots, ranks in reported.items()}
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_rates_on_gpus_with_nccl():
+def test_rates_on_gpus_with_nccl(monkeypatch):
+    """As on CPU slots, over NCCL: each rank of a run reports its 2 timed steps, and the run's rate is the
+    whole batch over them. A timed warmup step, or a rank's share of the batch, fails."""
     import torch
 
-    gpus = [f"cuda:{i}" for i in range(min(torch.cuda.device_count(), 2))]
-    started = time.perf_counter()
-    rates = measure_tiny(slot_counts=list(range(1, len(gpus) + 1)), device_kind="cuda", devices=gpus)
-    elapsed = time.perf_counter() - started
-    assert all(16 * 2 / (2 * elapsed) <= rate < float("inf") for rate in rates.values()), (rates, elapsed)
+    slot_counts = list(range(1, min(torch.cuda.device_count(), 2) + 1))
+    rates, reported = measure_and_record(monkeypatch, slot_counts, device_kind="cuda",
+                                         devices=[f"cuda:{i}" for i in range(len(slot_counts))])
+    assert {slots: [len(steps) for steps in ranks] for slots, ranks in reported.items()} == \
+        {slots: [2] * slots for slots in slot_counts}
+    assert rates == {slots: rate_measurement._images_per_s(16, ranks) for slots, ranks in reported.items()}
 
 
 @pytest.fixture

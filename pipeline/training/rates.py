@@ -145,8 +145,14 @@ def measure_rates(group: GroupSpec, slot_counts: list[int], how: Measurement,
     """Images/s of `group` trained on each of `slot_counts` slots, on this process's devices. When
     `abandon` is set (an agent's driver is gone), a measurement under way stops and its ranks are killed."""
     _check_request(group, slot_counts, how)
-    return {slots: how.batch_size / _median_step_seconds(group, how.devices[:slots], how, abandon)
+    return {slots: _images_per_s(how.batch_size, _step_seconds(group, how.devices[:slots], how, abandon))
             for slots in slot_counts}
+
+
+def _images_per_s(batch_size: int, step_seconds: list[list[float]]) -> float:
+    """A run's rate from its ranks' timed steps (`step_seconds[rank][step]`, seconds): the whole batch over
+    the median step, a step taking as long as its slowest rank."""
+    return batch_size / statistics.median(max(ranks) for ranks in zip(*step_seconds))
 
 
 def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement, cache_path: Path,
@@ -269,8 +275,9 @@ def _check_gpus(devices: list[str]) -> None:
         raise RateError(f"devices {devices} repeat a GPU, but NCCL needs one GPU per rank; list each once")
 
 
-def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
-                         abandon: threading.Event | None) -> float:
+def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
+                  abandon: threading.Event | None) -> list[list[float]]:
+    """Each rank's timed steps' durations (seconds), in the order the ranks report."""
     context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
     reports = context.Queue()
     rendezvous = LocalRendezvous()
@@ -294,7 +301,7 @@ def _median_step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
         reports.close()
         reports.join_thread()
         rendezvous.close()
-    return statistics.median(max(ranks) for ranks in zip(*step_seconds))
+    return step_seconds
 
 
 def _next_report(reports, processes, in_hand: list[StepInHand], group: GroupSpec, how: Measurement,
