@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
+from PIL import Image
 
 from pipeline.report import analyse, write_report
 from pipeline.report.build import report_dict
@@ -328,6 +330,7 @@ def console_messages(stderr: str) -> list[str]:
 
 
 def test_report_renders_in_headless_chromium(tmp_path):
+    """A page that renders blank, or a verdict that lost its coloured banner (its class), fails."""
     if not shutil.which(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is not installed (apt-get install -y chromium; .ci/run installs it)")
     (tmp_path / "dask-report.html").write_text("<html></html>")  # linked, not loaded
@@ -342,5 +345,10 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert console_messages(dom.stderr) == []
     screenshot = tmp_path / "report.png"
     shot = chromium(paths.html, tmp_path / "profile-shot", f"--screenshot={screenshot}", "--window-size=1280,2000")
-    assert shot.returncode == 0 and screenshot.stat().st_size > 10_000, shot.stderr[-2000:]
+    assert shot.returncode == 0, shot.stderr[-2000:]
     assert console_messages(shot.stderr) == []
+    pixels = np.asarray(Image.open(screenshot).convert("RGB"))
+    assert pixels.shape == (2000, 1280, 3)  # the window
+    # The input-bound verdict's banner (#fdecea) spans the body: 1200 px (max-width) within its 1 px border.
+    banner = (pixels == (0xfd, 0xec, 0xea)).all(axis=2)
+    assert banner.sum(axis=1).max() == 1198
