@@ -126,11 +126,26 @@ def test_remote_cluster_without_thread_count_does_not_guess():
     assert "record cluster.threads" in analysis.verdict.line
 
 
+def documented_schema() -> tuple[int, set[str], set[str]]:
+    """docs/report.md's report.json: its version, the fields always written and those written only
+    when the run recorded them (or in profile mode)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "report.md").read_text()
+    version, block = re.search(r"## report\.json, schema version (\d+)\n.*?```text\n(.*?)```", text, re.S).groups()
+    fields = re.split(r"\n(?=\S)", block)  # a field's line, then its indented continuation lines
+    names = {field.split()[0].removesuffix("[]"): field for field in fields}
+    optional = {name for name, field in names.items() if "only when recorded" in field or "profile mode only" in field}
+    return int(version), set(names) - optional, optional
+
+
 def test_report_files_are_self_contained_and_versioned(tmp_path):
+    """A field renamed, or the version raised, without docs/report.md's schema following, fails; so does
+    report.json leaving out an action that is not one config key."""
     paths = write_report(input_bound(), tmp_path)
     report = json.loads(paths.json.read_text())
-    assert report["schema_version"] == 2
-    assert report["verdict"]["bound"] == "input" and len(report["actions"]) == 2
+    version, always, _ = documented_schema()
+    assert report["schema_version"] == version and set(report) == always
+    assert report["verdict"]["bound"] == "input"
+    assert [a["override"] for a in report["actions"]] == ["cluster.workers=4", None]  # no key cheapens decode
     assert [s["name"] for s in report["stages"]] == ["read", "decode", "crop"]
     assert report["models"][1]["vs_slowest"] == pytest.approx(1.5)
     assert report["measurements_missing"] == list(OPTIONAL)
@@ -169,6 +184,8 @@ def with_optional_measurements() -> dict:
 def test_optional_measurements_are_shown_when_recorded(tmp_path):
     paths = write_report(with_optional_measurements(), tmp_path)
     report = json.loads(paths.json.read_text())
+    _, always, optional = documented_schema()
+    assert set(report) == always | optional - {"profile_pass"}
     assert report["measurements_missing"] == []
     # time-weighted over [0,1): 0, [1,3): 2, [3,4): 4 of 4 slots
     assert report["occupancy"]["prefetch"] == {"capacity": 4, "mean_pct": 50.0, "p95_pct": 100.0,
