@@ -301,6 +301,7 @@ def test_sweep_callback_runs_at_the_end_of_a_real_hydra_multirun(tmp_path):
 
 @pytest.mark.slow
 def test_report_of_a_real_run(tiny_dataset, tmp_path):
+    """A verdict read from the stall of a model that does not set the pace fails."""
     from pipeline.run import run
     from tests.conftest import compose_config
 
@@ -310,11 +311,16 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
     results = json.loads(json.dumps(run(cfg, tmp_path), default=str))  # as read back from results.json
     paths = write_report(results, tmp_path)
     report = json.loads(paths.json.read_text())
-    assert report["verdict"]["bound"] in ("input", "transport", "compute")
+    # The verdict follows from the run's own numbers by docs/report.md's rule: the pace-setter's stall,
+    # then how busy the worker threads were.
+    (pace,) = [m for m in report["models"] if m["sets_pace"]]
+    stall, busy = pace["data_stall_pct"], report["workers"]["busy_pct"]
+    expected = "compute" if stall <= 10 else "input" if busy >= 70 else "transport"
+    assert (report["verdict"]["bound"], report["verdict"]["model"]) == (expected, pace["name"]), (stall, busy)
     assert {s["name"] for s in report["stages"]} == {"read", "decode", "cache", "crop_main", "crop_alt", "main",
                                                      "alt"}
     assert report["workers"]["threads"] == 2 and report["workers"]["busy_source"] == "measured"
-    assert len(report["models"]) == 4 and sum(m["sets_pace"] for m in report["models"]) == 1
+    assert len(report["models"]) == 4
     # with CPU per epoch, the timeline, ring occupancy, the slots over time
     assert paths.html.read_text().count("data:image/png;base64,") == 7
     # One node, one hub (single_broadcast): its ring, and its prefetch queue of batch tasks.
