@@ -1,6 +1,7 @@
 """Config composition: the schema catches mistakes with the key's full name."""
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from pipeline.config import ConfigError, check, expand_ensemble
@@ -8,13 +9,19 @@ from tests.conftest import compose_config
 
 
 def test_demo_and_paper_scale_are_one_override_apart():
-    demo = compose_config(["+ensemble=caltech256"])
-    paper = compose_config(["+ensemble=caltech256_paper"])
-    assert len(expand_ensemble(demo.ensemble)) == 4
+    """The paper's ensemble is every model at every rate of its lr_sweep, ResNets fed 224 px crops and
+    DenseNets 299 px; the demo's models keep their own rates. A sweep that leaves a model at its own rate,
+    or both branches cropped at one size, fails."""
+    paper = compose_config(["+ensemble=caltech256_paper", "ensemble.lr_sweep=[0.1,0.02]"])
     models = expand_ensemble(paper.ensemble)
-    assert len(models) == 100 and len({m.name for m in models}) == 100
-    assert (paper.pipeline.image_size, paper.pipeline.alt_image_size) == (224, 299)
-    assert {m.input for m in models} == {"main", "alt"}
+    assert [(m.name, m.lr) for m in models[:4]] == [("resnet10_w32_lr0.1", 0.1), ("resnet10_w32_lr0.02", 0.02),
+                                                    ("resnet18_lr0.1", 0.1), ("resnet18_lr0.02", 0.02)]
+    assert len(models) == 5 * 2
+    stages = OmegaConf.to_container(paper.pipeline.stages, resolve=True)
+    crop = {"main": stages["crop_main"]["size"], "alt": stages["crop_alt"]["size"]}
+    assert {(m.arch, crop[m.input]) for m in models} == {("resnet", 224), ("densenet", 299)}
+    demo = expand_ensemble(compose_config(["+ensemble=caltech256"]).ensemble)
+    assert [(m.name, m.lr) for m in demo[:2]] == [("resnet10_w16", 0.1), ("resnet10_w24", 0.05)]
 
 
 def test_misspelt_key_is_refused_with_its_full_name():

@@ -237,7 +237,7 @@ def test_difficulty_blends_the_classes_and_is_recorded(tmp_path):
 def test_the_stand_in_declares_its_split_and_a_new_split_regenerates_it(tmp_path):
     root = tmp_path / "data"
     generate_imagefolder(root, 2, 13, 0, image_size=(60, 80))
-    assert synthetic.VAL_PER_CLASS == 0.23  # 30 of the default ensemble's 129 images a class
+    # The default split (30 of the default ensemble's 129 images a class): the next test.
     assert json.loads((root / SPLIT_FILE).read_text()) == {"val_per_class": 0.23}
     assert read_marker(root)["val_per_class"] == 0.23
     source = ImageFolder(root=str(root), batch_size=8)

@@ -267,7 +267,8 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
     address, its TLS files and the secret, finds the agents; each starts its node's
     hubs and trainers; all_shared's all-gather crosses the nodes; delivery holds its
     invariants; the agents' rings are gone after the run and they exit cleanly. An
-    agent refuses a driver without the secret, which was never published."""
+    agent refuses a driver without the secret, which was never published. A hub that
+    counts its own share as sent fails."""
     from dask.distributed import Client, LocalCluster
 
     from pipeline.orchestration.node import _Agent, node_processes, registered_agents
@@ -316,7 +317,10 @@ def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, t
             assert len(results["delivery"]["received"]) == 4
             (hubs,) = [info["hubs"] for info in results["delivery"]["flotillas"].values()]
             assert {hub["node"] for hub in hubs.values()} == {0, 1}
-            assert all(hub["sent_bytes"] > 0 for hub in hubs.values())  # the all-gather crossed the nodes
+            # The all-gather crossed the nodes: each hub sent the other its share of every batch of the 2 epochs
+            # (4 training, 1 validation): 8 of the 16 images of each stream, their labels, a 24-byte header.
+            share = 24 + 8 * (32 * 32 * 3 + 8) + 8 * (24 * 24 * 3 + 8)
+            assert [hub["sent_bytes"] for hub in hubs.values()] == [2 * (4 + 1) * share] * 2
             # Each node's processes were started by its agent (none by the driver): a hub each, and
             # the trainers of the slots the scheduler gave that node.
             assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
