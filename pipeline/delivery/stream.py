@@ -2,7 +2,7 @@
 
 A hub publishes each finished batch of a stream once; every reader of the
 stream receives every message, in order, exactly once. On a node, bytes move
-through shared memory (shm.py); between nodes, hubs exchange batches over
+through shared-memory rings (ring.py); between nodes, hubs exchange batches over
 torch.distributed collectives (collective.py) and each writes its node's rings.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How the batches of a flotilla reach its trainers (DESIGN.md section 4,
+"""How the batches of a flotilla reach its trainers (docs/topologies.md,
 after Pittman et al., SC18): pure planning, no processes.
 
 A plan splits the flotilla's members into delivery groups; each group is fed

@@ -1,4 +1,4 @@
-"""Which topology feeds a flotilla, and what each costs (DESIGN.md section 4):
+"""Which topology feeds a flotilla, and what each costs (docs/topologies.md):
 the scheduler's choice, made from its cluster model when it forms a
 flotilla, so that the simulator and a real run choose alike. The delivery
 layer (`pipeline.delivery.topology`) lays the chosen streams out in hubs.
