@@ -51,7 +51,7 @@ def driver_of(groups: list[GroupSpec], tmp_path, monkeypatch, epochs=5) -> Drive
     driver = Driver(scheduler, {g.name: g for g in groups}, slots, Convergence(epochs, None, 0, 0.005), context,
                     Console(file=io.StringIO()))
     decisions = [d for g in groups for d in scheduler.handle(RatesMeasured(0.0, g.name, (10.0,)))]
-    driver._carry_out(decisions)
+    driver._apply_decisions(decisions)
     return driver
 
 
@@ -97,7 +97,7 @@ def test_the_saved_state_forms_the_running_flotillas_again_from_their_checkpoint
     assert [(d.model, d.resume_epoch) for d in decisions if isinstance(d, Start)] == [("a", 2), ("b", 2)]
     assert again.now() >= driver.now() - 1 and again.log[:len(driver.log)] == driver.log
     assert again.run_ctx.recorder.accuracies("a") == [0.5, 0.5, 0.5]
-    again._carry_out(decisions)  # joining again after 2 epochs forgets epoch 3: it is done again
+    again._apply_decisions(decisions)  # joining again after 2 epochs forgets epoch 3: it is done again
     assert again.run_ctx.recorder.accuracies("a") == [0.5, 0.5]
     assert not any(isinstance(d, Checkpoint) for d in decisions)
 

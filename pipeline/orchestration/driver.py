@@ -228,7 +228,7 @@ class FlotillaThread(threading.Thread):
                         self.reported.update({report.model: report.epoch + 1 for report in reports})
                         self.events.put(EpochDone(self, reports, failed + failures))
                         epoch += 1
-                        self._carry_out(flotilla, epoch)
+                        self._apply_commands(flotilla, epoch)
                     self.members = self._lay_out_again(flotilla, epoch) if self.joining else []
                 except Stopping:
                     self._save_on_stop(flotilla)
@@ -350,7 +350,7 @@ class FlotillaThread(threading.Thread):
             failed += self._drop_failed(flotilla)
         return list(reports.values()), failed  # a model that reported and then failed finished its epoch
 
-    def _carry_out(self, flotilla: Flotilla, epoch: int) -> None:
+    def _apply_commands(self, flotilla: Flotilla, epoch: int) -> None:
         """Applies the main thread's decisions at the boundary before `epoch`: checkpoints to write,
         models to release, joiners to take in, groups to stop."""
         commands = list(iter(self.commands.get, Continue()))
@@ -493,7 +493,7 @@ class Driver:
         """Until the scheduler is done, or a stop request has ended every flotilla in order."""
         stop_by = None
         try:
-            self._carry_out(first_decisions)
+            self._apply_decisions(first_decisions)
             self._save_state()
             while not (self.scheduler.done or (self.stopping and not self.threads)):
                 if stop.requested.is_set() and not self.stopping:
@@ -542,7 +542,7 @@ class Driver:
 
     def _free_slots(self, group: str) -> None:
         for slot in self.assigned.pop(group, ()):
-            self._carry_out(self.scheduler.handle(SlotFreed(self.now(), slot)))
+            self._apply_decisions(self.scheduler.handle(SlotFreed(self.now(), slot)))
 
     def _trainer_failed(self, group: str, why: str) -> list:
         self.console.print(f"[red]trainer of {group} failed[/] ({why.strip().splitlines()[-1]}); "
@@ -591,7 +591,7 @@ class Driver:
                     thread.commands.put(ReleaseModel(group, model))
         for group, why in failed:  # after the epoch they finished, before the survivors go on
             decisions += self._trainer_failed(group, why)
-        self._carry_out(decisions)
+        self._apply_decisions(decisions)
         thread.commands.put(Continue())
 
     def _checkpoint(self, thread: FlotillaThread, group: str, models: tuple[str, ...], epochs: int) -> None:
@@ -607,7 +607,7 @@ class Driver:
         return Member(self.groups[group].without(self.converged).on_slots(len(slots)),
                       tuple(self.slot_devices[s] for s in slots), tuple(s.node for s in slots), resume_epoch)
 
-    def _carry_out(self, decisions: list) -> None:
+    def _apply_decisions(self, decisions: list) -> None:
         forming: dict[int, tuple[FormFlotilla, list[Member]]] = {}
         for decision in decisions:
             self.log.append({"t": round(self.now(), 3), "decision": type(decision).__name__,
