@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.config import AUTO, ConfigError, Mode, check, check_output_dir, expand_ensemble
+from pipeline.config import ConfigError, Mode, check, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
-                                    node_threads, worker_count)
+                                    in_flight_window, node_threads, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
@@ -232,8 +232,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
             console.print(f"[bold]dashboard[/] {client.dashboard_link}")
         threads_of_node = node_threads(client, nodes)
         threads = sum(threads_of_node.values())
-        in_flight = {node: 2 * count if cfg.cluster.in_flight == AUTO else cfg.cluster.in_flight
-                     for node, count in threads_of_node.items()}
+        in_flight = {node: in_flight_window(cfg.cluster.in_flight, count) for node, count in threads_of_node.items()}
         joiners = len(slots) // nodes if policy.join_running else 0  # trainers a node's hub may take in
         delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight,
                                  cfg.delivery.ring_depth, agents, key, tls, t.drain_s, t.exit_s,
@@ -267,6 +266,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     results.update({
         "devices": {"kind": device_kind, "slots": len(slots)},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
+                    "in_flight": max(in_flight.values()),  # a producer's window (nodes differ: the largest)
                     "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
                       "gantt": [bar.to_json() for bar in driver.gantt.bars],

@@ -143,7 +143,8 @@ def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(joine
     fixed_rates(monkeypatch, {**JOIN_RATES, joiner_name: (190.0, 150.0), other: (100.0, 80.0)})
     hold_the_host_for_its_joiner(monkeypatch)
     cfg = compose_config(small(tiny_dataset, "scheduler=fleet_l", "scheduler.join_running=true", "trainer.slots=2",
-                               "trainer.epochs=4", "scheduler.patience=0", f"rates.cache={tmp_path / 'rate_cache.json'}"))
+                               "trainer.epochs=4", "scheduler.patience=0",
+                               f"rates.cache={tmp_path / 'rate_cache.json'}"))
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
     (join,) = [d for d in decisions if d["decision"] == "Join"]

@@ -28,7 +28,7 @@ def make_results(rate: float, stage_wall: dict[str, float], models: list[tuple[s
     models: (name, compute images/s, data stall %)."""
     return {
         "dataset": {"name": "handmade", "train_images": images, "val_images": 0},
-        "cluster": {"address": "local", "workers": workers},
+        "cluster": {"address": "local", "workers": workers, "in_flight": 2 * workers},  # auto: 2 a thread
         "epochs": 1,
         "wall_s": 30.0,
         "models": [{"name": name, "input": "main", "slots": 1, "images_per_s": speed, "data_stall_pct": stall,
@@ -103,7 +103,7 @@ def test_idle_workers_and_waiting_trainers_is_transport_bound():
     assert analysis.workers.busy_pct == pytest.approx(20)
     assert analysis.verdict.bound == "transport"
     in_flight, depth = analysis.actions
-    assert in_flight.change == "cluster.in_flight=8"  # auto: 2 x 2 threads
+    assert in_flight.change == "cluster.in_flight=8"  # twice the window the run recorded
     assert in_flight.predicted_images_per_s == pytest.approx(200)  # the workers' capacity
     assert in_flight.predicted_factor == pytest.approx(5.0)
     assert depth.change == "delivery.ring_depth=8"

@@ -68,6 +68,9 @@ def test_every_trainer_received_every_batch_once_in_order_bit_identical(full_run
 def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     results, out, bad, _ = full_run
     assert list(json.loads((out / "results.json").read_text())["scheduler"]["flotillas"]) == ["0"]
+    # cluster.in_flight=auto as the run used it: two batch tasks a worker thread, what its hubs were given
+    assert results["cluster"]["in_flight"] == 2 * results["cluster"]["threads"] == 4
+    assert {hub["in_flight"] for hub in results["delivery"]["flotillas"]["0"]["hubs"].values()} == {4}
     delivered = results["pipeline"]["train_images"]  # training images every trainer received, both epochs
     for model in results["models"]:
         assert model["epochs"] == len(model["val_accuracy"]) == 2

@@ -249,6 +249,12 @@ def worker_count(workers: int | str) -> int:
     return len(os.sched_getaffinity(0)) if workers == "auto" else workers
 
 
+def in_flight_window(in_flight: int | str, threads: int) -> int:
+    """cluster.in_flight for a producer on a node of `threads` worker threads: `auto` is two batch tasks a
+    thread, so that each thread finds its next task waiting as it finishes one."""
+    return 2 * threads if in_flight == "auto" else in_flight
+
+
 LOOPBACK = "127.0.0.1"
 DASHBOARD = f"{LOOPBACK}:8787"  # cluster.dashboard: Dask's usual port (another is taken when it is in use)
 

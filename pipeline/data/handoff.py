@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.runtime.files import written_whole
 from pipeline.runtime.lifetime import SHM_DIR
 
 HANDOFF_PREFIX = "ensemble-out"  # then the taking process's pid (stale files name their owner), then random parts
-# A new file only, never through a link: /dev/shm is shared by every user of the host.
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass(frozen=True)
@@ -32,13 +31,9 @@ class SharedArray:
     def write(segment: str, array: np.ndarray) -> SharedArray:
         """Leave `array` at /dev/shm/<segment>-<random>, readable by this user only."""
         segment = f"{segment}-{secrets.token_hex(8)}"  # unguessable: nobody can plant a file or link there first
-        path = os.path.join(SHM_DIR, segment)
-        # Written under a temporary name and renamed: a task re-run after its
-        # worker died mid-write never hands over a half-written file.
-        partial = f"{path}.partial-{secrets.token_hex(8)}"
-        with os.fdopen(os.open(partial, _CREATE, 0o600), "wb") as file:
+        # Whole or not at all: a task re-run after its worker died mid-write never hands over half a file.
+        with written_whole(os.path.join(SHM_DIR, segment), mode=0o600) as file:
             file.write(np.ascontiguousarray(array, dtype=np.uint8).data)
-        os.replace(partial, path)
         return SharedArray(segment, tuple(array.shape))
 
     def take(self) -> np.ndarray:

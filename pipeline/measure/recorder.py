@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.graph import BatchOutput, StageTiming
-from pipeline.runtime.files import write_whole
+from pipeline.runtime.files import write_whole, written_whole
 from pipeline.training.reports import TrainerDone, TrainReport, ValReport
 from pipeline.training.group import GroupSpec, ModelSpec
 from pipeline.training.trainer import better_checkpoint
@@ -291,8 +290,8 @@ class RunRecorder:
         arrays = {key: array for key, array in arrays.items() if array is not None}
         for key, array in arrays.items():  # an array changes by being replaced: unchanged ones are on disk
             if self._saved.get(key) is not array:
-                np.save(folder / f"{key}.partial.npy", array, allow_pickle=False)
-                os.replace(folder / f"{key}.partial.npy", folder / f"{key}.npy")
+                with written_whole(folder / f"{key}.npy") as file:
+                    np.save(file, array, allow_pickle=False)
         write_whole(folder / "recorder.json", text)
         for path in folder.glob("*.npy"):
             if path.name[:-len(".npy")] not in arrays:

@@ -299,7 +299,7 @@ def _transport_bound(results: dict, rate: float, limiter: ModelRow,
     limit = ("the slowest trainer's compute rate" if workers.capacity_images_per_s > limiter.images_per_s
              else f"the workers' capacity at {workers.task_ms_per_image:.2f} ms of task time per image")
     ceiling = f"up to {predicted / rate:.1f}x input rate ({predicted:.0f} img/s, {limit})"
-    in_flight = _in_flight(results, workers.threads)
+    in_flight = results["cluster"]["in_flight"]  # the window the run gave each producer
     depth = results.get("config", {}).get("delivery", {}).get("ring_depth")
     actions = [Action(f"cluster.in_flight={2 * in_flight}",
                       f"cluster.in_flight={2 * in_flight} (now {in_flight}): the workers idle while trainers "
@@ -311,11 +311,6 @@ def _transport_bound(results: dict, rate: float, limiter: ModelRow,
                               f"producer and trainers -> {ceiling}; queue occupancy shows which of the two "
                               "runs empty", predicted / rate, predicted, f"delivery.ring_depth={2 * depth}"))
     return verdict, actions
-
-
-def _in_flight(results: dict, threads: int) -> int:
-    configured = results.get("config", {}).get("cluster", {}).get("in_flight", "auto")
-    return 2 * threads if configured == "auto" else configured  # run.py's meaning of auto
 
 
 def _capped(uncapped: float, ceiling: float) -> str:

@@ -35,14 +35,15 @@ import numpy as np
 from omegaconf import DictConfig
 from rich.console import Console
 
-from pipeline.data.executor import Executor, TlsFiles, cache_kept, dask_client, dask_performance_report, worker_count
+from pipeline.data.executor import (Executor, TlsFiles, cache_kept, dask_client, dask_performance_report,
+                                    in_flight_window, worker_count)
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.runtime.hang import Patience
 from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, by_family
+from pipeline.training.group import MIN_ROWS, GroupSpec, GroupStep, ModelSpec, by_family
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -73,7 +74,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
                      tls=TlsFiles.configured(cfg.cluster.tls), dashboard=cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), dask_performance_report(client, output_dir / DASK_REPORT, console):
         threads = sum(client.nthreads().values())
-        in_flight = 2 * threads if cfg.cluster.in_flight == "auto" else cfg.cluster.in_flight
+        in_flight = in_flight_window(cfg.cluster.in_flight, threads)
         with Executor(client, graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s,
                       patience=patience) as executor:
             pass_started = time.perf_counter()
@@ -115,6 +116,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
                          "cached_batches": len(decoded)},
         "devices": {"kind": device, "slots": 1},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
+                    "in_flight": in_flight,
                     "worker_busy_pct": recorder.worker_busy_pct(pass_s, cfg.cluster.threads_per_worker)},
         **recorder.as_dict(pass_s),
         "differential": differential,
@@ -302,7 +304,7 @@ class _Trainee:
             waited = time.perf_counter()
             for number, output in enumerate(feed):
                 batch = output.streams[stream]
-                if len(batch.labels) < 2:  # batch norm needs two rows: trainers skip such a batch too
+                if len(batch.labels) < MIN_ROWS:  # trainers skip such a batch too
                     continue
                 started, wall_started = time.perf_counter(), time.time()
                 loss = self._step(batch.data, batch.labels)

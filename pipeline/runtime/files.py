@@ -2,13 +2,35 @@
 from __future__ import annotations
 
 import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
+
+# A new file of the writer's own: one already there (planted, or a link) is an error, not overwritten.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
-def write_whole(path: Path, text: str) -> None:
-    """`text` into `path`, whole or not at all: a process killed while writing leaves the previous file."""
+@contextmanager
+def written_whole(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
+    """A binary file to write `path`'s content into: it becomes `path` only once the block ends without
+    an error, so a process killed while writing leaves the previous file (or none), never half of one.
+    The partial file's name is unguessable (nobody can plant a file or link there first) and it is
+    removed if the block fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    partial = path.with_name(f"{path.name}.partial-{secrets.token_hex(8)}")
+    try:
+        with os.fdopen(os.open(partial, _CREATE, mode), "wb") as file:
+            yield file
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def write_whole(path: str | Path, text: str) -> None:
+    """`text` into `path`, whole or not at all."""
+    with written_whole(path) as file:
+        file.write(text.encode())

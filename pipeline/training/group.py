@@ -24,6 +24,14 @@ import numpy as np
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
+MIN_ROWS = 2  # of a batch, each rank trains on at least: batch norm needs two values per channel
+
+
+def rank_rows(rank: int, world: int) -> slice:
+    """The rows of every batch that data-parallel rank `rank` of `world` trains on: rank, rank + world, ...
+    (every rank sees every batch)."""
+    return slice(rank, None, world)
+
 
 @dataclass(frozen=True)
 class ModelSpec:

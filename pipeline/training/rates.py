@@ -51,7 +51,8 @@ from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, how_it_ended, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
-from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand, join_process_group
+from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
+                                     rank_rows)
 
 
 @dataclass(frozen=True)
@@ -257,10 +258,9 @@ def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement, d
     for name, value, least in [("steps", how.steps, 1), ("warmup", how.warmup, 0), ("threads", how.threads, 1)]:
         if not isinstance(value, int) or value < least:
             raise RateError(f"{name} must be an integer >= {least}, got {value!r}")
-    if not isinstance(how.batch_size, int) or how.batch_size < 2 * max(slot_counts):
-        # batch norm needs two images per rank, as in the trainer
+    if not isinstance(how.batch_size, int) or how.batch_size < MIN_ROWS * max(slot_counts):
         raise RateError(f"batch_size={how.batch_size!r} is too small for {max(slot_counts)} slots: each slot "
-                        f"needs at least 2 images; use batch_size >= {2 * max(slot_counts)}")
+                        f"needs at least {MIN_ROWS} images; use batch_size >= {MIN_ROWS * max(slot_counts)}")
 
 
 def _check_gpus(devices: list[str]) -> None:
@@ -347,13 +347,12 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
                          world, how.threads, in_hand=in_hand)
-        # This rank's share of the batch: rows rank, rank + world, ..., as the trainer takes them.
-        random = np.random.default_rng(rank)
+        random, rows = np.random.default_rng(rank), rank_rows(rank, world)  # its share, as a trainer takes it
         batches = {}
         for stream in group.inputs:
             side = how.image_sizes[stream]
-            images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)[rank::world]
-            labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rank::world].copy())
+            images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)[rows]
+            labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rows].copy())
             batches[stream] = (images, labels)
         step_seconds = []
         for number in range(how.warmup + how.steps):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import traceback
 import zlib
@@ -28,9 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.delivery.stream import MessageKind
-from pipeline.runtime.files import write_whole
+from pipeline.runtime.files import write_whole, written_whole
 from pipeline.runtime.lifetime import child_started
-from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand, join_process_group
+from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
+                                     rank_rows)
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
@@ -297,14 +297,13 @@ class Trainer:
 
     def _train_step(self, batch: dict) -> None:
         count = len(next(iter(batch.values())).labels)
-        # Every rank sees every batch and takes rows rank, rank+g, ...; a batch
-        # too small to give each rank two rows (batch norm needs two) is
-        # skipped by all ranks alike, like a DataLoader's drop_last remainder.
-        if count < 2 * self.world:
+        # A batch too small to give each rank its rows is skipped by all ranks
+        # alike, like a DataLoader's drop_last remainder.
+        if count < MIN_ROWS * self.world:
             for m in batch.values():
                 m.release()
             return
-        rows = slice(self.spec.rank, None, self.world)
+        rows = rank_rows(self.spec.rank, self.world)
         copied = self._on_device(batch, rows)
         rows_here = len(range(count)[rows])
         self.seen += rows_here
@@ -373,11 +372,8 @@ class Trainer:
             if state is None:
                 raise RuntimeError(f"the driver asked for {name}'s checkpoint after {epochs} epochs, but this "
                                    f"trainer keeps its state after {sorted(self.finished.get(name, {}))}")
-            path = checkpoint_path(self.spec.checkpoint_dir, name, epochs)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            self.torch.save(state, tmp)
-            os.replace(tmp, path)  # never a half-written checkpoint
+            with written_whole(checkpoint_path(self.spec.checkpoint_dir, name, epochs)) as file:
+                self.torch.save(state, file)  # never a half-written checkpoint
             best = note_best(self.spec.checkpoint_dir, name, epochs, state["val_accuracy"])
             for older in saved_epochs(self.spec.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
                 if older != best:
