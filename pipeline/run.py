@@ -218,9 +218,11 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                                             "groups": [asdict(g) for g in groups], "results": dict(results)})
     t = cfg.timeouts
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
-    setup = TrainingSetup(len(graph.source.class_names), cfg.trainer.epochs, graph.source.num_batches(Split.TRAIN),
-                          cfg.trainer.threads, cfg.trainer.precision, output_dir / "checkpoints",
-                          cfg.trainer.record_checksums, cfg.trainer.consume_only, t.collective_s)
+    setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
+                          steps_per_epoch=graph.source.num_batches(Split.TRAIN), threads=cfg.trainer.threads,
+                          precision=cfg.trainer.precision, checkpoint_dir=output_dir / "checkpoints",
+                          record_checksums=cfg.trainer.record_checksums, consume_only=cfg.trainer.consume_only,
+                          collective_s=t.collective_s)
     training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes, tls,
                      cfg.cluster.dashboard) as client, \
@@ -234,9 +236,10 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         threads = sum(threads_of_node.values())
         in_flight = {node: in_flight_window(cfg.cluster.in_flight, count) for node, count in threads_of_node.items()}
         joiners = len(slots) // nodes if policy.join_running else 0  # trainers a node's hub may take in
-        delivery = DeliverySetup(client.scheduler.address, cfg.seed, cfg.on_error, in_flight,
-                                 cfg.delivery.ring_depth, agents, key, tls, t.drain_s, t.exit_s,
-                                 Patience(t.warn_s, t.stall_s), t.collective_s, joiners)
+        delivery = DeliverySetup(scheduler=client.scheduler.address, seed=cfg.seed, on_error=cfg.on_error,
+                                 in_flight=in_flight, ring_depth=cfg.delivery.ring_depth, agents=agents, agent_key=key,
+                                 tls=tls, drain_s=t.drain_s, exit_s=t.exit_s, patience=Patience(t.warn_s, t.stall_s),
+                                 collective_s=t.collective_s, join_readers=joiners)
         auto = cfg.topology == Topology.auto
         # The CPU side of the plan: each node's worker threads, and the preprocessing cost per image,
         # probed here and then refreshed from the run's own stage timings after every epoch.

@@ -24,8 +24,9 @@ def model(name, width=8, lr=0.1):
 
 
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
-    return TrainerSpec(group, 3, {"main": 32}, 4, start, 10, 0, "", "cpu", 1, precision, str(tmp_path), False, False,
-                       collective_s=60)
+    return TrainerSpec(group=group, num_classes=3, image_sizes={"main": 32}, epochs=4, start_epoch=start,
+                       steps_per_epoch=10, rank=0, rendezvous="", device="cpu", threads=1, precision=precision,
+                       checkpoint_dir=str(tmp_path), record_checksums=False, consume_only=False, collective_s=60)
 
 
 def batch(seed=0, count=8, side=32):

@@ -34,7 +34,7 @@ from stages.base import BadFileError, Batch, Split
 SHARED_WINDOW = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
 class HubSpec:
     hub: HubPlan
     group: DeliveryGroup

@@ -42,7 +42,7 @@ class Member:
     start_epoch: int = 0  # epochs trained before: resume from its checkpoint
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
 class TrainingSetup:
     """What every trainer of a run shares."""
 
@@ -57,7 +57,7 @@ class TrainingSetup:
     collective_s: float  # timeouts.collective_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
 class DeliverySetup:
     """What every hub of a run shares."""
 
@@ -127,10 +127,11 @@ class Flotilla:
             streams = {stream for name in (self.members if shared else group.members)
                        for stream in self.members[name].group.inputs}
             self.nodes[hub.node].start_hub(HubSpec(
-                hub, group, all_groups, len(self.plan.hubs), rendezvous, node_device[hub.node], delivery.scheduler,
-                graph.feeding(streams), delivery.seed, delivery.on_error, delivery.in_flight[hub.node], {},
-                setup.record_checksums, shared_keys, self.id, delivery.drain_s, delivery.patience,
-                delivery.collective_s, tls=None))
+                hub=hub, group=group, all_groups=all_groups, world=len(self.plan.hubs), rendezvous=rendezvous,
+                device=node_device[hub.node], scheduler=delivery.scheduler, graph=graph.feeding(streams),
+                seed=delivery.seed, on_error=delivery.on_error, in_flight=delivery.in_flight[hub.node], rings={},
+                record_checksums=setup.record_checksums, shared_keys=shared_keys, sequence=self.id,
+                drain_s=delivery.drain_s, patience=delivery.patience, collective_s=delivery.collective_s, tls=None))
 
     def _start_trainers(self, sinks: dict[str, Spec], setup: TrainingSetup) -> None:
         next_reader: dict[tuple[int, str], int] = defaultdict(int)
@@ -144,10 +145,13 @@ class Flotilla:
         group = member.group
         rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the group's process group
         for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
-            spec = TrainerSpec(group, setup.num_classes, {s: sinks[s].item_shape[0] for s in group.inputs},
-                               setup.epochs, member.start_epoch, setup.steps_per_epoch, rank, rendezvous, device,
-                               setup.threads, setup.precision, str(setup.checkpoint_dir),
-                               setup.record_checksums, setup.consume_only, setup.collective_s)
+            spec = TrainerSpec(group=group, num_classes=setup.num_classes,
+                               image_sizes={s: sinks[s].item_shape[0] for s in group.inputs}, epochs=setup.epochs,
+                               start_epoch=member.start_epoch, steps_per_epoch=setup.steps_per_epoch, rank=rank,
+                               rendezvous=rendezvous, device=device, threads=setup.threads,
+                               precision=setup.precision, checkpoint_dir=str(setup.checkpoint_dir),
+                               record_checksums=setup.record_checksums, consume_only=setup.consume_only,
+                               collective_s=setup.collective_s)
             if next_reader is None:  # a joiner: spare readers of the flotilla's one hub
                 self.nodes[node].start_trainer(spec, self.plan.hubs[0].rank)
                 continue

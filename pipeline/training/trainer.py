@@ -39,7 +39,7 @@ CHECKPOINTS_KEPT = 2  # per model: the newest, and the one before (a trainer may
 BEST_CHECKPOINT = "best.json"  # per model: its checkpoint of highest validation accuracy, kept whatever is pruned
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
 class TrainerSpec:
     group: GroupSpec
     num_classes: int
