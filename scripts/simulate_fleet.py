@@ -19,7 +19,8 @@ from pathlib import Path
 
 from pipeline.scheduler import Baseline, Cluster, FleetE, FleetG, FleetL, Homogeneous
 from pipeline.scheduler.exact import optimal_time
-from pipeline.scheduler.simulate import lower_bound, plot_gantt, random_instance, simulate
+from pipeline.report.plots import plot_gantt
+from pipeline.scheduler.simulate import lower_bound, random_instance, simulate
 
 POLICIES = {"baseline": Baseline(), "homogeneous": Homogeneous(), "fleet_l": FleetL(), "fleet_g": FleetG(),
             "fleet_e": FleetE()}

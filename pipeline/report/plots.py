@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Sequence
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure  # a bare Figure renders with Agg and keeps no pyplot state
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.report.analysis import STALL_THRESHOLD_PCT, ModelRow, StageRow
-from pipeline.scheduler.cluster import Cluster
-from pipeline.scheduler.gantt import Bar, gantt_figure, utilisation
+from pipeline.scheduler.cluster import Cluster, Slot
+from pipeline.scheduler.gantt import Bar, utilisation
+from pipeline.scheduler.simulate import SimResult
 
 PACE_COLOUR, OTHER_COLOUR, WALL_COLOUR = "#c0392b", "#2e86c1", "#aed6f1"
 
@@ -170,3 +173,34 @@ def _part_ms(split: dict, part: str) -> float:
     if part == "compute":
         return 1000 / split["compute_images_per_s"] if split.get("compute_images_per_s") else 0.0
     return split[f"{part}_ms"] or 0.0
+
+
+def gantt_figure(bars: list[Bar], slots: Sequence[Slot], title: str, hours: bool = False):
+    """One row per slot, one bar per model on it, coloured by flotilla (a matplotlib Figure)."""
+    rows = {slot: i for i, slot in enumerate(slots)}
+    unit = 3600.0 if hours else 1.0
+    fig = Figure(figsize=(8, min(2 + 0.12 * len(rows), 12)), dpi=80)
+    ax = fig.subplots()
+    colours = colormaps["tab20"].colors
+    for bar in bars:
+        ax.barh(rows[bar.slot], (bar.end - bar.start) / unit, left=bar.start / unit, height=0.85,
+                color=colours[bar.flotilla % len(colours)], edgecolor="black", linewidth=0.2)
+        if len(rows) <= 16:
+            ax.text((bar.start + bar.end) / 2 / unit, rows[bar.slot], bar.model, ha="center", va="center",
+                    fontsize=6)
+    if len(rows) <= 32:
+        ax.set_yticks(range(len(rows)), [str(s) for s in rows], fontsize=6)
+    else:
+        ax.set_yticks([])
+    ax.invert_yaxis()
+    ax.set_xlabel("hours" if hours else "seconds since the run started")
+    ax.set_ylabel("slot")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
+    """The schedule's Gantt chart (`gantt_figure`), in hours, saved as a PNG."""
+    gantt_figure(result.bars, cluster.slots, f"{title}: {result.end_time / 3600:.2f} h, "
+                 f"utilisation {result.utilisation:.0%}", hours=True).savefig(path)

@@ -1,9 +1,9 @@
 """Who held which slot when: the bars of a schedule, read from its decisions as
-they come, the same way in the simulator and in real runs, and their chart."""
+they come, the same way in the simulator and in real runs (their chart:
+`pipeline.report.plots.gantt_figure`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.scheduler.cluster import Slot
@@ -58,34 +58,6 @@ class Gantt:
     def _bars(self, model: str, now: float) -> list[Bar]:
         flotilla, since = self.running[model]
         return [Bar(slot, model, flotilla, since, now) for slot in self.assigned[model]]
-
-
-def gantt_figure(bars: list[Bar], slots: Sequence[Slot], title: str, hours: bool = False):
-    """One row per slot, one bar per model on it, coloured by flotilla (a matplotlib Figure)."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure  # a bare Figure renders with Agg and keeps no pyplot state
-
-    rows = {slot: i for i, slot in enumerate(slots)}
-    unit = 3600.0 if hours else 1.0
-    fig = Figure(figsize=(8, min(2 + 0.12 * len(rows), 12)), dpi=80)
-    ax = fig.subplots()
-    colours = colormaps["tab20"].colors
-    for bar in bars:
-        ax.barh(rows[bar.slot], (bar.end - bar.start) / unit, left=bar.start / unit, height=0.85,
-                color=colours[bar.flotilla % len(colours)], edgecolor="black", linewidth=0.2)
-        if len(rows) <= 16:
-            ax.text((bar.start + bar.end) / 2 / unit, rows[bar.slot], bar.model, ha="center", va="center",
-                    fontsize=6)
-    if len(rows) <= 32:
-        ax.set_yticks(range(len(rows)), [str(s) for s in rows], fontsize=6)
-    else:
-        ax.set_yticks([])
-    ax.invert_yaxis()
-    ax.set_xlabel("hours" if hours else "seconds since the run started")
-    ax.set_ylabel("slot")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    return fig
 
 
 def utilisation(bars: list[Bar], slots: int, end: float) -> float:

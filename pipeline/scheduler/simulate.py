@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from pipeline.scheduler.events import (Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
                                        RatesMeasured, SlotFreed, Start, Stop)
-from pipeline.scheduler.gantt import Bar, Gantt, gantt_figure, utilisation
+from pipeline.scheduler.gantt import Bar, Gantt, utilisation
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
 from pipeline.scheduler.planner import work_bound
 from pipeline.scheduler.policies import Policy
@@ -249,9 +249,3 @@ def loss_curve(epochs: int, start: float = 5.5, floor: float = 0.5, last_drop: f
         low, high = (low, middle) if drop(middle) > last_drop else (middle, high)
     d = (low + high) / 2
     return tuple(floor + scale * d ** e for e in range(1, epochs + 1))
-
-
-def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
-    """The schedule's Gantt chart (`gantt.gantt_figure`), in hours, saved as a PNG."""
-    gantt_figure(result.bars, cluster.slots, f"{title}: {result.end_time / 3600:.2f} h, "
-                 f"utilisation {result.utilisation:.0%}", hours=True).savefig(path)
