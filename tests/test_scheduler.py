@@ -49,6 +49,19 @@ def test_lookahead_scores_the_worked_example_by_completion_time():
     assert flotilla == {"DNN2": 1, "DNN3": 1, "DNN4": 2}
 
 
+def test_every_decision_names_the_event_that_caused_it():
+    """Dask's stimulus_id: a decision log can be traced back. A decision left without its cause, or given
+    an earlier event's, fails."""
+    scheduler = Scheduler(["a", "b"], Cluster(1, 2), FleetG(lookahead=0))
+    assert scheduler.handle(RatesMeasured(0.0, "a", (10, 15))) == []  # b's rates still to come
+    decisions = scheduler.handle(RatesMeasured(0.5, "b", (20, 30)))
+    assert decisions and {d.cause for d in decisions} == {"RatesMeasured(model=b, rates=(20, 30)) at 0.500 s"}
+    stops = scheduler.handle(ModelConverged(2.25, "b"))  # b runs on both slots (a waits)
+    assert of(Stop, stops) and {d.cause for d in stops} == {"ModelConverged(model=b) at 2.250 s"}
+    fresh = Scheduler(["a"], Cluster(1, 1), Shared({"a": 1}))  # plans without rates
+    assert {d.cause for d in fresh.start(1.0)} == {"start at 1.000 s"}
+
+
 def test_worked_example_through_the_state_machine():
     scheduler = Scheduler(list(SEED_RATES), Cluster(1, 4), FleetG(lookahead=0))
     decisions = started(scheduler, SEED_RATES)

@@ -2,6 +2,9 @@
 
 Events go in (`Scheduler.handle`), decisions come out. Every event carries
 the driver's clock in seconds: the scheduler never reads a clock itself.
+Every decision carries its `cause` (as Dask's `stimulus_id`): the event that
+produced it, or the start or resume of the run, so that a run's decision log
+can be traced back.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class FormFlotilla:
     topology: Topology
     streams: Streams
     why: str = ""
+    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class AssignSlots:
     flotilla: int
     model: str
     slots: tuple[Slot, ...]
+    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class Start:
     flotilla: int
     model: str
     resume_epoch: int
+    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,7 @@ class Join:
     flotilla: int
     model: str
     resume_epoch: int
+    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class Checkpoint:
     model: str
     epoch: int
     final: bool = False
+    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,14 @@ class Stop:
     model: str
     reason: str
     flotilla_ends: bool
+    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 Decision = FormFlotilla | AssignSlots | Start | Join | Checkpoint | Stop
+
+
+def cause_of(event: Event) -> str:
+    """An event as a decision's cause: its kind, its subject and its time, e.g.
+    "EpochFinished(model=group0, epoch=3) at 12.345 s"."""
+    subject = ", ".join(f"{name}={value}" for name, value in vars(event).items() if name not in ("time", "metrics"))
+    return f"{type(event).__name__}({subject}) at {event.time:.3f} s"

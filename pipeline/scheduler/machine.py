@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla, Join,
                                        ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
-                                       TrainerFailed)
+                                       TrainerFailed, cause_of)
 from pipeline.scheduler.planner import assign_slots
 from pipeline.scheduler.policies import Policy
 from pipeline.scheduler.cluster import Cluster, RateTable, Slot
@@ -86,7 +86,7 @@ class Scheduler:
         """The driver is ready: the first plan, for policies that need no
         table (the others plan once the last model's rates have come in)."""
         self.now = max(self.now, time)
-        return self._plan()
+        return _caused(self._plan(), f"start at {self.now:.3f} s")
 
     def checkpointed(self, model: str, epoch: int) -> None:
         """A checkpoint the driver wrote outside the plan (when a run is stopped): `model` resumes from it."""
@@ -135,7 +135,7 @@ class Scheduler:
             for m in active:  # what it did after its last checkpoint is done again
                 self.models[m].epochs_done = self.models[m].checkpoint_epoch
                 decisions.append(Start(fid, m, resume_epoch=self.models[m].checkpoint_epoch))
-        return decisions + self._plan()
+        return _caused(decisions + self._plan(), f"resume at {self.now:.3f} s")
 
     def handle(self, event: Event) -> list[Decision]:
         if event.time < self.now:
@@ -156,7 +156,7 @@ class Scheduler:
             decisions = []
         else:
             raise TypeError(f"unknown event {event!r}; send one of the events in pipeline.scheduler.events")
-        return decisions + self._plan()
+        return _caused(decisions + self._plan(), cause_of(event))
 
     # ------------------------------------------------------------ events
 
@@ -334,3 +334,7 @@ class Scheduler:
                 f"no flotilla can start: waiting models {waiting} do not fit the free slots "
                 f"{sorted(map(str, free))}; check the rate table against the cluster's slots per node")
         return decisions
+
+
+def _caused(decisions: list[Decision], cause: str) -> list[Decision]:
+    return [replace(decision, cause=cause) for decision in decisions]
