@@ -21,8 +21,9 @@ def written_whole(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.partial-{secrets.token_hex(8)}")
+    created = os.open(partial, _CREATE, mode)  # before the try: a file there that is not ours stays
     try:
-        with os.fdopen(os.open(partial, _CREATE, mode), "wb") as file:
+        with os.fdopen(created, "wb") as file:
             yield file
         os.replace(partial, path)
     except BaseException:
