@@ -372,6 +372,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert console_messages(shot.stderr) == []
     pixels = np.asarray(Image.open(screenshot).convert("RGB"))
     assert pixels.shape == (2000, 1280, 3)  # the window
-    # The input-bound verdict's banner (#fdecea) spans the body: 1200 px (max-width) within its 1 px border.
+    # The input-bound verdict's banner (#fdecea) spans the body: 1198 px here (1200 px max-width within its
+    # 1 px border); at least 1000, so that another Chromium's rounding or scrollbar passes too.
     banner = (pixels == (0xfd, 0xec, 0xea)).all(axis=2)
-    assert banner.sum(axis=1).max() == 1198
+    assert banner.sum(axis=1).max() >= 1000
