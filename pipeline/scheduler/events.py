@@ -78,7 +78,15 @@ Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFail
 
 
 @dataclass(frozen=True)
-class FormFlotilla:
+class Caused:
+    """What every decision carries: its cause (`cause_of`), set by the scheduler as it returns the decision.
+    Keyword-only, so it follows each decision's own fields; left out of equality."""
+
+    cause: str = field(default="", compare=False, kw_only=True)
+
+
+@dataclass(frozen=True)
+class FormFlotilla(Caused):
     """Create the preprocessing that feeds these models, laid out as `topology`.
 
     `members` maps model -> slot count; `streams` splits them into the
@@ -95,31 +103,28 @@ class FormFlotilla:
     topology: Topology
     streams: Streams
     why: str = ""
-    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
-class AssignSlots:
+class AssignSlots(Caused):
     """`model` trains data-parallel on `slots` (all on one node)."""
 
     flotilla: int
     model: str
     slots: tuple[Slot, ...]
-    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
-class Start:
+class Start(Caused):
     """Start the trainers of `model`; resume from the checkpoint after `resume_epoch` epochs if > 0."""
 
     flotilla: int
     model: str
     resume_epoch: int
-    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
-class Join:
+class Join(Caused):
     """`model` (its slots assigned just before) joins the stream of running flotilla `flotilla` at that
     stream's next epoch boundary: its trainers become readers of the flotilla's stream from the next
     epoch on; they resume from the checkpoint after `resume_epoch` epochs if > 0."""
@@ -127,22 +132,20 @@ class Join:
     flotilla: int
     model: str
     resume_epoch: int
-    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(Caused):
     """Save `model` after `epoch` completed epochs (`final` when it has converged)."""
 
     flotilla: int
     model: str
     epoch: int
     final: bool = False
-    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 @dataclass(frozen=True)
-class Stop:
+class Stop(Caused):
     """Stop the trainers of `model` and release its slots (send `SlotFreed` for each).
 
     `reason` is "converged", "flotilla stopped" or "failed". `flotilla_ends`
@@ -153,7 +156,6 @@ class Stop:
     model: str
     reason: str
     flotilla_ends: bool
-    cause: str = field(default="", compare=False)  # what produced it (`cause_of`)
 
 
 Decision = FormFlotilla | AssignSlots | Start | Join | Checkpoint | Stop
