@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pipeline.scheduler import Baseline, Cluster, FleetE, FleetG, FleetL, Homogeneous
 from pipeline.scheduler.exact import optimal_time
-from pipeline.report.plots import plot_gantt
-from pipeline.scheduler.simulate import lower_bound, random_instance, simulate
+from pipeline.report.plots import gantt_figure
+from pipeline.scheduler.simulate import SimResult, lower_bound, random_instance, simulate
 
 POLICIES = {"baseline": Baseline(), "homogeneous": Homogeneous(), "fleet_l": FleetL(), "fleet_g": FleetG(),
             "fleet_e": FleetE()}
@@ -30,6 +30,12 @@ GREEDY_ALONE = FleetG(lookahead=0)  # fleet_g without the lookahead, to measure 
 CPU_SETTINGS = {"cpu-scarce (100 img/s per slot)": 0.05, "cpu-rich (500 img/s per slot)": 0.01}
 # The paper's runs stop a model after 240 minutes of training (seed 000, "Experiment settings")
 TIME_LIMITS = {"no time limit": None, "240-minute limit per model": 240 * 60.0}
+
+
+def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
+    """The schedule's Gantt chart (`report.plots.gantt_figure`), in hours, saved as a PNG."""
+    gantt_figure(result.bars, cluster.slots, f"{title}: {result.end_time / 3600:.2f} h, "
+                 f"utilisation {result.utilisation:.0%}", hours=True).savefig(path)
 
 
 def small_gaps(count: int) -> dict:

@@ -14,7 +14,6 @@ from matplotlib.ticker import MaxNLocator
 from pipeline.report.analysis import STALL_THRESHOLD_PCT, ModelRow, StageRow
 from pipeline.scheduler.cluster import Cluster, Slot
 from pipeline.scheduler.gantt import Bar, utilisation
-from pipeline.scheduler.simulate import SimResult
 
 PACE_COLOUR, OTHER_COLOUR, WALL_COLOUR = "#c0392b", "#2e86c1", "#aed6f1"
 
@@ -198,9 +197,3 @@ def gantt_figure(bars: list[Bar], slots: Sequence[Slot], title: str, hours: bool
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
-
-
-def plot_gantt(result: SimResult, cluster: Cluster, path: str, title: str) -> None:
-    """The schedule's Gantt chart (`gantt_figure`), in hours, saved as a PNG."""
-    gantt_figure(result.bars, cluster.slots, f"{title}: {result.end_time / 3600:.2f} h, "
-                 f"utilisation {result.utilisation:.0%}", hours=True).savefig(path)
