@@ -86,8 +86,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
-    stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True)
-    graph = build_graph(stages, {m.input for m in models})
+    graph = _graph(cfg, models)
     inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
     if cfg.mode == Mode.profile:
         if inputs.cache_line:
@@ -280,6 +279,12 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         **recorder.as_dict(training_s),
     })
     return results
+
+
+def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:
+    """pipeline.stages as a graph that feeds the models' inputs."""
+    return build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
+                       {m.input for m in models})
 
 
 def _sizes(models: list[ModelSpec], graph: StageGraph, batch_size: int) -> dict:

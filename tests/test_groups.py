@@ -4,14 +4,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 from rich.console import Console
 
 from pipeline.config import expand_ensemble
-from pipeline.data.graph import build_graph
 from pipeline.orchestration.devices import DeviceKind, SlotError, slot_devices
 from pipeline.orchestration.grouping import ModelSize, group_bytes
-from pipeline.run import _devices, _group, _policy, _sizes
+from pipeline.run import _devices, _graph, _group, _policy, _sizes
 from pipeline.scheduler import Cluster, FormFlotilla, RatesMeasured, Scheduler, Start
 from pipeline.scheduler.cluster import PlacementError
 from pipeline.scheduler.groups import Candidate, Grouping, form_groups
@@ -88,8 +86,7 @@ def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES)
     Returns the groups and the slots each was started on."""
     cfg = compose_config([*overrides, f"dataset.root={dataset}"])
     models = expand_ensemble(cfg.ensemble)
-    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
-                        {m.input for m in models})
+    graph = _graph(cfg, models)
     device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": gpus, "gpu_memory": gpu_bytes}})
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)
     results = {}
@@ -148,8 +145,7 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
                           "trainer.slots=2", "trainer.grouping=pack", f"rates.cache={tmp_path / 'rates.json'}",
                           "pipeline.image_size=32", "pipeline.alt_image_size=24"])
     models = expand_ensemble(cfg.ensemble)
-    graph = build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
-                        {m.input for m in models})
+    graph = _graph(cfg, models)
     slots = slot_devices(DeviceKind.cpu, 0, 2, models)
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)
     groups, table = _group(cfg, models, graph, sizes, DeviceKind.cpu, slots, 2**34, True, tmp_path, Console(), {})
