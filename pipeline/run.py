@@ -219,7 +219,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
     setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
                           steps_per_epoch=graph.source.num_batches(Split.TRAIN), threads=cfg.trainer.threads,
-                          precision=cfg.trainer.precision, checkpoint_dir=output_dir / "checkpoints",
+                          precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
+                          checkpoint_dir=output_dir / "checkpoints",
                           record_checksums=cfg.trainer.record_checksums, consume_only=cfg.trainer.consume_only,
                           collective_s=t.collective_s)
     training_started = time.perf_counter()
@@ -319,7 +320,8 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     # An agent measures on its own host's devices: those of one node's slots (the nodes are alike).
     devices = [device for slot, device in slots.items() if slot.node == 0] if where else list(slots.values())
     how = Measurement(classes, image_sizes, batch, device_kind, devices, r.steps, r.warmup,
-                      cfg.trainer.threads, cfg.trainer.precision, cfg.timeouts.report_s, where)
+                      cfg.trainer.threads, cfg.trainer.precision, cfg.trainer.cuda_graphs, cfg.timeouts.report_s,
+                      where)
     cache = Path(to_absolute_path(r.cache))
     max_slots = min(r.max_slots, len(devices))
     measured_by: dict = {}  # group -> slot count -> the host and process that measured its rate

@@ -5,7 +5,10 @@ architecture, differing only in learning rate, trained on the same batches
   process gets cores / k threads, at least 1; on a GPU they share it);
 * packed: one process, the k models stepped in turn (`GroupStep`, array_size 1);
 * fused: one process, the k models as one fused array (array_size k; on CPU one
-  array per thread, stepped side by side, as the planner makes them).
+  array per thread, stepped side by side, as the planner makes them);
+* on CUDA, each again with "+graphs": every unit's step captured once as a CUDA
+  graph and replayed (trainer.cuda_graphs). Plain "separate" (eager) is the
+  yardstick: k users' own training scripts sharing the GPU.
 
 Every mode trains with the trainer's own step (pipeline/training/group.py) on
 synthetic uint8 batches already in memory, so it times training, not input.
@@ -13,7 +16,8 @@ Reported per mode: images/s per model and in total, the ratio to separate,
 peak resident memory (all processes together) and, on CUDA, peak allocated.
 
     python scripts/bench_groups.py --out bench_results/groups
-    python scripts/bench_groups.py --device cuda --arch resnet --depth 18 --width 64 --ks 1 4 8 20
+    python scripts/bench_groups.py --device cuda --arch resnet --depth 18 --width 64 --ks 1 4 8 20 \
+        --precision bf16
 """
 from __future__ import annotations
 
@@ -30,19 +34,23 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.orchestration.grouping import fused, measure_sizes
+from pipeline.training.graphs import EAGER_STEPS
 from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision
 
 MODES = ("separate", "packed", "fused")
+GRAPH_MODES = tuple(f"{mode}+graphs" for mode in MODES)
 
 
 def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: int, steps: int, warmup: int,
-           precision: str, start, results) -> None:
+           precision: str, graphs: bool, start, results) -> None:
     """Process entry point: warmup + steps of `group`; reports seconds of the timed steps and peak memory."""
     import torch
 
     torch.set_num_threads(threads)
     dev = torch.device(device)
-    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads)
+    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads,
+                     cuda_graphs=graphs)
+    warmup += EAGER_STEPS + 1 if step.graphs else 0  # the replays are timed, not the capture
     random = np.random.default_rng(0)
     images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)
     labels = torch.from_numpy(random.integers(0, 10, batch)).to(dev)
@@ -63,14 +71,15 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 
 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
+    graphs = mode.endswith("+graphs")
     models = [ModelSpec(f"m{i}", args.arch, args.depth, args.width, args.growth_rate, 0.1 / (i + 1), 0.9, 5e-4, 1,
                         "main") for i in range(k)]
-    if mode == "separate":
+    if mode.startswith("separate"):
         groups = [GroupSpec(m.name, (m,)) for m in models]
         threads = max(1, args.cores // k)
     else:
         group = GroupSpec("group", tuple(models))
-        if mode == "fused":  # arrays as the planner makes them (on CPU: one per thread, side by side)
+        if mode.startswith("fused"):  # arrays as the planner makes them (on CPU: one per thread, side by side)
             lanes = args.cores if args.device == "cpu" else 1
             group = fused(group, measure_sizes(models, 10, {"main": image_size}, args.batch), math.inf, lanes)
         groups = [group]
@@ -78,7 +87,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
     context = mp.get_context("spawn")
     start, results = context.Barrier(len(groups)), context.Queue()
     processes = [context.Process(target=_train, args=(g, image_size, args.batch, args.device, threads, args.steps,
-                                                      args.warmup, args.precision, start, results))
+                                                      args.warmup, args.precision, graphs, start, results))
                  for g in groups]
     for p in processes:
         p.start()
@@ -108,23 +117,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default="fp32", choices=[p.value for p in Precision])
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads in all")
+    parser.add_argument("--modes", nargs="+", choices=MODES + GRAPH_MODES,
+                        help="default: all three, and on CUDA each with +graphs too")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("bench_results/groups"))
     args = parser.parse_args()
+    modes = args.modes or (MODES + GRAPH_MODES if args.device != "cpu" else MODES)
     rows = []
     print(f"{args.arch}{args.depth} w{args.width}, batch {args.batch}, {args.device}, {args.cores} core(s)")
-    print(f"{'px':>4} {'k':>3} {'mode':>9} {'img/s/model':>12} {'img/s total':>12} {'vs separate':>12} "
+    print(f"{'px':>4} {'k':>3} {'mode':>15} {'img/s/model':>12} {'img/s total':>12} {'vs separate':>12} "
           f"{'peak RSS GiB':>13} {'RSS vs 1 model':>15}" + (" alloc GiB" if args.device != "cpu" else ""))
     for image_size in args.image_sizes:
         one = None  # one model alone: the memory yardstick
         for k in args.ks:
             baseline = None
-            for mode in MODES if k > 1 else ("separate",):
+            for mode in modes if k > 1 else [m for m in modes if m.startswith("separate")]:
                 row = measure(mode, k, args, image_size)
                 rows.append(row)
                 baseline = baseline or row
                 one = one or row
-                print(f"{image_size:>4} {k:>3} {mode:>9} {row['images_per_s_per_model']:>12.1f} "
+                print(f"{image_size:>4} {k:>3} {mode:>15} {row['images_per_s_per_model']:>12.1f} "
                       f"{row['images_per_s_total']:>12.1f} "
                       f"{row['images_per_s_total'] / baseline['images_per_s_total']:>11.2f}x "
                       f"{row['peak_rss_bytes'] / 2**30:>13.2f} {row['peak_rss_bytes'] / one['peak_rss_bytes']:>14.2f}x"

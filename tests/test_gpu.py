@@ -45,3 +45,53 @@ def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
     assert [g["mode"] for g in results["groups"].values()] == ["fused+packed"]
     for model in results["models"]:
         assert max(model["val_accuracy"]) >= 0.75, (model["name"], model["val_accuracy"])  # chance: 25%
+
+
+def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
+    """A fused array of two and a packed model, stepped once eagerly and once with CUDA graphs on the same
+    batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch eagerly
+    between replays, recaptures the array after a member leaves (step 7; replayed from step 10), and ends with the eager group's losses
+    and weights; a step with every unit captured never waits for the host (sync debug mode raises).
+    Planted mistakes it catches: a replay handing out the graph's own loss tensor (later replays rewrite
+    earlier losses), a learning rate baked into the graph (the schedule stops), a graph kept after the
+    array is rebuilt (it steps freed weights)."""
+    import torch
+
+    from pipeline.training.group import GroupSpec, GroupStep, ModelSpec
+
+    members = (ModelSpec("a", "resnet", 10, 8, 12, 0.2, 0.9, 5e-4, 1, "main"),
+               ModelSpec("b", "resnet", 10, 8, 12, 0.05, 0.8, 0.0, 1, "main"),
+               ModelSpec("c", "resnet", 10, 16, 12, 0.1, 0.9, 5e-4, 1, "main"))
+    group = GroupSpec("g", members, array_size=2)
+    torch.backends.cudnn.deterministic = True  # the same kernels in both groups, bit for bit
+    steps = {graphs: GroupStep(group, 4, {"main": 32}, "cuda", 10, cuda_graphs=graphs) for graphs in (False, True)}
+    assert [len(u.names) for u in steps[True].units] == [2, 1] and steps[True].graphs
+    random = torch.Generator().manual_seed(0)
+    losses = {False: [], True: []}
+    for number in range(12):
+        rows = 10 if number == 5 else 16  # an epoch's last batch: another shape
+        images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
+        labels = torch.randint(0, 4, (rows,), generator=random)
+        for graphs, step in steps.items():
+            if number == 7:
+                step.release("b")
+            batch = {"main": (step.normalise(images), labels.cuda())}
+            if graphs and number in (4, 5, 6, 11):  # every unit captured (captures synchronise)
+                with_sync_errors = torch.cuda.set_sync_debug_mode
+                with_sync_errors("error")
+                try:
+                    losses[graphs].append(step.train(batch))
+                finally:
+                    with_sync_errors("default")
+            else:
+                losses[graphs].append(step.train(batch))
+    assert all(unit.graph.captured for unit in steps[True].units)
+    for eager, graphed in zip(losses[False], losses[True]):
+        assert eager.keys() == graphed.keys()
+        for name in eager:
+            torch.testing.assert_close(graphed[name], eager[name], rtol=1e-4, atol=1e-5)
+    for name in ("a", "c"):
+        eager, graphed = steps[False].state(name), steps[True].state(name)
+        for key, tensor in eager["model"].items():
+            torch.testing.assert_close(graphed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=f"{name}.{key}")
+        assert graphed["optimizer"]["param_groups"] == eager["optimizer"]["param_groups"]

@@ -26,7 +26,7 @@ def model(name, width=8, lr=0.1):
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
     return TrainerSpec(group=group, num_classes=3, image_sizes={"main": 32}, epochs=4, start_epoch=start,
                        steps_per_epoch=10, rank=0, rendezvous="", device="cpu", threads=1, precision=precision,
-                       checkpoint_dir=str(tmp_path), record_checksums=False, consume_only=False, collective_s=60)
+                       cuda_graphs=False, checkpoint_dir=str(tmp_path), record_checksums=False, consume_only=False, collective_s=60)
 
 
 def batch(seed=0, count=8, side=32):
@@ -66,7 +66,7 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
         first._keep_state(name, accuracy=0.5)  # the end of epoch 1
     x = first.step.normalise(batch(1)[0])
     before = first.step.predict({"main": x})
-    lrs = lambda trainer: [[g["lr"] for g in unit.optimizer.param_groups] for unit in trainer.step.units]
+    lrs = lambda trainer: [[float(g["lr"]) for g in unit.optimizer.param_groups] for unit in trainer.step.units]
     lrs_then = lrs(first)
     train()  # epoch 2 goes on before the driver's command comes
     pipe.sent.append(SaveCheckpoint(("a", "b", "c"), 1))

@@ -51,6 +51,7 @@ class TrainingSetup:
     steps_per_epoch: int
     threads: int
     precision: Precision
+    cuda_graphs: bool
     checkpoint_dir: Path
     record_checksums: bool
     consume_only: bool
@@ -149,7 +150,7 @@ class Flotilla:
                                image_sizes={s: sinks[s].item_shape[0] for s in group.inputs}, epochs=setup.epochs,
                                start_epoch=member.start_epoch, steps_per_epoch=setup.steps_per_epoch, rank=rank,
                                rendezvous=rendezvous, device=device, threads=setup.threads,
-                               precision=setup.precision, checkpoint_dir=str(setup.checkpoint_dir),
+                               precision=setup.precision, cuda_graphs=setup.cuda_graphs, checkpoint_dir=str(setup.checkpoint_dir),
                                record_checksums=setup.record_checksums, consume_only=setup.consume_only,
                                collective_s=setup.collective_s)
             if next_reader is None:  # a joiner: spare readers of the flotilla's one hub

@@ -58,7 +58,8 @@ class FusedSGD(torch.optim.Optimizer):
         def per_member(values):  # float64 holds the given floats exactly (checkpoints show them as given)
             return torch.tensor(values, dtype=torch.float64, device=device)
 
-        super().__init__(params, {"lr": 1.0, "lrs": per_member(lrs), "momenta": per_member(momenta),
+        # "lr" a tensor: the schedule fills it, and a CUDA graph of the step reads it (training/graphs.py)
+        super().__init__(params, {"lr": per_member(1.0), "lrs": per_member(lrs), "momenta": per_member(momenta),
                                   "weight_decays": per_member(weight_decays)})
 
     @torch.no_grad()
@@ -145,10 +146,10 @@ class FusedArray:
         group = self.optimizer.param_groups[0]
         lr = group["lrs"][i].item()
         plain_optimizer = torch.optim.SGD(
-            self._plain.parameters(), lr=group["lr"] * lr, momentum=group["momenta"][i].item(),
+            self._plain.parameters(), lr=float(group["lr"]) * lr, momentum=group["momenta"][i].item(),
             weight_decay=group["weight_decays"][i].item(), nesterov=True).state_dict()
         if "initial_lr" in group:  # set by an LR scheduler: the rate its factors multiply
-            plain_optimizer["param_groups"][0]["initial_lr"] = group["initial_lr"] * lr
+            plain_optimizer["param_groups"][0]["initial_lr"] = float(group["initial_lr"]) * lr
         for index, (name, p) in enumerate(self._named_parameters()):
             if "momentum_buffer" in self.optimizer.state.get(p, {}):
                 buffer = self._member_view(self.optimizer.state[p]["momentum_buffer"], name, i)

@@ -201,8 +201,12 @@ class _Solo:
         self.module = net
         self.net = net if world == 1 else torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = torch.optim.SGD(net.parameters(), lr=model.lr, momentum=model.momentum,
-                                         weight_decay=model.weight_decay, nesterov=True)
+        # On a GPU: one fused kernel for the update, and the rate a tensor that a CUDA graph reads
+        # (pipeline/training/graphs.py); checkpoints hold it as a float (member_state)
+        on_gpu = device.type == "cuda"
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=torch.tensor(model.lr, device=device) if on_gpu
+                                         else model.lr, momentum=model.momentum, weight_decay=model.weight_decay,
+                                         nesterov=True, fused=on_gpu or None)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def losses(self, x, y):
@@ -214,11 +218,18 @@ class _Solo:
         return self.module(x).unsqueeze(0)
 
     def member_state(self, index: int) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        optimizer = self.optimizer.state_dict()
+        for group in optimizer["param_groups"]:  # a plain SGD's checkpoint, whatever device trained it
+            group.update({key: float(value) for key, value in group.items() if key in ("lr", "initial_lr")})
+            group.pop("fused", None)
+        return {"model": self.module.state_dict(), "optimizer": optimizer}
 
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
+        fused = [group["fused"] for group in self.optimizer.param_groups]  # this device's, not the checkpoint's
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, was in zip(self.optimizer.param_groups, fused):
+            group["fused"] = was
 
 
 class _Array:
@@ -260,13 +271,17 @@ class GroupStep:
     `total_steps` is the length of every member's cosine schedule. A data-parallel
     model (a group of one on `world` slots) joins its process group first
     (`init_process_group`, pipeline/delivery/collective.py). Losses stay on the device: a step never waits for it.
-    `in_hand`, where given, is told which members are inside their step.
+    `in_hand`, where given, is told which members are inside their step. With `cuda_graphs`, each unit's
+    step on a GPU is captured once and replayed (pipeline/training/graphs.py), except under DDP and fp16
+    (the gradient scaler reads its overflow check on the host).
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,
                  precision: Precision = Precision.fp32, world: int = 1, threads: int = 1,
-                 memory_format=None, in_hand: StepInHand | None = None):
+                 memory_format=None, in_hand: StepInHand | None = None, cuda_graphs: bool = False):
         import torch
+
+        from pipeline.training.graphs import StaticInputs
 
         from pipeline.training.models import build_model
 
@@ -284,8 +299,19 @@ class GroupStep:
                 self.units.append(_Array(unit, nets, cosine(total_steps)))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
+        self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
+        self.static_inputs = StaticInputs() if self.graphs else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        for unit in self.units:
+            self._new_graph(unit)
         self.pool = None
         self._plan_lanes()
+
+    def _new_graph(self, unit) -> None:
+        """The unit's step graph, to be captured anew: at the start, and whenever its tensors change."""
+        from pipeline.training.graphs import StepGraph
+
+        unit.graph = StepGraph(functools.partial(self._step, unit), self.graph_pool) if self.graphs else None
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
@@ -329,25 +355,35 @@ class GroupStep:
     def _autocast(self):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return self.torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        # no cast cache: a CUDA graph's capture forbids it, and each weight is cast once a step anyway
+        return self.torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
     def train(self, batches: dict[str, tuple]) -> dict[str, object]:
         """One step of every member on its stream's (x, y); each member's loss, a 0-d tensor on the device."""
-        step = lambda unit: self._train_unit(unit, *batches[unit.input])
+        if self.static_inputs is None:
+            staged = {stream: (x, y, False) for stream, (x, y) in batches.items()}
+        else:  # copied once into the graphs' inputs, where the batch has their shape
+            staged = {stream: self.static_inputs.take(stream, x, y) for stream, (x, y) in batches.items()}
+        step = lambda unit: self._train_unit(unit, *staged[unit.input])
         stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
         return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
 
-    def _train_unit(self, unit, x, y) -> tuple:
+    def _train_unit(self, unit, x, y, static: bool) -> tuple:
         with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():
-            unit.net.train()
-            with self._autocast():  # autocast is per thread: entered where the unit steps
-                losses = unit.losses(x, y)
-            unit.optimizer.zero_grad(set_to_none=True)
-            unit.scaler.scale(losses.sum()).backward()  # members' parameters are disjoint: own gradients
-            unit.scaler.step(unit.optimizer)
-            unit.scaler.update()
-            unit.schedule.step()
-        return unit.names, losses.detach().float()
+            losses = unit.graph(x, y) if static and unit.graph else self._step(unit, x, y)
+            unit.schedule.step()  # fills the rate tensor a graph reads
+        return unit.names, losses
+
+    def _step(self, unit, x, y):
+        """The unit's eager step (what a graph captures); its losses, on the device."""
+        unit.net.train()
+        with self._autocast():  # autocast is per thread: entered where the unit steps
+            losses = unit.losses(x, y)
+        unit.optimizer.zero_grad(set_to_none=True)
+        unit.scaler.scale(losses.sum()).backward()  # members' parameters are disjoint: own gradients
+        unit.scaler.step(unit.optimizer)
+        unit.scaler.update()
+        return losses.detach().float()
 
     def predict(self, inputs: dict[str, object]) -> dict[str, object]:
         """Each member's softmax on its stream's x, [N, classes] on the device."""
@@ -375,6 +411,7 @@ class GroupStep:
         """Resume a member from `state`; the group's members resume together, after the same steps."""
         unit, index = self._find(name)
         unit.load_member_state(index, state)
+        self._new_graph(unit)  # loading replaced the optimiser's tensors the graph would read
         unit.schedule.last_epoch = state["schedule_steps"]
         factors = [fn(state["schedule_steps"]) for fn in unit.schedule.lr_lambdas]
         for param_group, base, factor in zip(unit.optimizer.param_groups, unit.schedule.base_lrs, factors):
@@ -388,5 +425,6 @@ class GroupStep:
             self._plan_lanes()
         else:
             unit.drop(index)
+            self._new_graph(unit)  # a new module
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()  # its memory back to the device, for whoever needs it

@@ -51,6 +51,7 @@ from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, how_it_ended, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
+from pipeline.training.graphs import EAGER_STEPS
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
 
@@ -86,6 +87,7 @@ class Measurement:
     warmup: int
     threads: int  # torch threads per trainer process
     precision: Precision = Precision.fp32
+    cuda_graphs: bool = False  # as the trainers will step (trainer.cuda_graphs)
     report_s: float = 600.0  # a rank silent this long is taken as hung (timeouts.report_s)
     where: RateHost | None = None  # the host whose devices are measured (None: this process's); never sent on
 
@@ -193,7 +195,8 @@ def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
     members = sorted([m.arch, m.depth, m.width, m.growth_rate, how.image_sizes[m.input]] for m in group.members)
     arrays = sorted(len(unit) for unit in group.units() if len(unit) > 1)
     return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
-            "batch_size": how.batch_size, "precision": str(how.precision), **hardware}
+            "batch_size": how.batch_size, "precision": str(how.precision),
+            "cuda_graphs": how.cuda_graphs, **hardware}
 
 
 def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dict:
@@ -346,7 +349,9 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         if world > 1:
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
-                         world, how.threads, in_hand=in_hand)
+                         world, how.threads, in_hand=in_hand, cuda_graphs=how.cuda_graphs)
+        # a trainer captures its graphs once a run: steps before the replays are not its pace
+        warmup = how.warmup + (EAGER_STEPS + 1 if step.graphs else 0)
         random, rows = np.random.default_rng(rank), rank_rows(rank, world)  # its share, as a trainer takes it
         batches = {}
         for stream in group.inputs:
@@ -355,13 +360,13 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rows].copy())
             batches[stream] = (images, labels)
         step_seconds = []
-        for number in range(how.warmup + how.steps):
+        for number in range(warmup + how.steps):
             in_hand.begin(number)
             _synchronize(torch, device)
             started = time.perf_counter()
             step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
             _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
-            if number >= how.warmup:
+            if number >= warmup:
                 step_seconds.append(time.perf_counter() - started)
         # Report first: tearing down a gloo group can hang once the peer has
         # exited, and the parent kills what has not ended soon after the reports.

@@ -52,6 +52,7 @@ class TrainerSpec:
     device: str  # "cpu" or "cuda:<i>"
     threads: int
     precision: Precision
+    cuda_graphs: bool  # each step a replayed CUDA graph, where GroupStep can
     checkpoint_dir: str
     record_checksums: bool
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
@@ -201,7 +202,7 @@ class Trainer:
                                                   spec.collective_s, spec.group.name)
         self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
                               spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads,
-                              in_hand=in_hand)  # where its steps are, for the driver if it hangs
+                              in_hand=in_hand, cuda_graphs=spec.cuda_graphs)  # where its steps are, for the driver if it hangs
         self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
