@@ -1,5 +1,6 @@
 """The trainer process's parts, in this process: checkpoints and resume of every member of a group, the
 device feed's hand-back of ring buffers, and steps that never wait for the device."""
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -265,3 +266,50 @@ def test_the_suite_runs_onednn_at_most_avx2_whatever_the_cpu():
     assert not any("avx512" in kernel or "amx" in kernel for kernel in kernels), kernels
     isa, kernels = onednn_conv(ONEDNN_MAX_CPU_ISA="AVX")
     assert isa.endswith("Intel AVX") and all(not kernel.endswith(":avx2") for kernel in kernels), (isa, kernels)
+
+
+def test_a_step_graph_steps_eagerly_then_captures_once_and_replays(monkeypatch):
+    """StepGraph's schedule, with torch's graph API faked (CI has no GPU; tests/test_gpu.py runs the real
+    one): EAGER_STEPS eager steps, then one capture (the step recorded, inside the capture), then replays
+    only; each replay hands out a new copy of the captured losses. A capture that fails names the unit's
+    members and trainer.cuda_graphs. Planted mistakes it catches: capturing at once (before cuDNN and the
+    optimiser are warm), capturing again at every step, handing out the graph's own loss tensor."""
+    from pipeline.training.graphs import EAGER_STEPS, StepGraph
+
+    events = []
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def capturing(graph, pool):
+        events.append("capture")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    captured = torch.tensor([1.5])
+
+    def step(x, y):
+        events.append("step")
+        return captured
+
+    graph = StepGraph(step, pool=None, names=("a", "b"))
+    losses = [graph(None, None) for _ in range(EAGER_STEPS + 3)]
+    assert events == ["step"] * EAGER_STEPS + ["capture", "step", "replay", "replay", "replay"]
+    assert graph.captured
+    assert all(torch.equal(loss, captured) for loss in losses)
+    assert all(loss is not captured for loss in losses[EAGER_STEPS:])
+
+    @contextlib.contextmanager
+    def failing(graph, pool):
+        yield
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    broken = StepGraph(step, pool=None, names=("a", "b"))
+    for _ in range(EAGER_STEPS):
+        broken(None, None)
+    with pytest.raises(RuntimeError, match=r"step of a, b cannot be captured .*trainer\.cuda_graphs=false"):
+        broken(None, None)

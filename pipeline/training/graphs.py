@@ -45,10 +45,10 @@ class StaticInputs:
 class StepGraph:
     """A unit's step on its stream's static pair: eager for the first EAGER_STEPS, then captured and
     replayed. `step(x, y)` is the unit's eager step (losses on the device); `pool` is shared by the
-    group's graphs."""
+    group's graphs; `names` (the unit's members) name it in errors."""
 
-    def __init__(self, step, pool):
-        self._step, self._pool = step, pool
+    def __init__(self, step, pool, names):
+        self._step, self._pool, self._names = step, pool, names
         self._eager_steps = 0
         self._graph = None
         self._losses = None  # the captured step's output, rewritten by each replay
@@ -66,8 +66,12 @@ class StepGraph:
             return self._step(x, y)
         if self._graph is None:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._losses = self._step(x, y)  # recorded, not run: the replay below runs it
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._losses = self._step(x, y)  # recorded, not run: the replay below runs it
+            except RuntimeError as error:  # e.g. a model that reads a value on the host, or changes shape
+                raise RuntimeError(f"the training step of {', '.join(self._names)} cannot be captured as a CUDA "
+                                   f"graph ({error}); set trainer.cuda_graphs=false to train eagerly") from error
             self._graph = graph
         self._graph.replay()
         return self._losses.clone()  # the next replay rewrites the graph's own

@@ -311,7 +311,8 @@ class GroupStep:
         """The unit's step graph, to be captured anew: at the start, and whenever its tensors change."""
         from pipeline.training.graphs import StepGraph
 
-        unit.graph = StepGraph(functools.partial(self._step, unit), self.graph_pool) if self.graphs else None
+        unit.graph = (StepGraph(functools.partial(self._step, unit), self.graph_pool, unit.names)
+                      if self.graphs else None)
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
