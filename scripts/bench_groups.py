@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.orchestration.grouping import fused, measure_sizes
-from pipeline.training.graphs import EAGER_STEPS
 from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision
 
 MODES = ("separate", "packed", "fused")
@@ -50,7 +49,7 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
     dev = torch.device(device)
     step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads,
                      cuda_graphs=graphs)
-    warmup += EAGER_STEPS + 1 if step.graphs else 0  # the replays are timed, not the capture
+    warmup += step.steps_before_replay  # the replays are timed, not the capture
     random = np.random.default_rng(0)
     images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)
     labels = torch.from_numpy(random.integers(0, 10, batch)).to(dev)

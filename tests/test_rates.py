@@ -49,22 +49,20 @@ class Clock:
         return self.now
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch, graphs):
+@pytest.mark.parametrize("before_replay", [0, 4])
+def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch, before_replay):
     """A rank run in this process, with steps of known cost: 1000 s pass between steps, the warmup step
     trains for 100 s, the timed ones for 1, 2 and 3 s, and normalising a batch (part of a step, as in the
-    trainer) takes 0.5 s. It reports 1.5, 2.5 and 3.5 s. A group stepping CUDA graphs has EAGER_STEPS + 1
-    more untimed steps (the eager ones and the capture, 50 s each). A timed warmup step, a timed capture,
-    or a clock running between steps, fails."""
+    trainer) takes 0.5 s. It reports 1.5, 2.5 and 3.5 s. A group whose steps become replayed CUDA graphs
+    only after `steps_before_replay` steps (the eager ones and the capture, 50 s each) has that many more
+    untimed steps. A timed warmup step, a timed capture, or a clock running between steps, fails."""
     import torch
 
-    from pipeline.training.graphs import EAGER_STEPS
-
-    clock, training = Clock(), iter([100] + [50] * (EAGER_STEPS + 1 if graphs else 0) + [1, 2, 3])
+    clock, training = Clock(), iter([100] + [50] * before_replay + [1, 2, 3])
 
     class Step:
         def __init__(self, *args, **kwargs):
-            self.graphs = graphs
+            self.steps_before_replay = before_replay
 
         def normalise(self, images):
             clock.now += 0.5

@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph
+
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -281,8 +283,6 @@ class GroupStep:
                  memory_format=None, in_hand: StepInHand | None = None, cuda_graphs: bool = False):
         import torch
 
-        from pipeline.training.graphs import StaticInputs
-
         from pipeline.training.models import build_model
 
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
@@ -307,10 +307,14 @@ class GroupStep:
         self.pool = None
         self._plan_lanes()
 
+    @property
+    def steps_before_replay(self) -> int:
+        """Steps this group takes before its steps are replayed graphs (the eager ones, then the capture):
+        a measured pace starts after them. 0 without graphs."""
+        return EAGER_STEPS + 1 if self.graphs else 0
+
     def _new_graph(self, unit) -> None:
         """The unit's step graph, to be captured anew: at the start, and whenever its tensors change."""
-        from pipeline.training.graphs import StepGraph
-
         unit.graph = (StepGraph(functools.partial(self._step, unit), self.graph_pool, unit.names)
                       if self.graphs else None)
 

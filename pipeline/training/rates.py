@@ -51,7 +51,6 @@ from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, how_it_ended, quiet_children
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
-from pipeline.training.graphs import EAGER_STEPS
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
 
@@ -350,8 +349,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
                          world, how.threads, in_hand=in_hand, cuda_graphs=how.cuda_graphs)
-        # a trainer captures its graphs once a run: steps before the replays are not its pace
-        warmup = how.warmup + (EAGER_STEPS + 1 if step.graphs else 0)
+        warmup = how.warmup + step.steps_before_replay  # a trainer captures its graphs once a run
         random, rows = np.random.default_rng(rank), rank_rows(rank, world)  # its share, as a trainer takes it
         batches = {}
         for stream in group.inputs:
