@@ -31,7 +31,7 @@ from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
-from pipeline.orchestration.flotilla import DeliverySetup, TrainingSetup
+from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, remove_stale_shm
 from pipeline.orchestration.node import agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
@@ -44,6 +44,7 @@ from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
 from stages.cache import GB
 

@@ -50,11 +50,11 @@ def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
 def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     """A fused array of two and a packed model, stepped once eagerly and once with CUDA graphs on the same
     batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch eagerly
-    between replays, recaptures the array after a member leaves (step 7; replayed from step 10), and ends with the eager group's losses
-    and weights; a step with every unit captured never waits for the host (sync debug mode raises).
-    Planted mistakes it catches: a replay handing out the graph's own loss tensor (later replays rewrite
-    earlier losses), a learning rate baked into the graph (the schedule stops), a graph kept after the
-    array is rebuilt (it steps freed weights)."""
+    between replays, recaptures the array after a member leaves (step 7; replayed from step 10), and
+    ends with the eager group's losses and weights; a step with every unit captured never waits for the
+    host (sync debug mode raises). Mistakes it is meant to catch (not yet planted on a GPU to see it
+    fail): a replay handing out the graph's own loss tensor (later replays rewrite earlier losses), a
+    learning rate baked into the graph (the schedule stops), a graph kept after the array is rebuilt."""
     import torch
 
     from pipeline.training.group import GroupSpec, GroupStep, ModelSpec
@@ -76,15 +76,12 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
             if number == 7:
                 step.release("b")
             batch = {"main": (step.normalise(images), labels.cuda())}
-            if graphs and number in (4, 5, 6, 11):  # every unit captured (captures synchronise)
-                with_sync_errors = torch.cuda.set_sync_debug_mode
-                with_sync_errors("error")
-                try:
-                    losses[graphs].append(step.train(batch))
-                finally:
-                    with_sync_errors("default")
-            else:
+            every_unit_captured = graphs and number in (4, 5, 6, 11)  # (a capture synchronises)
+            torch.cuda.set_sync_debug_mode("error" if every_unit_captured else "default")
+            try:
                 losses[graphs].append(step.train(batch))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     assert all(unit.graph.captured for unit in steps[True].units)
     for eager, graphed in zip(losses[False], losses[True]):
         assert eager.keys() == graphed.keys()

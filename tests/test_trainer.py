@@ -17,7 +17,7 @@ from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, 
 from pipeline.training.models import build_model
 from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
-                                       saved_epochs)
+                                       TrainingSetup, saved_epochs)
 
 
 def model(name, width=8, lr=0.1):
@@ -25,9 +25,11 @@ def model(name, width=8, lr=0.1):
 
 
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
-    return TrainerSpec(group=group, num_classes=3, image_sizes={"main": 32}, epochs=4, start_epoch=start,
-                       steps_per_epoch=10, rank=0, rendezvous="", device="cpu", threads=1, precision=precision,
-                       cuda_graphs=False, checkpoint_dir=str(tmp_path), record_checksums=False, consume_only=False, collective_s=60)
+    setup = TrainingSetup(num_classes=3, epochs=4, steps_per_epoch=10, threads=1, precision=precision,
+                          cuda_graphs=False, checkpoint_dir=tmp_path, record_checksums=False, consume_only=False,
+                          collective_s=60)
+    return TrainerSpec(setup=setup, group=group, image_sizes={"main": 32}, start_epoch=start, rank=0,
+                       rendezvous="", device="cpu")
 
 
 def batch(seed=0, count=8, side=32):

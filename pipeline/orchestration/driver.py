@@ -32,7 +32,7 @@ from pipeline.delivery.messages import SplitDone
 from pipeline.delivery.topology import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
-from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member, TrainingSetup
+from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged,
@@ -42,6 +42,7 @@ from pipeline.scheduler.gantt import Bar, Gantt
 from pipeline.scheduler.machine import FAILED, TRAIN_LOSS
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerReport, ValReport
 from pipeline.training.group import GroupSpec
+from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
 
 

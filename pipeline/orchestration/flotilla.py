@@ -14,7 +14,6 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from pipeline.data.executor import TlsFiles
 from pipeline.data.graph import StageGraph
@@ -27,8 +26,8 @@ from pipeline.runtime.hang import HangError, Patience
 from pipeline.runtime.lifetime import how_it_ended
 from pipeline.orchestration.node import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
-from pipeline.training.group import GroupSpec, Precision
-from pipeline.training.trainer import TrainerSpec
+from pipeline.training.group import GroupSpec
+from pipeline.training.trainer import TrainerSpec, TrainingSetup
 from stages.base import BadFileError, OnError, Spec, Split
 
 
@@ -40,22 +39,6 @@ class Member:
     devices: tuple[str, ...]  # one per slot, rank order: "cpu" or "cuda:<i>"
     nodes: tuple[int, ...]  # the node of each slot
     start_epoch: int = 0  # epochs trained before: resume from its checkpoint
-
-
-@dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
-class TrainingSetup:
-    """What every trainer of a run shares."""
-
-    num_classes: int
-    epochs: int  # the most epochs a model trains
-    steps_per_epoch: int
-    threads: int
-    precision: Precision
-    cuda_graphs: bool
-    checkpoint_dir: Path
-    record_checksums: bool
-    consume_only: bool
-    collective_s: float  # timeouts.collective_s
 
 
 @dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
@@ -146,13 +129,9 @@ class Flotilla:
         group = member.group
         rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the group's process group
         for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
-            spec = TrainerSpec(group=group, num_classes=setup.num_classes,
-                               image_sizes={s: sinks[s].item_shape[0] for s in group.inputs}, epochs=setup.epochs,
-                               start_epoch=member.start_epoch, steps_per_epoch=setup.steps_per_epoch, rank=rank,
-                               rendezvous=rendezvous, device=device, threads=setup.threads,
-                               precision=setup.precision, cuda_graphs=setup.cuda_graphs, checkpoint_dir=str(setup.checkpoint_dir),
-                               record_checksums=setup.record_checksums, consume_only=setup.consume_only,
-                               collective_s=setup.collective_s)
+            spec = TrainerSpec(setup=setup, group=group,
+                               image_sizes={s: sinks[s].item_shape[0] for s in group.inputs},
+                               start_epoch=member.start_epoch, rank=rank, rendezvous=rendezvous, device=device)
             if next_reader is None:  # a joiner: spare readers of the flotilla's one hub
                 self.nodes[node].start_trainer(spec, self.plan.hubs[0].rank)
                 continue

@@ -144,7 +144,7 @@ class NodeProcesses:
             readers = {stream: self.rings[hub, stream].take_spare() for stream in spec.group.inputs}
         taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
         commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
-        in_hand = StepInHand(self.context, spec.group, spec.steps_per_epoch)
+        in_hand = StepInHand(self.context, spec.group, spec.setup.steps_per_epoch)
         process = self.context.Process(
             target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
             args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,

@@ -59,7 +59,8 @@ class FusedSGD(torch.optim.Optimizer):
             return torch.tensor(values, dtype=torch.float64, device=device)
 
         # "lr" a tensor: the schedule fills it, and a CUDA graph of the step reads it (training/graphs.py)
-        super().__init__(params, {"lr": per_member(1.0), "lrs": per_member(lrs), "momenta": per_member(momenta),
+        scale = torch.tensor(1.0, dtype=torch.float64, device=device)
+        super().__init__(params, {"lr": scale, "lrs": per_member(lrs), "momenta": per_member(momenta),
                                   "weight_decays": per_member(weight_decays)})
 
     @torch.no_grad()

@@ -40,23 +40,32 @@ BEST_CHECKPOINT = "best.json"  # per model: its checkpoint of highest validation
 
 
 @dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
-class TrainerSpec:
-    group: GroupSpec
+class TrainingSetup:
+    """What every trainer of a run shares."""
+
     num_classes: int
-    image_sizes: dict[str, int]  # stream -> side of its images (picks each model's stem)
     epochs: int  # the most epochs a model trains (the learning-rate schedule's length)
-    start_epoch: int  # epochs trained before; > 0 resumes every member from its checkpoint
     steps_per_epoch: int  # for the learning-rate schedule
-    rank: int  # within the group's data-parallel ranks (a group of several has one)
-    rendezvous: str  # init_method of the process group (used when the group spans slots)
-    device: str  # "cpu" or "cuda:<i>"
     threads: int
     precision: Precision
     cuda_graphs: bool  # each step a replayed CUDA graph, where GroupStep can
-    checkpoint_dir: str
+    checkpoint_dir: Path
     record_checksums: bool
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
     collective_s: float  # timeouts.collective_s: a DDP all-reduce not done in this long fails, naming it
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSpec:
+    """One trainer: the run's setup, and what is its own."""
+
+    setup: TrainingSetup
+    group: GroupSpec
+    image_sizes: dict[str, int]  # stream -> side of its images (picks each model's stem)
+    start_epoch: int  # epochs trained before; > 0 resumes every member from its checkpoint
+    rank: int  # within the group's data-parallel ranks (a group of several has one)
+    rendezvous: str  # init_method of the process group (used when the group spans slots)
+    device: str  # "cpu" or "cuda:<i>"
 
 
 @dataclass(frozen=True)
@@ -187,7 +196,7 @@ class Trainer:
         import torch
 
         self.torch, self.spec, self.reports, self.commands = torch, spec, reports, commands
-        torch.set_num_threads(spec.threads)
+        torch.set_num_threads(spec.setup.threads)
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -199,10 +208,12 @@ class Trainer:
         self.collectives = contextlib.nullcontext  # a step runs collectives only under DDP
         if self.world > 1:
             self.collectives = join_process_group(spec.rendezvous, spec.rank, self.world, self.device,
-                                                  spec.collective_s, spec.group.name)
-        self.step = GroupStep(spec.group, spec.num_classes, spec.image_sizes, self.device,
-                              spec.epochs * spec.steps_per_epoch, spec.precision, self.world, spec.threads,
-                              in_hand=in_hand, cuda_graphs=spec.cuda_graphs)  # where its steps are, for the driver if it hangs
+                                                  spec.setup.collective_s, spec.group.name)
+        setup = spec.setup
+        self.step = GroupStep(spec.group, setup.num_classes, spec.image_sizes, self.device,
+                              setup.epochs * setup.steps_per_epoch, setup.precision, self.world, setup.threads,
+                              in_hand=in_hand,  # where its steps are, for the driver if it hangs
+                              cuda_graphs=setup.cuda_graphs)
         self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
@@ -223,7 +234,7 @@ class Trainer:
         """Every member from its checkpoint after `start_epoch` epochs, or, if a trainer died before it
         wrote that one, the newest before it that every member has (none: from the start); the epochs it
         resumes after."""
-        directory, start = self.spec.checkpoint_dir, self.spec.start_epoch
+        directory, start = self.spec.setup.checkpoint_dir, self.spec.start_epoch
         common = set.intersection(*({e for e in saved_epochs(directory, name) if e <= start}
                                     for name in self.members))
         epochs = max(common, default=0)
@@ -266,7 +277,7 @@ class Trainer:
                 raise RuntimeError("the streams of this group are out of step: "
                                    + ", ".join(f"{s} {m.kind.name} {m.split}/{m.epoch}/{m.index}"
                                                for s, m in batch.items()))
-            if self.spec.record_checksums:
+            if self.spec.setup.record_checksums:
                 for stream, m in batch.items():
                     self.checksums[stream].append((int(m.kind), m.split, m.epoch, m.index, zlib.crc32(
                         m.labels.tobytes(), zlib.crc32(m.images.tobytes()))))
@@ -308,7 +319,7 @@ class Trainer:
         copied = self._on_device(batch, rows)
         rows_here = len(range(count)[rows])
         self.seen += rows_here
-        if self.spec.consume_only or not self.members:
+        if self.spec.setup.consume_only or not self.members:
             return
         if self.step.in_hand:
             self.step.in_hand.begin(self.steps_begun, self.epoch)
@@ -325,7 +336,7 @@ class Trainer:
                 m.release()
             return
         copied = self._on_device(batch)
-        if self.spec.consume_only:
+        if self.spec.setup.consume_only:
             return
         for stream, (_, y) in copied.items():
             self.val_labels[stream].append(y)
@@ -348,7 +359,8 @@ class Trainer:
                   for stream, ys in self.val_labels.items()}
         for name in self.members:
             chunks = self.val_probs[name]
-            probs = torch.cat(chunks).cpu().numpy() if chunks else np.zeros((0, self.spec.num_classes), np.float32)
+            probs = (torch.cat(chunks).cpu().numpy() if chunks
+                     else np.zeros((0, self.spec.setup.num_classes), np.float32))
             truth = labels[self.models[name].input]
             accuracy = float((probs.argmax(1) == truth).mean()) if len(truth) else float("nan")
             self._keep_state(name, accuracy)  # before the report: the driver may ask for its checkpoint at once
@@ -373,12 +385,12 @@ class Trainer:
             if state is None:
                 raise RuntimeError(f"the driver asked for {name}'s checkpoint after {epochs} epochs, but this "
                                    f"trainer keeps its state after {sorted(self.finished.get(name, {}))}")
-            with written_whole(checkpoint_path(self.spec.checkpoint_dir, name, epochs)) as file:
+            with written_whole(checkpoint_path(self.spec.setup.checkpoint_dir, name, epochs)) as file:
                 self.torch.save(state, file)  # never a half-written checkpoint
-            best = note_best(self.spec.checkpoint_dir, name, epochs, state["val_accuracy"])
-            for older in saved_epochs(self.spec.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
+            best = note_best(self.spec.setup.checkpoint_dir, name, epochs, state["val_accuracy"])
+            for older in saved_epochs(self.spec.setup.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
                 if older != best:
-                    checkpoint_path(self.spec.checkpoint_dir, name, older).unlink(missing_ok=True)
+                    checkpoint_path(self.spec.setup.checkpoint_dir, name, older).unlink(missing_ok=True)
             self.reports.put(CheckpointSaved(self.spec.group.name, name, epochs))
 
 
