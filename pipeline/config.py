@@ -11,7 +11,9 @@ this schema.
 """
 from __future__ import annotations
 
+import copy
 import enum
+import itertools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -26,7 +28,8 @@ from pipeline.scheduler.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
-from pipeline.training.group import MIN_ROWS, ModelSpec, Precision
+from pipeline.training.group import MIN_ROWS, Precision
+from pipeline.training.members import ModelSpec, member_seed
 from stages.base import OnError, UserError
 from stages.decode import DecodeBackend
 
@@ -172,23 +175,27 @@ class TimeoutsConf:
 
 
 @dataclass
-class ModelConf:
+class MemberConf:
     name: str = MISSING  # unique name, used for checkpoints and reports
-    arch: str = MISSING  # resnet | densenet
-    depth: int = 10  # resnet: 10/18/34; densenet: 40/64/100 (BC, 3 blocks) or 121/169/201
-    width: int = 16  # resnet: first stage's channels; densenet: stem channels
-    growth_rate: int = 12  # densenet: channels each layer adds
     input: str = MISSING  # the broadcast stage whose stream it trains on
-    lr: float = 0.05  # SGD learning rate (cosine-annealed over the epochs)
-    momentum: float = 0.9  # SGD momentum
-    weight_decay: float = 5e-4  # SGD weight decay
+    model: Any = MISSING  # {_target_: <callable returning an nn.Module>, its arguments}; given num_classes, and
+    # image_size where it takes one (pipeline.training.models.resnet / densenet are the built-in families)
+    optimizer: Dict[str, Any] = field(default_factory=dict)  # its keys over ensemble.optimizer (e.g. {lr: 0.1});
+    # a dict naming another _target_ replaces it
+    lr_scheduler: Dict[str, Any] = field(default_factory=dict)  # the same, over ensemble.lr_scheduler
+    loss: Dict[str, Any] = field(default_factory=dict)  # the same, over ensemble.loss
+    seed: Optional[int] = None  # of its initial weights; null: derived from the run's seed and its name
     slots: int = 1  # device slots it trains on, data-parallel (DDP) when > 1
 
 
 @dataclass
 class EnsembleConf:
-    models: List[ModelConf] = field(default_factory=list)  # the ensemble's members
-    lr_sweep: List[float] = field(default_factory=list)  # if set, every model is trained once per learning rate
+    models: List[MemberConf] = field(default_factory=list)  # the ensemble's members
+    optimizer: Any = None  # every member's, unless its own says otherwise: conf/optimizer/ (sgd by default)
+    lr_scheduler: Any = None  # stepped after every training step: conf/lr_scheduler/ (cosine by default)
+    loss: Any = None  # conf/loss/ (cross_entropy by default)
+    grid: Dict[str, Any] = field(default_factory=dict)  # member keys -> lists of values, e.g.
+    # {optimizer: {lr: [0.1, 0.01]}}: every member that has the keys trains once per combination
 
 
 @dataclass
@@ -207,7 +214,7 @@ class Config:
     rates: RatesConf = field(default_factory=RatesConf)
     profile: ProfileConf = field(default_factory=ProfileConf)
     timeouts: TimeoutsConf = field(default_factory=TimeoutsConf)
-    ensemble: Optional[EnsembleConf] = None  # chosen with +ensemble=<name>
+    ensemble: EnsembleConf = field(default_factory=EnsembleConf)  # members chosen with +ensemble=<name>
     resume: Optional[str] = None  # a stopped or crashed run's folder: continue it there (same config)
 
 
@@ -283,21 +290,81 @@ def _check_tls(cluster: DictConfig) -> None:
             raise ConfigError(f"{key}={value}: no such readable file; give the path of a PEM file")
 
 
-def expand_ensemble(ensemble: DictConfig | None) -> list[ModelSpec]:
-    """The ensemble's members; with lr_sweep, each model once per learning rate."""
-    if ensemble is None or not ensemble.models:
+def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:
+    """The ensemble's members, each with the ensemble's optimizer, lr_scheduler and loss under its own keys,
+    and once per combination of ensemble.grid's values that it has."""
+    if not ensemble.models:
         raise ConfigError("no ensemble chosen: add +ensemble=caltech256 (or another file in conf/ensemble/)")
+    shared = {key: OmegaConf.to_container(ensemble[key], resolve=True) for key in MEMBER_DEFAULTS}
+    grid = _grid_leaves(OmegaConf.to_container(ensemble.grid, resolve=True), "ensemble.grid")
+    found = set()
     models = []
-    for model in ensemble.models:
-        fields = OmegaConf.to_container(model, resolve=True)
-        for lr in ensemble.lr_sweep or [fields["lr"]]:
-            name = f"{fields['name']}_lr{lr:g}" if ensemble.lr_sweep else fields["name"]
-            models.append(ModelSpec(**{**fields, "name": name, "lr": float(lr)}))
+    for index, member in enumerate(ensemble.models):
+        fields = OmegaConf.to_container(member, resolve=True)
+        where = f"ensemble.models[{index}] ({fields['name']})"
+        if not isinstance(fields["model"], dict) or "_target_" not in fields["model"]:
+            raise ConfigError(f"{where}.model={fields['model']!r}: give a dict with a _target_, e.g. "
+                              "{_target_: pipeline.training.models.resnet, depth: 10, width: 16}")
+        for key, default in shared.items():
+            fields[key] = _over(default, fields[key], f"{where}.{key}", f"ensemble.{key}")
+        axes = [(path, values) for path, values in grid if _has(fields, path)]
+        found.update(path for path, _ in axes)
+        for combination in itertools.product(*(values for _, values in axes)):
+            spec = copy.deepcopy(fields)
+            suffix = ""
+            for (path, _), value in zip(axes, combination):
+                _set(spec, path, value)
+                suffix += f"_{path[-1]}{value:g}" if isinstance(value, float) else f"_{path[-1]}{value}"
+            spec["name"] += suffix
+            spec["seed"] = member_seed(run_seed, spec["name"]) if spec["seed"] is None else spec["seed"]
+            models.append(ModelSpec(**spec))
+    unused = [".".join(path) for path, _ in grid if path not in found]
+    if unused:
+        raise ConfigError(f"ensemble.grid.{unused[0]}: no member has the key {unused[0]}; name a key of a "
+                          "member's model, optimizer, lr_scheduler or loss, e.g. ensemble.grid.optimizer.lr")
     names = [m.name for m in models]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"ensemble.models: the name {duplicates[0]!r} is used twice; names must be unique")
     return models
+
+
+MEMBER_DEFAULTS = ("optimizer", "lr_scheduler", "loss")  # declared once for the ensemble, refined per member
+
+
+def _over(default: dict, own: dict, key: str, default_key: str) -> dict:
+    """A member's config: its own keys over the ensemble's, unless it names another _target_."""
+    if not isinstance(default, dict) or "_target_" not in default:
+        raise ConfigError(f"{default_key}={default!r}: give a dict with a _target_ (conf/{default_key[9:]}/ "
+                          "has presets)")
+    if own.get("_target_", default["_target_"]) != default["_target_"]:
+        return own
+    return {**default, **own}
+
+
+def _grid_leaves(grid, key: str, path: tuple = ()) -> list[tuple[tuple, list]]:
+    """ensemble.grid's axes, as (path of a member key, its values)."""
+    if isinstance(grid, list):
+        if not grid:
+            raise ConfigError(f"{key}=[]: give at least one value")
+        return [(path, grid)]
+    if not isinstance(grid, dict):
+        raise ConfigError(f"{key}={grid!r}: give a list of values, e.g. ensemble.grid.optimizer.lr=[0.1,0.01]")
+    return [leaf for name, sub in grid.items() for leaf in _grid_leaves(sub, f"{key}.{name}", path + (name,))]
+
+
+def _has(fields: dict, path: tuple) -> bool:
+    for name in path:
+        if not isinstance(fields, dict) or name not in fields:
+            return False
+        fields = fields[name]
+    return True
+
+
+def _set(fields: dict, path: tuple, value) -> None:
+    for name in path[:-1]:
+        fields = fields[name]
+    fields[path[-1]] = value
 
 
 def check_output_dir(path: Path) -> None:

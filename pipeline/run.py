@@ -11,6 +11,7 @@ import json
 import shutil
 import signal
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -43,7 +44,8 @@ from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
-from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.group import GroupSpec
+from pipeline.training.members import ModelSpec, check_members
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
 from stages.cache import GB
@@ -83,11 +85,12 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     left = remove_stale_shm()
     if left:
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
-    models = expand_ensemble(cfg.ensemble)
+    models = expand_ensemble(cfg.ensemble, cfg.seed)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
     graph = _graph(cfg, models)
+    check_members(models, len(graph.source.class_names), {s: graph.sinks[s].item_shape[0] for s in graph.sinks})
     inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
     if cfg.mode == Mode.profile:
         if inputs.cache_line:
@@ -330,6 +333,8 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     grouping = cfg.trainer.grouping
     if grouping == Grouping.auto and cfg.scheduler.policy != PolicyName.shared:
         grouping = Grouping.separate  # policies that take turns share slots over time; pack or fuse on request
+    if grouping in (Grouping.auto, Grouping.fuse):
+        _say_unfused(models, console)
     groups = plan_groups(models, sizes, len(slots), grouping, single_rates)
     lanes = cfg.trainer.threads if device_kind == DeviceKind.cpu else 1  # units a CPU trainer steps at once
     groups, measured = choose_fusion(groups, grouping, sizes, slot_bytes, lanes, how, cache)
@@ -347,6 +352,15 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         save_table(table, output_dir / "rates.json")
         results["rates_measured_by"] = {name: measured_by[name] for name in table.rates}
     return groups, table
+
+
+def _say_unfused(models: list[ModelSpec], console: Console) -> None:
+    """Members of one shape that will not fuse, and why (fusion covers some modules and optimisers)."""
+    shapes = Counter(m.shape for m in models)
+    for m in models:
+        why = m.fusable() if shapes[m.shape] > 1 else None
+        if why:
+            console.print(f"[yellow]note[/] {m.name} is packed, never fused, with members of its shape: {why}")
 
 
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:

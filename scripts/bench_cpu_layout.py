@@ -53,7 +53,7 @@ def _default_run():
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+ensemble=caltech256"])
     sizes = {"main": cfg.pipeline.image_size, "alt": cfg.pipeline.alt_image_size}
-    return expand_ensemble(cfg.ensemble), sizes, cfg.pipeline.batch_size, cfg.trainer.threads, \
+    return expand_ensemble(cfg.ensemble, cfg.seed), sizes, cfg.pipeline.batch_size, cfg.trainer.threads, \
         cfg.dataset.synthetic_classes
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.orchestration.grouping import fused, measure_sizes
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision
+from pipeline.training.group import GroupSpec, GroupStep, Precision
+from pipeline.training.members import with_defaults
 
 MODES = ("separate", "packed", "fused")
 GRAPH_MODES = tuple(f"{mode}+graphs" for mode in MODES)
@@ -71,8 +72,10 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
     graphs = mode.endswith("+graphs")
-    models = [ModelSpec(f"m{i}", args.arch, args.depth, args.width, args.growth_rate, 0.1 / (i + 1), 0.9, 5e-4, 1,
-                        "main") for i in range(k)]
+    model = {"_target_": f"pipeline.training.models.{args.arch}", "depth": args.depth, "width": args.width}
+    if args.arch == "densenet":
+        model["growth_rate"] = args.growth_rate
+    models = [with_defaults(f"m{i}", model, lr=0.1 / (i + 1)) for i in range(k)]
     if mode.startswith("separate"):
         groups = [GroupSpec(m.name, (m,)) for m in models]
         threads = max(1, args.cores // k)

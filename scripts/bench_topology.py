@@ -70,7 +70,8 @@ def parse_args() -> argparse.Namespace:
 
 def ensemble_override(count: int) -> str:
     """`count` copies of one tiny ResNet on the one stream, named m0..m<count-1>."""
-    models = ", ".join(f"{{name: m{i}, arch: resnet, depth: 10, width: 8, input: main}}" for i in range(count))
+    models = ", ".join(f"{{name: m{i}, input: main, model: {{_target_: pipeline.training.models.resnet, depth: 10, "
+                       f"width: 8}}}}" for i in range(count))
     return f"ensemble.models=[{models}]"
 
 

@@ -59,6 +59,26 @@ def tls(tmp_path_factory):
     return security, TlsFiles(str(files["ca"]), str(files["cert"]), str(files["key"]))
 
 
+def member(name: str, arch: str = "resnet", depth: int = 10, width: int = 8, growth_rate: int = 12, lr: float = 0.1,
+           momentum: float = 0.9, weight_decay: float = 5e-4, slots: int = 1, input: str = "main", seed: int = 0):
+    """A member of a built-in family with the shipped defaults (SGD, cosine, cross-entropy); seed 0 for all,
+    so that members a test compares start from the same weights."""
+    from pipeline.training.members import with_defaults
+
+    model = {"_target_": f"pipeline.training.models.{arch}", "depth": depth, "width": width}
+    if arch == "densenet":
+        model["growth_rate"] = growth_rate
+    return with_defaults(name, model, input, seed, slots, lr=lr, momentum=momentum, weight_decay=weight_decay)
+
+
+def resnet_override(name: str, input: str = "main", width: int = 8, lr: float | None = None,
+                    slots: int | None = None) -> str:
+    """A ResNet-10 member as a command-line override writes it, e.g. in ensemble.models=[...]."""
+    extra = (f", optimizer: {{lr: {lr}}}" if lr is not None else "") + (f", slots: {slots}" if slots else "")
+    return (f"{{name: {name}, input: {input}, model: {{_target_: pipeline.training.models.resnet, depth: 10, "
+            f"width: {width}}}{extra}}}")
+
+
 def compose_config(overrides: list[str]):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=overrides)

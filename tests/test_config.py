@@ -9,19 +9,79 @@ from tests.conftest import compose_config
 
 
 def test_demo_and_paper_scale_are_one_override_apart():
-    """The paper's ensemble is every model at every rate of its lr_sweep, ResNets fed 224 px crops and
-    DenseNets 299 px; the demo's models keep their own rates. A sweep that leaves a model at its own rate,
+    """The paper's ensemble is every model at every rate of its grid, ResNets fed 224 px crops and
+    DenseNets 299 px; the demo's models keep their own rates. A grid that leaves a model at its own rate,
     or both branches cropped at one size, fails."""
-    paper = compose_config(["+ensemble=caltech256_paper", "ensemble.lr_sweep=[0.1,0.02]"])
-    models = expand_ensemble(paper.ensemble)
-    assert [(m.name, m.lr) for m in models[:4]] == [("resnet10_w32_lr0.1", 0.1), ("resnet10_w32_lr0.02", 0.02),
-                                                    ("resnet18_lr0.1", 0.1), ("resnet18_lr0.02", 0.02)]
+    paper = compose_config(["+ensemble=caltech256_paper", "ensemble.grid.optimizer.lr=[0.1,0.02]"])
+    models = expand_ensemble(paper.ensemble, paper.seed)
+    assert [(m.name, m.optimizer["lr"]) for m in models[:4]] == [
+        ("resnet10_w32_lr0.1", 0.1), ("resnet10_w32_lr0.02", 0.02), ("resnet18_lr0.1", 0.1), ("resnet18_lr0.02", 0.02)]
     assert len(models) == 5 * 2
     stages = OmegaConf.to_container(paper.pipeline.stages, resolve=True)
     crop = {"main": stages["crop_main"]["size"], "alt": stages["crop_alt"]["size"]}
-    assert {(m.arch, crop[m.input]) for m in models} == {("resnet", 224), ("densenet", 299)}
-    demo = expand_ensemble(compose_config(["+ensemble=caltech256"]).ensemble)
-    assert [(m.name, m.lr) for m in demo[:2]] == [("resnet10_w16", 0.1), ("resnet10_w24", 0.05)]
+    assert {(m.model["_target_"].rsplit(".")[-1], crop[m.input]) for m in models} == {("resnet", 224),
+                                                                                       ("densenet", 299)}
+    demo = expand_ensemble(compose_config(["+ensemble=caltech256"]).ensemble, 0)
+    assert [(m.name, m.optimizer["lr"]) for m in demo[:2]] == [("resnet10_w16", 0.1), ("resnet10_w24", 0.05)]
+
+
+def test_members_take_the_ensembles_optimizer_under_their_own_keys():
+    """The shipped default is today's training (Nesterov SGD, momentum 0.9, wd 5e-4, cosine, cross-entropy);
+    a member's keys go over the ensemble's; a member naming another _target_ replaces it whole (AdamW
+    given SGD's momentum would fail); optimizer@ensemble.optimizer=adamw swaps every member's."""
+    members = expand_ensemble(compose_config(["+ensemble=caltech256", "+ensemble.models.1.optimizer._target_="
+                                              "torch.optim.AdamW", "+ensemble.models.2.loss.label_smoothing=0.1",
+                                              "++ensemble.models.3.optimizer.momentum=0.5"]).ensemble, 0)
+    assert members[0].optimizer == {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9,
+                                    "weight_decay": 5e-4, "nesterov": True}
+    assert members[0].lr_scheduler == {"_target_": "pipeline.training.members.cosine", "_partial_": True}
+    assert members[0].loss == {"_target_": "torch.nn.CrossEntropyLoss"}
+    assert members[1].optimizer == {"_target_": "torch.optim.AdamW", "lr": 0.05}
+    assert members[2].loss == {"_target_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.1}
+    assert members[3].optimizer["momentum"] == 0.5 and members[3].optimizer["nesterov"]
+    swapped = expand_ensemble(compose_config(["+ensemble=caltech256", "optimizer@ensemble.optimizer=adamw"]).ensemble,
+                              0)
+    assert swapped[1].optimizer == {"_target_": "torch.optim.AdamW", "_partial_": True, "lr": 0.05,
+                                    "weight_decay": 0.01}
+
+
+def test_each_member_has_its_own_seed_from_the_runs_seed_and_its_name():
+    """Members differing only in learning rate start from different weights; the same run starts the same."""
+    cfg = compose_config(["+ensemble=caltech256", "++ensemble.grid.optimizer.lr=[0.1,0.2]", "ensemble.models.0.seed=7"])
+    seeds = {m.name: m.seed for m in expand_ensemble(cfg.ensemble, 0)}
+    assert seeds["resnet10_w16_lr0.1"] == seeds["resnet10_w16_lr0.2"] == 7
+    others = [seed for name, seed in seeds.items() if not name.startswith("resnet10_w16")]
+    assert len(set(others)) == len(others) == 6
+    assert {m.name: m.seed for m in expand_ensemble(cfg.ensemble, 0)} == seeds
+    assert {m.name: m.seed for m in expand_ensemble(cfg.ensemble, 1)}["resnet10_w24_lr0.1"] != seeds[
+        "resnet10_w24_lr0.1"]
+
+
+def test_a_grid_expands_every_member_that_has_its_keys():
+    """Two keys: every combination, named by them; model.growth_rate only where the model takes it."""
+    cfg = compose_config(["+ensemble=caltech256", "++ensemble.grid.optimizer.weight_decay=[0,1e-4]",
+                          "++ensemble.grid.model.growth_rate=[8,16]"])
+    members = expand_ensemble(cfg.ensemble, 0)
+    assert [m.name for m in members[:2]] == ["resnet10_w16_weight_decay0", "resnet10_w16_weight_decay0.0001"]
+    dense = [(m.name, m.optimizer["weight_decay"], m.model["growth_rate"]) for m in members if "k12" in m.name]
+    assert dense == [("densenet40_k12_weight_decay0_growth_rate8", 0, 8),
+                     ("densenet40_k12_weight_decay0_growth_rate16", 0, 16),
+                     ("densenet40_k12_weight_decay0.0001_growth_rate8", 1e-4, 8),
+                     ("densenet40_k12_weight_decay0.0001_growth_rate16", 1e-4, 16)]
+    assert len(members) == 2 * 2 + 2 * 4
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+ensemble.grid.optimizer.betas=[[0.9,0.99]]", "ensemble.grid.optimizer.betas: no member has the key"),
+    ("+ensemble.grid.optimizer.lr=0.1", "ensemble.grid.optimizer.lr=0.1: give a list of values"),
+    ("ensemble.models.0.model=resnet", "ensemble.models[0] (resnet10_w16).model='resnet': give a dict with a "
+                                       "_target_"),
+])
+def test_a_declaration_the_schema_lets_through_is_one_config_error(override, message):
+    with pytest.raises(ConfigError) as err:
+        cfg = compose_config(["+ensemble=caltech256", override])
+        expand_ensemble(cfg.ensemble, 0)
+    assert message in str(err.value)
 
 
 def test_misspelt_key_is_refused_with_its_full_name():
@@ -38,14 +98,14 @@ def test_wrong_type_is_refused():
 
 def test_model_fields_are_checked_against_the_schema():
     with pytest.raises((ConfigCompositionException, ValidationError)) as err:
-        compose_config(["+ensemble=caltech256", "ensemble.models.0.depth=deep"])
-    assert "ensemble.models[0].depth" in str(err.value.__cause__ or err.value)
+        compose_config(["+ensemble=caltech256", "ensemble.models.0.slots=many"])
+    assert "ensemble.models[0].slots" in str(err.value.__cause__ or err.value)
 
 
 def test_duplicate_model_names_are_refused():
     cfg = compose_config(["+ensemble=caltech256", "ensemble.models.1.name=resnet10_w16"])
     with pytest.raises(ValueError, match="'resnet10_w16' is used twice"):
-        expand_ensemble(cfg.ensemble)
+        expand_ensemble(cfg.ensemble, cfg.seed)
 
 
 @pytest.mark.parametrize("override, key, allowed", [

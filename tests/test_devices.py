@@ -2,9 +2,9 @@
 import pytest
 
 from pipeline.orchestration.devices import SlotError, slot_devices
-from pipeline.training.group import ModelSpec
+from tests.conftest import member
 
-MODEL = ModelSpec("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
+MODEL = member("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
 
 
 def test_simulated_nodes_split_this_machines_gpus():

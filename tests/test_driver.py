@@ -12,7 +12,8 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.driver import (Continue, Convergence, Driver, EpochDone, ReleaseModel, RunContext,
                                            SaveCheckpoints, StopMember)
 from pipeline.scheduler import Checkpoint, Cluster, FleetG, FormFlotilla, RatesMeasured, Scheduler, Slot, Start
-from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.group import GroupSpec
+from tests.conftest import member
 from pipeline.training.reports import ValReport
 
 LABELS = np.array([0, 1])
@@ -33,7 +34,7 @@ class StandIn:
 
 
 def spec(name):
-    return ModelSpec(name, "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
+    return member(name, "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
 
 
 def report(model, epoch):

@@ -8,7 +8,7 @@ import pytest
 from pipeline.orchestration.driver import Driver, FlotillaThread
 from pipeline.run import run
 from pipeline.scheduler import Join
-from tests.conftest import compose_config
+from tests.conftest import compose_config, resnet_override
 from tests.test_run import small
 
 pytestmark = pytest.mark.slow
@@ -23,8 +23,8 @@ def fixed_rates(monkeypatch, rates):
 # one, and slow still has epochs to go when fast is done and its slot idles. Rates as a GPU host
 # measures them (two slots faster than one; on this machine's 2 cores two CPU slots train slower than
 # one, so fleet_e would rightly never grow a model here).
-TWO_MODELS = ("ensemble.models=[{name:slow,arch:resnet,depth:10,width:64,input:main},"
-              "{name:fast,arch:resnet,depth:10,width:16,input:alt}]")
+TWO_MODELS = (f"ensemble.models=[{resnet_override('slow', width=64)}, "
+              f"{resnet_override('fast', 'alt', 16)}]")
 GROW_RATES = {"slow": (100.0, 190.0), "fast": (110.0, 200.0)}
 
 
@@ -57,8 +57,8 @@ def test_a_model_restarts_on_the_idle_slot_and_its_accuracy_curve_carries_on(tin
 # rule reads it as on its plateau; young, a ResNet made wide (its epochs take longer), still cuts its loss
 # by a third or more an epoch (measured: 35-45% in its epochs 2-4, in every try). Both gain from a
 # second slot (GPU-like rates), old most, so fleet_e starts old on two slots and young on one.
-PHASE_MODELS = ("ensemble.models=[{name:old,arch:resnet,depth:10,width:16,input:main,lr:0.0001},"
-                "{name:young,arch:resnet,depth:10,width:64,input:alt,lr:0.01}]")
+PHASE_MODELS = (f"ensemble.models=[{resnet_override('old', width=16, lr=0.0001)}, "
+                f"{resnet_override('young', 'alt', 64, lr=0.01)}]")
 PHASE_RATES = {"old": (100.0, 190.0, 270.0), "young": (100.0, 150.0, 190.0)}
 THRESHOLD = 0.1
 

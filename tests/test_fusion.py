@@ -10,14 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.training.fusion import FusedArray, FusedLinear, FusedSGD
-from pipeline.training.models import DenseLayer, build_model
+from pipeline.training.models import DenseLayer, densenet, resnet
 
 torch.set_num_threads(1)  # tiny models: threads only contend (as in test_models)
 
 NUM_CLASSES = 5
 BATCH = 8
-RESNET = ("resnet", 10, 4, 4)  # (arch, depth, width, growth_rate)
-DENSENET = ("densenet", 10, 8, 4)
+RESNET = (resnet, dict(depth=10, width=4))  # (family, its arguments)
+DENSENET = (densenet, dict(depth=10, width=8, growth_rate=4))
 # Up to 32 px the models take the 3x3 stem, above it the 7x7 + max-pool one.
 EVERY_MODEL_AND_STEM = pytest.mark.parametrize(
     "config, image_size", [(RESNET, 16), (RESNET, 40), (DENSENET, 16), (DENSENET, 40)],
@@ -52,8 +52,8 @@ def seeded(make, seeds=(1, 2, 3)) -> list[nn.Module]:
 
 
 def plain_models(config, image_size, seeds=(1, 2, 3)) -> list[nn.Module]:
-    arch, depth, width, growth_rate = config
-    return seeded(lambda: build_model(arch, depth, width, growth_rate, NUM_CLASSES, image_size=image_size), seeds)
+    family, arguments = config
+    return seeded(lambda: family(num_classes=NUM_CLASSES, image_size=image_size, **arguments), seeds)
 
 
 def fused_module(modules: list[nn.Module]) -> nn.Module:

@@ -13,8 +13,8 @@ from pipeline.run import _devices, _graph, _group, _policy, _sizes
 from pipeline.scheduler import Cluster, FormFlotilla, RatesMeasured, Scheduler, Start
 from pipeline.scheduler.cluster import PlacementError
 from pipeline.scheduler.groups import Candidate, Grouping, form_groups
-from pipeline.training.group import GroupSpec, ModelSpec
-from tests.conftest import compose_config
+from pipeline.training.group import GroupSpec
+from tests.conftest import compose_config, member
 
 H100_BYTES = 80 * 2**30
 
@@ -53,7 +53,7 @@ def test_a_data_parallel_model_keeps_its_slots_and_the_rest_share_what_is_left()
 
 
 def spec(name, arch="resnet", width=8, input="main"):
-    return ModelSpec(name, arch, 10 if arch == "resnet" else 16, width, 4, 0.1, 0.9, 5e-4, 1, input)
+    return member(name, arch, 10 if arch == "resnet" else 16, width, 4, 0.1, 0.9, 5e-4, 1, input)
 
 
 def test_a_group_fuses_each_family_in_arrays_and_packs_the_rest():
@@ -85,7 +85,7 @@ def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES)
     own steps before any device is used: slots, groups, the memory check, and the policy's first flotilla.
     Returns the groups and the slots each was started on."""
     cfg = compose_config([*overrides, f"dataset.root={dataset}"])
-    models = expand_ensemble(cfg.ensemble)
+    models = expand_ensemble(cfg.ensemble, cfg.seed)
     graph = _graph(cfg, models)
     device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": gpus, "gpu_memory": gpu_bytes}})
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)
@@ -144,7 +144,7 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
     cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "scheduler=fleet_g",
                           "trainer.slots=2", "trainer.grouping=pack", f"rates.cache={tmp_path / 'rates.json'}",
                           "pipeline.image_size=32", "pipeline.alt_image_size=24"])
-    models = expand_ensemble(cfg.ensemble)
+    models = expand_ensemble(cfg.ensemble, cfg.seed)
     graph = _graph(cfg, models)
     slots = slot_devices(DeviceKind.cpu, 0, 2, models)
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)

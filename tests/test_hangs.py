@@ -13,7 +13,7 @@ import pytest
 from pipeline.runtime.hang import HangError
 from pipeline.orchestration.flotilla import Flotilla
 from pipeline.run import run
-from tests.conftest import compose_config
+from tests.conftest import compose_config, resnet_override
 from tests.test_run import shm_segments
 
 pytestmark = pytest.mark.slow
@@ -36,9 +36,10 @@ def _rank(kind, rank, address, stalled, results):
             batch = {"main": (np.zeros((2, 4, 4, 3), np.uint8), np.zeros(2, np.int64))}
             step = lambda: link.broadcast(rank, 0, batch)
         else:  # a model on two slots (pipeline/training/trainer.py)
-            from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, join_process_group
+            from pipeline.training.group import GroupSpec, GroupStep, join_process_group
+            from tests.conftest import member
 
-            model = ModelSpec("m", "resnet", 10, 4, 0, 0.1, 0.9, 0.0, 2, "main")
+            model = member("m", "resnet", 10, 4, 0, 0.1, 0.9, 0.0, 2, "main")
             collectives = join_process_group(address, rank, 2, torch.device("cpu"), COLLECTIVE_S, "m")
             group = GroupStep(GroupSpec("m", (model,)), 2, {"main": 16}, "cpu", 10, world=2)
             batch = {"main": (torch.zeros(2, 3, 16, 16), torch.zeros(2, dtype=torch.int64))}
@@ -113,8 +114,8 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
 
     monkeypatch.setattr(Flotilla, "hub_progress", stop_the_trainer_once_it_consumes)
     before = shm_segments(os.getpid())
-    cfg = compose_config(["+ensemble=caltech256", "ensemble.models=[{name: m, arch: resnet, depth: 10, width: 4, "
-                          "input: main}]", "~pipeline.stages.alt", "~pipeline.stages.crop_alt", f"dataset.root={root}",
+    cfg = compose_config(["+ensemble=caltech256", f"ensemble.models=[{resnet_override('m', width=4)}]",
+                          "~pipeline.stages.alt", "~pipeline.stages.crop_alt", f"dataset.root={root}",
                           "dataset.synthetic=never", "pipeline.batch_size=8",
                           "pipeline.image_size=16", "pipeline.alt_image_size=16", "cluster.workers=1",
                           "trainer.epochs=1", "delivery.ring_depth=2", "timeouts.warn_s=1",

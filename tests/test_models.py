@@ -2,20 +2,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.training.models import build_model, count_parameters, describe, estimate_training_bytes
+from pipeline.training.models import count_parameters, densenet, describe, estimate_training_bytes, resnet
 
 torch.set_num_threads(1)
 
-# The small variants of each family, as (arch, depth, width, growth_rate).
-SMALL_RESNET = ("resnet", 10, 16, 12)
-SMALL_DENSENET = ("densenet", 40, 24, 12)
+# The small variants of each family, as (family, its arguments).
+SMALL_RESNET = (resnet, dict(depth=10, width=16))
+SMALL_DENSENET = (densenet, dict(depth=40, width=24, growth_rate=12))
 SMALL_MODELS = pytest.mark.parametrize("config", [SMALL_RESNET, SMALL_DENSENET], ids=["resnet", "densenet"])
 
 
 def small_model(config, image_size=32, num_classes=10, **overrides):
-    arch, depth, width, growth_rate = config
-    arguments = dict(depth=depth, width=width, growth_rate=growth_rate) | overrides
-    return build_model(arch, num_classes=num_classes, image_size=image_size, **arguments)
+    family, arguments = config
+    return family(num_classes=num_classes, image_size=image_size, **(arguments | overrides))
 
 
 @SMALL_MODELS
@@ -39,28 +38,28 @@ def test_channels_last_gives_the_same_logits(config):
 
 @SMALL_MODELS
 def test_default_stem_runs_on_every_image_size(config):
-    arch, depth, width, growth_rate = config
-    model = build_model(arch, depth, width, growth_rate, num_classes=3)
+    family, arguments = config
+    model = family(num_classes=3, **arguments)
     for image_size in (32, 299):
         assert model(torch.randn(2, 3, image_size, image_size)).shape == (2, 3)
 
 
 @pytest.mark.parametrize(
-    "arch, depth, width, growth_rate, expected",
+    "family, depth, expected",
     [
-        # torchvision's resnet18, resnet34 and densenet121, 1000 classes
-        ("resnet", 18, 64, 0, 11_689_512),
-        ("resnet", 34, 64, 0, 21_797_672),
-        ("densenet", 121, 64, 32, 7_978_856),
+        # torchvision's resnet18, resnet34 and densenet121, 1000 classes: each family's defaults
+        (resnet, 18, 11_689_512),
+        (resnet, 34, 21_797_672),
+        (densenet, 121, 7_978_856),
     ],
 )
-def test_imagenet_models_have_the_published_parameter_counts(arch, depth, width, growth_rate, expected):
-    model = build_model(arch, depth, width, growth_rate, num_classes=1000, image_size=224)
+def test_imagenet_models_have_the_published_parameter_counts(family, depth, expected):
+    model = family(depth=depth)
     assert count_parameters(model) == expected
 
 
 def test_cifar_densenet_bc_100_has_the_papers_parameter_count():
-    model = build_model("densenet", 100, 24, 12, num_classes=10, image_size=32)
+    model = densenet(100, 12, 24, num_classes=10, image_size=32)
     assert round(count_parameters(model) / 1e6, 1) == 0.8  # Huang et al., table 2
 
 
@@ -87,25 +86,19 @@ def test_describe_names_the_model_and_its_size():
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (("vgg", 16, 64, 0, 10), r"arch must be one of resnet, densenet; got 'vgg'"),
-        (("resnet", 50, 64, 0, 10), r"resnet depth must be one of 10, 18, 34; got 50"),
-        (("densenet", 41, 24, 12, 10), r"densenet depth must be 121, 169, 201, 264, or 4 \+ 6n"),
-        (("densenet", 4, 24, 12, 10), r"densenet depth .* got 4"),
-        (("resnet", 18, 0, 0, 10), r"width must be a positive integer; got 0"),
-        (("resnet", 18, 2.5, 0, 10), r"width must be a positive integer; got 2.5"),
-        (("densenet", 40, 24, -1, 10), r"growth_rate must be a positive integer; got -1"),
-        (("resnet", 18, 64, 0, 0), r"num_classes must be a positive integer; got 0"),
+        ((resnet, dict(depth=50)), r"resnet depth must be one of 10, 18, 34; got 50"),
+        ((densenet, dict(depth=41)), r"densenet depth must be 121, 169, 201, 264, or 4 \+ 6n"),
+        ((densenet, dict(depth=4)), r"densenet depth .* got 4"),
+        ((resnet, dict(width=0)), r"width must be a positive integer; got 0"),
+        ((resnet, dict(width=2.5)), r"width must be a positive integer; got 2.5"),
+        ((densenet, dict(depth=40, growth_rate=-1)), r"growth_rate must be a positive integer; got -1"),
+        ((resnet, dict(num_classes=0)), r"num_classes must be a positive integer; got 0"),
     ],
 )
 def test_invalid_arguments_raise_a_value_error_that_says_what_is_valid(arguments, message):
+    family, given = arguments
     with pytest.raises(ValueError, match=message):
-        build_model(*arguments)
-
-
-def test_resnet_ignores_growth_rate():
-    assert count_parameters(build_model("resnet", 10, 16, 0, 10)) == count_parameters(
-        build_model("resnet", 10, 16, 32, 10)
-    )
+        family(**given)
 
 
 @SMALL_MODELS
@@ -129,7 +122,7 @@ def test_training_estimate_grows_with_batch_size_and_width(config):
     model = small_model(config)
     by_batch = [estimate_training_bytes(model, 32, batch).total for batch in (1, 8, 64)]
     assert by_batch == sorted(set(by_batch))
-    wider = small_model(config, width=2 * config[2])
+    wider = small_model(config, width=2 * config[1]["width"])
     assert estimate_training_bytes(wider, 32, 8).total > by_batch[1]
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.run import run
-from tests.conftest import compose_config
+from tests.conftest import compose_config, resnet_override
 
 SLEEP_S = 0.2  # per batch: a sleep needs no core, so a second worker really doubles the stage's throughput
 
@@ -33,7 +33,7 @@ def test_profile_pass_settings_are_checked(tmp_path):
 
 @pytest.mark.slow
 def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(tiny_dataset, tmp_path):
-    throttled = one_model(tiny_dataset, "{name:tiny,arch:resnet,depth:10,width:8,input:main}", 32,
+    throttled = one_model(tiny_dataset, resnet_override("tiny"), 32,
                           f"+pipeline.stages.slow={{_target_:tests.slow_stage.SlowDown,inputs:[cache],"
                           f"seconds:{SLEEP_S}}}", "pipeline.stages.crop_main.inputs=[slow]")
     before = profile(throttled + ["cluster.workers=1"], tmp_path / "before")
@@ -62,7 +62,7 @@ def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(ti
 
 @pytest.mark.slow
 def test_slow_trainer_and_fast_pipeline_is_compute_bound(tiny_dataset, tmp_path):
-    slow_model = one_model(tiny_dataset, "{name:wide,arch:resnet,depth:10,width:48,input:main}", 64,
+    slow_model = one_model(tiny_dataset, resnet_override("wide", width=48), 64,
                            "cluster.workers=2")
     results = profile(slow_model, tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())

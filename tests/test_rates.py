@@ -5,17 +5,19 @@ import multiprocessing
 import os
 import queue
 import signal
+from dataclasses import replace
 
 import pytest
 
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
-from pipeline.training.group import GroupSpec, ModelSpec, StepInHand
+from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, RateError, StepTimes,
                                      format_table, measure_rate_table, measure_rates, save_table)
+from tests.conftest import member
 
-TINY = ModelSpec("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
-DENSE = ModelSpec("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")
+TINY = member("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
+DENSE = member("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")
 
 
 def alone(model):
@@ -159,7 +161,7 @@ def test_second_call_reads_the_cache(measured, tmp_path):
 def test_changed_model_config_or_hardware_is_measured_again(measured, tmp_path):
     cache = tmp_path / "rates.json"
     rate_table([TINY], cache)
-    wider = ModelSpec(**(TINY.__dict__ | {"width": 16}))
+    wider = replace(TINY, model=TINY.model | {"width": 16})
     rate_table([TINY, wider], cache)
     rate_table([TINY], cache, threads=2)
     assert measured == [("tiny", [1, 2]), ("tiny", [1, 2]), ("tiny", [1, 2])]
@@ -169,7 +171,7 @@ def test_changed_model_config_or_hardware_is_measured_again(measured, tmp_path):
 def test_only_missing_slot_counts_are_measured_and_names_do_not_matter(measured, tmp_path):
     cache = tmp_path / "rates.json"
     rate_table([TINY], cache)
-    renamed_sweep_member = ModelSpec(**(TINY.__dict__ | {"name": "tiny-lr0.01", "lr": 0.01}))
+    renamed_sweep_member = replace(TINY, name="tiny-lr0.01", optimizer=TINY.optimizer | {"lr": 0.01})
     table = rate_table([renamed_sweep_member], cache, max_slots=3)
     assert measured == [("tiny", [1, 2]), ("tiny-lr0.01", [3])]
     assert table.rates == {"tiny-lr0.01": (100.0, 200.0, 300.0)}
@@ -262,10 +264,10 @@ def test_a_group_of_several_is_measured_on_one_slot_packed_and_fused_apart(measu
     """A group's rate is its own cache entry (members' shapes, fusion), whatever the names: a second sweep
     of the same shapes reads it."""
     cache = tmp_path / "rates.json"
-    sweep = [ModelSpec(**(TINY.__dict__ | {"name": f"t{i}", "lr": 0.1 / (i + 1)})) for i in range(3)]
+    sweep = [replace(TINY, name=f"t{i}", optimizer=TINY.optimizer | {"lr": 0.1 / (i + 1)}) for i in range(3)]
     packed = rate_table(sweep, cache, fuse=False)
     fused = rate_table(sweep, cache, fuse=True)
-    renamed = [ModelSpec(**(m.__dict__ | {"name": m.name + "-again"})) for m in sweep]
+    renamed = [replace(m, name=m.name + "-again") for m in sweep]
     rate_table(renamed, cache, fuse=True)
     assert measured == [("group0", [1]), ("group0", [1])]
     assert packed.rates == fused.rates == {"group0": (100.0,)}
@@ -274,7 +276,7 @@ def test_a_group_of_several_is_measured_on_one_slot_packed_and_fused_apart(measu
 
 
 def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured, tmp_path):
-    alt = ModelSpec(**(DENSE.__dict__ | {"input": "alt"}))
+    alt = replace(DENSE, input="alt")
     with pytest.raises(RateError, match="no image size for stream 'alt' of model 'dense'"):
         measure_rate_table([alone(alt)], 1, how(), tmp_path / "rates.json")
     corrupt = tmp_path / "corrupt.json"
@@ -285,7 +287,7 @@ def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured
 
 @pytest.mark.slow
 def test_a_failing_trainer_process_is_reported_with_its_traceback():
-    bad_depth = ModelSpec(**(TINY.__dict__ | {"name": "resnet11", "depth": 11}))
+    bad_depth = replace(TINY, name="resnet11", model=TINY.model | {"depth": 11})
     with pytest.raises(RuntimeError, match="(?s)measuring resnet11 on 1 slot.*resnet depth must be one of"):
         measure_tiny(alone(bad_depth), slot_counts=[1])
 
@@ -306,7 +308,7 @@ def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, 
     rank = context.Process(target=_die_by, args=(signum,), name="rates-tiny-0")
     rank.start()
     rank.join()
-    with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): "
+    with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet\(depth=10, width=8\)\)\) on 1 slot\(s\): "
                                            f"rates-tiny-0 {says}"):
         in_hand = StepInHand(context, alone(TINY), how().steps)
         rate_measurement._next_report(context.Queue(), [rank], [in_hand], alone(TINY), how(), None)
@@ -317,7 +319,7 @@ def test_a_rank_that_hangs_is_named_with_the_step_it_is_on():
     """A rank with no report by timeouts.report_s (here: far too many steps for it) is named with the model
     and the step it was on when the wait ended (inside tiny's step, or between two). The mistake it catches:
     a message that says neither."""
-    with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet10, width 8\)\) on 1 slot\(s\): no "
-                                           r"report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of "
+    with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet\(depth=10, width=8\)\)\) on 1 slot\(s\): "
+                                           r"no report in 20 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of "
                                            r"1000001, (in the step of tiny|between members' steps);"):
         measure_tiny(slot_counts=[1], steps=1_000_000, report_s=20)

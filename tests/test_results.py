@@ -3,7 +3,8 @@ import numpy as np
 
 from pipeline.measure.recorder import RunRecorder
 from pipeline.training.reports import ValReport
-from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.group import GroupSpec
+from tests.conftest import member
 
 
 def val_event(model, probs, epoch=0):
@@ -13,7 +14,7 @@ def val_event(model, probs, epoch=0):
 
 
 def spec(name):
-    return ModelSpec(name, "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
+    return member(name, "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
 
 
 def alone(name):

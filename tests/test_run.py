@@ -169,6 +169,8 @@ def test_cli_a_users_mistake_is_one_message_and_exit_code_2(tiny_dataset, bad_da
         "missing dataset": (small(tmp_path / "nowhere"), r"dataset.root .*nowhere is missing or empty; point "),
         "bad file": (small(bad_dataset[0], "trainer.epochs=1", "on_error=fail"),
                      r"001_900\d\.jpg: .*\(on_error=fail; set on_error=skip"),
+        "member": (small(tiny_dataset, "ensemble.models.2.model._target_=mypkg.nets.Small"),
+                   r"ensemble member densenet40_k12: model \(mypkg.nets.Small\): cannot import mypkg.nets.Small"),
         "output folder": (["+ensemble=caltech256", f"hydra.run.dir={blocker / 'out'}"],
                           rf"cannot write the run's output directory {blocker / 'out'} .*set hydra.run.dir"),
     }
@@ -261,8 +263,8 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, mo
     monkeypatch.setattr(Flotilla, "poll", poll_and_kill_after_the_first_report)
     results = run(compose_config(small(tiny_dataset, "trainer.epochs=3")), tmp_path / "out")
     model = next(m for m in results["models"] if m["name"] == victim)
-    assert model["failures"] == [f"trainer-{victim}-0 (training {victim} (densenet40, width 16)) was killed (SIGKILL): "
-                                 "usually the kernel's out-of-memory killer (`dmesg` says), or someone's kill -9; "
+    assert model["failures"] == [f"trainer-{victim}-0 (training {victim} (densenet(depth=40, growth_rate=8, "
+                                 "width=16))) was killed (SIGKILL): usually the kernel's out-of-memory killer (`dmesg` says), or someone's kill -9; "
                                  "give it more memory or train fewer or smaller models on a slot"]
     assert [stint["start_epoch"] for stint in model["flotillas"]] == [0, 1]
     assert model["epochs"] == 3 and model["converged"] == "reached trainer.epochs=3"
@@ -271,10 +273,12 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, mo
 
 
 
-GROUPED = ("[{name: fa, arch: resnet, depth: 10, width: 8, input: main, lr: 0.1},"
-           " {name: fb, arch: resnet, depth: 10, width: 8, input: main, lr: 0.05},"
-           " {name: pa, arch: resnet, depth: 10, width: 16, input: main, lr: 0.1},"
-           " {name: pb, arch: densenet, depth: 16, width: 16, growth_rate: 8, input: alt, lr: 0.1}]")
+RESNET = "pipeline.training.models.resnet"
+GROUPED = (f"[{{name: fa, input: main, model: {{_target_: {RESNET}, depth: 10, width: 8}}, optimizer: {{lr: 0.1}}}},"
+           f" {{name: fb, input: main, model: {{_target_: {RESNET}, depth: 10, width: 8}}, optimizer: {{lr: 0.05}}}},"
+           f" {{name: pa, input: main, model: {{_target_: {RESNET}, depth: 10, width: 16}}, optimizer: {{lr: 0.1}}}},"
+           " {name: pb, input: alt, model: {_target_: pipeline.training.models.densenet, depth: 16, width: 16,"
+           " growth_rate: 8}, optimizer: {lr: 0.1}}]")
 
 
 def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_group(tmp_path_factory,
@@ -287,7 +291,7 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
 
     from pipeline.data.synthetic import generate_imagefolder
     from pipeline.measure.recorder import RunRecorder
-    from pipeline.training.models import build_model
+    from pipeline.training.members import ModelSpec, build_module
 
     root = tmp_path_factory.mktemp("data") / "learnable"
     generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
@@ -312,7 +316,7 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     assert [len(models[n]["val_accuracy"]) for n in ("fa", "fb", "pa", "pb")] == [5, 3, 5, 5]
     assert models["fb"]["converged"] and models["fa"]["group_mode"] == "fused+packed"
     saved = torch.load(out / "checkpoints" / "fb" / "epoch3.pt", weights_only=True)
-    build_model("resnet", 10, 8, 0, 4, image_size=32).load_state_dict(saved["model"])  # strict
+    build_module(ModelSpec(**saved["member"]), 4, 32).load_state_dict(saved["model"])  # strict
     assert not (out / "checkpoints" / "fb" / "epoch4.pt").exists()
     html = (out / "report.html").read_text()
     assert "<h3>Slot groups</h3>" in html and "fused+packed" in html
@@ -322,9 +326,10 @@ def test_the_paper_ensembles_structure_trains_on_two_cpu_slots(tiny_dataset, tmp
     """+ensemble=caltech256_paper as shipped (5 architectures x 20 learning rates = 100 models), made small
     by overrides only (images, widths), on trainer.slots=2 with trainer.grouping=auto: the slots are shared,
     each group measured packed and fused and trained the faster way; every model trains its epoch."""
-    small_widths = ["ensemble.models.0.width=4", "ensemble.models.1.width=4", "ensemble.models.2.width=4",
-                    "ensemble.models.3.width=8", "ensemble.models.3.growth_rate=4", "ensemble.models.4.width=8",
-                    "ensemble.models.4.growth_rate=4"]
+    small_widths = ["ensemble.models.0.model.width=4", "ensemble.models.1.model.width=4",
+                    "ensemble.models.2.model.width=4", "ensemble.models.3.model.width=8",
+                    "ensemble.models.3.model.growth_rate=4", "ensemble.models.4.model.width=8",
+                    "ensemble.models.4.model.growth_rate=4"]
     results = run(compose_config([
         "+ensemble=caltech256_paper", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
         "pipeline.batch_size=8", "pipeline.image_size=16", "pipeline.alt_image_size=16", "trainer.epochs=1",

@@ -17,7 +17,7 @@ from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import StreamLayout
 from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key
 from stages.base import UserError
-from tests.conftest import compose_config
+from tests.conftest import compose_config, resnet_override
 
 
 def mode(path) -> int:
@@ -102,13 +102,12 @@ def test_an_agent_refuses_to_start_without_a_secret(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["tcp://127.0.0.1:1", "--node", "0"])
     assert exit_.value.code == 2
-    assert f"node agents need a secret shared with the driver: give --key-file=<file>" in capsys.readouterr().err
+    assert "node agents need a secret shared with the driver: give --key-file=<file>" in capsys.readouterr().err
 
 
 # --- a local run listens on loopback only --------------------------------------------------------
 
-MODELS = ("[{name: A, arch: resnet, depth: 10, width: 8, input: main},"
-          " {name: B, arch: resnet, depth: 10, width: 8, input: alt, slots: 2}]")
+MODELS = f"[{resnet_override('A')}, {resnet_override('B', 'alt', slots=2)}]"
 
 
 def _listening(process: psutil.Process) -> set[str]:

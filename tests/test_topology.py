@@ -22,7 +22,7 @@ from pipeline.orchestration.node import AGENT_KEY_ENV
 from pipeline.scheduler.topology import TOPOLOGIES, split_streams
 from stages.base import BatchContext, Split, UserError
 from stages.cache import cache_prefix
-from tests.conftest import compose_config
+from tests.conftest import compose_config, resnet_override
 
 # A on node 0; B on 2 slots, so on node 1 (a model's slots share a node); C on node 0.
 PLACEMENT = {"A": (0,), "B": (1, 1), "C": (0,)}
@@ -117,9 +117,7 @@ def test_broadcast_and_all_gather_give_every_hub_the_whole_batch():
 
 # --- the invariants in real runs ---------------------------------------------------------------
 
-MODELS = ("[{name: A, arch: resnet, depth: 10, width: 8, input: main},"
-          " {name: B, arch: resnet, depth: 10, width: 8, input: alt, slots: 2},"
-          " {name: C, arch: resnet, depth: 10, width: 8, input: main}]")
+MODELS = f"[{resnet_override('A')}, {resnet_override('B', 'alt', slots=2)}, {resnet_override('C')}]"
 VICTIM = "C"
 # Batch tasks sleep a little: consume-only epochs would otherwise end before the faults land.
 PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [cache], seconds: 0.15}",
@@ -374,7 +372,8 @@ def _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path
     import psutil
 
     from pipeline.orchestration.node import agent_rates
-    from pipeline.training.group import GroupSpec, ModelSpec
+    from pipeline.training.group import GroupSpec
+    from tests.conftest import member
     from pipeline.training.rates import Measurement, measure_rate_table
 
     folder = tmp_path / "fleet"
@@ -410,7 +409,7 @@ def _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path
     # C has A's shape: its rates are A's cache entry, which names the agent too.
     assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
     assert "measuring" not in logs[1]
-    resnet11 = ModelSpec("resnet11", "resnet", 11, 8, 0, 0.1, 0.9, 5e-4, 1, "main")  # no such depth
+    resnet11 = member("resnet11", "resnet", 11, 8, 0, 0.1, 0.9, 5e-4, 1, "main")  # no such depth
     with agent_rates(registered, AGENT_KEY.encode()) as where:
         how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
         with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "

@@ -13,15 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec, Precision, StepInHand
-from pipeline.training.models import build_model
+from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand
+from tests.conftest import member
+from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
                                        TrainingSetup, saved_epochs)
 
 
 def model(name, width=8, lr=0.1):
-    return ModelSpec(name, "resnet", 10, width, 12, lr, 0.9, 5e-4, 1, "main")
+    return member(name, "resnet", 10, width, 12, lr, 0.9, 5e-4, 1, "main")
 
 
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
@@ -81,12 +82,12 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     for name in "abc":
         assert torch.allclose(before[name], after[name], atol=1e-6), name
         saved = torch.load(tmp_path / name / "epoch1.pt", weights_only=True)
-        plain = build_model("resnet", 10, saved["spec"]["width"], 12, 3, image_size=32)
+        plain = build_module(ModelSpec(**saved["member"]), 3, 32)  # what its declaration builds
         plain.load_state_dict(saved["model"])  # strict: a member's checkpoint is a plain model's
         plain.eval()
         with torch.no_grad():
             assert torch.allclose(torch.softmax(plain(x), 1), after[name], atol=1e-5), name
-        assert saved["schedule_steps"] == 1
+        assert saved["lr_scheduler"]["last_epoch"] == 1
     # The learning rates go on from where they were at epoch 1's end, each member's own.
     assert lrs(resumed) == lrs_then != lrs(first)
     # A trainer that died while writing epoch 2's checkpoint: the members resume from epoch 1's.
@@ -222,8 +223,9 @@ def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, arra
 # shapes whose channels-last backward in oneDNN's AVX2 kernels hangs or corrupts the heap (issue 29).
 NARROW_STEPS = """
 import numpy as np, torch
-from pipeline.training.group import GroupSpec, GroupStep, ModelSpec
-members = tuple(ModelSpec(f"w{w}", "resnet", 10, w, 0, 0.1, 0.9, 5e-4, 1, "main") for w in (2, 4))
+from pipeline.training.group import GroupSpec, GroupStep
+from tests.conftest import member
+members = tuple(member(f"w{w}", "resnet", 10, w, 0, 0.1, 0.9, 5e-4, 1, "main") for w in (2, 4))
 step = GroupStep(GroupSpec("narrow", members), 3, {"main": 16}, "cpu", 200)
 images = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)
 inputs = {"main": (step.normalise(images), torch.zeros(8, dtype=torch.long))}

@@ -15,7 +15,8 @@ import numpy as np
 from pipeline.data.graph import BatchOutput, StageTiming
 from pipeline.runtime.files import write_whole, written_whole
 from pipeline.training.reports import TrainerDone, TrainReport, ValReport
-from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.group import GroupSpec
+from pipeline.training.members import ModelSpec
 from pipeline.training.trainer import better_checkpoint
 
 
@@ -48,8 +49,8 @@ class ModelRecord:
         epochs = sorted(self.val_accuracy)
         last = self.stints[-1] if self.stints else {"devices": []}
         return {
-            "name": m.name, "arch": m.arch, "depth": m.depth, "width": m.width, "growth_rate": m.growth_rate,
-            "lr": m.lr, "input": m.input, "image_size": self.image_size, "params": self.params,
+            "name": m.name, "model": m.model, "optimizer": m.optimizer, "lr_scheduler": m.lr_scheduler,
+            "loss": m.loss, "seed": m.seed, "input": m.input, "image_size": self.image_size, "params": self.params,
             "slots": len(last["devices"]), "devices": list(last["devices"]), "flotillas": self.stints,
             "group": last.get("group"), "group_mode": last.get("group_mode"),
             "epochs": len(epochs), "converged": self.converged, "failures": self.failures,

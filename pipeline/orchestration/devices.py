@@ -5,7 +5,7 @@ import enum
 import os
 
 from pipeline.scheduler.cluster import Slot
-from pipeline.training.group import ModelSpec
+from pipeline.training.members import ModelSpec
 from stages.base import UserError
 
 # The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x

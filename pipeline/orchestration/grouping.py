@@ -17,7 +17,8 @@ from pathlib import Path
 from pipeline.orchestration.devices import MEMORY_HEADROOM, SlotError
 from pipeline.scheduler.cluster import RateTable
 from pipeline.scheduler.groups import Candidate, Grouping, form_groups, group_name
-from pipeline.training.group import GroupSpec, ModelSpec
+from pipeline.training.group import GroupSpec
+from pipeline.training.members import ModelSpec
 from pipeline.training.rates import Measurement, measure_rate_table
 
 
@@ -33,16 +34,17 @@ class ModelSize:
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
                   batch_size: int) -> dict[str, ModelSize]:
-    from pipeline.training.models import build_model, count_parameters, estimate_step_flops, estimate_training_bytes
+    from pipeline.training.members import build_module
+    from pipeline.training.models import count_parameters, estimate_step_flops, estimate_training_bytes
 
-    by_family: dict[tuple, ModelSize] = {}  # a sweep's members weigh the same: one build per family
+    by_shape: dict[str, ModelSize] = {}  # a sweep's members weigh the same: one build per shape
     for m in models:
-        if m.family not in by_family:
+        if m.shape not in by_shape:
             side = image_sizes[m.input]
-            net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=side)
+            net = build_module(m, num_classes, side)
             state, activations = estimate_training_bytes(net, side, batch_size)
-            by_family[m.family] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
-    return {m.name: by_family[m.family] for m in models}
+            by_shape[m.shape] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
+    return {m.name: by_shape[m.shape] for m in models}
 
 
 def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int, grouping: Grouping,

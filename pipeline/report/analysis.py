@@ -245,10 +245,12 @@ def _compute_bound(results: dict, limiter: ModelRow, models: list[ModelRow],
 
 
 def _slots_key(results: dict, model: str) -> str | None:
-    for index, entry in enumerate(results.get("config", {}).get("ensemble", {}).get("models", [])):
-        if model == entry.get("name") or model.startswith(f"{entry.get('name')}_lr"):  # lr_sweep names
-            return f"ensemble.models.{index}.slots"
-    return None
+    """The config key of `model`'s slots: its declaration's, the longest name it is or extends (a grid's
+    members are named <declared name>_<key><value>...)."""
+    declared = [(len(entry.get("name", "")), index) for index, entry in
+                enumerate(results.get("config", {}).get("ensemble", {}).get("models", []))
+                if model == entry.get("name") or model.startswith(f"{entry.get('name')}_")]
+    return f"ensemble.models.{max(declared)[1]}.slots" if declared else None
 
 
 def _input_bound(results: dict, rate: float, limiter: ModelRow, stages: list[StageRow],

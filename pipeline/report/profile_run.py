@@ -43,7 +43,8 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.group import MIN_ROWS, GroupSpec, GroupStep, ModelSpec, by_family
+from pipeline.training.group import MIN_ROWS, GroupSpec, GroupStep
+from pipeline.training.members import ModelSpec
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -57,7 +58,9 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
     image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
     device = _device(cfg.trainer.device)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    families = by_family(models)  # models differing only in hyper-parameters are measured once
+    families: dict[str, list[ModelSpec]] = {}  # models of one shape (module and stream) are measured once
+    for m in models:
+        families.setdefault(m.shape, []).append(m)
     console.print(f"[bold]profile mode[/]  {batches} batches through the pipeline on "
                   f"{cfg.cluster.address or f'{workers} Dask workers'}, then {len(families)} model shape(s) x 3 "
                   f"differential passes of {steps} steps on {device}; no training (mode=train trains)")
@@ -66,7 +69,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
     total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
     trainees = {family: _Trainee(members[0], len(graph.source.class_names), image_sizes[members[0].name], device,
                                 cfg.trainer.threads, total_steps) for family, members in families.items()}
-    params = {m.name: trainees[m.family].params for m in models}
+    params = {m.name: trainees[m.shape].params for m in models}
     recorder = RunRecorder(models, params, image_sizes)
     differential: dict[str, dict] = {}
     drain_s, patience = cfg.timeouts.drain_s, Patience(cfg.timeouts.warn_s, cfg.timeouts.stall_s)
@@ -104,7 +107,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
             console.print(f"{members[0].name}: " + ", ".join(
                 f"{kind.removesuffix('_images_per_s')} {rate:,.0f}" for kind, rate in rates.items()) + " img/s")
             files = measured["files"]
-            for index, model in enumerate(members):  # an lr_sweep's copies share their shape's measurements
+            for index, model in enumerate(members):  # a grid's members share their shape's measurements
                 differential[model.name] = rates
                 recorder.joined(GroupSpec(model.name, (model,)), 0, (device,), 0)
                 recorder.add_report(TrainReport(model.name, 0, 0, files.loss, files.images, files.step_s,

@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import math
 import warnings
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph
+from pipeline.training.members import (ModelSpec, build_loss, build_module, build_optimizer, build_schedule,
+                                       by_family)
 
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -33,33 +34,6 @@ def rank_rows(rank: int, world: int) -> slice:
     """The rows of every batch that data-parallel rank `rank` of `world` trains on: rank, rank + world, ...
     (every rank sees every batch)."""
     return slice(rank, None, world)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    arch: str
-    depth: int
-    width: int
-    growth_rate: int
-    lr: float
-    momentum: float
-    weight_decay: float
-    slots: int
-    input: str  # stream name
-
-    @property
-    def family(self) -> tuple:
-        """Models of one family differ only in hyper-parameters and weights: they can fuse."""
-        return self.arch, self.depth, self.width, self.growth_rate if self.arch == "densenet" else 0, self.input
-
-
-def by_family(models) -> dict[tuple, list[ModelSpec]]:
-    """Models by family, in the order given."""
-    families: dict[tuple, list[ModelSpec]] = {}
-    for m in models:
-        families.setdefault(m.family, []).append(m)
-    return families
 
 
 class Precision(enum.StrEnum):
@@ -99,8 +73,8 @@ class GroupSpec:
         return "fused" if len(units) == 1 else "fused+packed"
 
     def describe(self) -> str:
-        """What the group trains, for messages: e.g. "a (resnet10, width 16), b (densenet40, width 24)"."""
-        return ", ".join(f"{m.name} ({m.arch}{m.depth}, width {m.width})" for m in self.members)
+        """What the group trains, for messages: e.g. "a (resnet(depth=10, width=16)), b (densenet(...))"."""
+        return ", ".join(f"{m.name} ({m.describe()})" for m in self.members)
 
     @property
     def largest_family(self) -> int:
@@ -157,12 +131,6 @@ class StepInHand:
         return where + (f", in the step of {', '.join(inside)}" if inside else ", between members' steps")
 
 
-def cosine(total_steps: int):
-    """The learning-rate factor after `step` steps: cosine annealing to 0 over the run."""
-    total = max(1, total_steps)
-    return lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-
-
 def training_memory_format(device):
     """The layout a device trains in, chosen here once for every path that trains (trainers, rate
     measurement, profile mode, benchmarks): channels_last on GPUs, cuDNN's fast layout; contiguous (NCHW)
@@ -194,60 +162,70 @@ def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s
 
 
 class _Solo:
-    """One model: its module (DDP when it spans slots), optimiser and schedule."""
+    """One model: its module (DDP when it spans slots), optimiser, schedule and loss, as its member declares."""
 
-    def __init__(self, model: ModelSpec, net, world: int, device, schedule):
+    def __init__(self, model: ModelSpec, net, world: int, device, total_steps: int):
         import torch
 
         self.names, self.input = (model.name,), model.input
         self.module = net
         self.net = net if world == 1 else torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[device.index] if device.type == "cuda" else None)
-        # On a GPU: one fused kernel for the update, and the rate a tensor that a CUDA graph reads
-        # (pipeline/training/graphs.py); checkpoints hold it as a float (member_state)
-        on_gpu = device.type == "cuda"
-        self.optimizer = torch.optim.SGD(net.parameters(), lr=torch.tensor(model.lr, device=device) if on_gpu
-                                         else model.lr, momentum=model.momentum, weight_decay=model.weight_decay,
-                                         nesterov=True, fused=on_gpu or None)
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        # A CUDA graph of the step (pipeline/training/graphs.py) needs an update without host work, reading
+        # its rate from a tensor the schedule fills: SGD's fused kernel (the one optimiser tested so)
+        self.capturable = device.type == "cuda" and model.optimizer["_target_"] == "torch.optim.SGD"
+        self.optimizer = build_optimizer(model, net.parameters(), **({"fused": True} if self.capturable else {}))
+        if self.capturable:
+            for group in self.optimizer.param_groups:
+                group["lr"] = torch.tensor(float(group["lr"]), device=device)
+        self.schedule = build_schedule(model, self.optimizer, total_steps)
+        self.loss = build_loss(model)
+        if isinstance(self.loss, torch.nn.Module):
+            self.loss.to(device)
 
     def losses(self, x, y):
-        import torch
-
-        return torch.nn.functional.cross_entropy(self.net(x), y).unsqueeze(0)
+        return self.loss(self.net(x), y).unsqueeze(0)
 
     def logits(self, x):
         return self.module(x).unsqueeze(0)
 
     def member_state(self, index: int) -> dict:
         optimizer = self.optimizer.state_dict()
-        for group in optimizer["param_groups"]:  # a plain SGD's checkpoint, whatever device trained it
+        for group in optimizer["param_groups"]:  # a plain optimiser's checkpoint, whatever device trained it
             group.update({key: float(value) for key, value in group.items() if key in ("lr", "initial_lr")})
             group.pop("fused", None)
-        return {"model": self.module.state_dict(), "optimizer": optimizer}
+        schedule = self.schedule.state_dict()
+        for key in ("base_lrs", "_last_lr"):
+            schedule[key] = [float(rate) for rate in schedule[key]]
+        return {"model": self.module.state_dict(), "optimizer": optimizer, "lr_scheduler": schedule}
 
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
-        fused = [group["fused"] for group in self.optimizer.param_groups]  # this device's, not the checkpoint's
+        kept = [{key: group[key] for key in ("fused", "lr") if key in group} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
-        for group, was in zip(self.optimizer.param_groups, fused):
-            group["fused"] = was
+        self.schedule.load_state_dict(state["lr_scheduler"])
+        for group, was in zip(self.optimizer.param_groups, kept):  # this device's settings, not the checkpoint's
+            if "fused" in was:
+                group["fused"] = was["fused"]
+            if hasattr(was["lr"], "fill_"):  # the tensor a graph reads, holding the checkpoint's rate
+                group["lr"] = was["lr"].fill_(float(group["lr"]))
 
 
 class _Array:
-    """A fused array of one family's members."""
+    """A fused array of one family's members (ModelSpec.fusable: Nesterov SGD, cosine, cross-entropy)."""
 
-    def __init__(self, models: tuple[ModelSpec, ...], nets: list, schedule):
-        import torch
+    capturable = True  # FusedSGD's update is device work only, its rate scale a tensor
 
+    def __init__(self, models: tuple[ModelSpec, ...], nets: list, total_steps: int):
         from pipeline.training.fusion import FusedArray
 
         self.names, self.input = tuple(m.name for m in models), models[0].input
-        self.array = FusedArray(nets, [m.lr for m in models], [m.momentum for m in models],
-                                [m.weight_decay for m in models])
+        self.array = FusedArray(nets, [m.optimizer["lr"] for m in models],
+                                [m.optimizer.get("momentum", 0.0) for m in models],
+                                [m.optimizer.get("weight_decay", 0.0) for m in models])
         self.module = self.net = self.array.module
         self.optimizer = self.array.optimizer
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.schedule = build_schedule(models[0], self.optimizer, total_steps)  # on the array's rate scale
 
     def losses(self, x, y):
         return self.array.losses(self.net(x), y)
@@ -256,10 +234,21 @@ class _Array:
         return self.net(x)
 
     def member_state(self, index: int) -> dict:
-        return self.array.member_state(index)
+        """Member `index` as a plain model's checkpoint, its schedule's state a plain one's (its own rates)."""
+        state = self.array.member_state(index)
+        (group,) = state["optimizer"]["param_groups"]
+        schedule = self.schedule.state_dict()
+        schedule.update(base_lrs=[group.get("initial_lr", group["lr"])], _last_lr=[group["lr"]])
+        return {**state, "lr_scheduler": schedule}
 
     def load_member_state(self, index: int, state: dict) -> None:
+        """Members of an array resume together, after the same steps: its schedule takes theirs."""
         self.array.load_member_state(index, state)
+        steps = state["lr_scheduler"]["last_epoch"]
+        self.schedule.last_epoch = steps
+        for group, base, factor in zip(self.optimizer.param_groups, self.schedule.base_lrs,
+                                       (fn(steps) for fn in self.schedule.lr_lambdas)):
+            group["lr"].fill_(base * factor)
 
     def drop(self, index: int) -> None:
         self.array.drop(index)
@@ -283,8 +272,6 @@ class GroupStep:
                  memory_format=None, in_hand: StepInHand | None = None, cuda_graphs: bool = False):
         import torch
 
-        from pipeline.training.models import build_model
-
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
         self.in_hand = in_hand
         # the layout every path trains in; another only where a benchmark compares them
@@ -292,11 +279,12 @@ class GroupStep:
         self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
         self.units: list[_Solo | _Array] = []
         for unit in group.units():
-            nets = [self._build(build_model, m, num_classes, image_sizes[m.input]) for m in unit]
+            nets = [build_module(m, num_classes, image_sizes[m.input]).to(self.device, memory_format=self.memory_format)
+                    for m in unit]
             if len(unit) == 1:
-                self.units.append(_Solo(unit[0], nets[0], world, self.device, cosine(total_steps)))
+                self.units.append(_Solo(unit[0], nets[0], world, self.device, total_steps))
             else:  # the array takes the nets' memory format
-                self.units.append(_Array(unit, nets, cosine(total_steps)))
+                self.units.append(_Array(unit, nets, total_steps))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
@@ -316,7 +304,7 @@ class GroupStep:
     def _new_graph(self, unit) -> None:
         """The unit's step graph, to be captured anew: at the start, and whenever its tensors change."""
         unit.graph = (StepGraph(functools.partial(self._step, unit), self.graph_pool, unit.names)
-                      if self.graphs else None)
+                      if self.graphs and unit.capturable else None)
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
@@ -332,13 +320,6 @@ class GroupStep:
             self.pool.shutdown()
             self.pool = None
             self.torch.set_num_threads(self.threads)
-
-    def _build(self, build_model, m: ModelSpec, num_classes: int, image_size: int):
-        # The same seed for every model: members differ by architecture and hyper-parameters, not by
-        # luck of the init, whatever group they train in.
-        self.torch.manual_seed(0)
-        net = build_model(m.arch, m.depth, m.width, m.growth_rate, num_classes, image_size=image_size)
-        return net.to(self.device, memory_format=self.memory_format)
 
     @property
     def names(self) -> list[str]:
@@ -407,20 +388,16 @@ class GroupStep:
         raise KeyError(f"{name} is not in group {self.group.name} (members: {self.names})")
 
     def state(self, name: str) -> dict:
-        """A member's checkpoint: a plain model's state dict (it loads without the group), its SGD state
-        and how many steps its schedule has taken."""
+        """A member's checkpoint: a plain module's state dict (it loads without the group), and its
+        optimiser's and schedule's state dicts, as a plain member's would be."""
         unit, index = self._find(name)
-        return {**unit.member_state(index), "schedule_steps": unit.schedule.last_epoch}
+        return unit.member_state(index)
 
     def load(self, name: str, state: dict) -> None:
         """Resume a member from `state`; the group's members resume together, after the same steps."""
         unit, index = self._find(name)
         unit.load_member_state(index, state)
         self._new_graph(unit)  # loading replaced the optimiser's tensors the graph would read
-        unit.schedule.last_epoch = state["schedule_steps"]
-        factors = [fn(state["schedule_steps"]) for fn in unit.schedule.lr_lambdas]
-        for param_group, base, factor in zip(unit.optimizer.param_groups, unit.schedule.base_lrs, factors):
-            param_group["lr"] = base * factor
 
     def release(self, name: str) -> None:
         """A member leaves (converged, stopped): its module, optimiser and memory go."""

@@ -1,4 +1,5 @@
-"""The ensemble's model families, in plain torch: ResNet and DenseNet-BC.
+"""The built-in model families, in plain torch: ResNet and DenseNet-BC, declared as
+`pipeline.training.models.resnet` and `.densenet` (pipeline/training/members.py).
 
 Both take normalised float NCHW images (channels_last works too) and return
 logits of shape [N, num_classes].
@@ -20,7 +21,6 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-ARCHS = ("resnet", "densenet")
 SMALL_IMAGE_PX = 32  # up to this size (CIFAR's), the full-resolution stem
 
 # ResNet depth -> BasicBlocks per stage (He et al. 2016, table 1);
@@ -41,32 +41,27 @@ BOTTLENECK_FACTOR = 4  # the 1x1 conv of a dense layer makes 4k channels
 COMPRESSION = 0.5  # transitions halve the number of channels
 
 
-def build_model(
-    arch: str,
-    depth: int,
-    width: int,
-    growth_rate: int,
-    num_classes: int,
-    *,
-    image_size: int = 224,
-) -> nn.Module:
-    """Build an untrained model of the ensemble.
+def resnet(depth: int = 18, width: int = 64, num_classes: int = 1000, image_size: int = 224) -> nn.Module:
+    """An untrained ResNet (He et al. 2016) of BasicBlocks.
 
-    arch: "resnet" or "densenet".
-    depth: layers, as in the model's name (resnet 10/18/34; densenet 121/169/
-        201/264, or 4 + 6n for the CIFAR layout, e.g. 40, 64, 100).
-    width: resnet: channels of stage 1 (stages have w, 2w, 4w, 8w);
-        densenet: channels of the stem (the papers use 2 * growth_rate).
-    growth_rate: densenet's k, channels each dense layer adds; resnet ignores it.
+    depth: layers, as in its name: 10, 18 or 34.
+    width: channels of stage 1 (stages have w, 2w, 4w, 8w); 64 in the paper.
     image_size: side of the input images in px; picks the stem (module doc).
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {', '.join(ARCHS)}; got {arch!r}")
-    for name, value in [("width", width), ("num_classes", num_classes), ("image_size", image_size)]:
-        _require_positive_int(name, value)
-    if arch == "resnet":
-        return ResNet(_resnet_blocks(depth), width, num_classes, image_size)
-    _require_positive_int("growth_rate", growth_rate)
+    _require_positive_ints(width=width, num_classes=num_classes, image_size=image_size)
+    return ResNet(_resnet_blocks(depth), width, num_classes, image_size)
+
+
+def densenet(depth: int = 121, growth_rate: int = 32, width: int = 64, num_classes: int = 1000,
+             image_size: int = 224) -> nn.Module:
+    """An untrained DenseNet-BC (Huang et al. 2017).
+
+    depth: layers, as in its name: 121, 169, 201, 264, or 4 + 6n for the CIFAR layout (40, 64, 100, ...).
+    growth_rate: k, channels each dense layer adds.
+    width: channels of the stem (the paper uses 2k).
+    image_size: side of the input images in px; picks the stem (module doc).
+    """
+    _require_positive_ints(width=width, growth_rate=growth_rate, num_classes=num_classes, image_size=image_size)
     return DenseNet(_densenet_blocks(depth), growth_rate, width, num_classes, image_size)
 
 
@@ -104,8 +99,7 @@ def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) 
     workspaces (cuDNN, oneDNN) and allocator slack: on CPU, the peak resident
     memory of a step measured 1.2-2.8x the estimate. Plan with headroom.
     """
-    _require_positive_int("image_size", image_size)
-    _require_positive_int("batch_size", batch_size)
+    _require_positive_ints(image_size=image_size, batch_size=batch_size)
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     state_bytes = 3 * _nbytes(trained) + _nbytes(frozen) + _nbytes(model.buffers())
@@ -116,7 +110,7 @@ def estimate_step_flops(model: nn.Module, image_size: int) -> float:
     """Multiply-adds of one image's training step (forward + backward, about 3x the
     forward's convolutions and matmuls): the cost used to balance slots when no
     rate was measured. A count, not a time: only ratios between models matter."""
-    _require_positive_int("image_size", image_size)
+    _require_positive_ints(image_size=image_size)
     total = 0
 
     def count(module: nn.Module, _, output: torch.Tensor) -> None:
@@ -171,9 +165,10 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _require_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+def _require_positive_ints(**values) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
 def _resnet_blocks(depth: int) -> tuple[int, ...]:

@@ -23,10 +23,10 @@ back as a typed answer (`Measured`, naming the host and process that
 measured).
 
 The cache is a JSON file of entries keyed by what decides the rate: the
-members' shapes (arch, depth, width, growth rate), whether they fuse, the
+members' modules (their model configs) and optimisers, whether they fuse, the
 classes, image sizes, batch size, precision and the hardware of the host
 that measures (device kind and name, cores, threads per trainer, torch
-version: described there). Learning rates and names do not change the speed
+version: described there). Learning rates, seeds and names do not change the speed
 and are left out, so a sweep is measured once. Each entry also records who
 measured each slot count (`measured_by`: host name and pid), out of the key.
 """
@@ -191,7 +191,8 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
-    members = sorted([m.arch, m.depth, m.width, m.growth_rate, how.image_sizes[m.input]] for m in group.members)
+    members = sorted([json.dumps(m.model, sort_keys=True), m.optimizer["_target_"], how.image_sizes[m.input]]
+                     for m in group.members)
     arrays = sorted(len(unit) for unit in group.units() if len(unit) > 1)
     return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
             "batch_size": how.batch_size, "precision": str(how.precision),

@@ -21,7 +21,7 @@ import time
 import traceback
 import zlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -373,7 +373,7 @@ class Trainer:
         the model trains on (a stop mid-epoch saves the last finished epoch, not half of the next)."""
         epochs = self.epoch + 1
         state = _to_host({**self.step.state(name), "epochs_done": epochs, "val_accuracy": accuracy,
-                          "spec": dict(self.models[name].__dict__)})
+                          "member": asdict(self.models[name])})
         kept = self.finished.setdefault(name, {})
         kept[epochs] = state
         kept.pop(epochs - 2, None)

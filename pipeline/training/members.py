@@ -1,0 +1,281 @@
+"""An ensemble member as the user declares it, and what it builds.
+
+A member names its module, optimiser, learning-rate schedule and loss as Hydra
+`_target_` configs (conf/ensemble/, docs/configuration.md). The project calls
+each with what only it knows:
+
+- model: `num_classes=` the dataset's class count, unless the config sets it,
+  and `image_size=` its stream's image side where the callable names such a
+  parameter;
+- optimizer: the module's parameters, first (`_partial_` is optional);
+- lr_scheduler: the optimiser, first, and `total_steps=` the steps of the
+  whole run where the callable names such a parameter; it steps after every
+  training step;
+- loss: nothing; the module it makes is called with (logits, labels).
+
+Each member's initial weights come from its own `seed`, so members that
+differ only in hyper-parameters still start apart (the diversity an
+ensemble gains from different initialisations), and a member starts the same
+in any group, fused or not. Everything is imported where it is built: in
+the process that trains the member, on its host.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.base import UserError
+
+# The modules horizontal fusion (pipeline/training/fusion.py) knows how to fuse, and what else a fused array
+# assumes: Nesterov SGD (each member's lr, momentum, weight decay its own), the cosine schedule, cross-entropy.
+FUSABLE_MODELS = ("pipeline.training.models.resnet", "pipeline.training.models.densenet")
+FUSED_OPTIMIZER = "torch.optim.SGD"
+FUSED_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
+COSINE = "pipeline.training.members.cosine"
+CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree
+CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
+
+
+class MemberError(UserError):
+    """A member's declaration that cannot be built or trained: names the member, the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One member: each config a `_target_` dict, resolved (plain Python values)."""
+
+    name: str
+    input: str  # the broadcast stage (stream) it trains on
+    model: dict
+    optimizer: dict
+    lr_scheduler: dict
+    loss: dict
+    seed: int  # of its initial weights
+    slots: int = 1  # data-parallel over this many slots when > 1
+
+    @property
+    def shape(self) -> str:
+        """What it computes, per image: its module on its stream. Members of one shape weigh the same."""
+        return _canonical([self.model, self.input])
+
+    @property
+    def family(self) -> str:
+        """Members of one family differ only in their own hyper-parameters and weights: they can fuse.
+        A member fusion cannot take (fusable() says why) is a family of its own."""
+        if self.fusable() is None:
+            return self.shape
+        return _canonical([self.model, self.input, self.name])
+
+    def fusable(self) -> str | None:
+        """None if it can train in a fused array; else why not, for the run's first lines."""
+        if self.model["_target_"] not in FUSABLE_MODELS:
+            return f"fusion knows {', '.join(FUSABLE_MODELS)} only, not {self.model['_target_']}"
+        optimizer = self.optimizer
+        if (optimizer["_target_"] != FUSED_OPTIMIZER or not set(optimizer) <= FUSED_OPTIMIZER_KEYS
+                or not optimizer.get("nesterov")):
+            return f"a fused array steps Nesterov {FUSED_OPTIMIZER} (lr, momentum, weight_decay) only"
+        if self.lr_scheduler != {"_target_": COSINE, "_partial_": True} and self.lr_scheduler != {"_target_": COSINE}:
+            return f"a fused array follows the schedule {COSINE} only"
+        if self.loss != {"_target_": CROSS_ENTROPY}:
+            return f"a fused array computes {CROSS_ENTROPY}() only"
+        return None
+
+    def describe(self) -> str:
+        """E.g. "resnet(depth=10, width=16)"."""
+        return _call(self.model)
+
+
+def with_defaults(name: str, model: dict, input: str = "main", seed: int = 0, slots: int = 1,
+                  **optimizer) -> ModelSpec:
+    """A member as an ensemble file declares one with the shipped defaults (conf/config.yaml's: SGD,
+    cosine, cross-entropy), `optimizer`'s keys over SGD's: how scripts and tests declare members in code."""
+    from omegaconf import OmegaConf
+
+    def preset(group: str, choice: str) -> dict:
+        return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{choice}.yaml"))
+
+    return ModelSpec(name, input, model, {**preset("optimizer", "sgd"), **optimizer},
+                     preset("lr_scheduler", "cosine"), preset("loss", "cross_entropy"), seed, slots)
+
+
+def by_family(models) -> dict[str, list[ModelSpec]]:
+    """Members by family, in the order given."""
+    families: dict[str, list[ModelSpec]] = {}
+    for m in models:
+        families.setdefault(m.family, []).append(m)
+    return families
+
+
+def member_seed(run_seed: int, name: str) -> int:
+    """A member's default seed: from the run's seed and its name, the same on every host and run."""
+    return zlib.crc32(f"{run_seed}/{name}".encode())
+
+
+def cosine(optimizer, total_steps: int):
+    """The default schedule: cosine annealing of every rate to 0 over the run's steps."""
+    import torch
+
+    total = max(1, total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+
+
+def build_module(m: ModelSpec, num_classes: int, image_size: int):
+    """The member's untrained module, on the CPU, from its own seed."""
+    import torch
+
+    with _declared(m, "model"):
+        target = _target(m.model)
+        given = {}
+        if "num_classes" not in m.model and _accepts(target, "num_classes", by_kwargs=True):
+            given["num_classes"] = num_classes
+        if "image_size" not in m.model and _accepts(target, "image_size"):
+            given["image_size"] = image_size
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(m.seed)
+            module = _instantiate(m.model, **given)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"it returned a {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def build_optimizer(m: ModelSpec, params, **given):
+    """The member's optimiser over `params`; `given` adds arguments (a device's own, e.g. fused=True)."""
+    import torch
+
+    with _declared(m, "optimizer"):
+        optimizer = _instantiate(m.optimizer, params, **given)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"it returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
+
+
+def build_schedule(m: ModelSpec, optimizer, total_steps: int):
+    """The member's learning-rate schedule on `optimizer`."""
+    import torch
+
+    with _declared(m, "lr_scheduler"):
+        given = {"total_steps": total_steps} if _accepts(_target(m.lr_scheduler), "total_steps") else {}
+        schedule = _instantiate(m.lr_scheduler, optimizer, **given)
+        if not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(f"it returned a {type(schedule).__name__}, not a torch.optim.lr_scheduler.LRScheduler")
+    return schedule
+
+
+def build_loss(m: ModelSpec):
+    """The member's loss module: (logits, labels) -> a 0-d mean loss."""
+    with _declared(m, "loss"):
+        loss = _instantiate(m.loss)
+        if not callable(loss):
+            raise TypeError(f"it returned a {type(loss).__name__}, which cannot be called")
+    return loss
+
+
+def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[str, int]) -> None:
+    """Build each member's declaration, dry, before a run starts anything: its module and one forward of two
+    images, whose logits must be [2, num_classes] (once per shape); its optimiser, schedule and loss on them.
+    On the meta device (shapes only: no memory, no compute); a module that cannot run there (an op that
+    reads values) is tried on the CPU, whose error is the one that counts. Raises a MemberError naming
+    the member and key."""
+    import torch
+
+    logits_of_shape = {}
+    for m in members:
+        if m.shape not in logits_of_shape:
+            try:
+                logits_of_shape[m.shape] = _forward(m, num_classes, image_sizes[m.input], "meta")
+            except MemberError:
+                logits_of_shape[m.shape] = _forward(m, num_classes, image_sizes[m.input], "cpu")
+        logits = logits_of_shape[m.shape]
+        with torch.device(logits.device):
+            build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), 1)  # a parameter stands in
+            loss = build_loss(m)
+            with _declared(m, "loss"):
+                value = loss(logits, torch.zeros(2, dtype=torch.long))
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    raise ValueError("it must return one mean loss (a 0-d tensor) per batch, e.g. reduction='mean'")
+
+
+def _forward(m: ModelSpec, num_classes: int, image_size: int, device: str):
+    """The member's module built on `device` and its logits for two images, checked."""
+    import torch
+
+    with torch.device(device):
+        module = build_module(m, num_classes, image_size)
+        with _declared(m, "model"):
+            module.train()
+            logits = module(torch.zeros(2, 3, image_size, image_size))
+            if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (2, num_classes):
+                got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+                raise ValueError(f"on a batch of 2 images of {image_size} px it returned {got}, not logits of "
+                                 f"shape (2, {num_classes}) for the dataset's {num_classes} classes (the project "
+                                 "passes num_classes= where the callable takes it)")
+    return logits.detach()
+
+
+@contextlib.contextmanager
+def _declared(m: ModelSpec, key: str):
+    """Any error inside becomes one line naming the member, the key and its target."""
+    try:
+        yield
+    except MemberError:
+        raise
+    except Exception as err:  # whatever the user's code raises: the message is theirs, the place is ours
+        target = getattr(m, key).get("_target_", "?")
+        while err.__cause__ is not None:  # Hydra's instantiate wraps what the target raised
+            err = err.__cause__
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise MemberError(f"ensemble member {m.name}: {key} ({target}): {reason}; fix ensemble.models' "
+                          f"{m.name}.{key} (docs/configuration.md, Members)") from None
+
+
+def _target(config: dict):
+    """The object a `_target_` names: the longest importable module of its dotted path, then attributes."""
+    path = config["_target_"]
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ModuleNotFoundError as err:
+            if err.name and not path.startswith(err.name):  # the module exists, one it imports does not
+                raise
+            continue
+        try:
+            return functools.reduce(getattr, parts[split:], found)
+        except AttributeError:
+            raise ImportError(f"cannot import {path}: module {found.__name__} has no {'.'.join(parts[split:])}")
+    raise ImportError(f"cannot import {path}: no module {parts[0]} on the Python path of this host")
+
+
+def _accepts(target, parameter: str, by_kwargs: bool = False) -> bool:
+    """Whether `target` takes `parameter` by name (or, with by_kwargs, any keyword through **kwargs)."""
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: give it nothing it did not ask for
+        return False
+    return parameter in parameters or by_kwargs and any(
+        p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _instantiate(config: dict, *args, **given):
+    """Hydra's instantiate, called now (a `_partial_` config too), with plain Python containers."""
+    from hydra.utils import instantiate
+
+    return instantiate({**config, "_target_": _target(config), "_partial_": False, "_convert_": "all"}, *args,
+                       **given)
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _call(config: dict) -> str:
+    arguments = ", ".join(f"{key}={value}" for key, value in config.items() if not key.startswith("_"))
+    return f"{config['_target_'].rsplit('.', 1)[-1]}({arguments})"

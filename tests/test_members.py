@@ -1,0 +1,136 @@
+"""Members declared by `_target_` (pipeline/training/members.py): modules, optimisers, schedules and losses
+nobody here wrote train, checkpoint and resume as the built-in families do; a declaration that cannot
+train is one MemberError naming the member and key, found before a run starts."""
+import io
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.training.group import GroupSpec, GroupStep
+from pipeline.training.members import MemberError, ModelSpec, build_module, check_members
+from tests.conftest import member
+
+CLASSES = 3
+
+
+class SmallNet(nn.Module):
+    """A user's own module: conv, batch norm, residual add, concatenation, dropout (off in these tests), linear."""
+
+    def __init__(self, num_classes: int, channels: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        self.branch = nn.Conv2d(channels, channels, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+                                  nn.Linear(2 * channels, num_classes))
+
+    def forward(self, x):
+        x = self.stem(x)
+        return self.head(torch.cat([x, x + self.branch(x)], dim=1))
+
+
+class ReadsValues(SmallNet):
+    """A forward that reads a value (as some modules do), which the meta device cannot give."""
+
+    def forward(self, x):
+        if x.abs().sum().item() < 0:
+            raise AssertionError("never")
+        return super().forward(x)
+
+
+def not_a_module(num_classes):
+    return "a string"
+
+
+def raises(num_classes):
+    raise RuntimeError("weights file missing")
+
+
+def declared(name="u", model=None, **keys) -> ModelSpec:
+    """A user's member: SmallNet unless `model` says otherwise, the shipped defaults unless `keys` do."""
+    spec = replace(member(name), model=model or {"_target_": "tests.test_members.SmallNet", "channels": 4})
+    return replace(spec, **keys)
+
+
+@pytest.mark.parametrize("spec, message", [
+    (declared(model={"_target_": "mypkg.nets.Small"}),
+     r"model \(mypkg.nets.Small\): cannot import mypkg.nets.Small: no module mypkg on the Python path"),
+    (declared(model={"_target_": "tests.test_members.raises"}), r"model \(tests.test_members.raises\): weights file "
+                                                                r"missing"),
+    (declared(model={"_target_": "tests.test_members.not_a_module"}), r"model .*: it returned a str, not a torch.nn"),
+    (declared(model={"_target_": "tests.test_members.SmallNet", "num_classes": 5}),
+     r"model .*: on a batch of 2 images of 16 px it returned \(2, 5\), not logits of shape \(2, 3\)"),
+    (declared(model={"_target_": "tests.test_members.SmallNet", "width": 5}),
+     r"model .*got an unexpected keyword argument 'width'"),
+    (declared(optimizer={"_target_": "torch.nn.Linear", "in_features": 2}),
+     r"optimizer \(torch.nn.Linear\): "),
+    (declared(optimizer={"_target_": "torch.optim.AdamW", "lr": -1.0}), r"optimizer .*Invalid learning rate: -1.0"),
+    (declared(optimizer={"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "nesterov": True}),
+     r"optimizer .*Nesterov momentum requires a momentum"),
+    (declared(lr_scheduler={"_target_": "torch.optim.SGD"}), r"lr_scheduler \(torch.optim.SGD\): "),
+    (declared(loss={"_target_": "torch.nn.CrossEntropyLoss", "reduction": "none"}),
+     r"loss .*it must return one mean loss"),
+])
+def test_a_declaration_that_cannot_train_is_one_error_naming_the_member_and_key(spec, message):
+    """Each mistake as a user makes it; found by the dry build (meta device), before anything starts."""
+    with pytest.raises(MemberError, match=rf"^ensemble member u: {message}") as err:
+        check_members([member("fine"), spec], CLASSES, {"main": 16})
+    assert "\n" not in str(err.value) and "fix ensemble.models' u." in str(err.value)
+
+
+def test_a_module_that_reads_values_is_checked_on_the_cpu():
+    """Meta tensors have no values: such a module's check runs again on the CPU, and passes there."""
+    check_members([declared(model={"_target_": "tests.test_members.ReadsValues"})], CLASSES, {"main": 16})
+
+
+def test_the_project_gives_num_classes_and_image_size_where_the_callable_takes_them():
+    """SmallNet takes num_classes only; the built-in resnet takes image_size too (its stem depends on it)."""
+    assert build_module(declared(), CLASSES, 16).head[-1].out_features == CLASSES
+    small, large = (build_module(member("r"), CLASSES, side) for side in (32, 64))
+    assert small.features[0][0].kernel_size == (3, 3) and large.features[0][0].kernel_size == (7, 7)
+
+
+def test_each_member_starts_from_its_own_seed_alone_or_fused():
+    """Members differing only in seed start apart; a member's initial weights are the same whether it trains
+    alone or in a fused array (a group built under one seed for all, as before, fails the first check)."""
+    a, b = member("a", seed=1), member("b", seed=2, lr=0.05)
+    alone = {m.name: build_module(m, CLASSES, 32).state_dict() for m in (a, b)}
+    assert not torch.equal(alone["a"]["features.0.0.weight"], alone["b"]["features.0.0.weight"])
+    fused = GroupStep(GroupSpec("g", (a, b), array_size=2), CLASSES, {"main": 32}, "cpu", total_steps=10)
+    assert len(fused.units) == 1 and fused.units[0].names == ("a", "b")
+    for m in (a, b):
+        state = fused.state(m.name)["model"]
+        for key, tensor in alone[m.name].items():
+            assert torch.equal(state[key], tensor), (m.name, key)
+
+
+def test_a_users_module_and_optimiser_train_checkpoint_and_resume():
+    """SmallNet with AdamW, a step schedule (stepped after every training step) and label smoothing, packed
+    beside a built-in member: it learns a fixed batch, its rate follows StepLR, and a new group loaded from
+    its checkpoint predicts the same and goes on at the same rate."""
+    user = declared(optimizer={"_target_": "torch.optim.AdamW", "lr": 0.03},
+                    lr_scheduler={"_target_": "torch.optim.lr_scheduler.StepLR", "step_size": 4, "gamma": 0.5},
+                    loss={"_target_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.1})
+    group = GroupSpec("g", (user, member("r")))
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, CLASSES, (8,))
+    step = GroupStep(group, CLASSES, {"main": 16}, "cpu", total_steps=100)
+    losses = [float(step.train({"main": (x, y)})["u"]) for _ in range(10)]
+    assert losses[-1] < 0.7 * losses[0], losses
+    unit, _ = step._find("u")
+    assert type(unit.optimizer) is torch.optim.AdamW
+    assert unit.optimizer.param_groups[0]["lr"] == pytest.approx(0.03 * 0.5 ** (10 // 4))
+    saved = io.BytesIO()
+    torch.save(step.state("u"), saved)  # as a checkpoint is: plain containers and tensors
+    saved.seek(0)
+    state = torch.load(saved, weights_only=True)
+    resumed = GroupStep(group, CLASSES, {"main": 16}, "cpu", total_steps=100)
+    resumed.load("u", state)
+    before, after = step.predict({"main": x})["u"], resumed.predict({"main": x})["u"]
+    assert torch.allclose(before, after)
+    for group_step in (step, resumed):
+        for _ in range(2):
+            group_step.train({"main": (x, y)})
+    assert resumed._find("u")[0].optimizer.param_groups[0]["lr"] == pytest.approx(0.03 * 0.5 ** (12 // 4))
+    assert torch.allclose(step.predict({"main": x})["u"], resumed.predict({"main": x})["u"], atol=1e-6)
