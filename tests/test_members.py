@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipeline.training.group import GroupSpec, GroupStep
-from pipeline.training.members import MemberError, ModelSpec, build_module, check_members
+from pipeline.training.members import MemberError, ModelSpec, build_module, check_members, optimizer_state_bytes
 from tests.conftest import member
 
 CLASSES = 3
@@ -89,6 +89,21 @@ def test_the_project_gives_num_classes_and_image_size_where_the_callable_takes_t
     assert build_module(declared(), CLASSES, 16).head[-1].out_features == CLASSES
     small, large = (build_module(member("r"), CLASSES, side) for side in (32, 64))
     assert small.features[0][0].kernel_size == (3, 3) and large.features[0][0].kernel_size == (7, 7)
+
+
+@pytest.mark.parametrize("optimizer, buffers", [
+    ({"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}, 1),
+    ({"_target_": "torch.optim.SGD", "lr": 0.1}, 0),
+    ({"_target_": "torch.optim.AdamW", "lr": 1e-3}, 2),
+    ({"_target_": "torch.optim.Adam", "lr": 1e-3, "amsgrad": True}, 3),
+    ({"_target_": "torch.optim.Adagrad", "lr": 0.1}, 1),  # reads a value in its step: counted on the CPU
+])
+def test_the_memory_estimate_counts_what_the_members_optimiser_keeps(optimizer, buffers):
+    """Buffers the size of the parameters, per optimiser; the mistake it catches: one formula for all (SGD's
+    momentum), which counts AdamW's state half and a momentum-free SGD's as one buffer."""
+    module = build_module(declared(), CLASSES, 16)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert optimizer_state_bytes(declared(optimizer=optimizer), module) == buffers * parameter_bytes
 
 
 def test_each_member_starts_from_its_own_seed_alone_or_fused():

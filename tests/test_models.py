@@ -120,17 +120,17 @@ def test_a_few_sgd_steps_fit_a_small_batch(config):
 @SMALL_MODELS
 def test_training_estimate_grows_with_batch_size_and_width(config):
     model = small_model(config)
-    by_batch = [estimate_training_bytes(model, 32, batch).total for batch in (1, 8, 64)]
+    by_batch = [estimate_training_bytes(model, 32, batch, 0).total for batch in (1, 8, 64)]
     assert by_batch == sorted(set(by_batch))
     wider = small_model(config, width=2 * config[1]["width"])
-    assert estimate_training_bytes(wider, 32, 8).total > by_batch[1]
+    assert estimate_training_bytes(wider, 32, 8, 0).total > by_batch[1]
 
 
 @SMALL_MODELS
 def test_training_estimate_is_dominated_by_activations_at_large_batch(config):
     model = small_model(config)
-    weights_gradients_and_momentum = 3 * 4 * count_parameters(model)
-    assert estimate_training_bytes(model, 32, 256).total > 10 * weights_gradients_and_momentum
+    momentum = 4 * count_parameters(model)
+    assert estimate_training_bytes(model, 32, 256, momentum).total > 10 * 3 * momentum  # weights, gradients too
 
 
 class ConvReluLinear(torch.nn.Module):
@@ -148,18 +148,19 @@ class ConvReluLinear(torch.nn.Module):
 def test_training_estimate_counts_what_each_op_saves_for_backward_once_per_image():
     """Counted by hand, in float32 bytes: the conv keeps its input image (3x4x4) and its weight, relu its
     output (2x4x4), the linear its input (relu's output, flattened: the same storage) and its weight;
-    the weights are state (parameters, gradients, momentum), not activations. Weights counted as
+    the weights are state (parameters, gradients, the optimiser's momentum given), not activations. Weights counted as
     activations, a storage counted twice, or one image's activations not scaled by the batch, fails."""
     per_image = 4 * (3 * 4 * 4 + 2 * 4 * 4)
-    state = 3 * 4 * ((2 * 3 * 3 * 3 + 2) + (2 * 4 * 4 * 5 + 5))
-    assert estimate_training_bytes(ConvReluLinear(), 4, 8) == (state, 8 * per_image)
+    parameter_bytes = 4 * ((2 * 3 * 3 * 3 + 2) + (2 * 4 * 4 * 5 + 5))
+    momentum = parameter_bytes  # the optimiser's state, as given
+    assert estimate_training_bytes(ConvReluLinear(), 4, 8, momentum) == (3 * parameter_bytes, 8 * per_image)
 
 
 def test_training_estimate_leaves_modes_and_statistics_alone():
     model = small_model(SMALL_DENSENET).train()
     frozen_norm = model.features[1].new_features[0].eval()
     statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    estimate_training_bytes(model, 32, 4)
+    estimate_training_bytes(model, 32, 4, 0)
     assert model.training and not frozen_norm.training
     for name, buffer in model.named_buffers():
         assert torch.equal(buffer, statistics[name]), name

@@ -10,6 +10,7 @@ on CPUs.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,24 +28,30 @@ class ModelSize:
     """What a model weighs, from one build at its image size."""
 
     params: int
-    state_bytes: int  # parameters, gradients, momentum, buffers
+    state_bytes: int  # parameters, gradients, the optimiser's state, buffers
     activation_bytes: int  # saved for backward, per step on one slot (its whole batch)
     flops: float  # multiply-adds of one image's training step
 
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
                   batch_size: int) -> dict[str, ModelSize]:
-    from pipeline.training.members import build_module
+    from pipeline.training.members import build_module, optimizer_state_bytes
     from pipeline.training.models import count_parameters, estimate_step_flops, estimate_training_bytes
 
-    by_shape: dict[str, ModelSize] = {}  # a sweep's members weigh the same: one build per shape
+    nets: dict[str, object] = {}  # a grid's members weigh the same: one build per shape
+    sizes: dict[str, ModelSize] = {}  # ...and per optimiser, whose state a rate does not change
+    by_name = {}
     for m in models:
-        if m.shape not in by_shape:
-            side = image_sizes[m.input]
-            net = build_module(m, num_classes, side)
-            state, activations = estimate_training_bytes(net, side, batch_size)
-            by_shape[m.shape] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
-    return {m.name: by_shape[m.shape] for m in models}
+        side = image_sizes[m.input]
+        if m.shape not in nets:
+            nets[m.shape] = build_module(m, num_classes, side)
+        net = nets[m.shape]
+        key = json.dumps([m.shape, {k: v for k, v in m.optimizer.items() if k != "lr"}], sort_keys=True)
+        if key not in sizes:
+            state, activations = estimate_training_bytes(net, side, batch_size, optimizer_state_bytes(m, net))
+            sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
+        by_name[m.name] = sizes[key]
+    return by_name
 
 
 def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int, grouping: Grouping,

@@ -39,8 +39,8 @@ FUSABLE_MODELS = ("pipeline.training.models.resnet", "pipeline.training.models.d
 FUSED_OPTIMIZER = "torch.optim.SGD"
 FUSED_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
 COSINE = "pipeline.training.members.cosine"
-CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree
 CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
+CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree: its presets are the defaults
 
 
 class MemberError(UserError):
@@ -81,7 +81,7 @@ class ModelSpec:
         if (optimizer["_target_"] != FUSED_OPTIMIZER or not set(optimizer) <= FUSED_OPTIMIZER_KEYS
                 or not optimizer.get("nesterov")):
             return f"a fused array steps Nesterov {FUSED_OPTIMIZER} (lr, momentum, weight_decay) only"
-        if self.lr_scheduler != {"_target_": COSINE, "_partial_": True} and self.lr_scheduler != {"_target_": COSINE}:
+        if {key: value for key, value in self.lr_scheduler.items() if key != "_partial_"} != {"_target_": COSINE}:
             return f"a fused array follows the schedule {COSINE} only"
         if self.loss != {"_target_": CROSS_ENTROPY}:
             return f"a fused array computes {CROSS_ENTROPY}() only"
@@ -155,6 +155,30 @@ def build_optimizer(m: ModelSpec, params, **given):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"it returned a {type(optimizer).__name__}, not a torch.optim.Optimizer")
     return optimizer
+
+
+def optimizer_state_bytes(m: ModelSpec, module) -> int:
+    """Bytes of the state the member's optimiser keeps for `module`'s trained parameters (SGD's momentum: one
+    buffer a parameter; Adam's: two; none for SGD without momentum), counted after one step on stand-ins of
+    the parameters: on the meta device (no memory, no compute), else on the CPU (an optimiser that reads
+    values, e.g. Adagrad)."""
+    import torch
+
+    trained = [p for p in module.parameters() if p.requires_grad]
+    for device in ("meta", "cpu"):
+        stand_ins = [torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device)) for p in trained]
+        for p in stand_ins:
+            p.grad = torch.zeros_like(p)
+        optimizer = build_optimizer(m, stand_ins)
+        try:
+            with _declared(m, "optimizer"):
+                optimizer.step()
+        except MemberError:
+            if device == "cpu":
+                raise
+            continue
+        return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0)  # not a step count
 
 
 def build_schedule(m: ModelSpec, optimizer, total_steps: int):

@@ -79,7 +79,7 @@ class TrainingBytes(NamedTuple):
     """What a training step holds, in two parts: a group's members keep their states together but,
     stepped in turn, hold one member's activations at a time (a fused array: all its members' at once)."""
 
-    state: int  # parameters, their gradients and momentum buffers, other buffers
+    state: int  # parameters, their gradients, the optimiser's state, other buffers
     activations: int  # saved for backward, for the whole batch
 
     @property
@@ -87,10 +87,12 @@ class TrainingBytes(NamedTuple):
         return self.state + self.activations
 
 
-def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) -> TrainingBytes:
-    """Estimate the memory one SGD-with-momentum training step holds.
+def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int,
+                            optimizer_state_bytes: int) -> TrainingBytes:
+    """Estimate the memory one training step of any module holds.
 
-    Counts parameters, their gradients and momentum buffers, the model's
+    Counts parameters, their gradients, the optimiser's state (given: what
+    pipeline.training.members.optimizer_state_bytes counts), the module's
     other buffers, and the activations autograd saves for backward. Those are
     measured exactly for one image, by a forward pass that records every
     tensor saved for backward (each storage once), and scaled by batch_size.
@@ -102,7 +104,7 @@ def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int) 
     _require_positive_ints(image_size=image_size, batch_size=batch_size)
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    state_bytes = 3 * _nbytes(trained) + _nbytes(frozen) + _nbytes(model.buffers())
+    state_bytes = 2 * _nbytes(trained) + optimizer_state_bytes + _nbytes(frozen) + _nbytes(model.buffers())
     return TrainingBytes(state_bytes, batch_size * _saved_activation_bytes_per_image(model, image_size))
 
 
