@@ -295,7 +295,11 @@ def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:
     and once per combination of ensemble.grid's values that it has."""
     if not ensemble.models:
         raise ConfigError("no ensemble chosen: add +ensemble=caltech256 (or another file in conf/ensemble/)")
-    shared = {key: OmegaConf.to_container(ensemble[key], resolve=True) for key in MEMBER_DEFAULTS}
+    shared = {key: OmegaConf.to_container(ensemble[key], resolve=True) if isinstance(ensemble[key], DictConfig)
+              else ensemble[key] for key in MEMBER_DEFAULTS}
+    for key, default in shared.items():
+        if not isinstance(default, dict) or "_target_" not in default:
+            raise ConfigError(f"ensemble.{key}={default!r}: give a dict with a _target_ (conf/{key}/ has presets)")
     grid = _grid_leaves(OmegaConf.to_container(ensemble.grid, resolve=True), "ensemble.grid")
     found = set()
     models = []
@@ -306,7 +310,7 @@ def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:
             raise ConfigError(f"{where}.model={fields['model']!r}: give a dict with a _target_, e.g. "
                               "{_target_: pipeline.training.models.resnet, depth: 10, width: 16}")
         for key, default in shared.items():
-            fields[key] = _over(default, fields[key], f"{where}.{key}", f"ensemble.{key}")
+            fields[key] = _over(default, fields[key])
         axes = [(path, values) for path, values in grid if _has(fields, path)]
         found.update(path for path, _ in axes)
         for combination in itertools.product(*(values for _, values in axes)):
@@ -332,11 +336,8 @@ def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:
 MEMBER_DEFAULTS = ("optimizer", "lr_scheduler", "loss")  # declared once for the ensemble, refined per member
 
 
-def _over(default: dict, own: dict, key: str, default_key: str) -> dict:
+def _over(default: dict, own: dict) -> dict:
     """A member's config: its own keys over the ensemble's, unless it names another _target_."""
-    if not isinstance(default, dict) or "_target_" not in default:
-        raise ConfigError(f"{default_key}={default!r}: give a dict with a _target_ (conf/{default_key[9:]}/ "
-                          "has presets)")
     if own.get("_target_", default["_target_"]) != default["_target_"]:
         return own
     return {**default, **own}

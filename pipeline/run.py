@@ -90,7 +90,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
     graph = _graph(cfg, models)
-    check_members(models, len(graph.source.class_names), {s: graph.sinks[s].item_shape[0] for s in graph.sinks})
+    check_members(models, len(graph.source.class_names), graph.image_sizes)
     inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
     if cfg.mode == Mode.profile:
         if inputs.cache_line:
@@ -210,7 +210,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     policy = _policy(cfg, groups)
     nodes = cfg.cluster.nodes
     s = cfg.scheduler
-    image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
+    sides = graph.image_sizes
+    image_sizes = {m.name: sides[m.input] for m in models}
     recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes)
     if table is not None:
         console.print(format_table(table))
@@ -294,8 +295,7 @@ def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:
 
 def _sizes(models: list[ModelSpec], graph: StageGraph, batch_size: int) -> dict:
     """Each model's weight (grouping.ModelSize) at the graph's classes and its input's image size."""
-    return measure_sizes(models, len(graph.source.class_names),
-                         {name: spec.item_shape[0] for name, spec in graph.sinks.items()}, batch_size)
+    return measure_sizes(models, len(graph.source.class_names), graph.image_sizes, batch_size)
 
 
 def _policy(cfg: DictConfig, groups: list[GroupSpec]) -> Policy:
@@ -312,7 +312,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     need one, their rate table (each model measured alone first: its cost decides who shares a slot).
     `where`: the host that measures (a node agent's: on one node's devices), else this process."""
     classes = len(graph.source.class_names)
-    image_sizes = {name: spec.item_shape[0] for name, spec in graph.sinks.items()}
+    image_sizes = graph.image_sizes
     batch = cfg.pipeline.batch_size
     if device_kind == DeviceKind.cuda and cfg.cluster.nodes > 1:  # a hub on the GPU lends it its exchange buffers
         slot_bytes -= exchange_bytes({n: s.item_shape for n, s in graph.sinks.items()}, batch, cfg.cluster.nodes)
@@ -360,7 +360,7 @@ def _say_unfused(models: list[ModelSpec], console: Console) -> None:
     for m in models:
         why = m.fusable() if shapes[m.shape] > 1 else None
         if why:
-            console.print(f"[yellow]note[/] {m.name} is packed, never fused, with members of its shape: {why}")
+            console.print(f"[yellow]note[/] {m.name} never fuses with the members of its shape: {why}")
 
 
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from pipeline.training.group import GroupSpec, GroupStep
-from pipeline.training.members import MemberError, ModelSpec, build_module, check_members, optimizer_state_bytes
+from pipeline.training.members import (CONF, MemberError, ModelSpec, build_module, check_members,
+                                       optimizer_state_bytes)
 from tests.conftest import member
 
 CLASSES = 3
@@ -77,6 +78,18 @@ def test_a_declaration_that_cannot_train_is_one_error_naming_the_member_and_key(
     with pytest.raises(MemberError, match=rf"^ensemble member u: {message}") as err:
         check_members([member("fine"), spec], CLASSES, {"main": 16})
     assert "\n" not in str(err.value) and "fix ensemble.models' u." in str(err.value)
+
+
+@pytest.mark.parametrize("preset", sorted(f"{p.parent.name}/{p.stem}" for key in ("optimizer", "lr_scheduler", "loss")
+                                           for p in (CONF / key).glob("*.yaml")))
+def test_every_shipped_preset_builds(preset):
+    """Each file of conf/optimizer, conf/lr_scheduler and conf/loss, as a member's whole config for its key,
+    passes the dry build (a preset no test builds could ship broken)."""
+    from omegaconf import OmegaConf
+
+    key = preset.split("/")[0]
+    check_members([declared(**{key: OmegaConf.to_container(OmegaConf.load(CONF / f"{preset}.yaml"))})], CLASSES,
+                  {"main": 16})
 
 
 def test_a_module_that_reads_values_is_checked_on_the_cpu():

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand
-from tests.conftest import member
 from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
                                        TrainingSetup, saved_epochs)
+from tests.conftest import member
 
 
 def model(name, width=8, lr=0.1):

@@ -97,6 +97,11 @@ class StageGraph:
     def sinks(self) -> dict[str, Spec]:
         return {name: self.specs[name] for name, stage in self.stages.items() if stage.role is Role.SINK}
 
+    @property
+    def image_sizes(self) -> dict[str, int]:
+        """Each sink's (stream's) image side, in px."""
+        return {name: spec.item_shape[0] for name, spec in self.sinks.items()}
+
     def feeding(self, sinks: set[str]) -> StageGraph:
         """The part of the graph these sinks need: a flotilla whose models read
         only some streams does not compute the others."""

@@ -10,7 +10,6 @@ on CPUs.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +34,7 @@ class ModelSize:
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
                   batch_size: int) -> dict[str, ModelSize]:
-    from pipeline.training.members import build_module, optimizer_state_bytes
+    from pipeline.training.members import build_module, canonical, optimizer_state_bytes
     from pipeline.training.models import count_parameters, estimate_step_flops, estimate_training_bytes
 
     nets: dict[str, object] = {}  # a grid's members weigh the same: one build per shape
@@ -46,7 +45,7 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
         if m.shape not in nets:
             nets[m.shape] = build_module(m, num_classes, side)
         net = nets[m.shape]
-        key = json.dumps([m.shape, {k: v for k, v in m.optimizer.items() if k != "lr"}], sort_keys=True)
+        key = canonical([m.shape, {k: v for k, v in m.optimizer.items() if k != "lr"}])
         if key not in sizes:
             state, activations = estimate_training_bytes(net, side, batch_size, optimizer_state_bytes(m, net))
             sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))

@@ -44,7 +44,7 @@ from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
 from pipeline.training.group import MIN_ROWS, GroupSpec, GroupStep
-from pipeline.training.members import ModelSpec
+from pipeline.training.members import ModelSpec, grouped
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
 
@@ -55,12 +55,11 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
                 console: Console) -> dict:
     """Profile the configured pipeline and ensemble: the results of mode=profile (run.py writes them)."""
     batches, steps, warmup = cfg.profile.batches, cfg.profile.steps, cfg.profile.warmup
-    image_sizes = {m.name: graph.sinks[m.input].item_shape[0] for m in models}
+    sides = graph.image_sizes
+    image_sizes = {m.name: sides[m.input] for m in models}
     device = _device(cfg.trainer.device)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    families: dict[str, list[ModelSpec]] = {}  # models of one shape (module and stream) are measured once
-    for m in models:
-        families.setdefault(m.shape, []).append(m)
+    families = grouped(models, lambda m: m.shape)  # models of one shape (module and stream) are measured once
     console.print(f"[bold]profile mode[/]  {batches} batches through the pipeline on "
                   f"{cfg.cluster.address or f'{workers} Dask workers'}, then {len(families)} model shape(s) x 3 "
                   f"differential passes of {steps} steps on {device}; no training (mode=train trains)")

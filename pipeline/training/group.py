@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph
 from pipeline.training.members import (ModelSpec, build_loss, build_module, build_optimizer, build_schedule,
-                                       by_family)
+                                       grouped)
 
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -78,12 +78,13 @@ class GroupSpec:
 
     @property
     def largest_family(self) -> int:
-        return max(map(len, by_family(self.members).values()))
+        return max(map(len, grouped(self.members, lambda m: m.family).values()))
 
     def units(self) -> list[tuple[ModelSpec, ...]]:
         """What steps as one: fused arrays (a family's members, `array_size` at a time), the rest alone."""
         size = max(1, self.array_size)
-        return [tuple(f[i:i + size]) for f in by_family(self.members).values() for i in range(0, len(f), size)]
+        families = grouped(self.members, lambda m: m.family).values()
+        return [tuple(f[i:i + size]) for f in families for i in range(0, len(f), size)]
 
     def without(self, names: set[str]) -> GroupSpec:
         return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.array_size)
@@ -259,7 +260,7 @@ class _Array:
 class GroupStep:
     """Trains a group's members on one batch per stream, each on its own stream's batch.
 
-    `total_steps` is the length of every member's cosine schedule. A data-parallel
+    `total_steps` (the run's) is given to the members' schedules that take it. A data-parallel
     model (a group of one on `world` slots) joins its process group first
     (`init_process_group`, pipeline/delivery/collective.py). Losses stay on the device: a step never waits for it.
     `in_hand`, where given, is told which members are inside their step. With `cuda_graphs`, each unit's

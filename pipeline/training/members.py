@@ -17,7 +17,9 @@ Each member's initial weights come from its own `seed`, so members that
 differ only in hyper-parameters still start apart (the diversity an
 ensemble gains from different initialisations), and a member starts the same
 in any group, fused or not. Everything is imported where it is built: in
-the process that trains the member, on its host.
+the process that trains the member, on its host, and in the driver, which
+builds every member once before a run starts (`check_members`, and the
+memory estimate).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class ModelSpec:
     @property
     def shape(self) -> str:
         """What it computes, per image: its module on its stream. Members of one shape weigh the same."""
-        return _canonical([self.model, self.input])
+        return canonical([self.model, self.input])
 
     @property
     def family(self) -> str:
@@ -71,7 +73,7 @@ class ModelSpec:
         A member fusion cannot take (fusable() says why) is a family of its own."""
         if self.fusable() is None:
             return self.shape
-        return _canonical([self.model, self.input, self.name])
+        return canonical([self.model, self.input, self.name])
 
     def fusable(self) -> str | None:
         """None if it can train in a fused array; else why not, for the run's first lines."""
@@ -105,12 +107,12 @@ def with_defaults(name: str, model: dict, input: str = "main", seed: int = 0, sl
                      preset("lr_scheduler", "cosine"), preset("loss", "cross_entropy"), seed, slots)
 
 
-def by_family(models) -> dict[str, list[ModelSpec]]:
-    """Members by family, in the order given."""
-    families: dict[str, list[ModelSpec]] = {}
+def grouped(models, key) -> dict[str, list[ModelSpec]]:
+    """Members by `key(member)` (e.g. its family or shape), in the order given."""
+    groups: dict[str, list[ModelSpec]] = {}
     for m in models:
-        families.setdefault(m.family, []).append(m)
-    return families
+        groups.setdefault(key(m), []).append(m)
+    return groups
 
 
 def member_seed(run_seed: int, name: str) -> int:
@@ -296,7 +298,8 @@ def _instantiate(config: dict, *args, **given):
                        **given)
 
 
-def _canonical(value) -> str:
+def canonical(value) -> str:
+    """A config as one string, the same for equal configs: a key for what they decide."""
     return json.dumps(value, sort_keys=True)
 
 

@@ -53,6 +53,7 @@ from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
+from pipeline.training.members import canonical
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,7 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
-    members = sorted([json.dumps(m.model, sort_keys=True), m.optimizer["_target_"], how.image_sizes[m.input]]
-                     for m in group.members)
+    members = sorted([canonical(m.model), m.optimizer["_target_"], how.image_sizes[m.input]] for m in group.members)
     arrays = sorted(len(unit) for unit in group.units() if len(unit) > 1)
     return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
             "batch_size": how.batch_size, "precision": str(how.precision),
