@@ -11,7 +11,6 @@ import json
 import shutil
 import signal
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec
-from pipeline.training.members import ModelSpec, check_members
+from pipeline.training.members import ModelSpec, check_members, grouped
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
 from stages.cache import GB
@@ -90,7 +89,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
     graph = _graph(cfg, models)
-    check_members(models, len(graph.source.class_names), graph.image_sizes)
+    models = check_members(models, len(graph.source.class_names), graph.image_sizes)
     inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
     if cfg.mode == Mode.profile:
         if inputs.cache_line:
@@ -355,12 +354,12 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
 
 
 def _say_unfused(models: list[ModelSpec], console: Console) -> None:
-    """Members of one shape that will not fuse, and why (fusion covers some modules and optimisers)."""
-    shapes = Counter(m.shape for m in models)
-    for m in models:
-        why = m.fusable() if shapes[m.shape] > 1 else None
-        if why:
-            console.print(f"[yellow]note[/] {m.name} never fuses with the members of its shape: {why}")
+    """Members of one shape that cannot fuse (pack instead), and why: vmap rejects their module."""
+    for members in grouped(models, lambda m: m.shape).values():
+        why = members[0].unfusable
+        if len(members) > 1 and why:
+            console.print(f"[yellow]note[/] {', '.join(m.name for m in members)} pack, never fuse: vmap rejects "
+                          f"{members[0].describe()}: {why}")
 
 
 def _probe_seconds_per_image(client, graph: StageGraph, cfg: DictConfig) -> float | None:

@@ -1,11 +1,17 @@
 """Benchmark of slot groups (docs/benchmarks.md says how to read it): k models of one
 architecture, differing only in learning rate, trained on the same batches
 
+The architecture: a built-in family (--arch resnet or densenet, fused by HFTA's
+operators), or `--arch mobilenet`, a small MobileNetV2-style net written here,
+which the project does not ship (fused by vmap, pipeline/training/stacked.py).
+
 * separate: one process per model, all at once, sharing the machine (on CPU each
   process gets cores / k threads, at least 1; on a GPU they share it);
 * packed: one process, the k models stepped in turn (`GroupStep`, array_size 1);
 * fused: one process, the k models as one fused array (array_size k; on CPU one
   array per thread, stepped side by side, as the planner makes them);
+* fused-vmap: as fused, a built-in family fused by vmap instead of HFTA (its
+  members spell out SGD's default dampening=0, which HFTA's check does not take);
 * on CUDA, each again with "+graphs": every unit's step captured once as a CUDA
   graph and replayed (trainer.cuda_graphs). Plain "separate" (eager) is the
   yardstick: k users' own training scripts sharing the GPU.
@@ -16,6 +22,7 @@ Reported per mode: images/s per model and in total, the ratio to separate,
 peak resident memory (all processes together) and, on CUDA, peak allocated.
 
     python scripts/bench_groups.py --out bench_results/groups
+    python scripts/bench_groups.py --arch mobilenet --depth 6 --width 16 --ks 1 4 8 --image-sizes 64
     python scripts/bench_groups.py --device cuda --arch resnet --depth 18 --width 64 --ks 1 4 8 20 \
         --precision bf16
 """
@@ -32,20 +39,51 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch import nn
 
 from pipeline.orchestration.grouping import fused, measure_sizes
 from pipeline.training.group import GroupSpec, GroupStep, Precision
 from pipeline.training.members import with_defaults
 
-MODES = ("separate", "packed", "fused")
-GRAPH_MODES = tuple(f"{mode}+graphs" for mode in MODES)
+MODES = ("separate", "packed", "fused", "fused-vmap")
+GRAPH_MODES = tuple(f"{mode}+graphs" for mode in MODES[:3])
+
+
+class MobileNet(nn.Module):
+    """A small MobileNetV2-style net (inverted residuals: 1x1 expand, 3x3 depthwise, 1x1 project; a residual
+    add where the shape allows), a module nobody here wrote: the benchmark's model for fusion by vmap."""
+
+    def __init__(self, num_classes: int, width: int = 16, depth: int = 6, expand: int = 4):
+        super().__init__()
+
+        def conv(c_in, c_out, kernel, stride=1, groups=1, act=True):
+            layers = [nn.Conv2d(c_in, c_out, kernel, stride, kernel // 2, groups=groups, bias=False),
+                      nn.BatchNorm2d(c_out)]
+            return nn.Sequential(*layers, nn.ReLU6()) if act else nn.Sequential(*layers)
+
+        self.stem = conv(3, width, 3, stride=2)
+        blocks, channels = [], width
+        for i in range(depth):
+            stride, out = (2, channels * 2) if i % 2 else (1, channels)  # every other block halves the side
+            hidden = channels * expand
+            blocks.append(nn.Sequential(conv(channels, hidden, 1), conv(hidden, hidden, 3, stride, groups=hidden),
+                                        conv(hidden, out, 1, act=False)))
+            channels = out
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            y = block(x)
+            x = x + y if y.shape == x.shape else y
+        return self.head(x)
 
 
 def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: int, steps: int, warmup: int,
            precision: str, graphs: bool, start, results) -> None:
     """Process entry point: warmup + steps of `group`; reports seconds of the timed steps and peak memory."""
-    import torch
-
     torch.set_num_threads(threads)
     dev = torch.device(device)
     step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads,
@@ -72,10 +110,14 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
     graphs = mode.endswith("+graphs")
-    model = {"_target_": f"pipeline.training.models.{args.arch}", "depth": args.depth, "width": args.width}
+    # MobileNet is this script's own: spawned processes import it from their __main__, this script
+    where = "__main__" if args.arch == "mobilenet" else "pipeline.training.models"
+    model = {"_target_": f"{where}.{args.arch.replace('mobilenet', 'MobileNet')}", "depth": args.depth,
+             "width": args.width}
     if args.arch == "densenet":
         model["growth_rate"] = args.growth_rate
-    models = [with_defaults(f"m{i}", model, lr=0.1 / (i + 1)) for i in range(k)]
+    spelled_out = {"dampening": 0.0} if mode == "fused-vmap" else {}
+    models = [with_defaults(f"m{i}", model, lr=0.1 / (i + 1), **spelled_out) for i in range(k)]
     if mode.startswith("separate"):
         groups = [GroupSpec(m.name, (m,)) for m in models]
         threads = max(1, args.cores // k)
@@ -108,7 +150,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--arch", default="resnet")
+    parser.add_argument("--arch", default="resnet", choices=["resnet", "densenet", "mobilenet"])
     parser.add_argument("--depth", type=int, default=10)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--growth-rate", type=int, default=12)
@@ -125,6 +167,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results/groups"))
     args = parser.parse_args()
     modes = args.modes or (MODES + GRAPH_MODES if args.device != "cpu" else MODES)
+    if args.arch == "mobilenet":  # its fused is vmap's already
+        modes = [mode for mode in modes if mode != "fused-vmap"]
     rows = []
     print(f"{args.arch}{args.depth} w{args.width}, batch {args.batch}, {args.device}, {args.cores} core(s)")
     print(f"{'px':>4} {'k':>3} {'mode':>15} {'img/s/model':>12} {'img/s total':>12} {'vs separate':>12} "

@@ -21,7 +21,9 @@ class SmallNet(nn.Module):
 
     def __init__(self, num_classes: int, channels: int = 4, dropout: float = 0.0):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        # no bias before batch norm, as usual: its gradient is rounding noise, which AdamW's step makes lr-sized
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                                  nn.ReLU())
         self.branch = nn.Conv2d(channels, channels, 3, padding=1)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
                                   nn.Linear(2 * channels, num_classes))

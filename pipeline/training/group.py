@@ -3,8 +3,10 @@
 A group of one is a model (data-parallel over its slots when it has several).
 A larger group holds one slot: its members are packed (each its own module
 and optimiser, stepped in turn, so the peak holds one member's activations)
-or, for members of one family (architecture, shape and stream), fused into
-arrays (pipeline/training/fusion.py). Every member keeps its own
+or, for members of one family (module, stream and loss), fused into arrays:
+HFTA's operator fusion for the built-in families it covers
+(pipeline/training/fusion.py), vmap for any other module
+(pipeline/training/stacked.py). Every member keeps its own
 hyper-parameters, schedule, checkpoint and convergence, and can leave the
 group alone. Trainers, rate measurement, profile mode and the benchmark all
 step groups through `GroupStep`, so what is measured is what trains.
@@ -20,8 +22,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph
-from pipeline.training.members import (ModelSpec, build_loss, build_module, build_optimizer, build_schedule,
-                                       grouped)
+from pipeline.training.members import (ModelSpec, array_fusion, build_loss, build_module, build_optimizer,
+                                       build_schedule, grouped)
 
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -185,35 +187,56 @@ class _Solo:
             self.loss.to(device)
 
     def losses(self, x, y):
+        self.net.train()
         return self.loss(self.net(x), y).unsqueeze(0)
 
     def logits(self, x):
+        self.module.eval()
         return self.module(x).unsqueeze(0)
 
+    @property
+    def optimizers(self) -> list:
+        return [self.optimizer]
+
+    @property
+    def schedules(self) -> list:
+        return [self.schedule]
+
     def member_state(self, index: int) -> dict:
-        optimizer = self.optimizer.state_dict()
-        for group in optimizer["param_groups"]:  # a plain optimiser's checkpoint, whatever device trained it
-            group.update({key: float(value) for key, value in group.items() if key in ("lr", "initial_lr")})
-            group.pop("fused", None)
-        schedule = self.schedule.state_dict()
-        for key in ("base_lrs", "_last_lr"):
-            schedule[key] = [float(rate) for rate in schedule[key]]
-        return {"model": self.module.state_dict(), "optimizer": optimizer, "lr_scheduler": schedule}
+        return _plain_checkpoint(self.module.state_dict(), self.optimizer, self.schedule)
 
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
-        kept = [{key: group[key] for key in ("fused", "lr") if key in group} for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["lr_scheduler"])
-        for group, was in zip(self.optimizer.param_groups, kept):  # this device's settings, not the checkpoint's
-            if "fused" in was:
-                group["fused"] = was["fused"]
-            if hasattr(was["lr"], "fill_"):  # the tensor a graph reads, holding the checkpoint's rate
-                group["lr"] = was["lr"].fill_(float(group["lr"]))
+        _load_plain_checkpoint(state, self.optimizer, self.schedule)
+
+
+def _plain_checkpoint(model: dict, optimizer, schedule) -> dict:
+    """A member's checkpoint as a plain module's, optimiser's and schedule's state dicts, whatever device trained
+    it (a rate a CUDA graph reads is a tensor there, a float here)."""
+    optimizer = optimizer.state_dict()
+    for group in optimizer["param_groups"]:
+        group.update({key: float(value) for key, value in group.items() if key in ("lr", "initial_lr")})
+        group.pop("fused", None)
+    schedule = schedule.state_dict()
+    for key in ("base_lrs", "_last_lr"):
+        schedule[key] = [float(rate) for rate in schedule[key]]
+    return {"model": model, "optimizer": optimizer, "lr_scheduler": schedule}
+
+
+def _load_plain_checkpoint(state: dict, optimizer, schedule) -> None:
+    """The optimiser and schedule resume from a `_plain_checkpoint`, keeping this device's own settings."""
+    kept = [{key: group[key] for key in ("fused", "lr") if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["lr_scheduler"])
+    for group, was in zip(optimizer.param_groups, kept):  # this device's settings, not the checkpoint's
+        if "fused" in was:
+            group["fused"] = was["fused"]
+        if hasattr(was["lr"], "fill_"):  # the tensor a graph reads, holding the checkpoint's rate
+            group["lr"] = was["lr"].fill_(float(group["lr"]))
 
 
 class _Array:
-    """A fused array of one family's members (ModelSpec.fusable: Nesterov SGD, cosine, cross-entropy)."""
+    """An HFTA fused array of one family's members (ModelSpec.fusion: Nesterov SGD, cosine, cross-entropy)."""
 
     capturable = True  # FusedSGD's update is device work only, its rate scale a tensor
 
@@ -228,10 +251,20 @@ class _Array:
         self.optimizer = self.array.optimizer
         self.schedule = build_schedule(models[0], self.optimizer, total_steps)  # on the array's rate scale
 
+    @property
+    def optimizers(self) -> list:
+        return [self.optimizer]
+
+    @property
+    def schedules(self) -> list:
+        return [self.schedule]
+
     def losses(self, x, y):
+        self.net.train()
         return self.array.losses(self.net(x), y)
 
     def logits(self, x):
+        self.net.eval()
         return self.net(x)
 
     def member_state(self, index: int) -> dict:
@@ -257,6 +290,46 @@ class _Array:
         self.names = self.names[:index] + self.names[index + 1:]
 
 
+class _Stacked:
+    """A vmapped fused array of one family's members (pipeline/training/stacked.py): any module, each member
+    with its own optimiser and schedule over its own parameters (views of the array's rows)."""
+
+    capturable = False  # its members' optimisers step views, each as its member declares: not captured yet
+
+    def __init__(self, models: tuple[ModelSpec, ...], nets: list, total_steps: int):
+        from pipeline.training.stacked import StackedArray
+
+        self.names, self.input = tuple(m.name for m in models), models[0].input
+        import torch
+
+        loss = build_loss(models[0])  # one family: one loss
+        if isinstance(loss, torch.nn.Module):
+            loss.to(next(nets[0].parameters()).device)
+        self.array = StackedArray(nets, loss)
+        self.optimizers = [build_optimizer(m, net.parameters()) for m, net in zip(models, nets)]
+        self.schedules = [build_schedule(m, optimizer, total_steps) for m, optimizer in zip(models, self.optimizers)]
+
+    def losses(self, x, y):
+        return self.array.losses(x, y)
+
+    def logits(self, x):
+        return self.array.logits(x)
+
+    def member_state(self, index: int) -> dict:
+        # Clones: a view would keep (and torch.save would write) every member's rows.
+        model = {name: t.clone() for name, t in self.array.nets[index].state_dict().items()}
+        return _plain_checkpoint(model, self.optimizers[index], self.schedules[index])
+
+    def load_member_state(self, index: int, state: dict) -> None:
+        self.array.nets[index].load_state_dict(state["model"])  # copies into its rows
+        _load_plain_checkpoint(state, self.optimizers[index], self.schedules[index])
+
+    def drop(self, index: int) -> None:
+        self.array.drop(index)
+        del self.optimizers[index], self.schedules[index]
+        self.names = self.names[:index] + self.names[index + 1:]
+
+
 class GroupStep:
     """Trains a group's members on one batch per stream, each on its own stream's batch.
 
@@ -278,14 +351,16 @@ class GroupStep:
         # the layout every path trains in; another only where a benchmark compares them
         self.memory_format = training_memory_format(self.device) if memory_format is None else memory_format
         self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
-        self.units: list[_Solo | _Array] = []
+        self.units: list[_Solo | _Array | _Stacked] = []
         for unit in group.units():
             nets = [build_module(m, num_classes, image_sizes[m.input]).to(self.device, memory_format=self.memory_format)
                     for m in unit]
             if len(unit) == 1:
                 self.units.append(_Solo(unit[0], nets[0], world, self.device, total_steps))
-            else:  # the array takes the nets' memory format
+            elif array_fusion(unit) == "hfta":  # the array takes the nets' memory format
                 self.units.append(_Array(unit, nets, total_steps))
+            else:
+                self.units.append(_Stacked(unit, nets, total_steps))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
@@ -358,17 +433,19 @@ class GroupStep:
     def _train_unit(self, unit, x, y, static: bool) -> tuple:
         with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():
             losses = unit.graph(x, y) if static and unit.graph else self._step(unit, x, y)
-            unit.schedule.step()  # fills the rate tensor a graph reads
+            for schedule in unit.schedules:
+                schedule.step()  # fills the rate tensor a graph reads
         return unit.names, losses
 
     def _step(self, unit, x, y):
         """The unit's eager step (what a graph captures); its losses, on the device."""
-        unit.net.train()
         with self._autocast():  # autocast is per thread: entered where the unit steps
             losses = unit.losses(x, y)
-        unit.optimizer.zero_grad(set_to_none=True)
+        for optimizer in unit.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         unit.scaler.scale(losses.sum()).backward()  # members' parameters are disjoint: own gradients
-        unit.scaler.step(unit.optimizer)
+        for optimizer in unit.optimizers:
+            unit.scaler.step(optimizer)
         unit.scaler.update()
         return losses.detach().float()
 
@@ -376,13 +453,12 @@ class GroupStep:
         """Each member's softmax on its stream's x, [N, classes] on the device."""
         torch, probs = self.torch, {}
         for unit in self.units:
-            unit.net.eval()
             with torch.no_grad(), self._autocast():
                 logits = unit.logits(inputs[unit.input])
             probs.update(zip(unit.names, torch.softmax(logits.float(), dim=-1)))
         return probs
 
-    def _find(self, name: str) -> tuple[_Solo | _Array, int]:
+    def _find(self, name: str) -> tuple[_Solo | _Array | _Stacked, int]:
         for unit in self.units:
             if name in unit.names:
                 return unit, unit.names.index(name)

@@ -30,16 +30,17 @@ import inspect
 import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stages.base import UserError
 
-# The modules horizontal fusion (pipeline/training/fusion.py) knows how to fuse, and what else a fused array
-# assumes: Nesterov SGD (each member's lr, momentum, weight decay its own), the cosine schedule, cross-entropy.
-FUSABLE_MODELS = ("pipeline.training.models.resnet", "pipeline.training.models.densenet")
-FUSED_OPTIMIZER = "torch.optim.SGD"
-FUSED_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
+# What HFTA's operator fusion (pipeline/training/fusion.py) covers: the built-in families, stepped by Nesterov SGD
+# (each member's lr, momentum, weight decay its own) on the cosine schedule with cross-entropy. Other members of one
+# family fuse by vmap (pipeline/training/stacked.py).
+HFTA_MODELS = ("pipeline.training.models.resnet", "pipeline.training.models.densenet")
+HFTA_OPTIMIZER = "torch.optim.SGD"
+HFTA_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
 COSINE = "pipeline.training.members.cosine"
 CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
 CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree: its presets are the defaults
@@ -47,6 +48,10 @@ CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree: 
 
 class MemberError(UserError):
     """A member's declaration that cannot be built or trained: names the member, the key and the fix."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message  # the user's code's own error, alone
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class ModelSpec:
     loss: dict
     seed: int  # of its initial weights
     slots: int = 1  # data-parallel over this many slots when > 1
+    unfusable: str | None = None  # why vmap cannot fuse its module (check_members finds it); None: it can
 
     @property
     def shape(self) -> str:
@@ -69,25 +75,24 @@ class ModelSpec:
 
     @property
     def family(self) -> str:
-        """Members of one family differ only in their own hyper-parameters and weights: they can fuse.
-        A member fusion cannot take (fusable() says why) is a family of its own."""
-        if self.fusable() is None:
-            return self.shape
-        return canonical([self.model, self.input, self.name])
+        """Members of one family differ only in what each steps on its own (optimiser, schedule, seed, so
+        weights): they can fuse. A member whose module cannot fuse is a family of its own."""
+        if self.unfusable:
+            return canonical([self.model, self.input, self.name])
+        return canonical([self.model, self.input, self.loss])
 
-    def fusable(self) -> str | None:
-        """None if it can train in a fused array; else why not, for the run's first lines."""
-        if self.model["_target_"] not in FUSABLE_MODELS:
-            return f"fusion knows {', '.join(FUSABLE_MODELS)} only, not {self.model['_target_']}"
+    @property
+    def fusion(self) -> str:
+        """How it fuses: "hfta", the built-in families' operator fusion (pipeline/training/fusion.py; an
+        array all of whose members take it), else "vmap" (any module, pipeline/training/stacked.py)."""
         optimizer = self.optimizer
-        if (optimizer["_target_"] != FUSED_OPTIMIZER or not set(optimizer) <= FUSED_OPTIMIZER_KEYS
-                or not optimizer.get("nesterov")):
-            return f"a fused array steps Nesterov {FUSED_OPTIMIZER} (lr, momentum, weight_decay) only"
-        if {key: value for key, value in self.lr_scheduler.items() if key != "_partial_"} != {"_target_": COSINE}:
-            return f"a fused array follows the schedule {COSINE} only"
-        if self.loss != {"_target_": CROSS_ENTROPY}:
-            return f"a fused array computes {CROSS_ENTROPY}() only"
-        return None
+        if (self.model["_target_"] in HFTA_MODELS and optimizer["_target_"] == HFTA_OPTIMIZER
+                and set(optimizer) <= HFTA_OPTIMIZER_KEYS and optimizer.get("nesterov")
+                and {key: value for key, value in self.lr_scheduler.items() if key != "_partial_"} == {
+                    "_target_": COSINE}
+                and self.loss == {"_target_": CROSS_ENTROPY}):
+            return "hfta"
+        return "vmap"
 
     def describe(self) -> str:
         """E.g. "resnet(depth=10, width=16)"."""
@@ -105,6 +110,11 @@ def with_defaults(name: str, model: dict, input: str = "main", seed: int = 0, sl
 
     return ModelSpec(name, input, model, {**preset("optimizer", "sgd"), **optimizer},
                      preset("lr_scheduler", "cosine"), preset("loss", "cross_entropy"), seed, slots)
+
+
+def array_fusion(unit) -> str:
+    """How an array of these members fuses: "hfta" where every member takes it, else "vmap"."""
+    return "hfta" if all(m.fusion == "hfta" for m in unit) else "vmap"
 
 
 def grouped(models, key) -> dict[str, list[ModelSpec]]:
@@ -204,22 +214,20 @@ def build_loss(m: ModelSpec):
     return loss
 
 
-def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[str, int]) -> None:
+def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[str, int]) -> list[ModelSpec]:
     """Build each member's declaration, dry, before a run starts anything: its module and one forward of two
     images, whose logits must be [2, num_classes] (once per shape); its optimiser, schedule and loss on them.
     On the meta device (shapes only: no memory, no compute); a module that cannot run there (an op that
     reads values) is tried on the CPU, whose error is the one that counts. Raises a MemberError naming
-    the member and key."""
+    the member and key. Returns the members, each marked `unfusable` where vmap rejects its module: two
+    of them, with its loss, take one step as a fused array (once per shape and loss)."""
     import torch
 
-    logits_of_shape = {}
+    built, unfusable = {}, {}
     for m in members:
-        if m.shape not in logits_of_shape:
-            try:
-                logits_of_shape[m.shape] = _forward(m, num_classes, image_sizes[m.input], "meta")
-            except MemberError:
-                logits_of_shape[m.shape] = _forward(m, num_classes, image_sizes[m.input], "cpu")
-        logits = logits_of_shape[m.shape]
+        if m.shape not in built:
+            built[m.shape] = _on_meta_else_cpu(_forward, m, num_classes, image_sizes[m.input])
+        module, logits = built[m.shape]
         with torch.device(logits.device):
             build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), 1)  # a parameter stands in
             loss = build_loss(m)
@@ -227,6 +235,22 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
                 value = loss(logits, torch.zeros(2, dtype=torch.long))
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise ValueError("it must return one mean loss (a 0-d tensor) per batch, e.g. reduction='mean'")
+        key = canonical([m.shape, m.loss])
+        if key not in unfusable:
+            try:
+                _on_meta_else_cpu(_fused_step, m, num_classes, image_sizes[m.input])
+                unfusable[key] = None
+            except MemberError as err:
+                unfusable[key] = err.reason
+    return [replace(m, unfusable=unfusable[canonical([m.shape, m.loss])]) for m in members]
+
+
+def _on_meta_else_cpu(build, *args):
+    """`build(*args, device)` on the meta device, else on the CPU (an op that reads values), whose error counts."""
+    try:
+        return build(*args, "meta")
+    except MemberError:
+        return build(*args, "cpu")
 
 
 def _forward(m: ModelSpec, num_classes: int, image_size: int, device: str):
@@ -243,7 +267,22 @@ def _forward(m: ModelSpec, num_classes: int, image_size: int, device: str):
                 raise ValueError(f"on a batch of 2 images of {image_size} px it returned {got}, not logits of "
                                  f"shape (2, {num_classes}) for the dataset's {num_classes} classes (the project "
                                  "passes num_classes= where the callable takes it)")
-    return logits.detach()
+    return module, logits.detach()
+
+
+def _fused_step(m: ModelSpec, num_classes: int, image_size: int, device: str) -> None:
+    """Two of the member's modules, built on `device`, take a training step's forward and backward as one
+    fused array (pipeline/training/stacked.py); what vmap rejects raises a MemberError."""
+    import torch
+
+    from pipeline.training.stacked import StackedArray
+
+    with torch.device(device):
+        nets = [build_module(m, num_classes, image_size) for _ in range(2)]
+        loss = build_loss(m)
+        with _declared(m, "model"):
+            array = StackedArray(nets, loss)
+            array.losses(torch.zeros(2, 3, image_size, image_size), torch.zeros(2, dtype=torch.long)).sum().backward()
 
 
 @contextlib.contextmanager
@@ -259,7 +298,7 @@ def _declared(m: ModelSpec, key: str):
             err = err.__cause__
         reason = " ".join(str(err).split()) or type(err).__name__
         raise MemberError(f"ensemble member {m.name}: {key} ({target}): {reason}; fix ensemble.models' "
-                          f"{m.name}.{key} (docs/configuration.md, Members)") from None
+                          f"{m.name}.{key} (docs/configuration.md, Members)", reason) from None
 
 
 def _target(config: dict):

@@ -53,7 +53,7 @@ from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
-from pipeline.training.members import canonical
+from pipeline.training.members import array_fusion, canonical
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
     members = sorted([canonical(m.model), m.optimizer["_target_"], how.image_sizes[m.input]] for m in group.members)
-    arrays = sorted(len(unit) for unit in group.units() if len(unit) > 1)
+    arrays = sorted([len(unit), array_fusion(unit)] for unit in group.units() if len(unit) > 1)
     return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
             "batch_size": how.batch_size, "precision": str(how.precision),
             "cuda_graphs": how.cuda_graphs, **hardware}
