@@ -24,7 +24,7 @@ class Grouping(enum.StrEnum):
     auto = "auto"  # share slots only when models outnumber them; fuse where measured faster than packed
     separate = "separate"  # one model per slot, never shared
     pack = "pack"  # models that share a slot step in turn, each its own module and optimiser
-    fuse = "fuse"  # as pack, but models of one architecture on a slot train as one fused array
+    fuse = "fuse"  # as pack, but models of one family on a slot train as one fused array
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Candidate:
 
     name: str
     slots: int  # it asks for (data-parallel when > 1: it keeps them to itself)
-    family: tuple  # models of one family may fuse: same architecture, shape and stream
+    family: tuple  # models of one family may fuse: same module config, stream and loss (ModelSpec.family)
     cost: float  # seconds per image on one slot, measured or estimated: only ratios matter
 
 
