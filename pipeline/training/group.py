@@ -164,7 +164,19 @@ def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s
     return functools.partial(completes, f"a DDP all-reduce of {what} (rank {rank} of {world})", timeout_s)
 
 
-class _Solo:
+class _OneOptimiser:
+    """A unit whose members step under one optimiser and one schedule (`optimizer`, `schedule`)."""
+
+    @property
+    def optimizers(self) -> list:
+        return [self.optimizer]
+
+    @property
+    def schedules(self) -> list:
+        return [self.schedule]
+
+
+class _Solo(_OneOptimiser):
     """One model: its module (DDP when it spans slots), optimiser, schedule and loss, as its member declares."""
 
     def __init__(self, model: ModelSpec, net, world: int, device, total_steps: int):
@@ -193,14 +205,6 @@ class _Solo:
     def logits(self, x):
         self.module.eval()
         return self.module(x).unsqueeze(0)
-
-    @property
-    def optimizers(self) -> list:
-        return [self.optimizer]
-
-    @property
-    def schedules(self) -> list:
-        return [self.schedule]
 
     def member_state(self, index: int) -> dict:
         return _plain_checkpoint(self.module.state_dict(), self.optimizer, self.schedule)
@@ -235,7 +239,7 @@ def _load_plain_checkpoint(state: dict, optimizer, schedule) -> None:
             group["lr"] = was["lr"].fill_(float(group["lr"]))
 
 
-class _Array:
+class _Array(_OneOptimiser):
     """An HFTA fused array of one family's members (ModelSpec.fusion: Nesterov SGD, cosine, cross-entropy)."""
 
     capturable = True  # FusedSGD's update is device work only, its rate scale a tensor
@@ -250,14 +254,6 @@ class _Array:
         self.module = self.net = self.array.module
         self.optimizer = self.array.optimizer
         self.schedule = build_schedule(models[0], self.optimizer, total_steps)  # on the array's rate scale
-
-    @property
-    def optimizers(self) -> list:
-        return [self.optimizer]
-
-    @property
-    def schedules(self) -> list:
-        return [self.schedule]
 
     def losses(self, x, y):
         self.net.train()
