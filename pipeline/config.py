@@ -146,7 +146,7 @@ class TrainerConf:
     device: DeviceKind = DeviceKind.auto  # auto (CUDA if present) | cuda | cpu
     slots: Union[int, str] = AUTO  # device slots: auto = every GPU, or on CPU one slot per model slot requested
     grouping: Grouping = Grouping.auto  # models outnumbering the slots share them: auto (fuse where measured
-    # faster, else pack) | pack (step in turn) | fuse (one module config's members as one fused array) |
+    # faster, else pack) | pack (step in turn) | fuse (one family's members as one fused array) |
     # separate (never share: fails when models outnumber slots)
     precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     cuda_graphs: bool = True  # on a GPU, each step captured once as a CUDA graph and replayed (not fp16, DDP)

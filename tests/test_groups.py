@@ -20,7 +20,7 @@ H100_BYTES = 80 * 2**30
 
 
 def candidate(name, family="r", cost=1.0, slots=1):
-    return Candidate(name, slots, (family,), cost)
+    return Candidate(name, slots, family, cost)
 
 
 def test_models_that_fit_the_slots_stay_alone_and_separate_never_shares():

@@ -27,6 +27,14 @@ class Branches(SmallNet):
         return super().forward(x)
 
 
+class Frozen(SmallNet):
+    """Its stem's convolution is frozen (requires_grad False), as a fine-tuned backbone's layers are."""
+
+    def __init__(self, num_classes: int, channels: int = 4):
+        super().__init__(num_classes, channels)
+        self.stem[0].weight.requires_grad_(False)
+
+
 def members(optimizer: dict, keys: list[dict], model: dict | None = None) -> tuple:
     """SmallNet members (conv, batch norm, residual add, concatenation, dropout off, linear), each its own seed
     and `optimizer` with its own `keys` over it."""
@@ -73,6 +81,33 @@ def test_k_members_fused_by_vmap_train_as_they_do_apart(optimizer, keys):
     mine, theirs = fused.predict({"main": x}), apart.predict({"main": x})  # eval mode: the running statistics
     for name in fused.names:
         torch.testing.assert_close(mine[name], theirs[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_frozen_parameters_stay_frozen_in_a_vmapped_array():
+    """A module with a frozen convolution: fused members train as apart and their frozen weights never move.
+    The mistake it catches: every stacked parameter made trainable."""
+    models = members(ADAMW, [{"lr": 0.01}, {"lr": 0.02}], {"_target_": "tests.test_stacked.Frozen", "channels": 4})
+    fused, apart = group_step(models, array_size=2), group_step(models, array_size=1)
+    frozen = {name: fused.state(name)["model"]["stem.0.weight"] for name in fused.names}
+    for x, y in batches(2):
+        fused.train({"main": (x, y)})
+        apart.train({"main": (x, y)})
+    assert_same_members(fused, apart, fused.names)
+    for name in fused.names:
+        assert torch.equal(fused.state(name)["model"]["stem.0.weight"], frozen[name])
+
+
+def test_a_family_fuses_by_hfta_where_every_member_takes_it():
+    """Built-in ResNets with Nesterov SGD (HFTA takes them) and one with AdamW (vmap only) are one family: in
+    arrays of two, the two SGD members form HFTA's array and the AdamW one trains alone; in one array of
+    three, vmap fuses all. The mistake it catches: the family chunked as declared, [sgd, adamw] by vmap
+    (the slower) and [sgd] alone."""
+    resnet = {"_target_": "pipeline.training.models.resnet", "depth": 10, "width": 4}
+    sgd, adamw, sgd2 = members(SGD, [{}, {}, {"lr": 0.05}], resnet)
+    adamw = replace(adamw, optimizer=ADAMW)
+    kinds = {size: [(type(unit).__name__, unit.names) for unit in group_step((sgd, adamw, sgd2), size).units]
+             for size in (2, 3)}
+    assert kinds == {2: [("_Array", ("m0", "m2")), ("_Solo", ("m1",))], 3: [("_Stacked", ("m0", "m2", "m1"))]}
 
 
 def test_a_member_leaves_a_vmapped_array_and_its_checkpoint_is_a_plain_modules():
@@ -128,7 +163,9 @@ def test_members_of_one_seed_draw_their_own_dropout_masks_when_fused():
     model = {"_target_": "tests.test_members.SmallNet", "channels": 4, "dropout": 0.5}
     a, b = (replace(m, seed=0) for m in members(SGD, [{}, {}], model))
     x, y = batches(1)[0]
-    losses = group_step((a, b), array_size=2).train({"main": (x, y)})
+    step = group_step((a, b), array_size=2)
+    assert [type(unit).__name__ for unit in step.units] == ["_Stacked"]
+    losses = step.train({"main": (x, y)})
     assert not torch.equal(losses["m0"], losses["m1"])
 
 
@@ -147,4 +184,4 @@ def test_a_module_vmap_rejects_packs_and_the_run_says_why():
     console = Console(record=True, width=400)
     _say_unfused(checked, console)
     lines = console.export_text().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("note m0, m1 pack, never fuse: vmap rejects Branches(channels=4): ")
+    assert len(lines) == 1 and lines[0].startswith("note m0, m1 (Branches(channels=4)) pack, never fuse: vmap: ")

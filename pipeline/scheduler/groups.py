@@ -2,10 +2,10 @@
 
 When the models outnumber the slots, several train in one trainer process on
 the same delivered batch: packed (each its own module and optimiser, stepped
-in turn) or, for models of one architecture that differ only in
-hyper-parameters, as a fused array. The scheduler then places groups as it
+in turn) or, for models of one family (one module config, stream and loss;
+they differ in optimiser, schedule and seed), as a fused array. The scheduler then places groups as it
 places models: a group of one is a model, a group of several holds one slot.
-Pure: it sees names, costs and architecture keys, never torch.
+Pure: it sees names, costs and family keys, never torch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Candidate:
 
     name: str
     slots: int  # it asks for (data-parallel when > 1: it keeps them to itself)
-    family: tuple  # models of one family may fuse: same module config, stream and loss (ModelSpec.family)
+    family: str  # models of one family may fuse: same module config, stream and loss (ModelSpec.family)
     cost: float  # seconds per image on one slot, measured or estimated: only ratios matter
 
 

@@ -5,7 +5,7 @@ A larger group holds one slot: its members are packed (each its own module
 and optimiser, stepped in turn, so the peak holds one member's activations)
 or, for members of one family (module, stream and loss), fused into arrays:
 HFTA's operator fusion for the built-in families it covers
-(pipeline/training/fusion.py), vmap for any other module
+(pipeline/training/fusion.py), vmap for any other family
 (pipeline/training/stacked.py). Every member keeps its own
 hyper-parameters, schedule, checkpoint and convergence, and can leave the
 group alone. Trainers, rate measurement, profile mode and the benchmark all
@@ -83,10 +83,12 @@ class GroupSpec:
         return max(map(len, grouped(self.members, lambda m: m.family).values()))
 
     def units(self) -> list[tuple[ModelSpec, ...]]:
-        """What steps as one: fused arrays (a family's members, `array_size` at a time), the rest alone."""
+        """What steps as one: fused arrays (a family's members, `array_size` at a time, those HFTA takes
+        first, so that as few arrays as can be fuse by vmap, the slower), the rest alone."""
         size = max(1, self.array_size)
         families = grouped(self.members, lambda m: m.family).values()
-        return [tuple(f[i:i + size]) for f in families for i in range(0, len(f), size)]
+        ordered = [sorted(f, key=lambda m: m.fusion != "hfta") for f in families]  # a stable sort
+        return [tuple(f[i:i + size]) for f in ordered for i in range(0, len(f), size)]
 
     def without(self, names: set[str]) -> GroupSpec:
         return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.array_size)
@@ -164,7 +166,7 @@ def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s
     return functools.partial(completes, f"a DDP all-reduce of {what} (rank {rank} of {world})", timeout_s)
 
 
-class _OneOptimiser:
+class _OneOptimizer:
     """A unit whose members step under one optimiser and one schedule (`optimizer`, `schedule`)."""
 
     @property
@@ -176,7 +178,7 @@ class _OneOptimiser:
         return [self.schedule]
 
 
-class _Solo(_OneOptimiser):
+class _Solo(_OneOptimizer):
     """One model: its module (DDP when it spans slots), optimiser, schedule and loss, as its member declares."""
 
     def __init__(self, model: ModelSpec, net, world: int, device, total_steps: int):
@@ -239,7 +241,7 @@ def _load_plain_checkpoint(state: dict, optimizer, schedule) -> None:
             group["lr"] = was["lr"].fill_(float(group["lr"]))
 
 
-class _Array(_OneOptimiser):
+class _Array(_OneOptimizer):
     """An HFTA fused array of one family's members (ModelSpec.fusion: Nesterov SGD, cosine, cross-entropy)."""
 
     capturable = True  # FusedSGD's update is device work only, its rate scale a tensor
@@ -292,15 +294,15 @@ class _Stacked:
 
     capturable = False  # its members' optimisers step views, each as its member declares: not captured yet
 
-    def __init__(self, models: tuple[ModelSpec, ...], nets: list, total_steps: int):
+    def __init__(self, models: tuple[ModelSpec, ...], nets: list, device, total_steps: int):
+        import torch
+
         from pipeline.training.stacked import StackedArray
 
         self.names, self.input = tuple(m.name for m in models), models[0].input
-        import torch
-
         loss = build_loss(models[0])  # one family: one loss
         if isinstance(loss, torch.nn.Module):
-            loss.to(next(nets[0].parameters()).device)
+            loss.to(device)
         self.array = StackedArray(nets, loss)
         self.optimizers = [build_optimizer(m, net.parameters()) for m, net in zip(models, nets)]
         self.schedules = [build_schedule(m, optimizer, total_steps) for m, optimizer in zip(models, self.optimizers)]
@@ -356,7 +358,7 @@ class GroupStep:
             elif array_fusion(unit) == "hfta":  # the array takes the nets' memory format
                 self.units.append(_Array(unit, nets, total_steps))
             else:
-                self.units.append(_Stacked(unit, nets, total_steps))
+                self.units.append(_Stacked(unit, nets, self.device, total_steps))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16

@@ -30,6 +30,7 @@ import inspect
 import json
 import math
 import zlib
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -220,14 +221,16 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
     On the meta device (shapes only: no memory, no compute); a module that cannot run there (an op that
     reads values) is tried on the CPU, whose error is the one that counts. Raises a MemberError naming
     the member and key. Returns the members, each marked `unfusable` where vmap rejects its module: two
-    of them, with its loss, take one step as a fused array (once per shape and loss)."""
+    of them, with its loss, take a training step and an evaluation as a fused array (once per shape and
+    loss that two or more members share)."""
     import torch
 
-    built, unfusable = {}, {}
+    logits_of_shape, unfusable = {}, {}
+    may_fuse = Counter(canonical([m.shape, m.loss]) for m in members if m.slots == 1)
     for m in members:
-        if m.shape not in built:
-            built[m.shape] = _on_meta_else_cpu(_forward, m, num_classes, image_sizes[m.input])
-        module, logits = built[m.shape]
+        if m.shape not in logits_of_shape:
+            logits_of_shape[m.shape] = _on_meta_else_cpu(_forward, m, num_classes, image_sizes[m.input])
+        logits = logits_of_shape[m.shape]
         with torch.device(logits.device):
             build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), 1)  # a parameter stands in
             loss = build_loss(m)
@@ -236,13 +239,13 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise ValueError("it must return one mean loss (a 0-d tensor) per batch, e.g. reduction='mean'")
         key = canonical([m.shape, m.loss])
-        if key not in unfusable:
+        if key not in unfusable and may_fuse[key] > 1:  # a member with nothing to fuse with takes no step
             try:
                 _on_meta_else_cpu(_fused_step, m, num_classes, image_sizes[m.input])
                 unfusable[key] = None
             except MemberError as err:
                 unfusable[key] = err.reason
-    return [replace(m, unfusable=unfusable[canonical([m.shape, m.loss])]) for m in members]
+    return [replace(m, unfusable=unfusable.get(canonical([m.shape, m.loss]))) for m in members]
 
 
 def _on_meta_else_cpu(build, *args):
@@ -254,7 +257,7 @@ def _on_meta_else_cpu(build, *args):
 
 
 def _forward(m: ModelSpec, num_classes: int, image_size: int, device: str):
-    """The member's module built on `device` and its logits for two images, checked."""
+    """The logits for two images of the member's module built on `device`, checked."""
     import torch
 
     with torch.device(device):
@@ -267,12 +270,13 @@ def _forward(m: ModelSpec, num_classes: int, image_size: int, device: str):
                 raise ValueError(f"on a batch of 2 images of {image_size} px it returned {got}, not logits of "
                                  f"shape (2, {num_classes}) for the dataset's {num_classes} classes (the project "
                                  "passes num_classes= where the callable takes it)")
-    return module, logits.detach()
+    return logits.detach()
 
 
 def _fused_step(m: ModelSpec, num_classes: int, image_size: int, device: str) -> None:
-    """Two of the member's modules, built on `device`, take a training step's forward and backward as one
-    fused array (pipeline/training/stacked.py); what vmap rejects raises a MemberError."""
+    """Two of the member's modules, built on `device`, take a training step's forward and backward and an
+    evaluation's forward as one fused array (pipeline/training/stacked.py); what vmap rejects raises a
+    MemberError."""
     import torch
 
     from pipeline.training.stacked import StackedArray
@@ -282,7 +286,10 @@ def _fused_step(m: ModelSpec, num_classes: int, image_size: int, device: str) ->
         loss = build_loss(m)
         with _declared(m, "model"):
             array = StackedArray(nets, loss)
-            array.losses(torch.zeros(2, 3, image_size, image_size), torch.zeros(2, dtype=torch.long)).sum().backward()
+            x = torch.zeros(2, 3, image_size, image_size)
+            array.losses(x, torch.zeros(2, dtype=torch.long)).sum().backward()
+            with torch.no_grad():
+                array.logits(x)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,7 @@ class StackedArray:
         for i, (net, (params, _)) in enumerate(zip(self.nets, named)):
             for name, p in params.items():
                 p.data = self.params[name].detach()[i]  # the same Parameter object: an optimiser keeps it
+                p.grad = None  # a view of the old stacked gradient would keep every member's rows
                 self._views.setdefault(self.params[name], []).append(p)
             for name, stacked in self.buffers.items():
                 owner, _, leaf = name.rpartition(".")
