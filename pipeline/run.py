@@ -44,7 +44,7 @@ from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec
-from pipeline.training.members import ModelSpec, canonical, check_members, grouped
+from pipeline.training.members import ModelSpec, check_members, grouped
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
 from stages.cache import GB
@@ -355,7 +355,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
 
 def _say_unfused(models: list[ModelSpec], console: Console) -> None:
     """Members of one module and loss that cannot fuse (they pack instead), and why: vmap's error."""
-    for members in grouped(models, lambda m: canonical([m.shape, m.loss])).values():
+    for members in grouped(models, lambda m: m.family).values():
         why = members[0].unfusable
         if len(members) > 1 and why:
             console.print(f"[yellow]note[/] {', '.join(m.name for m in members)} ({members[0].describe()}) pack, "

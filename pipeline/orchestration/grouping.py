@@ -62,7 +62,7 @@ def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int
         return sizes[m.name].flops
 
     named = {m.name: m for m in models}
-    candidates = [Candidate(m.name, m.slots, m.family, cost(m)) for m in models]
+    candidates = [Candidate(m.name, m.slots, m.fuses_with, cost(m)) for m in models]
     return [GroupSpec(group_name(names, i), tuple(named[n] for n in names))
             for i, names in enumerate(form_groups(candidates, slots, grouping))]
 

@@ -33,7 +33,7 @@ class Candidate:
 
     name: str
     slots: int  # it asks for (data-parallel when > 1: it keeps them to itself)
-    family: str  # models of one family may fuse: same module config, stream and loss (ModelSpec.family)
+    family: str  # models of one family may fuse (ModelSpec.fuses_with)
     cost: float  # seconds per image on one slot, measured or estimated: only ratios matter
 
 

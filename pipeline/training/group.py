@@ -80,13 +80,13 @@ class GroupSpec:
 
     @property
     def largest_family(self) -> int:
-        return max(map(len, grouped(self.members, lambda m: m.family).values()))
+        return max(map(len, grouped(self.members, lambda m: m.fuses_with).values()))
 
     def units(self) -> list[tuple[ModelSpec, ...]]:
         """What steps as one: fused arrays (a family's members, `array_size` at a time, those HFTA takes
         first, so that as few arrays as can be fuse by vmap, the slower), the rest alone."""
         size = max(1, self.array_size)
-        families = grouped(self.members, lambda m: m.family).values()
+        families = grouped(self.members, lambda m: m.fuses_with).values()
         ordered = [sorted(f, key=lambda m: m.fusion != "hfta") for f in families]  # a stable sort
         return [tuple(f[i:i + size]) for f in ordered for i in range(0, len(f), size)]
 
@@ -196,9 +196,7 @@ class _Solo(_OneOptimizer):
             for group in self.optimizer.param_groups:
                 group["lr"] = torch.tensor(float(group["lr"]), device=device)
         self.schedule = build_schedule(model, self.optimizer, total_steps)
-        self.loss = build_loss(model)
-        if isinstance(self.loss, torch.nn.Module):
-            self.loss.to(device)
+        self.loss = _loss_on(model, device)
 
     def losses(self, x, y):
         self.net.train()
@@ -214,6 +212,14 @@ class _Solo(_OneOptimizer):
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         _load_plain_checkpoint(state, self.optimizer, self.schedule)
+
+
+def _loss_on(m: ModelSpec, device):
+    """The member's loss, its tensors (a class weight, say) on `device`."""
+    import torch
+
+    loss = build_loss(m)
+    return loss.to(device) if isinstance(loss, torch.nn.Module) else loss
 
 
 def _plain_checkpoint(model: dict, optimizer, schedule) -> dict:
@@ -295,15 +301,10 @@ class _Stacked:
     capturable = False  # its members' optimisers step views, each as its member declares: not captured yet
 
     def __init__(self, models: tuple[ModelSpec, ...], nets: list, device, total_steps: int):
-        import torch
-
         from pipeline.training.stacked import StackedArray
 
         self.names, self.input = tuple(m.name for m in models), models[0].input
-        loss = build_loss(models[0])  # one family: one loss
-        if isinstance(loss, torch.nn.Module):
-            loss.to(device)
-        self.array = StackedArray(nets, loss)
+        self.array = StackedArray(nets, _loss_on(models[0], device))  # one family: one loss
         self.optimizers = [build_optimizer(m, net.parameters()) for m, net in zip(models, nets)]
         self.schedules = [build_schedule(m, optimizer, total_steps) for m, optimizer in zip(models, self.optimizers)]
 

@@ -76,11 +76,14 @@ class ModelSpec:
 
     @property
     def family(self) -> str:
-        """Members of one family differ only in what each steps on its own (optimiser, schedule, seed, so
-        weights): they can fuse. A member whose module cannot fuse is a family of its own."""
-        if self.unfusable:
-            return canonical([self.model, self.input, self.name])
+        """Members of one family (one module config, stream and loss) differ only in what each steps on its
+        own (optimiser, schedule, seed, so weights): they fuse, unless vmap rejects their module."""
         return canonical([self.model, self.input, self.loss])
+
+    @property
+    def fuses_with(self) -> str:
+        """The key of the members it may share a fused array with: its family, or none where it cannot fuse."""
+        return canonical([self.family, self.name]) if self.unfusable else self.family
 
     @property
     def fusion(self) -> str:
@@ -221,12 +224,12 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
     On the meta device (shapes only: no memory, no compute); a module that cannot run there (an op that
     reads values) is tried on the CPU, whose error is the one that counts. Raises a MemberError naming
     the member and key. Returns the members, each marked `unfusable` where vmap rejects its module: two
-    of them, with its loss, take a training step and an evaluation as a fused array (once per shape and
-    loss that two or more members share)."""
+    of them, with its loss, take a training step and an evaluation as a fused array (once per family of two
+    or more)."""
     import torch
 
     logits_of_shape, unfusable = {}, {}
-    may_fuse = Counter(canonical([m.shape, m.loss]) for m in members if m.slots == 1)
+    may_fuse = Counter(m.family for m in members if m.slots == 1)
     for m in members:
         if m.shape not in logits_of_shape:
             logits_of_shape[m.shape] = _on_meta_else_cpu(_forward, m, num_classes, image_sizes[m.input])
@@ -238,14 +241,13 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
                 value = loss(logits, torch.zeros(2, dtype=torch.long))
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
                     raise ValueError("it must return one mean loss (a 0-d tensor) per batch, e.g. reduction='mean'")
-        key = canonical([m.shape, m.loss])
-        if key not in unfusable and may_fuse[key] > 1:  # a member with nothing to fuse with takes no step
+        if m.family not in unfusable and may_fuse[m.family] > 1:  # a member with nothing to fuse with takes no step
             try:
                 _on_meta_else_cpu(_fused_step, m, num_classes, image_sizes[m.input])
-                unfusable[key] = None
+                unfusable[m.family] = None
             except MemberError as err:
-                unfusable[key] = err.reason
-    return [replace(m, unfusable=unfusable.get(canonical([m.shape, m.loss]))) for m in members]
+                unfusable[m.family] = err.reason
+    return [replace(m, unfusable=unfusable.get(m.family)) for m in members]
 
 
 def _on_meta_else_cpu(build, *args):

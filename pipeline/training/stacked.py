@@ -22,6 +22,7 @@ not a buffer, data-dependent control flow) cannot fuse: `check_members`
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
@@ -81,22 +82,22 @@ class StackedArray:
             self.params = {name: torch.stack([params[name] for params, _ in named]).requires_grad_(p.requires_grad)
                            for name, p in named[0][0].items()}
             self.buffers = {name: torch.stack([buffers[name] for _, buffers in named]) for name in named[0][1]}
-        for stacked in self.params.values():
-            if stacked.requires_grad:
-                stacked.register_post_accumulate_grad_hook(self._hand_out)
-        self._views = {}  # stacked parameter -> the members' parameters, which take its gradient's rows
-        for i, (net, (params, _)) in enumerate(zip(self.nets, named)):
-            for name, p in params.items():
-                p.data = self.params[name].detach()[i]  # the same Parameter object: an optimiser keeps it
+        for name, stacked in self.params.items():
+            own = [params[name] for params, _ in named]
+            for i, p in enumerate(own):
+                p.data = stacked.detach()[i]  # the same Parameter object: an optimiser keeps it
                 p.grad = None  # a view of the old stacked gradient would keep every member's rows
-                self._views.setdefault(self.params[name], []).append(p)
-            for name, stacked in self.buffers.items():
-                owner, _, leaf = name.rpartition(".")
+            if stacked.requires_grad:
+                stacked.register_post_accumulate_grad_hook(functools.partial(_hand_out, own))
+        for name, stacked in self.buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            for i, net in enumerate(self.nets):
                 setattr(net.get_submodule(owner), leaf, stacked[i])
 
-    def _hand_out(self, stacked: torch.Tensor) -> None:
-        """The stacked gradient, accumulated: each member's parameter takes its row (a view), and the
-        stacked one lets it go, so the next backward starts from none."""
-        for i, p in enumerate(self._views[stacked]):
-            p.grad = stacked.grad[i]
-        stacked.grad = None
+
+def _hand_out(own: list[nn.Parameter], stacked: torch.Tensor) -> None:
+    """`stacked`'s gradient, accumulated: each member's parameter (`own`) takes its row (a view), and the
+    stacked one lets it go, so the next backward starts from none."""
+    for i, p in enumerate(own):
+        p.grad = stacked.grad[i]
+    stacked.grad = None
