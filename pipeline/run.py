@@ -32,7 +32,7 @@ from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devi
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
-from pipeline.runtime.lifetime import SHM_DIR, StopSignals, remove_stale_shm
+from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm
 from pipeline.orchestration.node import agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
@@ -228,6 +228,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                           record_checksums=cfg.trainer.record_checksums, consume_only=cfg.trainer.consume_only,
                           collective_s=t.collective_s)
     training_started = time.perf_counter()
+    if not agents:  # this host starts the flotillas' children: their fork server imports while the cluster starts
+        children_context()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes, tls,
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \

@@ -43,7 +43,7 @@ from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
-from pipeline.runtime.lifetime import quiet_children, remove_shm, remove_shm_of
+from pipeline.runtime.lifetime import children_context, remove_shm, remove_shm_of
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -87,7 +87,7 @@ class NodeProcesses:
     def __init__(self, node: int, drain_s: float, host: str = LOOPBACK, tls: TlsFiles | None = None):
         self.node, self.host, self.tls = node, host, tls  # tls: this host's files, for its hubs' Dask clients
         self.drain_s = drain_s  # timeouts.drain_s: what a closing hub gets to finish its split
-        self.context = mp.get_context("spawn")  # fork is unsafe with threads (Dask, torch)
+        self.context = children_context()
         self.reports = Inbox(self.context)  # trainers -> driver
         self.hub_events = Inbox(self.context)  # hubs -> driver
         self.abort = self.context.Event()  # tells hubs to leave between batches
@@ -131,8 +131,7 @@ class NodeProcesses:
         commands = self.context.Queue()
         process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events.channel(), self.abort),
                                        name=f"hub-{rank}-node{self.node}", daemon=True)
-        with quiet_children():
-            process.start()
+        process.start()
         self.hubs[rank] = (process, commands)
         log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, process.pid)
 
@@ -149,8 +148,7 @@ class NodeProcesses:
             target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
             args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,
                   self.reports.channel(), in_hand))
-        with quiet_children():
-            process.start()
+        process.start()
         commands.close()  # the child's end
         self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender,
                                                              in_hand))
@@ -508,6 +506,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key:
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
+    children_context()  # the fork server of the flotillas' children imports torch while the workers start
 
     class Serving(_Agent):  # this host's NodeProcesses: its hubs connect to Dask with this host's TLS files
         pass

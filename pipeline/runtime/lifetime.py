@@ -3,31 +3,36 @@
 * The driver (`StopSignals`): Ctrl-C or SIGTERM asks the run to stop; the
   driver checkpoints, writes its results marked interrupted, closes what it
   started and exits 128 + the signal's number. A second signal stops at once.
-* Its children (`child_started`, first thing in every hub, trainer and rate
-  measurement): a terminal's Ctrl-C reaches the whole process group, and so
-  does a SIGTERM from `timeout`, Slurm or systemd; the children ignore both
-  and let the driver stop them in order (it kills those it no longer needs);
-  a watch on the parent makes them exit, removing what the run had in
-  /dev/shm, if it dies without a word (SIGKILL, the OOM killer).
+* Its children (`children_context` starts them, `child_started` is the first
+  thing in every hub, trainer and rate measurement): a terminal's Ctrl-C
+  reaches the whole process group, and so does a SIGTERM from `timeout`,
+  Slurm or systemd; the children ignore both and let the driver stop them in
+  order (it kills those it no longer needs); a watch on the parent makes them
+  exit, removing what the run had in /dev/shm, if it dies without a word
+  (SIGKILL, the OOM killer).
 * The next run (`remove_stale_shm`): removes what a run killed outright left in
   /dev/shm: entries whose owner process is gone (their names carry its pid).
 """
 from __future__ import annotations
 
 import glob
+import multiprocessing as mp
 import os
 import re
 import signal
 import threading
 import time
 from contextlib import contextmanager
+from multiprocessing import connection, forkserver
 
 SHM_DIR = "/dev/shm"
 # Every shared-memory entry of a run is named ensemble-[out-]<pid of its owner>-...: rings
 # (pipeline/delivery/ring.py) belong to the process that made them, hand-off files
 # (pipeline/data/handoff.py) to the process that takes them.
 SHM_ENTRY = re.compile(r"^ensemble-(?:out-)?(\d+)-")
-PARENT_POLL_S = 0.5  # how often a child checks that its parent is alive
+# What the fork server imports once, in order, so that the children forked from it need not (children_context).
+CHILD_PRELOAD = ["pipeline.runtime.fork_server", "torch", "torch._dynamo", "pipeline.training.trainer",
+                 "pipeline.delivery.hub", "pipeline.training.rates"]
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A stop signal again within this many seconds is the same request delivered twice, not a second one:
 # GNU timeout signals its child and then its whole process group, the child included.
@@ -108,6 +113,22 @@ def _stop_now(signum: int) -> None:
     os._exit(128 + signum)  # as a shell reports a process its signal ended
 
 
+def children_context():
+    """The multiprocessing context a run's hubs, trainers and rate measurements start from:
+    multiprocessing's fork server, a single-threaded process that imports torch and our children's
+    modules once (CHILD_PRELOAD) and forks each child from that state. A spawned child would import torch
+    anew, about 4 s of CPU (torch, then torch._dynamo, which the first optimiser imports); a forked one
+    starts at once. Not plain fork: the driver has threads (Dask's, torch's). The server blocks the stop
+    signals first (pipeline/runtime/fork_server.py), and the children it forks start with them blocked.
+    One per process, like multiprocessing's resource tracker: it serves the runs a process makes, holds
+    nothing of theirs, and exits when that process does. Started here, it imports while the caller
+    goes on; the first child started waits for it."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(CHILD_PRELOAD)
+    forkserver.ensure_running()
+    return context
+
+
 def child_started(role: str) -> None:
     """First thing in a child process of a run (hub, trainer, rate measurement): the driver stops it,
     not a Ctrl-C or SIGTERM sent to the whole process group; and it does not outlive its parent. `role`
@@ -115,9 +136,10 @@ def child_started(role: str) -> None:
     _name_process(role)
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the spawning thread: quiet_children
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the fork server: fork_server.py
+    parent = mp.parent_process()  # the process that started this one, though a fork server forked it
+    threading.Thread(target=_watch_parent, args=(parent.pid, parent.sentinel), name="parent-watch",
+                     daemon=True).start()
 
 
 def _name_process(name: str) -> None:
@@ -130,9 +152,8 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:  # a child whose parent died is adopted by another process
-        time.sleep(PARENT_POLL_S)
+def _watch_parent(parent: int, sentinel: int) -> None:
+    connection.wait([sentinel])  # readable once the parent is gone: it held the other end of the pipe
     remove_shm_of(parent)  # the parent's rings: it cannot remove them any more
     remove_shm_of(os.getpid())  # hand-off files this process would have taken
     os._exit(1)
@@ -157,20 +178,6 @@ def how_it_ended(exit_code: int) -> str:
         return (f"crashed ({name}): a native library (torch, oneDNN, a codec) failed inside it; run again with "
                 "PYTHONFAULTHANDLER=1 to see the Python line it was on")
     return f"was ended by {name}"
-
-
-@contextmanager
-def quiet_children():
-    """Spawn children (or threads that will) within: SIGINT and SIGTERM stay blocked in this thread
-    meanwhile, so a child starts with them blocked (a mask survives fork and exec, and a new thread
-    takes its creator's) and a Ctrl-C or SIGTERM sent to the whole process group cannot kill it with
-    a traceback. Our children's `child_started` then ignores them (a LocalCluster's Dask workers
-    ignore them through a worker plugin: their nannies spawn them from threads of their own)."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def remove_shm(prefix: str) -> list[str]:
@@ -215,4 +222,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
-

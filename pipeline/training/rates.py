@@ -33,7 +33,6 @@ measured each slot count (`measured_by`: host name and pid), out of the key.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import platform
 import queue
@@ -48,7 +47,7 @@ from typing import Protocol
 
 from pipeline.delivery.collective import LocalRendezvous
 from pipeline.runtime.files import write_whole
-from pipeline.runtime.lifetime import child_started, how_it_ended, quiet_children
+from pipeline.runtime.lifetime import child_started, children_context, how_it_ended
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
@@ -281,7 +280,7 @@ def _check_gpus(devices: list[str]) -> None:
 def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
                   abandon: threading.Event | None) -> list[list[float]]:
     """Each rank's timed steps' durations (seconds), in the order the ranks report."""
-    context = mp.get_context("spawn")  # fork is unsafe with threads (torch)
+    context = children_context()
     reports = context.Queue()
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
@@ -291,9 +290,8 @@ def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
                                  args=(group, rank, devices, init_method, how, reports, in_hand[rank]), daemon=True)
                  for rank in range(len(devices))]
     try:
-        with quiet_children():
-            for process in processes:
-                process.start()
+        for process in processes:
+            process.start()
         step_seconds = [_next_report(reports, processes, in_hand, group, how, abandon) for _ in processes]
     finally:
         for process in filter(lambda p: p.pid is not None, processes):  # those started
