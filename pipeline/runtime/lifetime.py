@@ -95,20 +95,15 @@ class StopSignals:
 
 
 def _stop_now(signum: int) -> None:
-    """The second signal: no checkpoints, no report; nothing of the run is left running."""
-    import psutil
-
-    from multiprocessing import resource_tracker
-
-    # The resource tracker stays: once this process is gone it unlinks the semaphores it registered.
-    tracker = resource_tracker._resource_tracker._pid
-    children = [child for child in psutil.Process().children(recursive=True) if child.pid != tracker]
+    """The second signal: no checkpoints, no report; nothing of the run is left running. Its processes
+    are those this process started (hubs, trainers, rate measurements, a LocalCluster's Dask workers);
+    multiprocessing's own helpers exit with it (the fork server, and the resource tracker, which then
+    unlinks the semaphores the run registered)."""
+    children = mp.active_children()
     for child in children:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=5)
+        child.kill()
+    for child in children:
+        child.join(5)
     remove_shm_of(os.getpid())
     os._exit(128 + signum)  # as a shell reports a process its signal ended
 
