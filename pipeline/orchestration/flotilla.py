@@ -4,7 +4,7 @@ them) and the shared-memory rings between the two, on every node it spans.
 
 Each node's share lives in a NodeProcesses (pipeline/orchestration/node.py), in this
 process or in the agent of a real host; this class lays the flotilla out
-over them and merges what they report. Processes are spawned on entry and
+over them and merges what they report. Processes are started on entry and
 always stopped, shared memory always unlinked, on exit, whatever happened in
 between. A member can leave early (converged, or stopped by the scheduler):
 its readers are detached and its trainers stopped while the others train on.

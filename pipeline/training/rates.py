@@ -5,8 +5,8 @@ by short real runs and cached on disk; the scheduler's rate table
 a group of several holds one slot, and is measured packed or fused as it
 will train (with trainer.grouping=auto, both, to choose).
 
-A run on k slots starts k trainer processes (spawned) that step the group
-with `GroupStep`, data-parallel (DDP over NCCL on CUDA, gloo on CPU) when
+A run on k slots starts k trainer processes (forked: children_context) that step the
+group with `GroupStep`, data-parallel (DDP over NCCL on CUDA, gloo on CPU) when
 k > 1, each rank taking its 1/k share of every batch, exactly as the trainer
 does: uint8 NHWC batches normalised on the device, forward, backward, SGD
 step. The batches are synthetic and already in memory, so a measurement
