@@ -110,8 +110,8 @@ def _stop_now(signum: int) -> None:
 
 def children_context():
     """The multiprocessing context a run's hubs, trainers and rate measurements start from:
-    multiprocessing's fork server, a single-threaded process that imports torch and our children's
-    modules once (CHILD_PRELOAD) and forks each child from that state. A spawned child would import torch
+    multiprocessing's fork server, a process that imports torch and our children's modules once
+    (CHILD_PRELOAD), runs nothing of them, and forks each child from that state. A spawned child would import torch
     anew, about 4 s of CPU (torch, then torch._dynamo, which the first optimiser imports); a forked one
     starts at once. Not plain fork: the driver has threads (Dask's, torch's). The server blocks the stop
     signals first (pipeline/runtime/fork_server.py), and the children it forks start with them blocked.
