@@ -1,15 +1,16 @@
 """Benchmark of how fast a run's children start, and train once started (docs/benchmarks.md, Child
-start-up): k children started at once, each doing what a trainer does first (import the trainer's
-module and torch, build a ResNet-10 and its SGD optimiser, which imports torch._dynamo) and then saying
-so, timed from the first start to the last word; then, all k ready, each takes --steps SGD steps on a
-batch of 64 images of 64 px with 1 thread, all at once, timed in each child:
+start-up): k children started at once, each doing what a trainer does first (build its `GroupStep`:
+a ResNet-10 member with the shipped SGD, cosine schedule and loss; the first optimiser imports
+torch._dynamo) and then saying so, timed from the first start to the last word; then, all k ready,
+each takes --steps training steps of the trainer's own (`GroupStep.train`, a batch of 64 images of
+64 px, 1 thread), all at once, timed in each child:
 
 * spawn: each child a fresh interpreter that imports all of it (how children started before);
 * fork server: each child forked from multiprocessing's fork server, which imported it once
   (pipeline/runtime/lifetime.py, children_context: how a run starts them). The server's own start-up
   (its imports) is timed apart: a run pays it once, while it prepares.
 
-Rounds alternate between the two, so that both see the same machine.
+Rounds alternate between the two, each going first in turn, so that both see the same machine.
 
     python scripts/bench_children.py --children 4 --rounds 4
 """
@@ -22,25 +23,29 @@ import platform
 import statistics
 import time
 
+SIDE, CLASSES = 64, 256  # the children's images and classes
+
 
 def child(done, go, steps: int) -> None:
-    """A trainer's first steps (its module, a model and its optimiser), then `steps` training steps once
-    `go` is set; sends None when ready, then the steps' seconds."""
+    """A trainer's first steps (its GroupStep), then `steps` training steps once `go` is set; sends None
+    when ready, then the steps' seconds."""
+    import numpy as np
     import torch
 
-    from pipeline.training.models import resnet
+    from pipeline.training.group import GroupSpec, GroupStep
+    from pipeline.training.members import with_defaults
 
     torch.set_num_threads(1)
-    model = resnet(depth=10, width=16, num_classes=256, image_size=64)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    member = with_defaults("m", {"_target_": "pipeline.training.models.resnet", "depth": 10, "width": 16})
+    step = GroupStep(GroupSpec("m", (member,)), CLASSES, {"main": SIDE}, torch.device("cpu"), max(steps, 1), threads=1)
+    random = np.random.default_rng(0)
+    images = step.normalise(random.integers(0, 256, (64, SIDE, SIDE, 3), dtype=np.uint8))
+    labels = torch.from_numpy(random.integers(0, CLASSES, 64))
     done.send(None)
-    images, labels = torch.randn(64, 3, 64, 64), torch.randint(0, 256, (64,))
     go.wait()
     started = time.perf_counter()
     for _ in range(steps):
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(images), labels).backward()
-        optimizer.step()
+        step.train({"main": (images, labels)})
     done.send(time.perf_counter() - started)
 
 
