@@ -23,12 +23,15 @@ import platform
 import statistics
 import time
 
+from pipeline.runtime.child import Child
+from pipeline.runtime.lifetime import children_context
+
 SIDE, CLASSES = 64, 256  # the children's images and classes
 
 
-def child(done, go, steps: int) -> None:
-    """A trainer's first steps (its GroupStep), then `steps` training steps once `go` is set; sends None
-    when ready, then the steps' seconds."""
+def child(go, steps: int, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): a trainer's first steps (its GroupStep), then `steps`
+    training steps once `go` is set; sends None when ready, then the steps' seconds."""
     import numpy as np
     import torch
 
@@ -41,28 +44,28 @@ def child(done, go, steps: int) -> None:
     random = np.random.default_rng(0)
     images = step.normalise(random.integers(0, 256, (64, SIDE, SIDE, 3), dtype=np.uint8))
     labels = torch.from_numpy(random.integers(0, CLASSES, 64))
-    done.send(None)
+    to_parent.send(None)
     go.wait()
     started = time.perf_counter()
     for _ in range(steps):
         step.train({"main": (images, labels)})
-    done.send(time.perf_counter() - started)
+    to_parent.send(time.perf_counter() - started)
 
 
-def run_round(context, children: int, steps: int) -> tuple[float, float]:
+def run_round(context, count: int, steps: int) -> tuple[float, float]:
     """(seconds from the first start to the last child's word, the children's mean seconds of steps)."""
-    pipes, go = [context.Pipe(duplex=False) for _ in range(children)], context.Event()
+    go = context.Event()
     started = time.perf_counter()
-    processes = [context.Process(target=child, args=(send, go, steps)) for _, send in pipes]
-    for process in processes:
-        process.start()
-    for receive, _ in pipes:
-        receive.recv()
-    start_s = time.perf_counter() - started
-    go.set()
-    step_s = statistics.mean(receive.recv() for receive, _ in pipes)
-    for process in processes:
-        process.join()
+    processes = [Child(child, (go, steps), f"bench-child-{i}", context) for i in range(count)]
+    try:
+        for process in processes:
+            process.receive()
+        start_s = time.perf_counter() - started
+        go.set()
+        step_s = statistics.mean(process.receive() for process in processes)
+    finally:
+        for process in processes:
+            process.stop(5)  # it exits once it reported; one that does not, or an error here, is killed
     return start_s, step_s
 
 
@@ -72,8 +75,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-
-    from pipeline.runtime.lifetime import children_context
 
     began = time.perf_counter()
     forked = children_context()

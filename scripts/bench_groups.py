@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from pipeline.orchestration.grouping import fused, measure_sizes
+from pipeline.runtime.child import Child
 from pipeline.training.group import GroupSpec, GroupStep, Precision
 from pipeline.training.members import with_defaults
 
@@ -82,8 +83,9 @@ class MobileNet(nn.Module):
 
 
 def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: int, steps: int, warmup: int,
-           precision: str, graphs: bool, start, results) -> None:
-    """Process entry point: warmup + steps of `group`; reports seconds of the timed steps and peak memory."""
+           precision: str, graphs: bool, start, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): warmup + steps of `group`; reports seconds of the timed
+    steps and peak memory."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
     step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads,
@@ -105,7 +107,7 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - started
     allocated = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-    results.put((seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, allocated))
+    to_parent.send((seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, allocated))
 
 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
@@ -129,15 +131,14 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         groups = [group]
         threads = args.cores
     context = mp.get_context("spawn")
-    start, results = context.Barrier(len(groups)), context.Queue()
-    processes = [context.Process(target=_train, args=(g, image_size, args.batch, args.device, threads, args.steps,
-                                                      args.warmup, args.precision, graphs, start, results))
-                 for g in groups]
-    for p in processes:
-        p.start()
-    reports = [results.get(timeout=args.timeout) for _ in processes]
-    for p in processes:
-        p.join()
+    start = context.Barrier(len(groups))
+    children = [Child(_train, (g, image_size, args.batch, args.device, threads, args.steps, args.warmup,
+                               args.precision, graphs, start), f"bench-{g.name}", context) for g in groups]
+    try:
+        reports = [child.receive(args.timeout) for child in children]
+    finally:
+        for child in children:
+            child.stop(5)  # it exits once it reported; one that does not, or an error here, is killed
     # Each model trains batch x steps images; a separate process's own time counts for its model.
     per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
     return {"mode": mode, "k": k, "image_size": image_size, "threads_per_process": threads,

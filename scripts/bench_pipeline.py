@@ -41,6 +41,7 @@ from pipeline.data.graph import StageGraph, build_graph
 from pipeline.data.synthetic import generate_imagefolder
 from pipeline.delivery.stream import MessageKind, StreamLayout
 from pipeline.delivery.ring import Ring
+from pipeline.runtime.child import Child
 from stages.base import Batch, BatchContext, Split
 
 # Dask, torch and DALI are imported where they are used: spawned processes
@@ -207,19 +208,19 @@ class DaliRecommended:
 
     def timed_epochs(self) -> dict:
         """A cold epoch then a timed one, in a new process; returns the timed one's figures."""
-        context = mp.get_context("spawn")
-        results = context.Queue()
-        process = context.Process(target=_dali_recommended_epochs, args=(self.files, self.size, results))
-        process.start()
-        self.first_epoch, later = results.get(timeout=600)
-        process.join()
+        process = Child(_dali_recommended_epochs, (self.files, self.size), "bench-dali", mp.get_context("spawn"))
+        try:
+            self.first_epoch, later = process.receive(600)
+        finally:
+            process.stop(30)  # it exits once it reported; one that does not, or an error here, is killed
         return later
 
     def close(self) -> None:
         pass
 
 
-def _dali_recommended_epochs(files: list[tuple[str, int]], size: int, results) -> None:
+def _dali_recommended_epochs(files: list[tuple[str, int]], size: int, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): sends the cold epoch's and the timed one's figures."""
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(batch_size=BATCH_SIZE, num_threads=WORKERS, device_id=None, seed=0)  # async, pipelined
@@ -248,7 +249,7 @@ def _dali_recommended_epochs(files: list[tuple[str, int]], size: int, results) -
     first = epoch()
     first["wall_s"] = time.perf_counter() - started  # cold: the pipeline's build included, as for the others
     first["images_per_s"] = first["images"] / first["wall_s"]
-    results.put((first, epoch()))
+    to_parent.send((first, epoch()))
 
 
 def copy_costs(size: int, repeats: int = 20) -> dict[str, float]:
@@ -443,9 +444,10 @@ def ours_cpu_breakdown(runs: list[dict], stage_cpu: list[dict[str, float]]) -> d
 
 # --- Sharing: CPU of delivering an epoch to N models ---------------------------
 
-def consume_stream(reader, ready) -> None:
-    """A stand-in trainer: takes every message of its stream and hands its slot straight back."""
-    ready.put(os.getpid())
+def consume_stream(reader, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child), a stand-in trainer: says it started, then takes every
+    message of its stream and hands its slot straight back."""
+    to_parent.send(os.getpid())
     for message in reader.messages():
         message.release()
 
@@ -455,28 +457,24 @@ def streams_with_consumers(streams: int, readers_per_stream: int, layout: Stream
     """`streams` shared-memory streams, each read by its own consumer processes;
     yields the writers and the consumers' pids, stops everything on exit."""
     context = mp.get_context("spawn")
-    processes: list = []
+    consumers: list[Child] = []
     rings: list[Ring] = []
-    ready = context.Queue()
     try:
         rings += [Ring(f"bench{i}", layout, readers_per_stream, 4, context) for i in range(streams)]
         writers = [ring.writer() for ring in rings]
-        for ring in rings:
-            for consumer in range(readers_per_stream):
-                process = context.Process(target=consume_stream, args=(ring.reader(consumer), ready), daemon=True)
-                process.start()
-                processes.append(process)
-        pids = {ready.get(timeout=120) for _ in processes}  # started and imported: not counted later
+        for number, ring in enumerate(rings):
+            for reader in range(readers_per_stream):
+                consumers.append(Child(consume_stream, (ring.reader(reader),), f"bench-consumer-{number}-{reader}",
+                                       context))
+        pids = {consumer.receive(120) for consumer in consumers}  # started and imported: not counted later
         yield writers, pids
         for writer in writers:
             writer.publish(MessageKind.STOP, 0, 0, 0)
-        for process in processes:
-            process.join(30)
+        for consumer in consumers:  # each ends at its stream's STOP
+            consumer.stop(30)
     finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
+        for consumer in consumers:  # on an error above: killed
+            consumer.stop()
         for ring in rings:
             ring.close()
 

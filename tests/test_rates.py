@@ -3,12 +3,13 @@ cache, the rate table and the errors. Behaviour only: nothing here asserts speed
 import json
 import multiprocessing
 import os
-import queue
 import signal
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from pipeline.runtime.child import Child
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.group import GroupSpec, StepInHand
@@ -80,28 +81,24 @@ def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch, before_repl
     monkeypatch.setattr(rate_measurement, "GroupStep", Step)
     monkeypatch.setattr(rate_measurement, "time", clock)
     monkeypatch.setattr(rate_measurement, "child_started", lambda role: None)  # keeps this process's signals
-    reports = queue.SimpleQueue()
+    reports = []
     # threads: this process's own count, which the rank sets
     rate_measurement._train_steps(alone(TINY), 0, ["cpu"], "", how(devices=["cpu"], steps=3, warmup=1,
                                                                    threads=torch.get_num_threads()),
-                                  reports, InHand())
-    assert reports.get_nowait() == StepTimes(0, [1.5, 2.5, 3.5]) and reports.empty()
+                                  InHand(), to_parent=SimpleNamespace(send=reports.append), from_parent=None)
+    assert reports == [StepTimes(0, [1.5, 2.5, 3.5])]
 
 
 def measure_and_record(monkeypatch, slot_counts, **changes):
     """measure_tiny's rates, and what each run's ranks reported (slot count -> each rank's step durations)."""
-    reported, next_report = [], rate_measurement._next_report
+    by_run, rank_reports = {}, rate_measurement._rank_reports
 
-    def record(*args):
-        reported.append(next_report(*args))
-        return reported[-1]
+    def record(ranks, *args):
+        by_run[len(ranks)] = rank_reports(ranks, *args)
+        return by_run[len(ranks)]
 
-    monkeypatch.setattr(rate_measurement, "_next_report", record)
-    rates = measure_tiny(slot_counts=slot_counts, **changes)
-    by_run = {}
-    for slots in slot_counts:
-        by_run[slots], reported = reported[:slots], reported[slots:]
-    return rates, by_run
+    monkeypatch.setattr(rate_measurement, "_rank_reports", record)
+    return measure_tiny(slot_counts=slot_counts, **changes), by_run
 
 
 @pytest.mark.slow
@@ -292,7 +289,7 @@ def test_a_failing_trainer_process_is_reported_with_its_traceback():
         measure_tiny(alone(bad_depth), slot_counts=[1])
 
 
-def _die_by(signum):
+def _die_by(signum, *, to_parent, from_parent):
     os.kill(os.getpid(), signum)
 
 
@@ -305,13 +302,13 @@ def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, 
     """A measuring rank that dies without a report: its signal's usual cause and the next step, and the
     models it trained. The mistake it catches: every death called "out of memory?" (oneDNN's SIGABRT was)."""
     context = multiprocessing.get_context("spawn")
-    rank = context.Process(target=_die_by, args=(signum,), name="rates-tiny-0")
-    rank.start()
-    rank.join()
+    rank = Child(_die_by, (signum,), "rates-tiny-0", context)
+    rank.process.join()
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet\(depth=10, width=8\)\)\) on 1 slot\(s\): "
                                            f"rates-tiny-0 {says}"):
         in_hand = StepInHand(context, alone(TINY), how().steps)
-        rate_measurement._next_report(context.Queue(), [rank], [in_hand], alone(TINY), how(), None)
+        rate_measurement._rank_reports([rank], [in_hand], alone(TINY), how(), None)
+    rank.stop()
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import queue
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -53,15 +52,24 @@ class Pipe:
         return self.received[-1]
 
 
-def drain(reports: queue.Queue) -> list:
-    return [reports.get_nowait() for _ in range(reports.qsize())]
+class Reports(list):
+    """The driver's end of a trainer's report pipe: what the trainer sent, in order."""
+
+    def send(self, report) -> None:
+        self.append(report)
+
+
+def drain(reports: Reports) -> list:
+    taken = list(reports)
+    reports.clear()
+    return taken
 
 
 @pytest.mark.parametrize("array_size", [1, 2])
 def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(tmp_path, array_size):
     """The state kept after an epoch is what a later SaveCheckpoint writes, even after more steps."""
     group = GroupSpec("g", (model("a", lr=0.1), model("b", lr=0.02), model("c", width=4)), array_size)
-    pipe, reports = Pipe(), queue.Queue()
+    pipe, reports = Pipe(), Reports()
     first = Trainer(trainer_spec(group, tmp_path), reports, pipe)
     images, labels = batch()
     train = lambda: first.step.train({"main": (first.step.normalise(images), torch.from_numpy(labels))})
@@ -76,7 +84,7 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     pipe.sent.append(SaveCheckpoint(("a", "b", "c"), 1))
     first._obey()
     assert drain(reports) == [CheckpointSaved("g", name, 1) for name in "abc"]
-    resumed = Trainer(trainer_spec(group, tmp_path, start=1), queue.Queue())
+    resumed = Trainer(trainer_spec(group, tmp_path, start=1), Reports())
     assert resumed.epoch == 1
     after = resumed.step.predict({"main": x})
     for name in "abc":
@@ -91,8 +99,8 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     # The learning rates go on from where they were at epoch 1's end, each member's own.
     assert lrs(resumed) == lrs_then != lrs(first)
     # A trainer that died while writing epoch 2's checkpoint: the members resume from epoch 1's.
-    assert Trainer(trainer_spec(group, tmp_path, start=2), queue.Queue()).epoch == 1
-    assert Trainer(trainer_spec(group, tmp_path / "none written", start=1), queue.Queue()).epoch == 0
+    assert Trainer(trainer_spec(group, tmp_path, start=2), Reports()).epoch == 1
+    assert Trainer(trainer_spec(group, tmp_path / "none written", start=1), Reports()).epoch == 0
     with pytest.raises(RuntimeError, match="keeps its state after \\[1\\]"):
         pipe.sent.append(SaveCheckpoint(("a",), 2))
         first._obey()
@@ -100,7 +108,7 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
 
 def test_pruning_keeps_the_newest_checkpoints_and_the_best(tmp_path):
     pipe = Pipe()
-    trainer = Trainer(trainer_spec(GroupSpec("g", (model("a"),), 1), tmp_path), queue.Queue(), pipe)
+    trainer = Trainer(trainer_spec(GroupSpec("g", (model("a"),), 1), tmp_path), Reports(), pipe)
     for epochs, accuracy in enumerate([0.5, 0.9, 0.6, 0.9, 0.7], start=1):
         trainer.epoch = epochs - 1  # the end of that epoch
         trainer._keep_state("a", accuracy)
@@ -117,8 +125,8 @@ def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
     images, labels = batch()
     inputs = lambda trainer: {"main": (trainer.step.normalise(images), torch.from_numpy(labels))}
     pipe = Pipe()
-    trainer = Trainer(trainer_spec(GroupSpec("g", members, 3), tmp_path), queue.Queue(), pipe)
-    without = Trainer(trainer_spec(GroupSpec("g", (members[0], members[2]), 2), tmp_path), queue.Queue())
+    trainer = Trainer(trainer_spec(GroupSpec("g", members, 3), tmp_path), Reports(), pipe)
+    without = Trainer(trainer_spec(GroupSpec("g", (members[0], members[2]), 2), tmp_path), Reports())
     for t in (trainer, without):
         t.step.train(inputs(t))
     pipe.sent.append(ReleaseMember("b"))
@@ -139,7 +147,7 @@ def test_a_trainer_shows_its_parent_its_step_and_the_members_inside_theirs(tmp_p
     mistakes it catches: a step not counted, a unit not marked, a mark left after the step."""
     group = GroupSpec("g", (model("a", width=4), model("b"), model("c")), array_size=2)  # units: a; b and c fused
     in_hand = StepInHand(mp.get_context("spawn"), group, steps=10)
-    trainer = Trainer(trainer_spec(group, tmp_path), queue.Queue(), Pipe(), in_hand)
+    trainer = Trainer(trainer_spec(group, tmp_path), Reports(), Pipe(), in_hand)
     seen = []
     for unit in trainer.step.units:
         unit.losses = lambda x, y, losses=unit.losses: (seen.append(in_hand.describe()), losses(x, y))[1]

@@ -25,6 +25,7 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
 from pipeline.delivery.topology import DeliveryGroup, HubPlan
+from pipeline.runtime.child import tell_parent
 from pipeline.runtime.lifetime import child_started
 from pipeline.runtime.hang import HangError, Patience
 from stages.base import BadFileError, Batch, Split
@@ -57,20 +58,21 @@ class HubSpec:
     tls: TlsFiles | None  # Dask's TLS files of the hub's host (its NodeProcesses fills them in); None: no TLS
 
 
-def hub_main(spec: HubSpec, commands, events, abort) -> None:
-    """Process entry point. `abort` (an Event) ends it between batches. A failure is told to the
-    driver, which reports it once; the process then exits with code 1 without a traceback of its own."""
+def hub_main(spec: HubSpec, abort, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): serves the driver's commands, tells it its events.
+    `abort` (an Event) ends it between batches. A failure is told to the driver, which reports it once;
+    the process then exits with code 1 without a traceback of its own."""
     child_started("hub")
     try:
-        Hub(spec, events, abort).serve(commands)
+        Hub(spec, to_parent, abort).serve(from_parent)
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is
-        events.put(BadFile(spec.hub.rank, str(err)))
+        tell_parent(to_parent, BadFile(spec.hub.rank, str(err)))
         raise SystemExit(1) from None
     except HangError as err:  # a known wait that ran out: its message says it all, no traceback needed
-        events.put(HubHung(spec.hub.rank, str(err)))
+        tell_parent(to_parent, HubHung(spec.hub.rank, str(err)))
         raise SystemExit(1) from None
     except BaseException:
-        events.put(HubFailed(spec.hub.rank, traceback.format_exc()))
+        tell_parent(to_parent, HubFailed(spec.hub.rank, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
@@ -113,12 +115,12 @@ class Hub:
                                                             if spec.shared_keys else 0,
                                                             sequence=spec.sequence, drain_s=spec.drain_s,
                                                             patience=spec.patience, on_wait=self._waiting))
-                for command in iter(commands.get, StopStreams()):
+                for command in iter(commands.recv, StopStreams()):
                     assert isinstance(command, RunSplit), command
                     self._split(executor, command.split, command.epoch)
                 if not self.abort.is_set():
                     self._mark(MessageKind.STOP, 0, 0)
-                    self.events.put(HubStopped(spec.hub.rank, self._summary(executor)))
+                    self.events.send(HubStopped(spec.hub.rank, self._summary(executor)))
         finally:
             if spec.world > 1:
                 import torch.distributed as dist
@@ -155,12 +157,12 @@ class Hub:
                     self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
             self.publish_wait_s += time.perf_counter() - started
             self.latency_ms = keep_sample(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
-            self.events.put(BatchPublished(self.spec.hub.rank, split, index, _stats_only(output)))
+            self.events.send(BatchPublished(self.spec.hub.rank, split, index, _stats_only(output)))
         self._mark(MessageKind.END, split_id, epoch)
-        self.events.put(SplitDone(self.spec.hub.rank, split, time.process_time() - cpu_started))
+        self.events.send(SplitDone(self.spec.hub.rank, split, time.process_time() - cpu_started))
 
     def _waiting(self, what: str) -> None:
-        self.events.put(HubWaiting(self.spec.hub.rank, what))
+        self.events.send(HubWaiting(self.spec.hub.rank, what))
 
     def _mark(self, kind: MessageKind, split_id: int, epoch: int) -> None:
         empty_crc = zlib.crc32(b"", zlib.crc32(b""))

@@ -23,7 +23,6 @@ import functools
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -43,6 +42,7 @@ from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
+from pipeline.runtime.child import Child, messages
 from pipeline.runtime.lifetime import children_context, remove_shm, remove_shm_of
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
@@ -73,10 +73,9 @@ class Laggard:
 
 @dataclass
 class TrainerProcess:
-    process: mp.Process
+    child: Child
     rank: int  # in its group
     readers: list[tuple[Ring, int]]  # (ring, reader index) of each stream it reads
-    commands: connection.Connection  # the driver's end of its command pipe
     in_hand: StepInHand  # where its steps are
 
 
@@ -88,11 +87,10 @@ class NodeProcesses:
         self.node, self.host, self.tls = node, host, tls  # tls: this host's files, for its hubs' Dask clients
         self.drain_s = drain_s  # timeouts.drain_s: what a closing hub gets to finish its split
         self.context = children_context()
-        self.reports = Inbox(self.context)  # trainers -> driver
-        self.hub_events = Inbox(self.context)  # hubs -> driver
         self.abort = self.context.Event()  # tells hubs to leave between batches
-        self.hubs: dict[int, tuple[mp.Process, object]] = {}  # hub rank -> (process, its command queue)
+        self.hubs: dict[int, Child] = {}  # hub rank -> its process
         self.trainers: dict[str, list[TrainerProcess]] = defaultdict(list)  # group -> its trainers here
+        self.unread: list = []  # what trainers said as they were stopped: the next `poll` returns it
         self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
         # A loopback host has every rank of its groups on this machine: they meet through files, no socket.
         self.local = LocalRendezvous() if host == LOOPBACK else None
@@ -128,12 +126,8 @@ class NodeProcesses:
         rank = spec.hub.rank
         spec = replace(spec, rings={stream: ring for (hub, stream), ring in self.rings.items() if hub == rank},
                        tls=self.tls)
-        commands = self.context.Queue()
-        process = self.context.Process(target=hub_main, args=(spec, commands, self.hub_events.channel(), self.abort),
-                                       name=f"hub-{rank}-node{self.node}", daemon=True)
-        process.start()
-        self.hubs[rank] = (process, commands)
-        log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, process.pid)
+        self.hubs[rank] = Child(hub_main, (spec, self.abort), f"hub-{rank}-node{self.node}")
+        log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, self.hubs[rank].pid)
 
     def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int] | None = None) -> None:
         """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream;
@@ -142,18 +136,12 @@ class NodeProcesses:
         if readers is None:
             readers = {stream: self.rings[hub, stream].take_spare() for stream in spec.group.inputs}
         taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
-        commands, command_sender = self.context.Pipe(duplex=False)  # a pipe: a send has arrived when it returns
         in_hand = StepInHand(self.context, spec.group, spec.setup.steps_per_epoch)
-        process = self.context.Process(
-            target=trainer_main, name=f"trainer-{spec.group.name}-{spec.rank}", daemon=True,
-            args=(spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, commands,
-                  self.reports.channel(), in_hand))
-        process.start()
-        commands.close()  # the child's end
-        self.trainers[spec.group.name].append(TrainerProcess(process, spec.rank, list(taken.values()), command_sender,
-                                                             in_hand))
+        child = Child(trainer_main, (spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, in_hand),
+                      f"trainer-{spec.group.name}-{spec.rank}")
+        self.trainers[spec.group.name].append(TrainerProcess(child, spec.rank, list(taken.values()), in_hand))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
-                 spec.device, process.pid)
+                 spec.device, child.pid)
 
     def attach(self, group: str) -> None:
         """`group`'s trainers here, started as spare readers, get the hubs' messages from the next on."""
@@ -165,35 +153,36 @@ class NodeProcesses:
         """`model` leaves `group`: its trainers free it before their next batch (the command is in their pipe
         when this returns, before any later batch is published)."""
         for trainer in self.trainers.get(group, []):
-            trainer.commands.send(ReleaseMember(model))
+            trainer.child.send(ReleaseMember(model))
 
     def save(self, group: str, models: tuple[str, ...], epochs: int) -> None:
         """The group's rank 0 (if on this node) writes `models`' checkpoints after `epochs` epochs; it
         reports CheckpointSaved for each."""
         for trainer in self.trainers.get(group, []):
             if trainer.rank == 0:
-                trainer.commands.send(SaveCheckpoint(models, epochs))
+                trainer.child.send(SaveCheckpoint(models, epochs))
 
     def command_hubs(self, command: HubCommand) -> None:
-        for _, commands in self.hubs.values():
-            commands.put(command)
+        for hub in self.hubs.values():
+            hub.send(command)
 
     def hub_progress(self, timeout: float) -> list[HubEvent]:
         """The hubs' events so far, waiting up to `timeout` for the first."""
-        return self.hub_events.drain(timeout)
+        return messages(list(self.hubs.values()), timeout)
 
     def poll(self, timeout: float) -> list:
         """The trainers' reports so far, waiting up to `timeout` for the first."""
-        return self.reports.drain(timeout)
+        unread, self.unread = self.unread, []
+        return unread + messages([t.child for trainers in self.trainers.values() for t in trainers],
+                                 0 if unread else timeout)
 
     def hub_exit_codes(self) -> dict[int, int | None]:
         """Hub rank -> its exit code (None: running)."""
-        return {rank: process.exitcode for rank, (process, _) in self.hubs.items()}
+        return {rank: hub.exitcode for rank, hub in self.hubs.items()}
 
     def trainer_exit_codes(self) -> dict[str, list[tuple[str, int | None]]]:
         """Group -> (process name, exit code) of each of its trainers here (None: running)."""
-        return {name: [(t.process.name, t.process.exitcode) for t in trainers]
-                for name, trainers in self.trainers.items()}
+        return {name: [(t.child.name, t.child.exitcode) for t in trainers] for name, trainers in self.trainers.items()}
 
     def laggards(self) -> list[Laggard]:
         """Trainers here holding every buffer of one of their rings (read from the rings' semaphores)."""
@@ -202,25 +191,24 @@ class NodeProcesses:
         for (hub, stream), ring in self.rings.items():
             for trainer, reader in ((t, reader) for t in trainers for taken, reader in t.readers if taken is ring):
                 if ring.free[reader].get_value() == 0 and not ring.detached[reader]:
-                    pid = trainer.process.pid
-                    found.append(Laggard(hub, stream, trainer.process.name, pid, _state(pid), ring.depth,
+                    pid = trainer.child.pid
+                    found.append(Laggard(hub, stream, trainer.child.name, pid, _state(pid), ring.depth,
                                          trainer.in_hand.describe()))
         return found
 
     def remove(self, group: str) -> None:
-        """Stop a group's trainers here; no hub waits on their readers any more."""
+        """Stop a group's trainers here (killed: they have nothing to save on the way out); no hub waits
+        on their readers any more."""
         trainers = self.trainers.pop(group, [])
         for trainer in trainers:
             for ring, reader in trainer.readers:
                 ring.detach(reader)
-        _kill([t.process for t in trainers])
         for trainer in trainers:
-            trainer.commands.close()
+            self.unread += trainer.child.stop()
 
     def join(self, timeout: float) -> None:
-        for process in [t.process for trainers in self.trainers.values() for t in trainers] + \
-                [p for p, _ in self.hubs.values()]:
-            process.join(timeout)
+        for child in [t.child for trainers in self.trainers.values() for t in trainers] + list(self.hubs.values()):
+            child.process.join(timeout)
 
     def close(self, within: float | None = None) -> None:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take
@@ -239,21 +227,17 @@ class NodeProcesses:
             for ring in self.rings.values():  # no hub waits on a trainer that is gone
                 for reader in range(ring.consumers):
                     ring.detach(reader)
-            hubs = [process for process, _ in self.hubs.values()]
             deadline = time.monotonic() + drain_s
-            for process in hubs:  # a hub in the middle of a split lets its batch tasks finish first
-                process.join(max(deadline - time.monotonic(), 0))
-            _kill(hubs)
-            for process in hubs:  # hand-off files of batch tasks a stopped hub never took
-                remove_shm_of(process.pid)
+            for hub in self.hubs.values():  # a hub in the middle of a split lets its batch tasks finish first
+                hub.stop(max(deadline - time.monotonic(), 0))  # what it says now, the run no longer reads
+                remove_shm_of(hub.pid)  # hand-off files of batch tasks it never took
         finally:
+            for hub in self.hubs.values():  # stopped already, unless the above raised
+                hub.stop()
             for ring in self.rings.values():
                 ring.close()
             if self.local:
                 self.local.close()
-            for q in self.reports.queues + self.hub_events.queues + [commands for _, commands in self.hubs.values()]:
-                q.close()
-                q.join_thread()
 
 
 @dataclass(frozen=True)
@@ -301,52 +285,11 @@ class HostRates:
             return RatesFailed(measured_by_me(), text, user_error=False)
 
 
-class Inbox:
-    """Messages from many child processes, one queue each. A shared queue would not do: its
-    writers share a lock, and a child killed while holding it (SIGKILL, the OOM killer) would
-    silence every other child for good."""
-
-    def __init__(self, context):
-        self.context = context
-        self.queues: list = []
-
-    def channel(self):
-        """A new queue for one child to write to."""
-        self.queues.append(self.context.Queue())
-        return self.queues[-1]
-
-    def drain(self, timeout: float) -> list:
-        """Whatever the children sent so far, waiting up to `timeout` for the first."""
-        # A queue's reading end (`_reader`) is what multiprocessing itself waits on.
-        if timeout and not any(q._reader.poll() for q in self.queues):
-            connection.wait([q._reader for q in self.queues], timeout)
-        return [item for q in self.queues for item in _take_all(q)]
-
-
-def _take_all(source) -> list:
-    items = []
-    try:
-        while True:
-            items.append(source.get_nowait())
-    except queue.Empty:
-        return items
-
-
 def _state(pid: int) -> str:
     try:
         return psutil.Process(pid).status()
     except psutil.Error:
         return "gone"
-
-
-def _kill(processes: list[mp.Process]) -> None:
-    """Our children ignore SIGTERM (the driver alone decides when they stop: runtime.lifetime), and
-    have nothing to save on the way out: a child still running is killed."""
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    for process in processes:
-        process.join()
 
 
 class _Agent(BaseManager):

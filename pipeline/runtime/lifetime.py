@@ -133,8 +133,7 @@ def child_started(role: str) -> None:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked in the fork server: fork_server.py
     parent = mp.parent_process()  # the process that started this one, though a fork server forked it
-    threading.Thread(target=_watch_parent, args=(parent.pid, parent.sentinel), name="parent-watch",
-                     daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent.sentinel,), name="parent-watch", daemon=True).start()
 
 
 def _name_process(name: str) -> None:
@@ -147,9 +146,14 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _watch_parent(parent: int, sentinel: int) -> None:
+def _watch_parent(sentinel: int) -> None:
     connection.wait([sentinel])  # readable once the parent is gone: it held the other end of the pipe
-    remove_shm_of(parent)  # the parent's rings: it cannot remove them any more
+    parent_gone()
+
+
+def parent_gone() -> None:
+    """In a child whose parent died without a word: removes what the run had in /dev/shm and exits."""
+    remove_shm_of(mp.parent_process().pid)  # the parent's rings: it cannot remove them any more
     remove_shm_of(os.getpid())  # hand-off files this process would have taken
     os._exit(1)
 

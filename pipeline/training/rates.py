@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import queue
 import socket
 import statistics
 import threading
@@ -47,6 +46,7 @@ from typing import Protocol
 
 from pipeline.delivery.collective import LocalRendezvous
 from pipeline.runtime.files import write_whole
+from pipeline.runtime.child import Child, messages, tell_parent
 from pipeline.runtime.lifetime import child_started, children_context, how_it_ended
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError
@@ -280,60 +280,54 @@ def _check_gpus(devices: list[str]) -> None:
 def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
                   abandon: threading.Event | None) -> list[list[float]]:
     """Each rank's timed steps' durations (seconds), in the order the ranks report."""
-    context = children_context()
-    reports = context.Queue()
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
     # each rank's step in hand, shared: a rank that hangs is named with where it is
-    in_hand = [StepInHand(context, group, how.warmup + how.steps) for _ in devices]
-    processes = [context.Process(target=_train_steps, name=f"rates-{group.name}-{rank}",
-                                 args=(group, rank, devices, init_method, how, reports, in_hand[rank]), daemon=True)
-                 for rank in range(len(devices))]
+    in_hand = [StepInHand(children_context(), group, how.warmup + how.steps) for _ in devices]
+    ranks: list[Child] = []
     try:
-        for process in processes:
-            process.start()
-        step_seconds = [_next_report(reports, processes, in_hand, group, how, abandon) for _ in processes]
+        for rank in range(len(devices)):
+            ranks.append(Child(_train_steps, (group, rank, devices, init_method, how, in_hand[rank]),
+                               f"rates-{group.name}-{rank}"))
+        return _rank_reports(ranks, in_hand, group, how, abandon)
     finally:
-        for process in filter(lambda p: p.pid is not None, processes):  # those started
-            process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        reports.close()
-        reports.join_thread()
+        for child in ranks:  # they exit once they reported; one that does not is killed
+            child.stop(5)
         rendezvous.close()
-    return step_seconds
 
 
-def _next_report(reports, processes, in_hand: list[StepInHand], group: GroupSpec, how: Measurement,
-                 abandon: threading.Event | None) -> list[float]:
-    slots, deadline = len(processes), time.monotonic() + how.report_s
+def _rank_reports(ranks: list[Child], in_hand: list[StepInHand], group: GroupSpec, how: Measurement,
+                  abandon: threading.Event | None) -> list[list[float]]:
+    """Each rank's reported step durations, in the order they come; a rank that fails, dies or hangs
+    fails the measurement, named."""
+    slots, deadline, reported = len(ranks), time.monotonic() + how.report_s, []
     while True:
-        try:
-            report = reports.get(timeout=1)
-        except queue.Empty:
-            if abandon is not None and abandon.is_set():
-                raise RuntimeError(f"measuring {group.name} on {slots} slot(s): abandoned, the driver that "
-                                   "asked for it is gone") from None
-            dead = [f"{p.name} {how_it_ended(p.exitcode)}" for p in processes if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): "
-                                   f"{'; '.join(dead)}") from None
-            if time.monotonic() > deadline or all(p.exitcode is not None for p in processes):
-                where = "; ".join(f"{p.name} {rank.describe()}" for p, rank in zip(processes, in_hand))
-                raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): no report "
-                                   f"in {how.report_s:g} s (timeouts.report_s): {where}; lower rates.steps or "
-                                   "check the devices") from None
-            continue
-        if isinstance(report, RankFailed):
-            raise RuntimeError(f"measuring {group.name} on {slots} slot(s) failed in rank {report.rank}:\n"
-                               f"{report.traceback}")
-        return report.seconds
+        # Looked at before reading: a rank that has ended has said all it will.
+        dead = [f"{rank.name} {how_it_ended(rank.exitcode)}" for rank in ranks if rank.exitcode not in (None, 0)]
+        over = time.monotonic() > deadline or all(rank.exitcode is not None for rank in ranks)
+        for report in messages(ranks, 0 if dead or over else 1.0):
+            if isinstance(report, RankFailed):
+                raise RuntimeError(f"measuring {group.name} on {slots} slot(s) failed in rank {report.rank}:\n"
+                                   f"{report.traceback}")
+            reported.append(report.seconds)
+        if len(reported) == slots:
+            return reported
+        if abandon is not None and abandon.is_set():
+            raise RuntimeError(f"measuring {group.name} on {slots} slot(s): abandoned, the driver that "
+                               "asked for it is gone")
+        if dead:
+            raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): {'; '.join(dead)}")
+        if over:
+            where = "; ".join(f"{rank.name} {hand.describe()}" for rank, hand in zip(ranks, in_hand))
+            raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): no report "
+                               f"in {how.report_s:g} s (timeouts.report_s): {where}; lower rates.steps or "
+                               "check the devices")
 
 
 def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
-                 reports, in_hand: StepInHand) -> None:
-    """Process entry point: `warmup` + `steps` training steps; reports the timed ones' durations."""
+                 in_hand: StepInHand, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): `warmup` + `steps` training steps; reports the timed
+    ones' durations. It takes no commands (`from_parent`)."""
     child_started("rates")
     try:
         import numpy as np
@@ -367,11 +361,11 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
                 step_seconds.append(time.perf_counter() - started)
         # Report first: tearing down a gloo group can hang once the peer has
         # exited, and the parent kills what has not ended soon after the reports.
-        reports.put(StepTimes(rank, step_seconds))
+        to_parent.send(StepTimes(rank, step_seconds))
         if world > 1:
             dist.destroy_process_group()
     except BaseException:
-        reports.put(RankFailed(rank, traceback.format_exc()))
+        tell_parent(to_parent, RankFailed(rank, traceback.format_exc()))
         raise
 
 

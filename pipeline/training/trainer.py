@@ -5,9 +5,9 @@ checkpoints; never Dask. Its group (pipeline/training/group.py) may read
 several streams: it takes one message of each, in step (hubs publish every
 stream's batch i before batch i + 1). A model on g slots runs g trainers
 under DDP, each taking its 1/g share of every batch. Typed reports
-(reports.py) go to the driver through a queue; the driver's commands
-(`ReleaseMember`, `SaveCheckpoint`) come through a pipe and are read before
-each message and while waiting for one.
+(reports.py) go to the driver up one pipe; the driver's commands
+(`ReleaseMember`, `SaveCheckpoint`) come down another (runtime/child.py) and
+are read before each message and while waiting for one.
 
 Checkpoints are the scheduler's to ask for (every scheduler.checkpoint_every
 epochs, a model's final one, and on a stop): after each epoch rank 0 keeps a
@@ -28,6 +28,7 @@ import numpy as np
 
 from pipeline.delivery.stream import MessageKind
 from pipeline.runtime.files import write_whole, written_whole
+from pipeline.runtime.child import tell_parent
 from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
@@ -110,13 +111,14 @@ def note_best(checkpoint_dir: str | Path, model: str, epochs: int, accuracy: flo
     return best["epochs"]
 
 
-def trainer_main(spec: TrainerSpec, readers: dict, commands, reports, in_hand: StepInHand) -> None:
-    """Process entry point: train until the streams say STOP."""
+def trainer_main(spec: TrainerSpec, readers: dict, in_hand: StepInHand, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): train until the streams say STOP, reporting to the
+    driver and taking its commands between batches."""
     child_started("trainer")
     try:
-        Trainer(spec, reports, commands, in_hand).consume(readers)
+        Trainer(spec, to_parent, from_parent, in_hand).consume(readers)
     except BaseException:  # the driver names the group and shows the traceback, once
-        reports.put(TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
+        tell_parent(to_parent, TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
@@ -193,6 +195,8 @@ class DeviceFeed:
 
 class Trainer:
     def __init__(self, spec: TrainerSpec, reports, commands=None, in_hand: StepInHand | None = None):
+        """`reports`: where it sends its reports (the driver's pipe); `commands`: the pipe it reads the
+        driver's commands from (None: no driver)."""
         import torch
 
         self.torch, self.spec, self.reports, self.commands = torch, spec, reports, commands
@@ -300,7 +304,7 @@ class Trainer:
                     self._finish_validation()
                     self.epoch += 1
             waited = time.perf_counter()
-        self.reports.put(TrainerDone(self.spec.group.name, self.spec.rank, self.checksums))
+        self.reports.send(TrainerDone(self.spec.group.name, self.spec.rank, self.checksums))
 
     def _on_device(self, batch: dict, rows=slice(None)) -> dict[str, tuple]:
         """Each stream's (uint8 images, labels) on the device; the ring buffers go back once copied."""
@@ -347,7 +351,7 @@ class Trainer:
     def _report_train(self) -> None:
         for number, name in enumerate(self.members):  # the group's step and wait times are every member's
             loss = float(self.loss_sums[name]) / max(self.seen, 1)
-            self.reports.put(TrainReport(name, self.spec.rank, self.epoch, loss, self.seen, self.step_time,
+            self.reports.send(TrainReport(name, self.spec.rank, self.epoch, loss, self.seen, self.step_time,
                                          self.wait_time, self.spans if number == 0 else []))
         self._reset_epoch()
 
@@ -364,7 +368,7 @@ class Trainer:
             truth = labels[self.models[name].input]
             accuracy = float((probs.argmax(1) == truth).mean()) if len(truth) else float("nan")
             self._keep_state(name, accuracy)  # before the report: the driver may ask for its checkpoint at once
-            self.reports.put(ValReport(name, self.epoch, accuracy, probs, truth))
+            self.reports.send(ValReport(name, self.epoch, accuracy, probs, truth))
             self.val_probs[name] = []
         self.val_labels = {stream: [] for stream in self.val_labels}
 
@@ -391,7 +395,7 @@ class Trainer:
             for older in saved_epochs(self.spec.setup.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
                 if older != best:
                     checkpoint_path(self.spec.setup.checkpoint_dir, name, older).unlink(missing_ok=True)
-            self.reports.put(CheckpointSaved(self.spec.group.name, name, epochs))
+            self.reports.send(CheckpointSaved(self.spec.group.name, name, epochs))
 
 
 def _to_host(value):

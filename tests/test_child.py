@@ -1,0 +1,70 @@
+"""One class owns a child process (pipeline/runtime/child.py): its messages, its commands, its end."""
+import os
+import signal
+
+import pytest
+
+from pipeline.runtime.child import Child, messages
+
+BIG = 4 * 2**20  # bytes: far more than a pipe holds (64 KiB), so the send waits for the parent to read
+
+
+def _echo(*, to_parent, from_parent):
+    """Sends back each command until told "bye"."""
+    for command in iter(from_parent.recv, "bye"):
+        to_parent.send(command)
+
+
+def _say_then_die(*, to_parent, from_parent):
+    to_parent.send("last words")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _send_big_then_exit(*, to_parent, from_parent):
+    to_parent.send(b"x" * BIG)
+
+
+@pytest.fixture
+def children():
+    started = []
+    yield started
+    for child in started:
+        child.stop()
+
+
+def test_each_child_s_messages_come_and_a_killed_one_wakes_the_parent_and_silences_no_other(children):
+    """Commands go down, messages come up; a child killed outright ends its pipe, which wakes `messages`
+    (no timeout spent), and is named with how it died, while the other goes on. The mistakes it catches:
+    a shared channel whose lock the killed child held, a dead child whose pipe the parent's own copy of
+    the writing end keeps open (the wait would run to its timeout)."""
+    echo = Child(_echo, (), "test-echo")
+    dying = Child(_say_then_die, (), "test-dying")
+    children += [echo, dying]
+    said = messages([dying], timeout=30)  # its word, and perhaps already the end of its pipe
+    said += messages([dying], timeout=30)  # the end of its pipe, if not
+    dying.process.join()
+    assert said == ["last words"] and not dying.talking and dying.exitcode == -signal.SIGKILL
+    echo.send("ping")
+    assert messages(children, timeout=30) == ["ping"]
+    echo.send("bye")
+    assert echo.stop(30) == [] and echo.exitcode == 0
+
+
+def test_stop_reads_a_large_last_message_so_that_the_child_can_end(children):
+    """A child whose last message is larger than its pipe holds can end only once the parent reads it:
+    `stop` reads while it waits, and returns the message. The mistake it catches: a stop that only waits
+    then kills (the child, blocked in its send, would be killed and its message lost)."""
+    child = Child(_send_big_then_exit, (), "test-big")
+    children.append(child)
+    assert child.stop(60) == [b"x" * BIG] and child.exitcode == 0
+
+
+def test_a_child_that_ends_without_a_word_is_named_with_how_and_a_command_to_it_goes_nowhere(children):
+    """`receive` names a child that died without a message with how it ended; a command sent to it
+    afterwards is not an error (its exit code is how the parent learns of its end)."""
+    child = Child(_say_then_die, (), "test-dying")
+    children.append(child)
+    assert child.receive(30) == "last words"
+    with pytest.raises(RuntimeError, match=r"test-dying was killed \(SIGKILL\).* without a word"):
+        child.receive(30)
+    child.send("anyone there?")
