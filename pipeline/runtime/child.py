@@ -7,7 +7,8 @@ pipe and reads the parent's commands from the other. A pipe per child, not a sha
 killed while writing (SIGKILL, the OOM killer) can silence no other, and its pipe ends in EOF, which
 wakes the parent as a message does. A send returns once the message is in the pipe (64 KiB on Linux)
 or read: a larger one (a validation report's probabilities) waits for the parent, which reads while
-the child lives, and `stop` reads on while it waits for the child to end.
+the child lives, and `stop` reads on while it waits for the child to end. The driver starts no split
+before it has every validation report, so a trainer's wait there costs no training (docs/benchmarks.md).
 """
 from __future__ import annotations
 
