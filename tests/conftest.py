@@ -59,7 +59,7 @@ def tls(tmp_path_factory):
     return security, TlsFiles(str(files["ca"]), str(files["cert"]), str(files["key"]))
 
 
-def member(name: str, arch: str = "resnet", depth: int = 10, width: int = 8, growth_rate: int = 12, lr: float = 0.1,
+def member(name: str, *, arch: str = "resnet", depth: int = 10, width: int = 8, growth_rate: int = 12, lr: float = 0.1,
            momentum: float = 0.9, weight_decay: float = 5e-4, slots: int = 1, input: str = "main", seed: int = 0):
     """A member of a built-in family with the shipped defaults (SGD, cosine, cross-entropy); seed 0 for all,
     so that members a test compares start from the same weights."""

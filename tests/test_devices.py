@@ -4,7 +4,7 @@ import pytest
 from pipeline.orchestration.devices import SlotError, slot_devices
 from tests.conftest import member
 
-MODEL = member("m", "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
+MODEL = member("m")
 
 
 def test_simulated_nodes_split_this_machines_gpus():

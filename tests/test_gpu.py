@@ -60,9 +60,9 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     from pipeline.training.group import GroupSpec, GroupStep
     from tests.conftest import member
 
-    members = (member("a", "resnet", 10, 8, 12, 0.2, 0.9, 5e-4, 1, "main"),
-               member("b", "resnet", 10, 8, 12, 0.05, 0.8, 0.0, 1, "main"),
-               member("c", "resnet", 10, 16, 12, 0.1, 0.9, 5e-4, 1, "main"))
+    members = (member("a", lr=0.2),
+               member("b", lr=0.05, momentum=0.8, weight_decay=0.0),
+               member("c", width=16))
     group = GroupSpec("g", members, array_size=2)
     torch.backends.cudnn.deterministic = True  # the same kernels in both groups, bit for bit
     steps = {graphs: GroupStep(group, 4, {"main": 32}, "cuda", 10, cuda_graphs=graphs) for graphs in (False, True)}

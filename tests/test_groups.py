@@ -53,7 +53,7 @@ def test_a_data_parallel_model_keeps_its_slots_and_the_rest_share_what_is_left()
 
 
 def spec(name, arch="resnet", width=8, input="main"):
-    return member(name, arch, 10 if arch == "resnet" else 16, width, 4, 0.1, 0.9, 5e-4, 1, input)
+    return member(name, arch=arch, depth=10 if arch == "resnet" else 16, width=width, growth_rate=4, input=input)
 
 
 def test_a_group_fuses_each_family_in_arrays_and_packs_the_rest():

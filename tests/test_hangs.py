@@ -39,7 +39,7 @@ def _rank(kind, rank, address, stalled, results):
             from pipeline.training.group import GroupSpec, GroupStep, join_process_group
             from tests.conftest import member
 
-            model = member("m", "resnet", 10, 4, 0, 0.1, 0.9, 0.0, 2, "main")
+            model = member("m", width=4, weight_decay=0.0, slots=2)
             collectives = join_process_group(address, rank, 2, torch.device("cpu"), COLLECTIVE_S, "m")
             group = GroupStep(GroupSpec("m", (model,)), 2, {"main": 16}, "cpu", 10, world=2)
             batch = {"main": (torch.zeros(2, 3, 16, 16), torch.zeros(2, dtype=torch.int64))}

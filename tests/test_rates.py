@@ -17,8 +17,8 @@ from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measure
                                      format_table, measure_rate_table, measure_rates, save_table)
 from tests.conftest import member
 
-TINY = member("tiny", "resnet", 10, 8, 0, 0.1, 0.9, 5e-4, 1, "main")
-DENSE = member("dense", "densenet", 16, 16, 8, 0.1, 0.9, 5e-4, 1, "main")
+TINY = member("tiny")
+DENSE = member("dense", arch="densenet", depth=16, width=16, growth_rate=8)
 
 
 def alone(model):

@@ -14,7 +14,7 @@ def val_event(model, probs, epoch=0):
 
 
 def spec(name):
-    return member(name, "resnet", 10, 8, 12, 0.1, 0.9, 5e-4, 1, "main")
+    return member(name)
 
 
 def alone(name):

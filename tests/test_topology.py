@@ -411,7 +411,7 @@ def _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path
     # C has A's shape: its rates are A's cache entry, which names the agent too.
     assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
     assert "measuring" not in logs[1]
-    resnet11 = member("resnet11", "resnet", 11, 8, 0, 0.1, 0.9, 5e-4, 1, "main")  # no such depth
+    resnet11 = member("resnet11", depth=11)  # no such depth
     with agent_rates(registered, AGENT_KEY.encode()) as where:
         how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
         with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "

@@ -21,7 +21,7 @@ from tests.conftest import member
 
 
 def model(name, width=8, lr=0.1):
-    return member(name, "resnet", 10, width, 12, lr, 0.9, 5e-4, 1, "main")
+    return member(name, width=width, lr=lr)
 
 
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
@@ -233,7 +233,7 @@ NARROW_STEPS = """
 import numpy as np, torch
 from pipeline.training.group import GroupSpec, GroupStep
 from tests.conftest import member
-members = tuple(member(f"w{w}", "resnet", 10, w, 0, 0.1, 0.9, 5e-4, 1, "main") for w in (2, 4))
+members = tuple(member(f"w{w}", width=w) for w in (2, 4))
 step = GroupStep(GroupSpec("narrow", members), 3, {"main": 16}, "cpu", 200)
 images = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)
 inputs = {"main": (step.normalise(images), torch.zeros(8, dtype=torch.long))}
