@@ -1,7 +1,6 @@
 """Rate measurement: short real DDP runs on CPU slots (gloo), the on-disk
 cache, the rate table and the errors. Behaviour only: nothing here asserts speed."""
 import json
-import multiprocessing
 import os
 import signal
 from dataclasses import replace
@@ -10,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.runtime.child import Child
+from pipeline.runtime.lifetime import children_context
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.group import GroupSpec, StepInHand
@@ -301,14 +301,12 @@ def _die_by(signum, *, to_parent, from_parent):
 def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, says):
     """A measuring rank that dies without a report: its signal's usual cause and the next step, and the
     models it trained. The mistake it catches: every death called "out of memory?" (oneDNN's SIGABRT was)."""
-    context = multiprocessing.get_context("spawn")
-    rank = Child(_die_by, (signum,), "rates-tiny-0", context)
-    rank.process.join()
+    rank = Child(_die_by, (signum,), "rates-tiny-0")
+    rank.stop(60)  # it ends by its own signal long before
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet\(depth=10, width=8\)\)\) on 1 slot\(s\): "
                                            f"rates-tiny-0 {says}"):
-        in_hand = StepInHand(context, alone(TINY), how().steps)
+        in_hand = StepInHand(children_context(), alone(TINY), how().steps)
         rate_measurement._rank_reports([rank], [in_hand], alone(TINY), how(), None)
-    rank.stop()
 
 
 @pytest.mark.slow

@@ -282,13 +282,14 @@ def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     """Each rank's timed steps' durations (seconds), in the order the ranks report."""
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
+    context = children_context()
     # each rank's step in hand, shared: a rank that hangs is named with where it is
-    in_hand = [StepInHand(children_context(), group, how.warmup + how.steps) for _ in devices]
+    in_hand = [StepInHand(context, group, how.warmup + how.steps) for _ in devices]
     ranks: list[Child] = []
     try:
         for rank in range(len(devices)):
             ranks.append(Child(_train_steps, (group, rank, devices, init_method, how, in_hand[rank]),
-                               f"rates-{group.name}-{rank}"))
+                               f"rates-{group.name}-{rank}", context))
         return _rank_reports(ranks, in_hand, group, how, abandon)
     finally:
         for child in ranks:  # they exit once they reported; one that does not is killed
