@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from urllib.parse import urlsplit
+
+import psutil
 
 from pipeline.data.executor import TlsFiles
 from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key, serve
@@ -20,8 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node", type=int, required=True, help="this host's node number: 0, 1, ... (one each)")
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="Dask workers (cores)")
     parser.add_argument("--threads", type=int, default=1, help="threads per Dask worker")
-    parser.add_argument("--host", default=socket.gethostbyname(socket.gethostname()),
-                        help="the address other hosts reach this one at (process groups meet here)")
+    parser.add_argument("--host", help="the address other hosts reach this one at: its Dask workers, agent and "
+                                       "process groups listen there (default: the one it reaches the scheduler from)")
+    parser.add_argument("--interface", help="the network interface of the process groups' traffic between hosts "
+                                            "(gloo, NCCL's sockets; default: the one --host is on)")
     parser.add_argument("--key-file", help="the secret shared with the driver (cluster.agent_key_file), a file "
                                            f"of mode 0600; without it, the environment variable {AGENT_KEY_ENV}")
     parser.add_argument("--tls-ca-file", help="with a tls:// scheduler: the CA's certificate (PEM)")
@@ -36,10 +41,42 @@ def main(argv: list[str] | None = None) -> None:
                      "scheduler")
     try:
         key = agent_key(args.key_file, "--key-file")
+        host = args.host or address_towards(args.scheduler)
+        interface = args.interface or interface_of(host)
+        if args.interface and args.interface not in psutil.net_if_addrs():
+            raise UserError(f"--interface {args.interface}: this host has no such interface; it has "
+                            f"{', '.join(sorted(psutil.net_if_addrs()))}")
     except UserError as err:
-        parser.error(str(err))
-    serve(args.scheduler, args.node, args.workers, args.threads, args.host, key,
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    serve(args.scheduler, args.node, args.workers, args.threads, host, interface, key,
           TlsFiles(*tls_files) if all(tls_files) else None)
+
+
+def address_towards(scheduler: str) -> str:
+    """This host's address on the route to `scheduler` (a datagram socket's connect sends nothing)."""
+    target = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((target.hostname, target.port or 8786))
+            return sock.getsockname()[0]
+    except (OSError, ValueError) as err:
+        raise UserError(f"no route from this host to the scheduler {scheduler} ({err}): give the address other "
+                        "hosts reach this one at with --host") from None
+
+
+def interface_of(address: str) -> str:
+    """The interface that holds `address`; a UserError if none does (an address of another host, or a name)."""
+    try:
+        wanted = socket.gethostbyname(address)
+    except OSError:
+        raise UserError(f"--host {address}: not an address this host resolves; give one of its own") from None
+    interfaces = psutil.net_if_addrs()
+    for name, addresses in interfaces.items():
+        if any(a.family == socket.AF_INET and a.address == wanted for a in addresses):
+            return name
+    own = sorted(a.address for addresses in interfaces.values() for a in addresses if a.family == socket.AF_INET)
+    raise UserError(f"--host {address} is not an address of this host (it has {', '.join(own)}): give the one "
+                    "other hosts reach it at")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,17 @@ LOOPBACK_INTERFACE = "lo"  # Linux's loopback device, for gloo and NCCL
 
 def rendezvous_at(host: str) -> str:
     """init_method (a free TCP port) for a torch.distributed process group whose rank 0 runs on `host`,
-    for groups spanning hosts: torch's TCPStore then listens on every interface of that host."""
+    for groups spanning hosts: rank 0's store listens there, on that address only (`init_process_group`)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return f"tcp://{host}:{sock.getsockname()[1]}"
+
+
+def use_interface(name: str) -> None:
+    """The network interface this process and its children's process groups use (gloo's and NCCL's own
+    sockets): without it, gloo takes the address the host name resolves to, a loopback one on most Linux
+    hosts (/etc/hosts' 127.0.1.1 line), and a group spanning hosts cannot connect."""
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = name
 
 
 class LocalRendezvous:
@@ -55,13 +62,32 @@ def init_process_group(init_method: str, rank: int, world: int, device: str, tim
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if init_method.startswith("file://"):
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = LOOPBACK_INTERFACE
+        use_interface(LOOPBACK_INTERFACE)
     if backend == "nccl":  # NCCL waits for ever unless told to raise (blocking wait) and not to kill the process
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # clean up only: the error is ours to raise
+    timeout = datetime.timedelta(seconds=timeout_s)
     with completes(f"the rendezvous of {what} (rank {rank} of {world}, at {init_method})", timeout_s):
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if init_method.startswith("tcp://"):
+            dist.init_process_group(backend, store=_tcp_store(init_method, rank, world, timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+
+
+def _tcp_store(init_method: str, rank: int, world: int, timeout: datetime.timedelta):
+    """The store of a group met at tcp://host:port. Rank 0's listens on `host` only (torch's own would listen
+    on every interface of the host: the store answers anyone who reaches it)."""
+    import torch.distributed as dist
+
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world, False, timeout)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, int(port)))
+    sock.listen(max(world, 128))
+    return dist.TCPStore(host, int(port), world, True, timeout, master_listen_fd=sock.detach())  # the store owns it
 
 
 def make_groups(all_ranks: tuple[tuple[int, ...], ...], timeout_s: float) -> list:

@@ -99,7 +99,7 @@ class Flotilla:
             self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, depth, spare)
 
     def _start_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:
-        rendezvous = self.nodes[self.plan.hubs[0].node].rendezvous()
+        rendezvous = self.nodes[self.plan.hubs[0].node].rendezvous({hub.node for hub in self.plan.hubs})
         all_groups = tuple(group.hubs for group in self.plan.groups)
         node_device = {node: device for m in self.members.values() for node, device in zip(m.nodes, m.devices)}
         # multi_broadcast groups make the same batches (of the whole flotilla's graph) under shared
@@ -127,7 +127,7 @@ class Flotilla:
         """`member`'s trainers, each reading as the next reader of its hub's rings (`next_reader`, counted
         on), or as a spare reader joining the running stream (None)."""
         group = member.group
-        rendezvous = self.nodes[member.nodes[0]].rendezvous()  # rank 0 hosts the group's process group
+        rendezvous = self.nodes[member.nodes[0]].rendezvous(set(member.nodes))  # rank 0 hosts the group
         for rank, (device, node) in enumerate(zip(member.devices, member.nodes)):
             spec = TrainerSpec(setup=setup, group=group,
                                image_sizes={s: sinks[s].item_shape[0] for s in group.inputs},

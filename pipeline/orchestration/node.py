@@ -39,7 +39,7 @@ from multiprocessing.managers import BaseManager
 import psutil
 
 from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect
-from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at
+from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at, use_interface
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.runtime.child import Child, messages
@@ -92,8 +92,7 @@ class NodeProcesses:
         self.trainers: dict[str, list[TrainerProcess]] = defaultdict(list)  # group -> its trainers here
         self.unread: list = []  # what trainers said as they were stopped: the next `poll` returns it
         self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
-        # A loopback host has every rank of its groups on this machine: they meet through files, no socket.
-        self.local = LocalRendezvous() if host == LOOPBACK else None
+        self.local = LocalRendezvous()  # for groups with every rank on this machine: they meet through files
         self.closing = threading.Lock()  # the driver's close, or the watch on a driver that died
         self.closed = False
 
@@ -109,9 +108,11 @@ class NodeProcesses:
             self.close()
             remove_shm(cache_prefix(os.getpid()))
 
-    def rendezvous(self) -> str:
-        """init_method of a process group whose rank 0 runs on this node."""
-        return self.local.next() if self.local else rendezvous_at(self.host)
+    def rendezvous(self, nodes: set[int]) -> str:
+        """init_method of a process group whose rank 0 runs on this node and whose ranks run on `nodes`:
+        through a file where they are all on this machine (this node, or nodes simulated here on
+        loopback), else at this host's address."""
+        return self.local.next() if nodes == {self.node} or self.host == LOOPBACK else rendezvous_at(self.host)
 
     def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, depth: int, spare: int) -> None:
         self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, depth, self.context, spare)
@@ -236,8 +237,7 @@ class NodeProcesses:
                 hub.stop()
             for ring in self.rings.values():
                 ring.close()
-            if self.local:
-                self.local.close()
+            self.local.close()
 
 
 @dataclass(frozen=True)
@@ -441,14 +441,16 @@ def registered_agents(client) -> dict[int, dict]:
     return {int(node): agent for node, agent in found.items() if agent}
 
 
-def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key: bytes,
+def serve(scheduler: str, node: int, workers: int, threads: int, host: str, interface: str, key: bytes,
           tls: TlsFiles | None = None) -> None:
-    """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served."""
+    """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served.
+    Everything listens on `host`; process groups between hosts go through `interface`."""
     import torch
 
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
+    use_interface(interface)  # before the fork server starts: every child inherits it
     children_context()  # the fork server of the flotillas' children imports torch while the workers start
 
     class Serving(_Agent):  # this host's NodeProcesses: its hubs connect to Dask with this host's TLS files
@@ -466,6 +468,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key:
         dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
                                          "--nworkers", str(workers), "--nthreads", str(threads), "--host", host,
                                          "--resources", resource, "--name", f"n{node}", "--no-dashboard",
+                                         "--dashboard-address", f"{host}:0",  # its HTTP server (health) too
                                          *tls_options], env={**os.environ, **WORKER_MALLOC})
         try:
             _wait_for_workers(client, f"node-{node}", workers)
@@ -473,7 +476,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, key:
                 "address": f"{host}:{server.address[1]}", "pid": os.getpid(), "gpus": torch.cuda.device_count(),
                 "gpu_memory": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None})
             print(f"node {node}: {workers} Dask worker(s) x {threads} thread(s) ({resource}); serving flotillas at "
-                  f"{host}:{server.address[1]}", flush=True)
+                  f"{host}:{server.address[1]}; process groups through {interface}", flush=True)
             try:
                 server.serve_forever()
             finally:
