@@ -4,10 +4,7 @@ delivery invariants of every topology in real runs on two simulated nodes
 import functools
 import multiprocessing as mp
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -19,10 +16,8 @@ from omegaconf import OmegaConf
 from pipeline.data.graph import build_graph
 from pipeline.delivery.topology import plan_delivery
 from pipeline.measure.recorder import RunRecorder
-from pipeline.orchestration.node import AGENT_KEY_ENV
 from pipeline.scheduler.topology import TOPOLOGIES, split_streams
-from stages.base import BatchContext, Split, UserError
-from stages.cache import cache_prefix
+from stages.base import BatchContext, Split
 from tests.conftest import compose_config, resnet_override
 
 # A on node 0; B on 2 slots, so on node 1 (a model's slots share a node); C on node 0.
@@ -211,7 +206,7 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
 
     received = results["delivery"]["received"]
     assert len(received) == 4  # A, B's two ranks, C (its killed trainer never reports; the resumed one does)
-    _assert_every_batch_once_in_order_bit_identical(cfg, results)
+    assert_every_batch_once_in_order_bit_identical(cfg, results)
     assert {len({m[2] for m in msgs if m[0] == 0}) for t, msgs in received.items() if f"/{VICTIM}/" in t} \
         == {3 - again["start_epoch"]}
 
@@ -220,7 +215,7 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
 
 
-def _assert_every_batch_once_in_order_bit_identical(cfg, results):
+def assert_every_batch_once_in_order_bit_identical(cfg, results):
     """Every trainer that finished got every batch of every epoch it trained once, in order, and
     bit-identical to what one task makes in this process without the cache (whatever the topology,
     shares or faults; the run's epochs after the first come from its cache), with the test's pacing
@@ -252,214 +247,3 @@ def _assert_every_batch_once_in_order_bit_identical(cfg, results):
                 expected.append((1, split_id, epoch, 0, zlib.crc32(b"", zlib.crc32(b""))))
         assert [tuple(m) for m in messages[:-1]] == expected, trainer
         assert messages[-1][0] == 2  # STOP
-
-
-# --- real hosts: one node agent per host ---------------------------------------------------------
-
-AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
-
-
-def _agent_command(scheduler: str, node: int, tls_files) -> list[str]:
-    return [sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
-            "--host", "127.0.0.1", "--tls-ca-file", tls_files.ca_file, "--tls-cert", tls_files.cert,
-            "--tls-key", tls_files.key]
-
-
-def _start_agent(scheduler: str, node: int, log, tls_files):
-    return subprocess.Popen(_agent_command(scheduler, node, tls_files), stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, AGENT_KEY_ENV: AGENT_KEY})
-
-
-@pytest.mark.slow
-def test_node_agents_run_their_hosts_hubs_and_trainers(tiny_dataset, tmp_path, tls):
-    """Two hosts as this machine twice: a Dask scheduler speaking TLS only and one
-    agent per node (python -m pipeline.node, each with its own Dask workers, started
-    with the secret it shares with the driver). The run, given only the scheduler's
-    address, its TLS files and the secret, finds the agents; each starts its node's
-    hubs and trainers; all_shared's all-gather crosses the nodes; delivery holds its
-    invariants; the agents' rings are gone after the run and they exit cleanly. An
-    agent refuses a driver without the secret, which was never published. A hub that
-    counts its own share as sent fails."""
-    from dask.distributed import Client, LocalCluster
-
-    from pipeline.orchestration.node import _Agent, node_processes, registered_agents
-    from pipeline.run import run
-
-    security, tls_files = tls
-    key_file = tmp_path / "agent.key"
-    key_file.write_text(AGENT_KEY)
-    key_file.chmod(0o600)
-    with LocalCluster(n_workers=0, protocol="tls://", host="127.0.0.1", security=security,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
-        logs = [open(tmp_path / f"agent{node}.log", "w+") for node in (0, 1)]
-        agents = [_start_agent(cluster.scheduler_address, node, log, tls_files) for node, log in enumerate(logs)]
-        try:
-            deadline = time.monotonic() + 180
-            while len(registered_agents(client)) < 2:
-                assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
-                    [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
-                time.sleep(0.2)
-            registered = registered_agents(client)
-            pids = {node: agent["pid"] for node, agent in registered.items()}
-            assert pids == {0: agents[0].pid, 1: agents[1].pid}
-            assert all(set(agent) == {"address", "pid", "gpus", "gpu_memory"} for agent in registered.values())
-            host, port = registered[0]["address"].rsplit(":", 1)
-            for wrong in (b"not the secret at all", None):  # None: this process's own random authkey
-                with pytest.raises(mp.AuthenticationError):
-                    _Agent(address=(host, int(port)), authkey=wrong).connect()
-            with pytest.raises(UserError, match="node 0's agent at .* refused this driver's secret"):
-                node_processes(0, registered, 1.0, b"not the secret at all", None)
-            twice = subprocess.run(_agent_command(cluster.scheduler_address, 0, tls_files), capture_output=True,
-                                   text=True, timeout=120, env={**os.environ, AGENT_KEY_ENV: AGENT_KEY})
-            assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
-            overrides = ["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
-                         f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
-                         "pipeline.image_size=32", "pipeline.alt_image_size=24",
-                         f"cluster.address={cluster.scheduler_address}", "cluster.nodes=2",
-                         f"cluster.tls.ca_file={tls_files.ca_file}", f"cluster.tls.cert={tls_files.cert}",
-                         f"cluster.tls.key={tls_files.key}", f"cluster.agent_key_file={key_file}", "trainer.slots=4",
-                         "trainer.consume_only=true"]
-            cfg = compose_config([*overrides, "trainer.epochs=2", "trainer.record_checksums=true"])
-            results = run(cfg, tmp_path / "out")
-            _assert_every_batch_once_in_order_bit_identical(cfg, results)
-            # One cache per host: each holds the shares its node made in epoch 1 (about half of epoch 2's).
-            first, second = results["pipeline"]["cache_hit_rate_by_epoch"]
-            assert first == 0 and 0.25 < second < 0.75
-            assert len(results["delivery"]["received"]) == 4
-            (hubs,) = [info["hubs"] for info in results["delivery"]["flotillas"].values()]
-            assert {hub["node"] for hub in hubs.values()} == {0, 1}
-            # The all-gather crossed the nodes: each hub sent the other its share of every batch of the 2 epochs
-            # (4 training, 1 validation): 8 of the 16 images of each stream, their labels, a 24-byte header.
-            share = 24 + 8 * (32 * 32 * 3 + 8) + 8 * (24 * 24 * 3 + 8)
-            assert [hub["sent_bytes"] for hub in hubs.values()] == [2 * (4 + 1) * share] * 2
-            # Each node's processes were started by its agent (none by the driver): a hub each, and
-            # the trainers of the slots the scheduler gave that node.
-            assert not [p for p in mp.active_children() if p.name.startswith(("hub-", "trainer-"))]
-            slots = {d["model"]: [int(n) for n in re.findall(r"node=(\d+)", d["slots"])]
-                     for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"}
-            for node in (0, 1):
-                started = (tmp_path / f"agent{node}.log").read_text()
-                hubs_here = re.findall(rf"node {node}: hub (\d+)", started)
-                trainers_here = re.findall(rf"node {node}: trainer (\w+) rank (\d+)", started)
-                assert [hubs[int(rank)]["node"] for rank in hubs_here] == [node], started
-                assert sorted(trainers_here) == sorted((model, str(rank)) for model, nodes in slots.items()
-                                                       for rank, n in enumerate(nodes) if n == node), started
-            assert not [name for name in os.listdir("/dev/shm")
-                        if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
-            _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path)
-            _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, agents, tmp_path)
-        finally:
-            for agent in agents:
-                agent.send_signal(signal.SIGTERM)
-            codes = [agent.wait(60) for agent in agents]
-            for log in logs:
-                log.close()
-        assert codes == [0, 0]
-        assert registered_agents(client) == {}
-        deadline = time.monotonic() + 30
-        while client.scheduler_info()["workers"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
-
-
-def _rates_are_measured_by_node_0s_agent(overrides, registered, agents, tmp_path):
-    """A driver (python -m pipeline) with a policy that needs rates (fleet_g): node 0's agent measures them
-    on its host (its children, its devices), not the driver: the run's recorded results (state/run.json,
-    written once the rates are in, before training) name the agent's process for every rate, and only
-    node 0's agent logs measuring. The driver is then killed: training is not what this checks (a
-    fleet_g flotilla here can stall at node 1's hub, whoever measured the rates). A rank failing at the
-    agent is an error here naming the model and the agent's host."""
-    import json
-
-    import psutil
-
-    from pipeline.orchestration.node import agent_rates
-    from pipeline.training.group import GroupSpec
-    from tests.conftest import member
-    from pipeline.training.rates import Measurement, measure_rate_table
-
-    folder = tmp_path / "fleet"
-    with open(tmp_path / "fleet.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "pipeline", *overrides, "scheduler=fleet_g",
-                                   f"rates.cache={tmp_path / 'rate_cache.json'}", f"hydra.run.dir={folder}"],
-                                  stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 180
-            while not (folder / "state" / "run.json").is_file():
-                assert time.monotonic() < deadline and driver.poll() is None, (tmp_path / "fleet.log").read_text()
-                time.sleep(0.2)
-        finally:
-            driver.kill()
-            driver.wait()
-    results = json.loads((folder / "state" / "run.json").read_text())["results"]
-    measured_by = results["rates_measured_by"]
-    assert set(measured_by) == {"A", "B", "C"} and all(set(by) == {"1", "2"} for by in measured_by.values())
-    assert {by["pid"] for rates in measured_by.values() for by in rates.values()} == {agents[0].pid}, measured_by
-    saved = json.loads((folder / "rates.json").read_text())
-    assert set(saved) == {"A", "B", "C"} and all(rate > 0 for rates in saved.values() for rate in rates.values())
-    # ...and they are the agent's measurements, as its cache entries hold them (C has A's shape: A's entry)
-    cached = {rate for entry in json.loads((tmp_path / "rate_cache.json").read_text())
-              if {by["pid"] for by in entry["measured_by"].values()} == {agents[0].pid}
-              for rate in entry["images_per_s"].values()}
-    assert {rate for rates in saved.values() for rate in rates.values()} == cached
-    # What the killed driver had started at the agents goes with it.
-    started = [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
-               if c.name() in ("hub", "trainer", "rates")]
-    _, alive = psutil.wait_procs(started, timeout=10)
-    assert not alive, [(p.pid, p.name()) for p in alive]
-    logs = [(tmp_path / f"agent{node}.log").read_text() for node in (0, 1)]
-    # C has A's shape: its rates are A's cache entry, which names the agent too.
-    assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
-    assert "measuring" not in logs[1]
-    resnet11 = member("resnet11", depth=11)  # no such depth
-    with agent_rates(registered, AGENT_KEY.encode()) as where:
-        how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
-        with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
-                                               rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
-                                               "resnet depth must be one of"):
-            measure_rate_table([GroupSpec("resnet11", (resnet11,))], 1, how, tmp_path / "bad_cache.json")
-
-
-def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(overrides, agents, tmp_path):
-    """SIGKILL to a driver whose flotilla runs at the agents: each agent sees its link to the driver
-    break and closes the flotilla's hubs and trainers there (within 10 s); the agents serve on."""
-    import psutil
-
-    driver = subprocess.Popen([sys.executable, "-m", "pipeline", *overrides, "trainer.epochs=50",
-                               "scheduler.patience=0", f"hydra.run.dir={tmp_path / 'killed'}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    flotilla = lambda: [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
-                        if c.name() in ("hub", "trainer")]
-    deadline = time.monotonic() + 180
-    while len(flotilla()) < 2 + 4:  # a hub per node, the trainers of its 4 slots
-        assert time.monotonic() < deadline and driver.poll() is None
-        time.sleep(0.2)
-    running = flotilla()
-    driver.kill()
-    driver.wait()
-    _, alive = psutil.wait_procs(running, timeout=10)
-    assert not alive, [(p.pid, p.name()) for p in alive]
-    assert all(agent.poll() is None for agent in agents)
-    # ...and then removes the run's cache there.
-    stores = lambda: [name for name in os.listdir("/dev/shm")
-                      if name.startswith(tuple(cache_prefix(agent.pid) for agent in agents))]
-    deadline = time.monotonic() + 10
-    while stores() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not stores()
-
-
-def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
-    from dask.distributed import Client, LocalCluster
-
-    from pipeline.orchestration.node import AGENTS
-    from pipeline.run import ConfigError, _node_agents
-
-    with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
-        for node in (0, 2):  # as if agents were started with --node 0 and --node 2
-            client.set_metadata([AGENTS, str(node)], {"address": "127.0.0.1:1", "pid": 1, "gpus": 0,
-                                                      "gpu_memory": None})
-        cfg = compose_config(["+ensemble=caltech256", f"cluster.address={cluster.scheduler_address}",
-                              "cluster.nodes=2"])
-        with pytest.raises(ConfigError, match=r"cluster.nodes=2 but the scheduler at .* has node agents \[0, 2\]"):
-            _node_agents(cfg, None)

@@ -1,0 +1,289 @@
+"""Several hosts for real: a Dask scheduler, one node agent per host (python -m pipeline.node) and the
+driver, each on a test host of its own (a network namespace with its own address, tests/hosts.py)."""
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from pipeline.orchestration.node import AGENT_KEY_ENV
+from stages.base import UserError
+from stages.cache import cache_prefix
+from tests.conftest import compose_config
+from tests.hosts import Hosts, listening
+from tests.test_topology import MODELS, assert_every_batch_once_in_order_bit_identical
+
+AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
+HOSTS = ["scheduler", "node0", "node1", "driver"]
+LOOPBACK = "127.0.0.1"
+
+
+@contextmanager
+def _scheduler(hosts: Hosts, tls_files, folder):
+    """A Dask scheduler speaking TLS only, on its host's address: its address, while it runs."""
+    address, file = hosts.addresses["scheduler"], folder / "scheduler.json"
+    scheduler = subprocess.Popen(hosts.command("scheduler", [
+        sys.executable, "-m", "distributed.cli.dask_scheduler", "--protocol", "tls", "--host", address, "--port", "0",
+        "--dashboard-address", f"{address}:0", "--scheduler-file", str(file), "--tls-ca-file", tls_files.ca_file,
+        "--tls-cert", tls_files.cert, "--tls-key", tls_files.key]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not file.is_file() or not file.read_text().strip():
+            assert time.monotonic() < deadline and scheduler.poll() is None, "the test's Dask scheduler did not start"
+            time.sleep(0.1)
+        yield json.loads(file.read_text())["address"]
+    finally:
+        scheduler.terminate()
+        scheduler.wait(30)
+
+
+def _agent_command(hosts: Hosts, scheduler: str, node: int, tls_files) -> list[str]:
+    """Node `node`'s agent on its host, given no --host: it takes the address it reaches the scheduler from."""
+    return hosts.command(f"node{node}", [
+        sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
+        "--tls-ca-file", tls_files.ca_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key])
+
+
+@pytest.mark.slow
+def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
+    """Two agents, the scheduler and the driver, each on a host of its own (its own address; the host name
+    resolves to loopback there, as on most Linux hosts). Each agent takes the address it reaches the
+    scheduler from and that address's interface for its process groups. The run, given only the scheduler's
+    address, its TLS files and the secret, finds the agents; each starts its node's hubs and trainers;
+    all_shared's all-gather crosses the hosts; every batch reaches every trainer once, in order, bit-identical
+    (CRCs); the agents' rings are gone after the run and they exit cleanly. While a flotilla runs, nothing
+    listens beyond the agents' own addresses (and loopback), and nothing at the driver. An agent refuses a
+    driver without the secret, which was never published."""
+    from distributed import Client
+
+    from pipeline.orchestration.node import _Agent, node_processes, registered_agents
+
+    security, tls_files = tls
+    key_file = tmp_path / "agent.key"
+    key_file.write_text(AGENT_KEY)
+    key_file.chmod(0o600)
+    env = {**os.environ, AGENT_KEY_ENV: AGENT_KEY}
+    with Hosts(HOSTS) as hosts, _scheduler(hosts, tls_files, tmp_path) as address, \
+            Client(address, security=security, timeout="30s") as client:
+        logs = [open(tmp_path / f"agent{node}.log", "w+") for node in (0, 1)]
+        agents = [subprocess.Popen(_agent_command(hosts, address, node, tls_files), stdout=log,
+                                   stderr=subprocess.STDOUT, env=env) for node, log in enumerate(logs)]
+        try:
+            deadline = time.monotonic() + 180
+            while len(registered_agents(client)) < 2:
+                assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
+                    [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
+                time.sleep(0.2)
+            registered = registered_agents(client)
+            pids = {node: agent["pid"] for node, agent in registered.items()}
+            assert pids == {0: agents[0].pid, 1: agents[1].pid}
+            assert all(set(agent) == {"address", "pid", "gpus", "gpu_memory"} for agent in registered.values())
+            assert [registered[n]["address"].rsplit(":", 1)[0] for n in (0, 1)] == [hosts.addresses["node0"],
+                                                                                   hosts.addresses["node1"]]
+            assert all("process groups through eth0" in (tmp_path / f"agent{n}.log").read_text() for n in (0, 1))
+            host, port = registered[0]["address"].rsplit(":", 1)
+            for wrong in (b"not the secret at all", None):  # None: this process's own random authkey
+                with pytest.raises(mp.AuthenticationError):
+                    _Agent(address=(host, int(port)), authkey=wrong).connect()
+            with pytest.raises(UserError, match="node 0's agent at .* refused this driver's secret"):
+                node_processes(0, registered, 1.0, b"not the secret at all", None)
+            twice = subprocess.run(_agent_command(hosts, address, 0, tls_files), capture_output=True, text=True,
+                                   timeout=120, env=env)
+            assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
+            overrides = ["+ensemble=caltech256", f"ensemble.models={MODELS}", "topology=all_shared",
+                         f"dataset.root={tiny_dataset}", "dataset.synthetic=never", "pipeline.batch_size=16",
+                         "pipeline.image_size=32", "pipeline.alt_image_size=24", f"cluster.address={address}",
+                         "cluster.nodes=2", f"cluster.tls.ca_file={tls_files.ca_file}",
+                         f"cluster.tls.cert={tls_files.cert}", f"cluster.tls.key={tls_files.key}",
+                         f"cluster.agent_key_file={key_file}", "trainer.slots=4", "trainer.consume_only=true"]
+            run = [*overrides, "trainer.epochs=2", "trainer.record_checksums=true"]
+            driver = subprocess.run(hosts.command("driver", [sys.executable, "-m", "pipeline", *run,
+                                                             f"hydra.run.dir={tmp_path / 'out'}"]),
+                                    capture_output=True, text=True, timeout=300)
+            assert driver.returncode == 0, driver.stdout + driver.stderr
+            results = json.loads((tmp_path / "out" / "results.json").read_text())
+            assert_every_batch_once_in_order_bit_identical(compose_config(run), results)
+            # One cache per host: each holds the shares its node made in epoch 1 (about half of epoch 2's).
+            first, second = results["pipeline"]["cache_hit_rate_by_epoch"]
+            assert first == 0 and 0.25 < second < 0.75
+            assert len(results["delivery"]["received"]) == 4
+            (hubs,) = [info["hubs"] for info in results["delivery"]["flotillas"].values()]
+            assert {hub["node"] for hub in hubs.values()} == {0, 1}
+            # The all-gather crossed the hosts: each hub sent the other its share of every batch of the 2 epochs
+            # (4 training, 1 validation): 8 of the 16 images of each stream, their labels, a 24-byte header.
+            share = 24 + 8 * (32 * 32 * 3 + 8) + 8 * (24 * 24 * 3 + 8)
+            assert [hub["sent_bytes"] for hub in hubs.values()] == [2 * (4 + 1) * share] * 2
+            # Each node's processes were started by its agent: a hub each, and the trainers of the slots the
+            # scheduler gave that node.
+            slots = {d["model"]: [int(n) for n in re.findall(r"node=(\d+)", d["slots"])]
+                     for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"}
+            for node in (0, 1):
+                started = (tmp_path / f"agent{node}.log").read_text()
+                hubs_here = re.findall(rf"node {node}: hub (\d+)", started)
+                trainers_here = re.findall(rf"node {node}: trainer (\w+) rank (\d+)", started)
+                assert [hubs[rank]["node"] for rank in hubs_here] == [node], started
+                assert sorted(trainers_here) == sorted((model, str(rank)) for model, nodes in slots.items()
+                                                       for rank, n in enumerate(nodes) if n == node), started
+            assert not [name for name in os.listdir("/dev/shm")
+                        if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
+            _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tmp_path)
+            _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path)
+        finally:
+            for agent in agents:
+                agent.send_signal(signal.SIGTERM)
+            codes = [agent.wait(60) for agent in agents]
+            for log in logs:
+                log.close()
+        assert codes == [0, 0]
+        assert registered_agents(client) == {}
+        deadline = time.monotonic() + 30
+        while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
+
+
+def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tmp_path):
+    """A driver (python -m pipeline) with a policy that needs rates (fleet_g): node 0's agent measures them
+    on its host (its children, its devices), not the driver: the run's recorded results (state/run.json,
+    written once the rates are in, before training) name the agent's process for every rate, and only
+    node 0's agent logs measuring. The driver is then killed: training is not what this checks (a
+    fleet_g flotilla here can stall at node 1's hub, whoever measured the rates). A rank failing at the
+    agent is an error here naming the model and the agent's host."""
+    import json
+
+    import psutil
+
+    from pipeline.orchestration.node import agent_rates
+    from pipeline.training.group import GroupSpec
+    from tests.conftest import member
+    from pipeline.training.rates import Measurement, measure_rate_table
+
+    folder = tmp_path / "fleet"
+    with open(tmp_path / "fleet.log", "w") as log:
+        driver = subprocess.Popen(hosts.command("driver", [
+            sys.executable, "-m", "pipeline", *overrides, "scheduler=fleet_g",
+            f"rates.cache={tmp_path / 'rate_cache.json'}", f"hydra.run.dir={folder}"]),
+            stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while not (folder / "state" / "run.json").is_file():
+                assert time.monotonic() < deadline and driver.poll() is None, (tmp_path / "fleet.log").read_text()
+                time.sleep(0.2)
+        finally:
+            driver.kill()
+            driver.wait()
+    results = json.loads((folder / "state" / "run.json").read_text())["results"]
+    measured_by = results["rates_measured_by"]
+    assert set(measured_by) == {"A", "B", "C"} and all(set(by) == {"1", "2"} for by in measured_by.values())
+    assert {by["pid"] for rates in measured_by.values() for by in rates.values()} == {agents[0].pid}, measured_by
+    saved = json.loads((folder / "rates.json").read_text())
+    assert set(saved) == {"A", "B", "C"} and all(rate > 0 for rates in saved.values() for rate in rates.values())
+    # ...and they are the agent's measurements, as its cache entries hold them (C has A's shape: A's entry)
+    cached = {rate for entry in json.loads((tmp_path / "rate_cache.json").read_text())
+              if {by["pid"] for by in entry["measured_by"].values()} == {agents[0].pid}
+              for rate in entry["images_per_s"].values()}
+    assert {rate for rates in saved.values() for rate in rates.values()} == cached
+    # What the killed driver had started at the agents goes with it.
+    started = [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
+               if c.name() in ("hub", "trainer", "rates")]
+    _, alive = psutil.wait_procs(started, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    logs = [(tmp_path / f"agent{node}.log").read_text() for node in (0, 1)]
+    # C has A's shape: its rates are A's cache entry, which names the agent too.
+    assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
+    assert "measuring" not in logs[1]
+    resnet11 = member("resnet11", depth=11)  # no such depth
+    with agent_rates(registered, AGENT_KEY.encode()) as where:
+        how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
+        with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
+                                               rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
+                                               "resnet depth must be one of"):
+            measure_rate_table([GroupSpec("resnet11", (resnet11,))], 1, how, tmp_path / "bad_cache.json")
+
+
+def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path):
+    """While a flotilla trains (its first epoch validated: the hubs' process group spans the hosts), every
+    socket listening on an agent's host is on its address or loopback (not on every interface: the agents'
+    Dask workers' HTTP servers and rank 0's store did that), and none at the driver. Then SIGKILL to the
+    driver: each agent sees its link to the driver break and closes the flotilla's hubs and trainers there
+    (within 10 s); the agents serve on."""
+    import psutil
+
+    log_path = tmp_path / "killed.log"
+    with open(log_path, "w") as log:
+        driver = subprocess.Popen(hosts.command("driver", [
+            sys.executable, "-m", "pipeline", *overrides, "trainer.epochs=50", "scheduler.patience=0",
+            f"hydra.run.dir={tmp_path / 'killed'}"]), stdout=log, stderr=subprocess.STDOUT)
+    flotilla = lambda: [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
+                        if c.name() in ("hub", "trainer")]
+    try:
+        deadline = time.monotonic() + 180
+        while len(flotilla()) < 2 + 4 or "val accuracy" not in log_path.read_text():  # a hub per node, 4 trainers
+            assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        running = flotilla()
+        listened = [listening(agent.pid) for agent in agents]
+        at_driver = listening(driver.pid)
+    finally:
+        driver.kill()
+        driver.wait()
+    for node, found in enumerate(listened):
+        own = hosts.addresses[f"node{node}"]
+        assert own in found <= {own, LOOPBACK}, found
+    assert at_driver == set()
+    _, alive = psutil.wait_procs(running, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert all(agent.poll() is None for agent in agents)
+    # ...and then removes the run's cache there.
+    stores = lambda: [name for name in os.listdir("/dev/shm")
+                      if name.startswith(tuple(cache_prefix(agent.pid) for agent in agents))]
+    deadline = time.monotonic() + 10
+    while stores() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stores()
+
+
+def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
+    from dask.distributed import Client, LocalCluster
+
+    from pipeline.orchestration.node import AGENTS
+    from pipeline.run import ConfigError, _node_agents
+
+    with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
+        for node in (0, 2):  # as if agents were started with --node 0 and --node 2
+            client.set_metadata([AGENTS, str(node)], {"address": "127.0.0.1:1", "pid": 1, "gpus": 0,
+                                                      "gpu_memory": None})
+        cfg = compose_config(["+ensemble=caltech256", f"cluster.address={cluster.scheduler_address}",
+                              "cluster.nodes=2"])
+        with pytest.raises(ConfigError, match=r"cluster.nodes=2 but the scheduler at .* has node agents \[0, 2\]"):
+            _node_agents(cfg, None)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--host", "198.51.100.77", r"--host 198.51.100.77 is not an address of this host \(it has [\d., ]*127\.0\.0\.1"),
+    ("--interface", "nosuch0", "--interface nosuch0: this host has no such interface; it has .*lo"),
+])
+def test_an_agent_given_an_address_or_interface_not_its_own_says_so_in_one_line(flag, value, message, monkeypatch,
+                                                                                 capsys):
+    from pipeline.node import main
+
+    monkeypatch.setenv(AGENT_KEY_ENV, AGENT_KEY)
+    with pytest.raises(SystemExit) as exit_:
+        main(["tcp://127.0.0.1:1", "--node", "0", flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and re.search(message, err), err
+
+
+def test_an_agent_meets_its_peers_on_the_interface_of_its_address():
+    """Without --host, the address this host reaches the scheduler from; its interface carries the groups."""
+    from pipeline.node import address_towards, interface_of
+
+    assert address_towards("tls://127.0.0.1:8786") == LOOPBACK
+    assert interface_of(LOOPBACK) == "lo"
