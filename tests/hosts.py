@@ -4,8 +4,8 @@ The rules (those of the shared testhosts.sh): everything made here carries the p
 addresses are in TEST-NET-2 (198.51.100.0/24), checked free first; this machine's own interfaces, addresses,
 routes, firewall and /etc files are never touched (the bridge, made here, is this machine's end, at .1);
 a host's network is cut inside its own namespace only; all of it is removed however a test ends, and what a
-crashed earlier run left (its prefix) before a new one starts. Where namespaces cannot be made (not root, no
-`ip`), the test is skipped saying why.
+crashed earlier run left (its prefix) before a new one starts: so one test session at a time per machine.
+Where namespaces cannot be made (not root, no `ip`), the test is skipped saying why.
 """
 from __future__ import annotations
 
