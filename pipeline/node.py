@@ -42,10 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         key = agent_key(args.key_file, "--key-file")
         host = args.host or address_towards(args.scheduler)
-        interface = args.interface or interface_of(host)
-        if args.interface and args.interface not in psutil.net_if_addrs():
-            raise UserError(f"--interface {args.interface}: this host has no such interface; it has "
-                            f"{', '.join(sorted(psutil.net_if_addrs()))}")
+        interface = interface_for(host, args.interface)
     except UserError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     serve(args.scheduler, args.node, args.workers, args.threads, host, interface, key,
@@ -53,7 +50,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def address_towards(scheduler: str) -> str:
-    """This host's address on the route to `scheduler` (a datagram socket's connect sends nothing)."""
+    """This host's address on the route to `scheduler` (a datagram socket's connect sends nothing). Not
+    distributed.utils.get_ip: where there is no route, it falls back to the host name's address, a loopback
+    one on most hosts, with a warning only."""
     target = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}")
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
@@ -64,19 +63,24 @@ def address_towards(scheduler: str) -> str:
                         "hosts reach this one at with --host") from None
 
 
-def interface_of(address: str) -> str:
-    """The interface that holds `address`; a UserError if none does (an address of another host, or a name)."""
+def interface_for(host: str, named: str | None) -> str:
+    """The interface of process groups between hosts: `named` (--interface), else the one that holds
+    `host`. A UserError if `host` is not this host's (an address of another host, or a name that does
+    not resolve to one of its addresses), or if this host has no interface `named`."""
     try:
-        wanted = socket.gethostbyname(address)
+        wanted = socket.gethostbyname(host)
     except OSError:
-        raise UserError(f"--host {address}: not an address this host resolves; give one of its own") from None
+        raise UserError(f"--host {host}: not an address this host resolves; give one of its own") from None
     interfaces = psutil.net_if_addrs()
-    for name, addresses in interfaces.items():
-        if any(a.family == socket.AF_INET and a.address == wanted for a in addresses):
-            return name
-    own = sorted(a.address for addresses in interfaces.values() for a in addresses if a.family == socket.AF_INET)
-    raise UserError(f"--host {address} is not an address of this host (it has {', '.join(own)}): give the one "
-                    "other hosts reach it at")
+    holding = [name for name, addresses in interfaces.items()
+               if any(a.family == socket.AF_INET and a.address == wanted for a in addresses)]
+    if not holding:
+        own = sorted(a.address for addresses in interfaces.values() for a in addresses if a.family == socket.AF_INET)
+        raise UserError(f"--host {host} is not an address of this host (it has {', '.join(own)}): give the one "
+                        "other hosts reach it at")
+    if named and named not in interfaces:
+        raise UserError(f"--interface {named}: this host has no such interface; it has {', '.join(sorted(interfaces))}")
+    return named or holding[0]
 
 
 if __name__ == "__main__":

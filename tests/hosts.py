@@ -32,8 +32,8 @@ def _ip(*args: str, check: bool = True) -> str:
     return done.stdout
 
 
-def _remove_leftovers() -> None:
-    """What this fixture made, from an earlier run that crashed too: its namespaces (with whatever that run
+def _remove_ours() -> None:
+    """What this fixture made (also what a crashed earlier run left): its namespaces (with whatever was
     left running inside), its veths and its bridge, each waited for until gone, so that the names are
     free again."""
     namespaces = [line.split()[0] for line in _ip("netns", "list").splitlines()
@@ -84,7 +84,7 @@ class Hosts:
     def __enter__(self) -> Hosts:
         if os.geteuid() != 0 or not shutil.which("ip"):
             pytest.skip("test hosts are network namespaces: they need root and iproute2's ip")
-        _remove_leftovers()
+        _remove_ours()
         if f" {SUBNET}." in _ip("-4", "addr") or f"{SUBNET}." in _ip("-4", "route"):
             pytest.skip(f"{SUBNET}.0/24 is in use on this machine (ip -4 addr, ip -4 route): no test hosts there")
         route = _ip("-4", "route", "show", "default")
@@ -105,12 +105,12 @@ class Hosts:
                 _ip("-n", namespace, "link", "set", "lo", "up")
             assert _ip("-4", "route", "show", "default") == route, "this machine's default route changed"
         except BaseException:
-            _remove_leftovers()
+            _remove_ours()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        _remove_leftovers()
+        _remove_ours()
 
 
 def listening(pid: int) -> set[str]:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from pipeline.delivery.collective import LOOPBACK
 from pipeline.orchestration.node import AGENT_KEY_ENV
 from stages.base import UserError
 from stages.cache import cache_prefix
@@ -21,7 +22,6 @@ from tests.test_topology import MODELS, assert_every_batch_once_in_order_bit_ide
 
 AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
 HOSTS = ["scheduler", "node0", "node1", "driver"]
-LOOPBACK = "127.0.0.1"
 
 
 @contextmanager
@@ -266,24 +266,33 @@ def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_
             _node_agents(cfg, None)
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--host", "198.51.100.77", r"--host 198.51.100.77 is not an address of this host \(it has [\d., ]*127\.0\.0\.1"),
-    ("--interface", "nosuch0", "--interface nosuch0: this host has no such interface; it has .*lo"),
+NOT_OURS = r"--host 198.51.100.77 is not an address of this host \(it has [\d., ]*127\.0\.0\.1"
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--host", "198.51.100.77"], NOT_OURS),
+    (["--host", "198.51.100.77", "--interface", "lo"], NOT_OURS),  # a named interface does not excuse the address
+    (["--interface", "nosuch0"], "--interface nosuch0: this host has no such interface; it has .*lo"),
 ])
-def test_an_agent_given_an_address_or_interface_not_its_own_says_so_in_one_line(flag, value, message, monkeypatch,
+def test_an_agent_given_an_address_or_interface_not_its_own_says_so_in_one_line(options, message, monkeypatch,
                                                                                  capsys):
     from pipeline.node import main
 
     monkeypatch.setenv(AGENT_KEY_ENV, AGENT_KEY)
     with pytest.raises(SystemExit) as exit_:
-        main(["tcp://127.0.0.1:1", "--node", "0", flag, value])
+        main(["tcp://127.0.0.1:1", "--node", "0", *options])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and re.search(message, err), err
 
 
-def test_an_agent_meets_its_peers_on_the_interface_of_its_address():
-    """Without --host, the address this host reaches the scheduler from; its interface carries the groups."""
-    from pipeline.node import address_towards, interface_of
+def test_an_agent_reaching_its_scheduler_on_loopback_takes_loopback():
+    """Without --host, the address this host reaches the scheduler from, and that address's interface (or the
+    one named). Only loopback here: test_node_agents_on_hosts_of_their_own checks hosts' own addresses."""
+    import psutil
+
+    from pipeline.node import address_towards, interface_for
 
     assert address_towards("tls://127.0.0.1:8786") == LOOPBACK
-    assert interface_of(LOOPBACK) == "lo"
+    assert interface_for(LOOPBACK, None) == "lo"
+    other = next(name for name in psutil.net_if_addrs() if name != "lo")
+    assert interface_for(LOOPBACK, other) == other

@@ -83,11 +83,8 @@ def _tcp_store(init_method: str, rank: int, world: int, timeout: datetime.timede
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     if rank != 0:
         return dist.TCPStore(host, int(port), world, False, timeout)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, int(port)))
-    sock.listen(max(world, 128))
-    return dist.TCPStore(host, int(port), world, True, timeout, master_listen_fd=sock.detach())  # the store owns it
+    listening = socket.create_server((host, int(port)))
+    return dist.TCPStore(host, int(port), world, True, timeout, master_listen_fd=listening.detach())  # it owns it
 
 
 def make_groups(all_ranks: tuple[tuple[int, ...], ...], timeout_s: float) -> list:

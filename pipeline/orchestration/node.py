@@ -209,7 +209,7 @@ class NodeProcesses:
 
     def join(self, timeout: float) -> None:
         for child in [t.child for trainers in self.trainers.values() for t in trainers] + list(self.hubs.values()):
-            child.process.join(timeout)
+            child.join(timeout)
 
     def close(self, within: float | None = None) -> None:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take

@@ -47,6 +47,10 @@ class Child:
         """None while it runs; lifetime.how_it_ended says what a code means."""
         return self.process.exitcode
 
+    def join(self, timeout: float | None = None) -> None:
+        """Waits up to `timeout` seconds for it to end by itself."""
+        self.process.join(timeout)
+
     def send(self, command) -> None:
         """`command` is in the child's pipe when this returns. To a child that ended it goes nowhere:
         its exit code says so, and whoever reads the codes reports it."""
@@ -75,7 +79,7 @@ class Child:
                 self.talking = False
         if self.talking:
             raise TimeoutError(f"{self.name}: no message in {timeout:g} s")
-        self.process.join()
+        self.join()
         raise RuntimeError(f"{self.name} {how_it_ended(self.exitcode)} without a word")
 
     def stop(self, grace_s: float = 0.0) -> list:
