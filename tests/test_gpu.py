@@ -49,10 +49,11 @@ def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
 
 def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     """A fused array of two and a packed model, stepped once eagerly and once with CUDA graphs on the same
-    batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch eagerly
-    between replays, recaptures the array after a member leaves (step 7; replayed from step 10), and
-    ends with the eager group's losses and weights; a step with every unit captured never waits for the
-    host (sync debug mode raises). Mistakes it is meant to catch (not yet planted on a GPU to see it
+    batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch (an
+    epoch's last) eagerly the first time and replays it from its second, recaptures the array after a
+    member leaves (step 7; replayed from step 10, its odd size from step 14), and ends with the eager
+    group's losses and weights; a step with every unit replayed never waits for the host (sync debug
+    mode raises). Mistakes it is meant to catch (not yet planted on a GPU to see it
     fail): a replay handing out the graph's own loss tensor (later replays rewrite earlier losses), a
     learning rate baked into the graph (the schedule stops), a graph kept after the array is rebuilt."""
     import torch
@@ -69,21 +70,21 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     assert [len(u.names) for u in steps[True].units] == [2, 1] and steps[True].graphs
     random = torch.Generator().manual_seed(0)
     losses = {False: [], True: []}
-    for number in range(12):
-        rows = 10 if number == 5 else 16  # an epoch's last batch: another shape
+    for number in range(16):
+        rows = 10 if number in (5, 12, 13, 15) else 16  # an epoch's last batch: another shape
         images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
         labels = torch.randint(0, 4, (rows,), generator=random)
         for graphs, step in steps.items():
             if number == 7:
                 step.release("b")
             batch = {"main": (step.normalise(images), labels.cuda())}
-            every_unit_captured = graphs and number in (4, 5, 6, 11)  # (a capture synchronises)
-            torch.cuda.set_sync_debug_mode("error" if every_unit_captured else "default")
+            no_capture = graphs and number in (4, 5, 6, 11, 14, 15)  # (a capture synchronises)
+            torch.cuda.set_sync_debug_mode("error" if no_capture else "default")
             try:
                 losses[graphs].append(step.train(batch))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    assert all(unit.graph.captured for unit in steps[True].units)
+    assert [len(unit.graph.captured) for unit in steps[True].units] == [2, 2]
     for eager, graphed in zip(losses[False], losses[True]):
         assert eager.keys() == graphed.keys()
         for name in eager:
@@ -98,8 +99,8 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
 def test_torchvision_resnet18_members_fuse_by_vmap_and_train_as_they_do_packed():
     """torchvision.models.resnet18 (a module nobody here wrote), three AdamW members with their own lrs, on the
     GPU in bf16: check_members finds it fusable, and a fused array of the three (vmap) and the three packed
-    take 3 steps on the same batches to the same losses within bf16 tolerance. Written without a GPU at
-    hand (issue 23): not yet run on one."""
+    take 3 steps on the same batches to the same losses within bf16 tolerance. Passed on an H100
+    (2026-11-25)."""
     from dataclasses import replace
 
     import torch

@@ -280,13 +280,15 @@ def test_the_suite_runs_onednn_at_most_avx2_whatever_the_cpu():
     assert isa.endswith("Intel AVX") and all(not kernel.endswith(":avx2") for kernel in kernels), (isa, kernels)
 
 
-def test_a_step_graph_steps_eagerly_then_captures_once_and_replays(monkeypatch):
+def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(monkeypatch):
     """StepGraph's schedule, with torch's graph API faked (CI has no GPU; tests/test_gpu.py runs the real
     one): EAGER_STEPS eager steps, then one capture (the step recorded, inside the capture), then replays
-    only; each replay hands out a new copy of the captured losses. A capture that fails names the unit's
-    members and trainer.cuda_graphs. Planted mistakes it catches: capturing at once (before cuDNN and the
-    optimiser are warm), capturing again at every step, handing out the graph's own loss tensor."""
-    from pipeline.training.graphs import EAGER_STEPS, StepGraph
+    only; an epoch's last, smaller batch is stepped eagerly once, then captured and replayed too; each
+    replay hands out a new copy of the captured losses. StaticInputs keeps a pair per stream and shape, up
+    to SHAPES. A capture that fails names the unit's members and trainer.cuda_graphs. Planted mistakes it
+    catches: capturing at once (before cuDNN and the optimiser are warm), capturing again at every step,
+    a graph replayed on a batch of another shape, handing out the graph's own loss tensor."""
+    from pipeline.training.graphs import EAGER_STEPS, SHAPES, StaticInputs, StepGraph, shape_of
 
     events = []
 
@@ -308,11 +310,21 @@ def test_a_step_graph_steps_eagerly_then_captures_once_and_replays(monkeypatch):
         return captured
 
     graph = StepGraph(step, pool=None, names=("a", "b"))
-    losses = [graph(None, None) for _ in range(EAGER_STEPS + 3)]
-    assert events == ["step"] * EAGER_STEPS + ["capture", "step", "replay", "replay", "replay"]
-    assert graph.captured
+    full, last = (torch.zeros(4, 2), torch.zeros(4)), (torch.zeros(3, 2), torch.zeros(3))
+    losses = [graph(*batch) for batch in [full] * (EAGER_STEPS + 1) + [last, full, last, last, full]]
+    assert events == (["step"] * EAGER_STEPS + ["capture", "step", "replay"]  # the epoch's batches
+                      + ["step", "replay", "capture", "step", "replay", "replay", "replay"])  # its last one
+    assert graph.captured == [shape_of(*full), shape_of(*last)]
     assert all(torch.equal(loss, captured) for loss in losses)
-    assert all(loss is not captured for loss in losses[EAGER_STEPS:])
+    replayed = [losses[i] for i in (EAGER_STEPS, EAGER_STEPS + 2, EAGER_STEPS + 3, EAGER_STEPS + 4, EAGER_STEPS + 5)]
+    assert all(loss is not captured for loss in replayed)
+
+    inputs, other = StaticInputs(), (torch.zeros(5, 2), torch.zeros(5))
+    first = inputs.take("main", torch.ones(4, 2), torch.ones(4))
+    again = inputs.take("main", torch.full((4, 2), 2.0), torch.ones(4))
+    assert again[2] and again[0] is first[0] and first[0].eq(2).all()  # copied into the same pair
+    assert SHAPES == 2 and inputs.take("main", *last)[2] and inputs.take("other", *other)[2]
+    assert inputs.take("main", *other) == (*other, False)  # a third shape of one stream steps eagerly
 
     @contextlib.contextmanager
     def failing(graph, pool):
@@ -322,6 +334,6 @@ def test_a_step_graph_steps_eagerly_then_captures_once_and_replays(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", failing)
     broken = StepGraph(step, pool=None, names=("a", "b"))
     for _ in range(EAGER_STEPS):
-        broken(None, None)
+        broken(*full)
     with pytest.raises(RuntimeError, match=r"step of a, b cannot be captured .*trainer\.cuda_graphs=false"):
-        broken(None, None)
+        broken(*full)
