@@ -52,10 +52,12 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch (an
     epoch's last) eagerly the first time and replays it from its second, recaptures the array after a
     member leaves (step 7; replayed from step 10, its odd size from step 14), and ends with the eager
-    group's losses and weights; a step with every unit replayed never waits for the host (sync debug
-    mode raises). Mistakes it is meant to catch (not yet planted on a GPU to see it
-    fail): a replay handing out the graph's own loss tensor (later replays rewrite earlier losses), a
-    learning rate baked into the graph (the schedule stops), a graph kept after the array is rebuilt."""
+    group's losses and weights; validation's forwards, captured per batch shape too, give the eager
+    group's probabilities, and a training step after them the eager group's losses; a step with every
+    unit replayed never waits for the host (sync debug mode raises). Mistakes it is meant to catch (not
+    yet planted on a GPU to see it fail): a replay handing out the graph's own loss tensor (later replays
+    rewrite earlier losses), a learning rate baked into the graph (the schedule stops), a graph kept
+    after the array is rebuilt."""
     import torch
 
     from pipeline.training.group import GroupSpec, GroupStep
@@ -94,6 +96,26 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
         for key, tensor in eager["model"].items():
             torch.testing.assert_close(graphed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=f"{name}.{key}")
         assert graphed["optimizer"]["param_groups"] == eager["optimizer"]["param_groups"]
+    # Validation: eager forwards, then a capture and replays per batch shape, each giving the eager
+    # group's probabilities (a replay never waits for the host); training then goes on replaying.
+    for number in range(7):
+        rows = 10 if number in (4, 6) else 16
+        images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
+        probs = {}
+        for graphs, step in steps.items():
+            torch.cuda.set_sync_debug_mode("error" if graphs and number == 5 else "default")
+            try:
+                probs[graphs] = step.predict({"main": step.normalise(images)})
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for name in probs[False]:
+            torch.testing.assert_close(probs[True][name], probs[False][name], rtol=1e-4, atol=1e-5)
+    assert [len(unit.val_graph.captured) for unit in steps[True].units] == [2, 2]
+    images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=random)
+    labels = torch.randint(0, 4, (16,), generator=random).cuda()
+    after = {graphs: step.train({"main": (step.normalise(images), labels)}) for graphs, step in steps.items()}
+    for name in after[False]:
+        torch.testing.assert_close(after[True][name], after[False][name], rtol=1e-4, atol=1e-5)
 
 
 def test_torchvision_resnet18_members_fuse_by_vmap_and_train_as_they_do_packed():

@@ -363,7 +363,8 @@ class GroupStep:
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
-        self.static_inputs = StaticInputs() if self.graphs else None
+        self.static_inputs = StaticInputs() if self.graphs else None  # the training steps'
+        self.val_inputs = StaticInputs() if self.graphs else None  # validation's
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         for unit in self.units:
             self._new_graph(unit)
@@ -377,9 +378,12 @@ class GroupStep:
         return EAGER_STEPS + 1 if self.graphs else 0
 
     def _new_graph(self, unit) -> None:
-        """The unit's step graph, to be captured anew: at the start, and whenever its tensors change."""
-        unit.graph = (StepGraph(functools.partial(self._step, unit), self.graph_pool, unit.names)
-                      if self.graphs and unit.capturable else None)
+        """The unit's step graphs, training's and validation's, to be captured anew: at the start, and
+        whenever its tensors change."""
+        graphed = self.graphs and unit.capturable
+        unit.graph = StepGraph(functools.partial(self._step, unit), self.graph_pool, unit.names) if graphed else None
+        unit.val_graph = (StepGraph(functools.partial(self._probabilities, unit), self.graph_pool, unit.names)
+                          if graphed else None)
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
@@ -450,12 +454,23 @@ class GroupStep:
 
     def predict(self, inputs: dict[str, object]) -> dict[str, object]:
         """Each member's softmax on its stream's x, [N, classes] on the device."""
-        torch, probs = self.torch, {}
+        if self.val_inputs is None:
+            staged = {stream: (x, False) for stream, x in inputs.items()}
+        else:  # copied once into the graphs' inputs, where the batch has their shape
+            staged = {stream: self.val_inputs.take(stream, x) for stream, x in inputs.items()}
+        probs = {}
         for unit in self.units:
-            with torch.no_grad(), self._autocast():
-                logits = unit.logits(inputs[unit.input])
-            probs.update(zip(unit.names, torch.softmax(logits.float(), dim=-1)))
+            x, static = staged[unit.input]
+            unit_probs = unit.val_graph(x) if static and unit.val_graph else self._probabilities(unit, x)
+            probs.update(zip(unit.names, unit_probs))
         return probs
+
+    def _probabilities(self, unit, x):
+        """The unit's eager forward (what a validation graph captures): its members' softmax on x."""
+        torch = self.torch
+        with torch.no_grad(), self._autocast():
+            logits = unit.logits(x)
+        return torch.softmax(logits.float(), dim=-1)
 
     def _find(self, name: str) -> tuple[_Solo | _Array | _Stacked, int]:
         for unit in self.units:
