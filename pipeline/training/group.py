@@ -336,8 +336,9 @@ class GroupStep:
     model (a group of one on `world` slots) joins its process group first
     (`init_process_group`, pipeline/delivery/collective.py). Losses stay on the device: a step never waits for it.
     `in_hand`, where given, is told which members are inside their step. With `cuda_graphs`, each unit's
-    step on a GPU is captured once and replayed (pipeline/training/graphs.py), except under DDP and fp16
-    (the gradient scaler reads its overflow check on the host).
+    step and validation forward on a GPU are captured once per batch shape and replayed
+    (pipeline/training/graphs.py), except under DDP and fp16 (the gradient scaler reads its overflow check
+    on the host).
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,
