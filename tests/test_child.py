@@ -68,3 +68,39 @@ def test_a_child_that_ends_without_a_word_is_named_with_how_and_a_command_to_it_
     with pytest.raises(RuntimeError, match=r"test-dying was killed \(SIGKILL\).* without a word"):
         child.receive(30)
     child.send("anyone there?")
+
+
+def test_joining_a_node_s_processes_and_a_flotilla_s_nodes_shares_one_timeout(monkeypatch):
+    """NodeProcesses.join and Flotilla.join wait `timeout` in all, not `timeout` for each process or node:
+    here every child (and node) takes all the time it is given, on a fake clock. The mistake it catches:
+    the whole timeout given to each in turn (a run's exit could wait timeouts.exit_s times its processes)."""
+    from types import SimpleNamespace
+
+    from pipeline.orchestration import flotilla as flotilla_module, node as node_module
+
+    clock = [0.0]
+    fake_time = SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(node_module, "time", fake_time)
+    monkeypatch.setattr(flotilla_module, "time", fake_time)
+
+    class Lingering:
+        """A child or node that does not end: a join waits out the time it is given."""
+
+        def __init__(self):
+            self.given = []
+
+        def join(self, timeout):
+            self.given.append(timeout)
+            clock[0] += timeout
+
+    trainers, hub = [Lingering(), Lingering()], Lingering()
+    processes = object.__new__(node_module.NodeProcesses)  # join reads only its trainers and hubs
+    processes.trainers = {"g": [SimpleNamespace(child=child) for child in trainers]}
+    processes.hubs = {0: hub}
+    processes.join(5.0)
+    assert [child.given for child in trainers + [hub]] == [[5.0], [0], [0]]
+    nodes = [Lingering(), Lingering()]
+    flotilla = object.__new__(flotilla_module.Flotilla)  # join reads only its nodes
+    flotilla.nodes = dict(enumerate(nodes))
+    flotilla.join(3.0)
+    assert [node.given for node in nodes] == [[3.0], [0]]

@@ -11,6 +11,7 @@ its readers are detached and its trainers stopped while the others train on.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -250,8 +251,10 @@ class Flotilla:
         return [report for report in reports if not isinstance(report, TrainerError)]
 
     def join(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds in all for the processes of every node to end by themselves."""
+        deadline = time.monotonic() + timeout
         for node in self.nodes.values():
-            node.join(timeout)
+            node.join(max(deadline - time.monotonic(), 0))
 
     def close(self, within: float | None = None) -> None:
         """Stop every process and free the rings (at once, and once). `within`: seconds the whole

@@ -208,8 +208,10 @@ class NodeProcesses:
             self.unread += trainer.child.stop()
 
     def join(self, timeout: float) -> None:
+        """Waits up to `timeout` seconds in all for every process here to end by itself."""
+        deadline = time.monotonic() + timeout
         for child in [t.child for trainers in self.trainers.values() for t in trainers] + list(self.hubs.values()):
-            child.join(timeout)
+            child.join(max(deadline - time.monotonic(), 0))
 
     def close(self, within: float | None = None) -> None:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take

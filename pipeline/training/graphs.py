@@ -41,13 +41,12 @@ class StaticInputs:
     def take(self, stream: str, *batch) -> tuple:
         """(*tensors, staged): the static tensors now holding `batch`, staged True; or `batch` itself,
         False, when its stream has SHAPES other shapes already."""
-        known = self._static.setdefault(stream, {})
-        static = known.get(shape_of(*batch))
+        known, shape = self._static.setdefault(stream, {}), shape_of(*batch)
+        static = known.get(shape)
         if static is None:
             if len(known) >= SHAPES:
                 return *batch, False
-            # clones keep x's layout (channels_last on GPUs)
-            known[shape_of(*batch)] = static = tuple(t.clone() for t in batch)
+            known[shape] = static = tuple(t.clone() for t in batch)  # clones keep x's layout (channels_last)
             return *static, True
         for target, tensor in zip(static, batch):
             target.copy_(tensor)

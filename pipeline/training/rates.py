@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.delivery.collective import LocalRendezvous
-from pipeline.runtime.files import write_whole
 from pipeline.runtime.child import Child, messages, tell_parent
+from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, children_context, how_it_ended
 from pipeline.scheduler.cluster import RateTable
 from stages.base import UserError

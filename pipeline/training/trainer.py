@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.delivery.stream import MessageKind
-from pipeline.runtime.files import write_whole, written_whole
 from pipeline.runtime.child import tell_parent
+from pipeline.runtime.files import write_whole, written_whole
 from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
