@@ -5,9 +5,9 @@ import random
 import pytest
 
 from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetE, FleetG, FleetL,
-                                FormFlotilla, Homogeneous, ModelConverged, PrepCostMeasured, RateTable, RatesMeasured,
-                                Scheduler, Shared, Slot,
-                                SlotFreed, Start, Stop, TrainerFailed, assign_slots, greedy_flotilla, make_policy)
+                                FormFlotilla, Homogeneous, ModelConverged, NodeLost, NodeReturned, PrepCostMeasured,
+                                RateTable, RatesMeasured, Scheduler, Shared, Slot, SlotFreed, Start, Stop,
+                                TrainerFailed, assign_slots, greedy_flotilla, make_policy)
 from pipeline.scheduler.planner import longest_first, lookahead_flotilla, share_streams, spread_slots
 from pipeline.scheduler.exact import optimal_time, run_round
 from pipeline.scheduler.simulate import Instance, loss_curve, lower_bound, random_instance, simulate
@@ -86,7 +86,7 @@ def test_measured_preprocessing_cost_caps_the_flotillas_planned_after_it():
         scheduler.handle(ModelConverged(2.0, model))
     replan = []
     for slot in Cluster(1, 4).slots:
-        replan += scheduler.handle(SlotFreed(3.0, slot))
+        replan += scheduler.handle(SlotFreed(4.0, slot))
     second = of(FormFlotilla, replan)[0]
     assert second.rate == 25 * sum(second.members.values())
     restored = Scheduler(list(SEED_RATES), Cluster(1, 4, cores_per_node=8), FleetG(lookahead=0))
@@ -189,6 +189,41 @@ def test_failed_trainer_resumes_from_last_checkpoint_and_is_given_up_after_max_f
     scheduler.handle(TrainerFailed(5.0, "m", Slot(0, 0)))
     assert scheduler.handle(SlotFreed(6.0, Slot(0, 0))) == [] and scheduler.done
     assert scheduler.models["m"].status == "failed"
+
+
+def test_a_lost_node_fails_its_models_stops_its_flotillas_and_its_slots_wait_until_it_returns():
+    rates = {"a": (100,), "b": (100,), "c": (100,)}
+    scheduler = Scheduler(list(rates), Cluster(3, 1), FleetL(), checkpoint_every=2, max_failures=1)
+    first = started(scheduler, rates)
+    assert [d.slots for d in of(AssignSlots, first)] == [(slot,) for slot in Cluster(3, 1).slots]  # a, b, c
+    assert [d.members for d in of(FormFlotilla, first)] == [dict.fromkeys(rates, 1)]
+    for epoch in (1, 2, 3):  # checkpointed after epoch 2
+        for model in rates:
+            scheduler.handle(EpochFinished(float(epoch), model, epoch))
+    lost = scheduler.handle(NodeLost(3.5, 1))
+    assert lost == [Stop(0, m, "node 1 lost", flotilla_ends=m == "c") for m in "abc"]  # the flotilla spans it
+    assert [scheduler.models[m].failures for m in "abc"] == [0, 1, 0]  # only the model on it failed
+    assert {m: (s.status, s.epochs_done) for m, s in scheduler.models.items()} == dict.fromkeys(rates, ("waiting", 2))
+    assert scheduler.handle(NodeLost(3.6, 1)) == []  # told twice: once
+    replan = []
+    for slot in Cluster(3, 1).slots:  # node 1's slot stays lost
+        replan += scheduler.handle(SlotFreed(4.0, slot))
+    again = of(AssignSlots, replan)
+    assert {d.model for d in again} == {"a", "b"} and {d.slots for d in again} == {(Slot(0, 0),), (Slot(2, 0),)}
+    assert of(Start, replan) == [Start(1, "a", 2), Start(1, "b", 2)] and not scheduler.stranded
+    assert scheduler.slots[Slot(1, 0)] == "lost"
+    assert of(Start, scheduler.handle(NodeReturned(5.0, 1))) == [Start(2, "c", 2)]  # its slot in the next plan
+    with pytest.raises(ValueError, match="node 1 returned but was not lost"):
+        scheduler.handle(NodeReturned(6.0, 1))
+
+
+def test_models_no_slot_left_can_take_are_stranded_until_their_node_returns():
+    scheduler = Scheduler(["a", "b"], Cluster(2, 1), Shared({"a": 1, "b": 1}))  # both at once, or neither
+    assert len(of(Start, scheduler.start(0.0))) == 2
+    scheduler.handle(NodeLost(1.0, 0))
+    assert scheduler.handle(SlotFreed(2.0, Slot(1, 0))) == [] and scheduler.stranded == ["a", "b"]
+    assert not scheduler.done
+    assert len(of(Start, scheduler.handle(NodeReturned(3.0, 0)))) == 2 and scheduler.stranded == []
 
 
 def test_driver_mistakes_are_refused():

@@ -2,8 +2,8 @@
 exact solver). No Dask, no torch, no files: events in, decisions out.
 
 A driver sends events (`RatesMeasured`, `PrepCostMeasured`, `EpochFinished`,
-`ModelConverged`, `SlotFreed`, `TrainerFailed`) to `Scheduler.handle` and carries out the
-decisions it returns (`FormFlotilla`, `AssignSlots`, `Start`, `Join`, `Checkpoint`,
+`ModelConverged`, `SlotFreed`, `TrainerFailed`, `NodeLost`, `NodeReturned`) to
+`Scheduler.handle` and carries out the decisions it returns (`FormFlotilla`, `AssignSlots`, `Start`, `Join`, `Checkpoint`,
 `Stop`); the simulator drives the same code. See docs/scheduler.md.
 
 May import: `stages.base` (for `UserError`) and nothing else of the project;
@@ -11,8 +11,8 @@ every layer above may use its types (`Slot`, `RateTable`, `Cluster`).
 """
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla, Join,
-                                       ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
-                                       TrainerFailed)
+                                       ModelConverged, NodeLost, NodeReturned, PrepCostMeasured, RatesMeasured,
+                                       SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.machine import Scheduler
 from pipeline.scheduler.planner import assign_slots, greedy_flotilla
 from pipeline.scheduler.policies import (POLICIES, Baseline, FleetE, FleetG, FleetL, Homogeneous, Policy, Shared,
@@ -21,7 +21,7 @@ from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 
 __all__ = [
     "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetE", "FleetG",
-    "FleetL", "FormFlotilla", "Homogeneous", "Join", "ModelConverged", "POLICIES", "Policy", "PrepCostMeasured",
-    "RateTable", "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed",
+    "FleetL", "FormFlotilla", "Homogeneous", "Join", "ModelConverged", "NodeLost", "NodeReturned", "POLICIES",
+    "Policy", "PrepCostMeasured", "RateTable", "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed",
     "assign_slots", "greedy_flotilla", "make_policy",
 ]

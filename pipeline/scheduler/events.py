@@ -63,6 +63,24 @@ class TrainerFailed:
 
 
 @dataclass(frozen=True)
+class NodeLost:
+    """Node `node` is gone (its host killed, powered off or cut off): its slots are lost until it
+    returns; the models training there count a failure, and every flotilla it was part of stops. All
+    of their models resume from their last checkpoints on the slots left."""
+
+    time: float
+    node: int
+
+
+@dataclass(frozen=True)
+class NodeReturned:
+    """Node `node`, lost before, is back (its agent started again): its slots are free."""
+
+    time: float
+    node: int
+
+
+@dataclass(frozen=True)
 class PrepCostMeasured:
     """The pipeline's preprocessing cost as the run measures it: worker core-seconds per image (a probe
     before the first plan, then the run's own stage timings after each epoch). Flotillas planned after
@@ -72,7 +90,8 @@ class PrepCostMeasured:
     seconds_per_image: float
 
 
-Event = RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed | PrepCostMeasured
+Event = (RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed | NodeLost | NodeReturned
+         | PrepCostMeasured)
 
 # ------------------------------------------------------------- decisions out
 
@@ -148,7 +167,7 @@ class Checkpoint(Caused):
 class Stop(Caused):
     """Stop the trainers of `model` and release its slots (send `SlotFreed` for each).
 
-    `reason` is "converged", "flotilla stopped" or "failed". `flotilla_ends`
+    `reason` is "converged", "flotilla stopped", "failed" or "node <i> lost". `flotilla_ends`
     is set on the last member: the flotilla's pipeline can be torn down.
     """
 

@@ -10,16 +10,16 @@ import random
 from dataclasses import asdict, dataclass, field, replace
 
 from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla, Join,
-                                       ModelConverged, PrepCostMeasured, RatesMeasured, SlotFreed, Start, Stop,
-                                       TrainerFailed, cause_of)
+                                       ModelConverged, NodeLost, NodeReturned, PrepCostMeasured, RatesMeasured,
+                                       SlotFreed, Start, Stop, TrainerFailed, cause_of)
 from pipeline.scheduler.planner import assign_slots
 from pipeline.scheduler.policies import Policy
-from pipeline.scheduler.cluster import Cluster, RateTable, Slot
+from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 from pipeline.scheduler.topology import Topology, choose_topology, split_streams, stream_rate
 
 WAITING, RUNNING, CONVERGED, FAILED = "waiting", "running", "converged", "failed"
 TRAIN_LOSS = "train_loss"  # the metric of `EpochFinished` that training phases are read from
-FREE, BUSY, RELEASING = "free", "busy", "releasing"
+FREE, BUSY, RELEASING, LOST = "free", "busy", "releasing", "lost"  # LOST: on a node that is gone
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Scheduler:
     Planning starts when every model's rates are in (for the policies that
     need one). A model whose trainers
     fail more than `max_failures` times is given up (status "failed").
+    A lost node's slots are out of its plans until the node returns.
     """
 
     def __init__(self, models: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
@@ -71,6 +72,7 @@ class Scheduler:
         self.table = RateTable()
         self.models = {m: ModelState() for m in models}
         self.slots = {s: FREE for s in cluster.slots}
+        self.lost: set[int] = set()  # nodes gone (NodeLost) and not back
         self.flotillas: dict[int, FlotillaState] = {}
         self.next_flotilla = 0
         self.now = 0.0
@@ -78,9 +80,17 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        """Every model converged or was given up, and every slot is free."""
+        """Every model converged or was given up, and every slot is free (or lost)."""
         return (all(s.status in (CONVERGED, FAILED) for s in self.models.values())
-                and all(state == FREE for state in self.slots.values()))
+                and all(state in (FREE, LOST) for state in self.slots.values()))
+
+    @property
+    def stranded(self) -> list[str]:
+        """Models that wait for slots no node left can give: nodes were lost, nothing runs or is being
+        released, and the policy planned nothing. The run cannot go on until a lost node returns."""
+        if not self.lost or self.flotillas or RELEASING in self.slots.values():
+            return []
+        return sorted(m for m, s in self.models.items() if s.status == WAITING)
 
     def start(self, time: float) -> list[Decision]:
         """The driver is ready: the first plan, for policies that need no
@@ -151,6 +161,10 @@ class Scheduler:
             decisions = self._slot_freed(event)
         elif isinstance(event, TrainerFailed):
             decisions = self._failed(event)
+        elif isinstance(event, NodeLost):
+            decisions = self._node_lost(event)
+        elif isinstance(event, NodeReturned):
+            decisions = self._node_returned(event)
         elif isinstance(event, PrepCostMeasured):
             self.cluster = replace(self.cluster, prep_seconds_per_image=event.seconds_per_image)
             decisions = []
@@ -227,7 +241,43 @@ class Scheduler:
         state.epochs_done = state.checkpoint_epoch
         return self._leave(event.model, "failed")
 
+    def _node_lost(self, event: NodeLost) -> list[Decision]:
+        if event.node in self.lost:
+            return []
+        self.lost.add(event.node)
+        decisions: list[Decision] = []
+        reason = f"node {event.node} lost"
+        for flotilla_id, flotilla in sorted(self.flotillas.items()):
+            if event.node not in {s.node for m in flotilla.active for s in flotilla.members[m]}:
+                continue
+            for model in sorted(flotilla.active):  # its pipeline spans the lost node: every member stops
+                state, slots = self.models[model], flotilla.members[model]
+                if any(slot.node == event.node for slot in slots):
+                    state.failures += 1
+                state.status = FAILED if state.failures > self.max_failures else WAITING
+                state.epochs_done, state.flotilla = state.checkpoint_epoch, None
+                for slot in slots:
+                    self.slots[slot] = RELEASING
+                flotilla.active.discard(model)
+                decisions.append(Stop(flotilla_id, model, reason, flotilla_ends=not flotilla.active))
+            del self.flotillas[flotilla_id]
+        for slot in self.slots:
+            if slot.node == event.node:
+                self.slots[slot] = LOST
+        return decisions
+
+    def _node_returned(self, event: NodeReturned) -> list[Decision]:
+        if event.node not in self.lost:
+            raise ValueError(f"node {event.node} returned but was not lost; send NodeReturned only after NodeLost")
+        self.lost.discard(event.node)
+        for slot in self.slots:
+            if slot.node == event.node:
+                self.slots[slot] = FREE
+        return []
+
     def _slot_freed(self, event: SlotFreed) -> list[Decision]:
+        if self.slots.get(event.slot) == LOST:  # its node was lost meanwhile: nothing to free
+            return []
         if self.slots.get(event.slot) != RELEASING:
             raise ValueError(
                 f"slot {event.slot} was freed but is {self.slots.get(event.slot, 'not in the cluster')}; "
@@ -315,7 +365,12 @@ class Scheduler:
             free = [s for s, state in self.slots.items() if state == FREE]
             if not waiting or not free:
                 return decisions
-        groups = self.policy.form(waiting, table, self.cluster, free, self.rng)
+        try:
+            groups = self.policy.form(waiting, table, self.cluster, free, self.rng)
+        except PlacementError:
+            if not self.lost:
+                raise
+            groups = []  # what the lost nodes' slots would take: the models wait (`stranded`)
         placement = assign_slots({m: g for group in groups for m, g in group.items()}, free)
         for group in groups:
             flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
@@ -329,7 +384,7 @@ class Scheduler:
                 for slot in placement[m]:
                     self.slots[slot] = BUSY
                 decisions.append(Start(flotilla_id, m, resume_epoch=state.checkpoint_epoch))
-        if not self.flotillas:
+        if not self.flotillas and not self.lost:
             raise RuntimeError(
                 f"no flotilla can start: waiting models {waiting} do not fit the free slots "
                 f"{sorted(map(str, free))}; check the rate table against the cluster's slots per node")
