@@ -5,7 +5,8 @@ How it ends is its exit code (pipeline.config.ExitCode, the table in
 docs/configuration.md). A user's mistake (stages.base.UserError: config,
 slots, memory, dataset, a bad file under on_error=fail) is one message on
 stderr and code 2; with HYDRA_FULL_ERROR=1 its traceback too. Ctrl-C or
-SIGTERM stops the run in order (130, 143) and says how to resume it. Errors
+SIGTERM stops the run in order (130, 143) and says how to resume it; so does
+a run that lost hosts and has no slot left for its models (5). Errors
 Hydra raises while composing the config keep Hydra's own message and code."""
 import shlex
 import sys
@@ -39,9 +40,9 @@ def main(cfg: DictConfig) -> None:
             sys.exit(ExitCode.hung)
     if "interrupted" in results:
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
-        print(f"stopped ({results['interrupted']['signal']}); to resume: python -m pipeline "
+        print(f"stopped ({results['interrupted']['cause']}); to resume: python -m pipeline "
               f"{shlex.join(overrides)} {results['interrupted']['resume']}", file=sys.stderr)
-        sys.exit(128 + stop.signum)
+        sys.exit(128 + stop.signum if stop.signum else ExitCode.nodes_lost)
     if results.get("given_up"):
         sys.exit(ExitCode.models_given_up)
 

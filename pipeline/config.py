@@ -44,6 +44,7 @@ class ExitCode(enum.IntEnum):
     user_error = 2  # config, data, slots, memory: one message says what and the fix
     models_given_up = 3  # trained, but a model failed more than scheduler.max_failures times
     hung = 4  # something the run waited for did not come within its timeout
+    nodes_lost = 5  # hosts were lost and no slot left can take the models still to train: resume=<run folder>
     sigint = 130  # stopped by Ctrl-C: resume=<run folder> continues it
     sigterm = 143  # stopped by SIGTERM: the same
 

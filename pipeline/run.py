@@ -269,7 +269,13 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
             driver.run(first, stop)
     training_s = time.perf_counter() - training_started
     if stop.requested.is_set():
-        results["interrupted"] = {"signal": signal.Signals(stop.signum).name, "resume": f"resume={output_dir}"}
+        results["interrupted"] = {"cause": signal.Signals(stop.signum).name, "resume": f"resume={output_dir}"}
+    elif driver.stranded:  # hosts were lost: what is left cannot train the rest
+        lost = sorted(scheduler.lost)
+        results["interrupted"] = {
+            "cause": f"lost node {', '.join(map(str, lost))}; no slot left can take {', '.join(scheduler.stranded)}: "
+                     "start the lost nodes' agents again (python -m pipeline.node <scheduler> --node <i>)",
+            "resume": f"resume={output_dir}", "lost_nodes": lost}
     if driver.given_up:
         results["given_up"] = driver.given_up
     results.update({

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.runtime.lifetime import REPEAT_S, StopSignals, remove_stale_shm
+from pipeline.runtime.lifetime import REPEAT_S, StopSignals, remove_stale_semaphores, remove_stale_shm
 from pipeline.run import run
 from tests.conftest import compose_config
 
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
     resume_lines = [line for line in output.splitlines() if "to resume:" in line]
     assert len(resume_lines) == 1 and resume_lines[0].endswith(f"resume={stopped}"), output[-2000:]
     results = json.loads((stopped / "results.json").read_text())
-    assert results["interrupted"]["signal"] == "SIGINT"
+    assert results["interrupted"]["cause"] == "SIGINT"
     assert "Interrupted (SIGINT)" in (stopped / "report.html").read_text()
     done = {m["name"]: m["epochs"] for m in results["models"]}
     assert min(done.values()) >= 3
@@ -248,6 +248,35 @@ def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
             Path("/dev/shm", name).unlink(missing_ok=True)
 
 
+def test_semaphores_no_live_process_holds_are_removed_and_held_ones_kept():
+    """A process killed outright together with its resource tracker (a host's agent and everything under it)
+    leaves its named semaphores in /dev/shm: an agent started again there removes them, never one that a
+    live process holds."""
+    import multiprocessing as mp
+
+    make = ("import multiprocessing as mp, sys; from multiprocessing import resource_tracker; "
+            "lock = mp.get_context('forkserver').Lock(); "
+            "print(lock._semlock.name, resource_tracker._resource_tracker._pid, flush=True); sys.stdin.read()")
+    maker = subprocess.Popen([sys.executable, "-c", make], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    name, tracker = maker.stdout.readline().split()
+    stale = Path("/dev/shm", "sem." + name.lstrip("/"))
+    held = mp.get_context("forkserver").Lock()  # this process holds it
+    live = Path("/dev/shm", "sem." + held._semlock.name.lstrip("/"))
+    try:
+        assert stale.exists() and live.exists()
+        assert stale.name not in remove_stale_semaphores() and stale.exists()  # its maker holds it
+        os.kill(int(tracker), signal.SIGKILL)  # first: else it unlinks what its dead client leaked
+        maker.kill()
+        maker.wait()
+        assert stale.exists()
+        removed = remove_stale_semaphores()
+        assert stale.name in removed and live.name not in removed
+        assert not stale.exists() and live.exists()
+    finally:
+        maker.kill()
+        stale.unlink(missing_ok=True)
+
+
 def test_a_model_given_up_makes_the_run_exit_non_zero_and_is_listed(data, tmp_path):
     """scheduler.max_failures=0: a trainer killed once and its model is given up; the others train on,
     the run ends with exit code 3 naming it."""
@@ -291,7 +320,7 @@ def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_nev
     threading.Thread(target=sigterm_after_the_first_epoch, daemon=True).start()
     with StopSignals() as stop:
         first = run(compose_config(overrides(data, *settings)), stopped, stop)
-    assert first["interrupted"]["signal"] == "SIGTERM"
+    assert first["interrupted"]["cause"] == "SIGTERM"
     assert any(m["epochs"] < 3 for m in first["models"])
     whole = run(compose_config(overrides(data, *settings, f"resume={stopped}")), tmp_path / "unused")
     assert "interrupted" not in whole

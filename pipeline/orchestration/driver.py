@@ -33,9 +33,10 @@ from pipeline.delivery.topology import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
+from pipeline.orchestration.node import HostLost
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
-from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged,
+from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged, NodeLost,
                                 PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.gantt import Bar, Gantt
@@ -103,6 +104,14 @@ class MemberLeft:
 
 
 @dataclass(frozen=True)
+class HostGone:
+    """A node the flotilla spans was lost: the thread closed what it could reach of the flotilla."""
+
+    thread: FlotillaThread
+    lost: HostLost
+
+
+@dataclass(frozen=True)
 class ThreadFailed:
     thread: FlotillaThread
     error: BaseException
@@ -116,7 +125,7 @@ class ThreadEnded:
     saved: dict[str, int]
 
 
-ThreadEvent = EpochDone | MemberLeft | ThreadFailed | ThreadEnded
+ThreadEvent = EpochDone | MemberLeft | HostGone | ThreadFailed | ThreadEnded
 
 
 # Driver -> flotilla thread, after each epoch: checkpoints to write, groups to stop, models to release
@@ -190,6 +199,10 @@ class FlotillaThread(threading.Thread):
         self.stop_requested.set()
         self.commands.put(Continue())  # it may be waiting for the main thread
 
+    @property
+    def nodes(self) -> set[int]:
+        return {node for member in self.members for node in member.nodes}
+
     def _check_stop(self) -> None:
         if self.stop_requested.is_set():
             raise Stopping
@@ -197,6 +210,8 @@ class FlotillaThread(threading.Thread):
     def run(self) -> None:
         try:
             self._train()
+        except HostLost as lost:
+            self.events.put(HostGone(self, lost))
         except BaseException as err:  # handed to the main thread, which stops the run
             self.events.put(ThreadFailed(self, err))
         finally:
@@ -456,6 +471,8 @@ class Driver:
         self.threads: dict[int, FlotillaThread] = {}  # running
         self.assigned: dict[str, tuple[Slot, ...]] = {}
         self.gone: set[str] = set()  # groups whose trainers failed: their flotilla already let them go
+        self.broken: set[int] = set()  # flotillas that spanned a lost node: their threads are closing them
+        self.freed_at_end: dict[int, list[str]] = {}  # broken flotilla -> groups whose slots free as it ends
         self.converged: set[str] = set()  # models
         self.started = time.monotonic()
         self.log: list[dict] = []  # every decision, for results.json
@@ -464,6 +481,11 @@ class Driver:
 
     def now(self) -> float:
         return time.monotonic() - self.started
+
+    @property
+    def stranded(self) -> bool:
+        """Nodes were lost, nothing runs, and no slot left can take the models still to train."""
+        return bool(self.scheduler.stranded) and not self.threads
 
     @property
     def given_up(self) -> list[str]:
@@ -496,7 +518,7 @@ class Driver:
         try:
             self._apply_decisions(first_decisions)
             self._save_state()
-            while not (self.scheduler.done or (self.stopping and not self.threads)):
+            while not (self.scheduler.done or (self.stopping and not self.threads) or self.stranded):
                 if stop.requested.is_set() and not self.stopping:
                     self.stopping, stop_by = True, time.monotonic() + self.run_ctx.stop_s
                     for thread in self.threads.values():
@@ -519,23 +541,33 @@ class Driver:
         # A flotilla thread may fail while closing, after the scheduler is done: that is an error too.
         while not self.events.empty():
             event = self.events.get()
-            if isinstance(event, ThreadFailed) and not self.stopping:
+            if isinstance(event, ThreadFailed) and not (self.stopping or event.thread.flotilla_id in self.broken):
                 raise event.error
         self.gantt.close(self.now())
         self._save_state()  # as the run ended: a resumed run's clock and Gantt chart go on from there
 
     def _handle(self, event: ThreadEvent) -> None:
         if isinstance(event, ThreadFailed):
-            if not self.stopping:
+            flotilla = event.thread.flotilla_id
+            if not (self.stopping or flotilla in self.broken):
                 raise event.error
-            self.console.print(f"[yellow]flotilla {event.thread.flotilla_id} failed while stopping[/]: {event.error}")
+            why = "while stopping" if self.stopping else "as it broke up"
+            self.console.print(f"[yellow]flotilla {flotilla} failed {why}[/]: {event.error}")
         elif isinstance(event, EpochDone):
-            self._epoch_finished(event.thread, event.reports, event.failed)
+            if event.thread.flotilla_id in self.broken:  # its models redo the epoch from their checkpoints
+                event.thread.commands.put(Continue())
+            else:
+                self._epoch_finished(event.thread, event.reports, event.failed)
         elif isinstance(event, MemberLeft):
             self._free_slots(event.group)
+        elif isinstance(event, HostGone):
+            self._host_lost(event.lost)
         elif isinstance(event, ThreadEnded):
             event.thread.join()
             self.threads.pop(event.thread.flotilla_id, None)
+            self.broken.discard(event.thread.flotilla_id)
+            for group in self.freed_at_end.pop(event.thread.flotilla_id, []):
+                self._free_slots(group)
             for group, epochs in event.saved.items():
                 self.scheduler.checkpointed(group, epochs)
                 for model in self.groups[group].members:
@@ -544,6 +576,22 @@ class Driver:
     def _free_slots(self, group: str) -> None:
         for slot in self.assigned.pop(group, ()):
             self._apply_decisions(self.scheduler.handle(SlotFreed(self.now(), slot)))
+
+    def _host_lost(self, lost: HostLost) -> None:
+        """Says which node was lost; its models count a failure; every flotilla spanning it breaks up, and
+        the scheduler plans their models on the nodes left, from their last checkpoints."""
+        node = next(n for n, agent in self.run_ctx.delivery.agents.items() if agent["address"] == lost.address)
+        if node in self.scheduler.lost:
+            return
+        self.broken |= {flotilla for flotilla, thread in self.threads.items() if node in thread.nodes}
+        there = sorted(group for group, slots in self.assigned.items() if any(s.node == node for s in slots))
+        self.console.print(f"[red]node {node} lost[/]: {lost}; " + (
+            f"{', '.join(there)} failed there, and " if there else "") + "the models of its flotillas resume from "
+            "their last checkpoints on the nodes left")
+        for group in there:
+            for model in self.groups[group].members:
+                self.run_ctx.recorder.failed(model.name, f"node {node} lost: {lost}")
+        self._apply_decisions(self.scheduler.handle(NodeLost(self.now(), node)))
 
     def _trainer_failed(self, group: str, why: str) -> list:
         self.console.print(f"[red]trainer of {group} failed[/] ({why.strip().splitlines()[-1]}); "
@@ -641,7 +689,9 @@ class Driver:
                     self._checkpoint(thread, decision.model, models, decision.epoch)
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
-                if decision.model in self.gone:  # its trainers are already stopped
+                if decision.flotilla in self.broken:  # its thread is closing its processes
+                    self.freed_at_end.setdefault(decision.flotilla, []).append(decision.model)
+                elif decision.model in self.gone:  # its trainers are already stopped
                     self.gone.discard(decision.model)
                     self._free_slots(decision.model)
                 else:

@@ -34,7 +34,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing import connection
-from multiprocessing.managers import BaseManager
+from multiprocessing.managers import BaseManager, MakeProxyType, public_methods
 
 import psutil
 
@@ -43,7 +43,8 @@ from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_a
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.runtime.child import Child, messages
-from pipeline.runtime.lifetime import children_context, remove_shm, remove_shm_of
+from pipeline.runtime.lifetime import (children_context, remove_shm, remove_shm_of, remove_stale_semaphores,
+                                       remove_stale_shm)
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -294,13 +295,36 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+class HostLost(RuntimeError):
+    """A node's agent no longer answers the driver: its host is gone (killed, powered off, cut off)."""
+
+    def __init__(self, address: str, why: str, node: int | None = None):
+        whose = "the agent" if node is None else f"node {node}'s agent"
+        super().__init__(f"{whose} at {address} does not answer ({why})")
+        self.address, self.why = address, why
+
+
+def _proxy_type(served: type) -> type:
+    """The driver's proxy of a `served` object in an agent: a broken connection to the agent is HostLost."""
+
+    class Proxy(MakeProxyType(f"{served.__name__}Proxy", public_methods(served))):
+        def _callmethod(self, methodname, args=(), kwds={}):
+            try:
+                return super()._callmethod(methodname, args, kwds)
+            except (EOFError, ConnectionError) as err:
+                host, port = self._token.address
+                raise HostLost(f"{host}:{port}", f"{type(err).__name__}: {err}".rstrip(": ")) from None
+
+    return Proxy
+
+
 class _Agent(BaseManager):
     """multiprocessing's manager protocol: the driver creates NodeProcesses (a flotilla's processes on the
     node) and HostRates (the rate measurement) in an agent and calls them."""
 
 
-_Agent.register("NodeProcesses", NodeProcesses)
-_Agent.register("HostRates", HostRates)
+_Agent.register("NodeProcesses", NodeProcesses, proxytype=_proxy_type(NodeProcesses))
+_Agent.register("HostRates", HostRates, proxytype=_proxy_type(HostRates))
 
 
 def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: bytes | None,
@@ -379,8 +403,8 @@ def _connect(node: int, agent: dict, key: bytes | None) -> tuple[_Agent, str]:
                         "driver the secret its agents were started with (cluster.agent_key_file or "
                         f"{AGENT_KEY_ENV})") from None
     except OSError as err:
-        raise RuntimeError(f"node {node}'s agent at {agent['address']} does not answer ({err}); start it again on "
-                           f"its host: python -m pipeline.node <scheduler> --node {node}") from None
+        raise HostLost(agent["address"], f"{err}; start it again on its host: python -m pipeline.node <scheduler> "
+                                         f"--node {node}", node) from None
     return manager, host
 
 
@@ -452,6 +476,9 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
+    left = remove_stale_shm() + remove_stale_semaphores()  # of an agent killed outright here, and its children
+    if left:
+        log.info("node %d: removed what dead processes left in /dev/shm: %s", node, ", ".join(left))
     use_interface(interface)  # before the fork server starts: every child inherits it
     children_context()  # the fork server of the flotillas' children imports torch while the workers start
 

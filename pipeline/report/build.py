@@ -106,7 +106,7 @@ def terminal_summary(results: dict, analysis: Analysis, html_path: Path, dask_re
                      + ", ".join(f"{part} {_part(s, part)}" for part in ("fetch", "preprocessing", "transport")))
     lines.append(f"  report: {html_path}" + (f"  Dask: {html_path.with_name(dask_report)}" if dask_report else ""))
     if results.get("interrupted"):
-        lines.insert(0, f"INTERRUPTED ({results['interrupted']['signal']}): the figures cover the run until then")
+        lines.insert(0, f"INTERRUPTED ({results['interrupted']['cause']}): the figures cover the run until then")
     return "\n".join(lines)
 
 
@@ -135,7 +135,7 @@ def _how_it_ended(results: dict) -> str:
     notes = []
     if results.get("interrupted"):
         stop = results["interrupted"]
-        notes.append(f"Interrupted ({stop['signal']}): every model's last finished epoch is checkpointed; "
+        notes.append(f"Interrupted ({stop['cause']}): every model resumes from its last checkpoint; "
                      f"run the same command with {stop['resume']} to continue.")
     if results.get("given_up"):
         notes.append(f"Given up after scheduler.max_failures failures: {', '.join(results['given_up'])} "

@@ -11,7 +11,9 @@
   exit, removing what the run had in /dev/shm, if it dies without a word
   (SIGKILL, the OOM killer).
 * The next run (`remove_stale_shm`): removes what a run killed outright left in
-  /dev/shm: entries whose owner process is gone (their names carry its pid).
+  /dev/shm: entries whose owner process is gone (their names carry its pid). A
+  node agent started again also removes the semaphores no live process holds
+  (`remove_stale_semaphores`): a host killed outright leaves its agent's.
 """
 from __future__ import annotations
 
@@ -211,6 +213,38 @@ def remove_stale_shm() -> list[str]:
             owners.add(int(match.group(1)))
     return [name for pid in sorted(owners) if not _alive(pid)
             for prefix in (f"ensemble-{pid}-", f"ensemble-out-{pid}-") for name in remove_shm(prefix)]
+
+
+def remove_stale_semaphores() -> list[str]:
+    """Remove multiprocessing's named semaphores (sem.mp-*) of this user that no live process has open:
+    left by processes killed outright together with their resource tracker (a lost host's agent). A
+    process holding a semaphore maps its file (under the temporary name it was made with: it is known by
+    its inode); a process whose maps this user cannot read (another user's) cannot open this user's
+    semaphores (mode 0600). Returns the names removed."""
+    ours = {}  # inode -> path
+    for path in glob.glob(os.path.join(SHM_DIR, "sem.mp-*")):
+        try:
+            status = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if status.st_uid == os.getuid():
+            ours[status.st_ino] = path
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as file:
+                for line in file:
+                    if f"{SHM_DIR}/sem." in line:
+                        ours.pop(int(line.split()[4]), None)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    removed = []
+    for path in ours.values():
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:
+            pass
+    return sorted(removed)
 
 
 def _alive(pid: int) -> bool:

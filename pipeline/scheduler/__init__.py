@@ -3,8 +3,8 @@ exact solver). No Dask, no torch, no files: events in, decisions out.
 
 A driver sends events (`RatesMeasured`, `PrepCostMeasured`, `EpochFinished`,
 `ModelConverged`, `SlotFreed`, `TrainerFailed`, `NodeLost`, `NodeReturned`) to
-`Scheduler.handle` and carries out the decisions it returns (`FormFlotilla`, `AssignSlots`, `Start`, `Join`, `Checkpoint`,
-`Stop`); the simulator drives the same code. See docs/scheduler.md.
+`Scheduler.handle` and carries out the decisions it returns (`FormFlotilla`,
+`AssignSlots`, `Start`, `Join`, `Checkpoint`, `Stop`); the simulator drives the same code. See docs/scheduler.md.
 
 May import: `stages.base` (for `UserError`) and nothing else of the project;
 every layer above may use its types (`Slot`, `RateTable`, `Cluster`).
@@ -22,6 +22,6 @@ from pipeline.scheduler.cluster import Cluster, RateTable, Slot
 __all__ = [
     "AssignSlots", "Baseline", "Checkpoint", "Cluster", "Decision", "EpochFinished", "Event", "FleetE", "FleetG",
     "FleetL", "FormFlotilla", "Homogeneous", "Join", "ModelConverged", "NodeLost", "NodeReturned", "POLICIES",
-    "Policy", "PrepCostMeasured", "RateTable", "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start", "Stop", "TrainerFailed",
-    "assign_slots", "greedy_flotilla", "make_policy",
+    "Policy", "PrepCostMeasured", "RateTable", "RatesMeasured", "Scheduler", "Shared", "Slot", "SlotFreed", "Start",
+    "Stop", "TrainerFailed", "assign_slots", "greedy_flotilla", "make_policy",
 ]
