@@ -22,11 +22,18 @@ LABELS = np.array([0, 1])
 class StandIn:
     """A flotilla thread that only takes the main thread's commands."""
 
-    def __init__(self, flotilla_id, members, run, events, first_epoch=0):
-        self.flotilla_id, self.members = flotilla_id, members
+    def __init__(self, formed, members, run, events, first_epoch=0):
+        self.flotilla_id, self.members = formed.flotilla, members
         self.commands: queue.Queue = queue.Queue()
 
+    @property
+    def nodes(self) -> set[int]:
+        return {node for member in self.members for node in member.nodes}
+
     def start(self):
+        pass
+
+    def join(self):
         pass
 
     def taken(self) -> list:
@@ -101,6 +108,44 @@ def test_the_saved_state_forms_the_running_flotillas_again_from_their_checkpoint
     again._apply_decisions(decisions)  # joining again after 2 epochs forgets epoch 3: it is done again
     assert again.run_ctx.recorder.accuracies("a") == [0.5, 0.5]
     assert not any(isinstance(d, Checkpoint) for d in decisions)
+
+
+def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_and_strands_what_cannot_fit(
+        tmp_path, monkeypatch):
+    """scheduler=shared, a on node 0 and b on node 1, one flotilla. Node 1's agent stops answering: one line
+    names the node and the agent's address; b counts a failure, a does not; the slots are free only once the
+    flotilla's thread has closed what it could reach; then nothing left can take both: the run stops."""
+    from types import SimpleNamespace
+
+    from pipeline.orchestration.driver import HostGone, ThreadEnded
+    from pipeline.orchestration.node import HostLost
+    from pipeline.runtime.lifetime import StopSignals
+    from pipeline.scheduler import Shared
+
+    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
+    models = [spec("a"), spec("b")]
+    scheduler = Scheduler(["a", "b"], Cluster(2, 1), Shared({"a": 1, "b": 1}))
+    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
+    agents = {0: {"address": "198.51.100.2:4000"}, 1: {"address": "198.51.100.3:4000"}}
+    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
+    context = RunContext(None, None, delivery, recorder, None, 60.0, 10.0, tmp_path / "state")
+    said = io.StringIO()
+    driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
+                    {Slot(0, 0): "cpu", Slot(1, 0): "cpu"}, Convergence(5, None, 0, 0.005), context,
+                    Console(file=said, width=400))
+    driver._apply_decisions(scheduler.start(0.0))
+    thread = driver.threads[0]
+    driver._handle(HostGone(thread, HostLost("198.51.100.3:4000", "EOFError")))
+    (line,) = [line for line in said.getvalue().splitlines() if "lost" in line and "answer" in line]
+    assert line.startswith("node 1 lost: the agent at 198.51.100.3:4000 does not answer (EOFError); b failed there")
+    assert recorder.models["a"].failures == [] and len(recorder.models["b"].failures) == 1
+    assert recorder.models["b"].failures[0].startswith("node 1 lost: the agent at 198.51.100.3:4000")
+    assert driver.assigned and not driver.stranded  # its processes may still run: no slot is free yet
+    driver._handle(ThreadEnded(thread, {}))
+    assert driver.assigned == {} and scheduler.stranded == ["a", "b"] and driver.stranded
+    with StopSignals() as stop:
+        driver.run([], stop)  # returns at once: nothing can go on
+    assert [d["decision"] for d in driver.log][-2:] == ["Stop", "Stop"]
 
 
 def test_a_checkpoint_beyond_what_a_model_did_is_refused():
