@@ -25,7 +25,7 @@ from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
 from pipeline.runtime.hang import HangError, Patience
 from pipeline.runtime.lifetime import how_it_ended
-from pipeline.orchestration.node import HostLost, Laggard, node_processes
+from pipeline.orchestration.node import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
 from pipeline.training.group import GroupSpec
 from pipeline.training.trainer import TrainerSpec, TrainingSetup
@@ -266,8 +266,6 @@ class Flotilla:
         for node in self.nodes.values():  # each node is closed, whatever another one raised
             try:
                 node.close(within / len(self.nodes) if within is not None else None)
-            except HostLost:  # its processes went with their host, or their agent closes them as the link breaks
-                pass
             except BaseException as err:
                 errors.append(err)
         for link in self.driver_links:  # closed: the agents' watch sees the flotilla's end, not the driver's

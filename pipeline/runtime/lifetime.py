@@ -183,12 +183,17 @@ def how_it_ended(exit_code: int) -> str:
 
 def remove_shm(prefix: str) -> list[str]:
     """Remove the /dev/shm entries whose names start with `prefix`; the names removed."""
+    return _unlink(glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")))
+
+
+def _unlink(paths) -> list[str]:
+    """Unlink `paths`; the names of those this call removed (another process may get there first)."""
     removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
+    for path in paths:
         try:
             os.unlink(path)
             removed.append(os.path.basename(path))
-        except FileNotFoundError:  # another process of the run got there first
+        except FileNotFoundError:
             pass
     return removed
 
@@ -237,14 +242,7 @@ def remove_stale_semaphores() -> list[str]:
                         ours.pop(int(line.split()[4]), None)
         except OSError:  # gone meanwhile, or another user's
             continue
-    removed = []
-    for path in ours.values():
-        try:
-            os.unlink(path)
-            removed.append(os.path.basename(path))
-        except FileNotFoundError:
-            pass
-    return sorted(removed)
+    return sorted(_unlink(ours.values()))
 
 
 def _alive(pid: int) -> bool:
