@@ -51,7 +51,7 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     """A fused array of two and a packed model, stepped once eagerly and once with CUDA graphs on the same
     batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch (an
     epoch's last) eagerly the first time and replays it from its second, recaptures the array after a
-    member leaves (step 7; replayed from step 10, its odd size from step 14), and ends with the eager
+    member leaves (step 7; captured again at step 10, its odd size at step 13, replayed at 15), and ends with the eager
     group's losses and weights; validation's forwards, captured per batch shape too, give the eager
     group's probabilities, and a training step after them the eager group's losses; a step with every
     unit replayed never waits for the host (sync debug mode raises). Mistakes it is meant to catch (not

@@ -288,7 +288,7 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     to SHAPES. A capture that fails names the unit's members and trainer.cuda_graphs. Planted mistakes it
     catches: capturing at once (before cuDNN and the optimiser are warm), capturing again at every step,
     a graph replayed on a batch of another shape, handing out the graph's own loss tensor."""
-    from pipeline.training.graphs import EAGER_STEPS, SHAPES, StaticInputs, StepGraph, shape_of
+    from pipeline.training.graphs import EAGER_STEPS, SHAPES, StaticInputs, StepGraph, shape_of, stage
 
     events = []
 
@@ -303,11 +303,12 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", capturing)
-    captured = torch.tensor([1.5])
+    outputs = []  # what the step returned, eager or inside a capture: the batch's size, so a shape's own
 
     def step(x, y):
         events.append("step")
-        return captured
+        outputs.append(torch.tensor([float(len(x))]))
+        return outputs[-1]
 
     graph = StepGraph(step, pool=None, names=("a", "b"))
     full, last = (torch.zeros(4, 2), torch.zeros(4)), (torch.zeros(3, 2), torch.zeros(3))
@@ -315,19 +316,24 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     assert events == (["step"] * EAGER_STEPS + ["capture", "step", "replay"]  # the epoch's batches
                       + ["step", "replay", "capture", "step", "replay", "replay", "replay"])  # its last one
     assert graph.captured == [shape_of(*full), shape_of(*last)]
-    assert all(torch.equal(loss, captured) for loss in losses)
+    assert [loss.item() for loss in losses] == [4.0] * (EAGER_STEPS + 1) + [3.0, 4.0, 3.0, 3.0, 4.0]  # its graph
     replayed = [losses[i] for i in (EAGER_STEPS, EAGER_STEPS + 2, EAGER_STEPS + 3, EAGER_STEPS + 4, EAGER_STEPS + 5)]
-    assert all(loss is not captured for loss in replayed)
+    assert all(loss is not output for loss in replayed for output in outputs)
 
     inputs, other = StaticInputs(), (torch.zeros(5, 2), torch.zeros(5))
     first = inputs.take("main", torch.ones(4, 2), torch.ones(4))
     again = inputs.take("main", torch.full((4, 2), 2.0), torch.ones(4))
     assert again[2] and again[0] is first[0] and first[0].eq(2).all()  # copied into the same pair
-    assert SHAPES == 2 and inputs.take("main", *last)[2] and inputs.take("other", *other)[2]
+    assert SHAPES == 2  # the cases here are written for two
+    assert inputs.take("main", *last)[2] and inputs.take("other", *other)[2]
     assert inputs.take("main", *other) == (*other, False)  # a third shape of one stream steps eagerly
     validation = StaticInputs()  # x alone
     x, staged = validation.take("main", torch.ones(4, 2))
     assert staged and validation.take("main", torch.zeros(4, 2))[0] is x and x.eq(0).all()
+    ones = torch.ones(4, 2)
+    assert stage(None, {"main": (ones,)}) == {"main": (ones, False)}  # without graphs: as it is
+    (staged_x, staged), = stage(validation, {"main": (ones,)}).values()
+    assert staged and staged_x is x and x.eq(1).all()
 
     @contextlib.contextmanager
     def failing(graph, pool):

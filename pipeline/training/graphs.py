@@ -12,7 +12,7 @@ every batch is copied into static tensors of its shape (`StaticInputs`), which t
 A unit's first steps run eagerly (cuDNN and cuBLAS choose their kernels, the optimiser makes its
 momentum). A unit has a graph per batch shape, at most SHAPES of them: an epoch's last, smaller batch is
 stepped eagerly the first time it comes and replayed from the next epoch on (eager, it cost the paper
-ensemble 1.3-2.3 s an epoch, 100 models' kernels launched one by one).
+ensemble 1.9-2.3 s an epoch, 100 models' kernels launched one by one).
 
 All units of a group capture into one memory pool. That is safe because their graphs replay one at a time
 on one stream and keep nothing in the pool from one replay to the next (weights, momentum, inputs and the
@@ -51,6 +51,14 @@ class StaticInputs:
         for target, tensor in zip(static, batch):
             target.copy_(tensor)
         return *static, True
+
+
+def stage(static: StaticInputs | None, batches: dict[str, tuple]) -> dict[str, tuple]:
+    """stream -> (*tensors, staged): each stream's batch copied once into the graphs' inputs where it has
+    their shape (`StaticInputs.take`); as it is, staged False, without graphs."""
+    if static is None:
+        return {stream: (*batch, False) for stream, batch in batches.items()}
+    return {stream: static.take(stream, *batch) for stream, batch in batches.items()}
 
 
 class StepGraph:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph
+from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph, stage
 from pipeline.training.members import (ModelSpec, array_fusion, build_loss, build_module, build_optimizer,
                                        build_schedule, grouped)
 
@@ -426,10 +426,7 @@ class GroupStep:
 
     def train(self, batches: dict[str, tuple]) -> dict[str, object]:
         """One step of every member on its stream's (x, y); each member's loss, a 0-d tensor on the device."""
-        if self.static_inputs is None:
-            staged = {stream: (x, y, False) for stream, (x, y) in batches.items()}
-        else:  # copied once into the graphs' inputs, where the batch has their shape
-            staged = {stream: self.static_inputs.take(stream, x, y) for stream, (x, y) in batches.items()}
+        staged = stage(self.static_inputs, batches)
         step = lambda unit: self._train_unit(unit, *staged[unit.input])
         stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
         return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
@@ -455,10 +452,7 @@ class GroupStep:
 
     def predict(self, inputs: dict[str, object]) -> dict[str, object]:
         """Each member's softmax on its stream's x, [N, classes] on the device."""
-        if self.val_inputs is None:
-            staged = {stream: (x, False) for stream, x in inputs.items()}
-        else:  # copied once into the graphs' inputs, where the batch has their shape
-            staged = {stream: self.val_inputs.take(stream, x) for stream, x in inputs.items()}
+        staged = stage(self.val_inputs, {stream: (x,) for stream, x in inputs.items()})
         probs = {}
         for unit in self.units:
             x, static = staged[unit.input]
