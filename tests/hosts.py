@@ -1,10 +1,10 @@
 """Test hosts on this machine: network namespaces on a bridge, each its own loopback and its own address.
 
-The rules (those of the shared testhosts.sh): everything made here carries the prefix `PREFIX`; the
-addresses are in TEST-NET-2 (198.51.100.0/24), checked free first; this machine's own interfaces, addresses,
-routes, firewall and /etc files are never touched (the bridge, made here, is this machine's end, at .1);
-a host's network is cut inside its own namespace only; all of it is removed however a test ends, and what a
-crashed earlier run left (its prefix) before a new one starts: so one test session at a time per machine.
+The rules: everything made here carries the prefix `PREFIX`; the addresses are in TEST-NET-2
+(198.51.100.0/24), checked free first; this machine's own interfaces, addresses, routes, firewall and /etc
+files are never touched (the bridge, made here, is this machine's end, at .1); all of it is removed however
+a test ends, and what a crashed earlier run left (its prefix) before a new one starts: so one test session
+at a time per machine.
 Where namespaces cannot be made (not root, no `ip`), the test is skipped saying why.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _remove_ours() -> None:
 
 class Hosts:
     """Hosts named `names`, host i at SUBNET.(i + 2). `command(host, argv)` runs argv there (the same pid:
-    `ip netns exec` execs it); `cut` and `heal` take a host off its network and back."""
+    `ip netns exec` execs it)."""
 
     def __init__(self, names: list[str]):
         self.names = list(names)
@@ -74,12 +74,6 @@ class Hosts:
 
     def command(self, host: str, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(host), *argv]
-
-    def cut(self, host: str) -> None:
-        _ip("-n", self.namespace(host), "link", "set", "eth0", "down")
-
-    def heal(self, host: str) -> None:
-        _ip("-n", self.namespace(host), "link", "set", "eth0", "up")
 
     def __enter__(self) -> Hosts:
         if os.geteuid() != 0 or not shutil.which("ip"):

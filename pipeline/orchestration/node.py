@@ -470,7 +470,8 @@ def registered_agents(client) -> dict[int, dict]:
 def serve(scheduler: str, node: int, workers: int, threads: int, host: str, interface: str, key: bytes,
           tls: TlsFiles | None = None) -> None:
     """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served.
-    Everything listens on `host`; process groups between hosts go through `interface`."""
+    Everything listens on `host`, but process groups between hosts, whose traffic goes through `interface`
+    (their sockets on its address; their store on `host`)."""
     import torch
 
     log.addHandler(logging.StreamHandler(sys.stdout))
