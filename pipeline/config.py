@@ -173,6 +173,7 @@ class TimeoutsConf:
     warn_s: float = 60  # a wait without progress this long says what it waits for (once)
     stall_s: float = 600  # ...and fails this long without progress: no batch task result, no batch published
     collective_s: float = 900  # an exchange between hubs or a DDP all-reduce not done in this long fails
+    host_s: float = 30  # a node agent's host (or the driver's, seen from an agent) silent this long is lost
 
 
 @dataclass
@@ -248,7 +249,7 @@ def check(cfg: DictConfig) -> None:
         if value < smallest:
             raise ConfigError(f"{key}={value}: {why}; set {key}={smallest} or more")
     for key in ("timeouts.report_s", "timeouts.drain_s", "timeouts.exit_s", "timeouts.stop_s", "timeouts.warn_s",
-                "timeouts.stall_s", "timeouts.collective_s"):
+                "timeouts.stall_s", "timeouts.collective_s", "timeouts.host_s"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key}={OmegaConf.select(cfg, key)}: a wait must be positive seconds")
     if cfg.timeouts.warn_s >= cfg.timeouts.stall_s:

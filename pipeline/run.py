@@ -7,6 +7,7 @@ memory) and closes it whatever happens; a stop request (Ctrl-C, SIGTERM:
 StopSignals) ends it in order, and `resume=<run folder>` continues it."""
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import signal
@@ -23,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.config import ConfigError, Mode, check, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
-                                    in_flight_window, node_threads, worker_count)
+                                    in_flight_window, node_threads, remove_node_workers, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
@@ -203,7 +204,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         results.update(saved["results"])
         table = None
     else:
-        with agent_rates(agents, key) as where:  # with node agents, node 0's measures on its host
+        with agent_rates(agents, key, cfg.timeouts.host_s) as where:  # with node agents, node 0's measures on its host
             groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates,
                                    output_dir, console, results, where)
     policy = _policy(cfg, groups)
@@ -245,7 +246,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         delivery = DeliverySetup(scheduler=client.scheduler.address, seed=cfg.seed, on_error=cfg.on_error,
                                  in_flight=in_flight, ring_depth=cfg.delivery.ring_depth, agents=agents, agent_key=key,
                                  tls=tls, drain_s=t.drain_s, exit_s=t.exit_s, patience=Patience(t.warn_s, t.stall_s),
-                                 collective_s=t.collective_s, join_readers=joiners)
+                                 collective_s=t.collective_s, host_s=t.host_s, join_readers=joiners)
         auto = cfg.topology == Topology.auto
         # The CPU side of the plan: each node's worker threads, and the preprocessing cost per image,
         # probed here and then refreshed from the run's own stage timings after every epoch.
@@ -259,7 +260,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                 decision for name, rates in table.rates.items()
                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
         context = RunContext(graph, setup, delivery, recorder, progress, t.report_s, t.stop_s, state_dir)
-        driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console)
+        driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console,
+                        functools.partial(remove_node_workers, client))
         if cfg.resume:
             first = driver.resume()
             console.print(f"[bold]resumed[/] {output_dir} at {driver.now():.0f} s of its training: " + ", ".join(

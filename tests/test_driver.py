@@ -57,7 +57,7 @@ def driver_of(groups: list[GroupSpec], tmp_path, monkeypatch, epochs=5) -> Drive
     context = RunContext(None, None, None, recorder, None, 60.0, 10.0, tmp_path / "state")
     slots = {Slot(0, i): "cpu" for i in range(len(groups))}
     driver = Driver(scheduler, {g.name: g for g in groups}, slots, Convergence(epochs, None, 0, 0.005), context,
-                    Console(file=io.StringIO()))
+                    Console(file=io.StringIO()), lambda node: [])
     decisions = [d for g in groups for d in scheduler.handle(RatesMeasured(0.0, g.name, (10.0,)))]
     driver._apply_decisions(decisions)
     return driver
@@ -129,10 +129,10 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     agents = {0: {"address": "198.51.100.2:4000"}, 1: {"address": "198.51.100.3:4000"}}
     delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
     context = RunContext(None, None, delivery, recorder, None, 60.0, 10.0, tmp_path / "state")
-    said = io.StringIO()
+    said, removed = io.StringIO(), []
     driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
                     {Slot(0, 0): "cpu", Slot(1, 0): "cpu"}, Convergence(5, None, 0, 0.005), context,
-                    Console(file=said, width=400))
+                    Console(file=said, width=400), removed.append)
     driver._apply_decisions(scheduler.start(0.0))
     thread = driver.threads[0]
     driver._handle(HostGone(thread, HostLost("198.51.100.3:4000", "EOFError")))
@@ -140,6 +140,7 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     assert line.startswith("node 1 lost: the agent at 198.51.100.3:4000 does not answer (EOFError); b failed there")
     assert recorder.models["a"].failures == [] and len(recorder.models["b"].failures) == 1
     assert recorder.models["b"].failures[0].startswith("node 1 lost: the agent at 198.51.100.3:4000")
+    assert removed == [1]  # Dask was told the node's workers are gone
     assert driver.assigned and not driver.stranded  # its processes may still run: no slot is free yet
     driver._handle(ThreadEnded(thread, {}))
     assert driver.assigned == {} and scheduler.stranded == ["a", "b"] and driver.stranded

@@ -92,9 +92,9 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             host, port = registered[0]["address"].rsplit(":", 1)
             for wrong in (b"not the secret at all", None):  # None: this process's own random authkey
                 with pytest.raises(mp.AuthenticationError):
-                    _Agent(address=(host, int(port)), authkey=wrong).connect()
+                    _Agent((host, int(port)), wrong).connect()
             with pytest.raises(UserError, match="node 0's agent at .* refused this driver's secret"):
-                node_processes(0, registered, 1.0, b"not the secret at all", None)
+                node_processes(0, registered, 1.0, b"not the secret at all", None, 30)
             twice = subprocess.run(_agent_command(hosts, address, 0, tls_files), capture_output=True, text=True,
                                    timeout=120, env=env)
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
@@ -138,6 +138,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path)
             agents[1] = _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
+            _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path)
         finally:
             for agent in agents:
                 agent.send_signal(signal.SIGTERM)
@@ -203,7 +204,7 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
     assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
     assert "measuring" not in logs[1]
     resnet11 = member("resnet11", depth=11)  # no such depth
-    with agent_rates(registered, AGENT_KEY.encode()) as where:
+    with agent_rates(registered, AGENT_KEY.encode(), 30) as where:
         how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
         with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
                                                rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
@@ -300,9 +301,56 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
         assert driver.wait(240) == 0, log_path.read_text()
     finally:
         driver.kill()
+    _models_of_the_lost_node_resumed_on_node_0(log_path, folder, agent1["address"], "EOFError")
+    return agent
+
+
+def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path):
+    """Node 1's host is cut off mid-run (its network down, inside its namespace: packets dropped, nobody
+    told). The driver's calls to its agent go unanswered: after timeouts.host_s the driver says in one line
+    that node 1 was lost, and the run goes on as for a killed host. The agent, whose driver fell silent,
+    closes that flotilla's processes and shared memory by itself (its hub gets timeouts.drain_s)."""
+    from pipeline.orchestration.node import registered_agents
+
+    folder, log_path = tmp_path / "cut", tmp_path / "cut.log"
+    agent1, pid = registered_agents(client)[1], agents[1].pid
+    said_before = (tmp_path / "agent1-again.log").read_text()
+    with open(log_path, "w") as log:
+        driver = subprocess.Popen(hosts.command("driver", [
+            sys.executable, "-m", "pipeline", *overrides, "scheduler=baseline", "trainer.epochs=4", *PACED,
+            "timeouts.host_s=4", "timeouts.drain_s=5", f"rates.cache={tmp_path / 'rate_cache.json'}",
+            f"hydra.run.dir={folder}"]),
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"})
+    first_epochs = lambda: re.findall(r"val accuracy \w+ \S+ \(epoch 1\)", log_path.read_text())
+    ours = lambda: [name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{pid}-")]
+    try:
+        deadline = time.monotonic() + 180
+        while len(first_epochs()) < 3:
+            assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        assert ours()  # node 1's flotilla's ring and its host's cache
+        hosts.cut("node1")
+        try:
+            while "node 1 lost" not in log_path.read_text() or ours():
+                assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
+                time.sleep(0.1)
+        finally:
+            hosts.heal("node1")
+        assert driver.wait(240) == 0, log_path.read_text()
+    finally:
+        driver.kill()
+    said = (tmp_path / "agent1-again.log").read_text()[len(said_before):]
+    assert "node 1: the driver is gone: closing its flotilla" in said, said
+    _models_of_the_lost_node_resumed_on_node_0(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s")
+
+
+def _models_of_the_lost_node_resumed_on_node_0(log_path, folder, address, why):
+    """What the run in `folder` said and recorded when node 1 (its agent at `address`) was lost after every
+    model's first epoch: one line naming node, address and `why`; the models there failed once, stopped, and
+    resumed from their checkpoints on node 0; every model's epochs counted once."""
     out = log_path.read_text()
     (line,) = [line for line in out.splitlines() if "node 1 lost" in line and "does not answer" in line]
-    assert agent1["address"] in line, line
+    assert address in line and why in line, line
     results = json.loads((folder / "results.json").read_text())
     placed = [(d["model"], int(re.search(r"node=(\d+)", d["slots"])[1]))
               for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"]
@@ -316,7 +364,6 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
     assert all("node 1 lost" in models[name]["failures"][0] for name in lost)
     resumed = [stint["start_epoch"] for name in lost for stint in models[name]["flotillas"][1:]]
     assert len(resumed) == len(lost) and all(epochs >= 1 for epochs in resumed)  # from its checkpoint, not anew
-    return agent
 
 
 def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
@@ -365,3 +412,43 @@ def test_an_agent_reaching_its_scheduler_on_loopback_takes_loopback():
     assert interface_for(LOOPBACK, None) == "lo"
     other = next((name for name in psutil.net_if_addrs() if name != "lo"), "lo")  # "lo": a host with no other
     assert interface_for(LOOPBACK, other) == other
+
+
+class Refuses:
+    """Served by a test agent: its method raises what a broken link would."""
+
+    def call(self) -> None:
+        raise ConnectionRefusedError("the agent's own connection elsewhere was refused")
+
+
+def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_host():
+    """The driver's links to an agent carry keepalive probes and a user timeout of timeouts.host_s (a host
+    cut off is lost after that long: test_node_agents_on_hosts_of_their_own cuts one). An OSError the
+    agent's method raised comes back as itself; the link broken (the agent gone) is HostLost, and so is
+    every call after it, without trying the link again."""
+    import socket
+
+    from pipeline.orchestration.node import HostLost, _Agent, _proxy_type
+
+    class Agent(_Agent):
+        pass
+
+    Agent.register("Refuses", Refuses, proxytype=_proxy_type(Refuses))
+    served = Agent((LOOPBACK, 0), AGENT_KEY.encode())
+    served.start()
+    try:
+        driver = Agent(served.address, AGENT_KEY.encode(), host_s=8)
+        driver.connect()
+        remote = driver.Refuses()
+        with pytest.raises(ConnectionRefusedError, match="the agent's own connection elsewhere"):
+            remote.call()
+        with socket.socket(fileno=os.dup(remote._tls.connection.fileno())) as link:
+            assert link.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
+            assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 2  # then 3 probes 2 s apart
+    finally:
+        served.shutdown()
+    host, port = served.address
+    for _ in range(2):
+        with pytest.raises(HostLost, match=rf"the agent at {host}:{port} does not answer \((EOFError|Connection)"):
+            remote.call()

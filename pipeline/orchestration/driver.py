@@ -21,6 +21,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -463,8 +464,10 @@ class Driver:
     flotilla (ModelConverged to the scheduler) with its last model."""
 
     def __init__(self, scheduler: Scheduler, groups: dict[str, GroupSpec], slot_devices: dict[Slot, str],
-                 convergence: Convergence, run: RunContext, console: Console):
+                 convergence: Convergence, run: RunContext, console: Console,
+                 remove_workers: Callable[[int], list[str]]):
         self.scheduler, self.groups, self.slot_devices = scheduler, groups, slot_devices
+        self.remove_workers = remove_workers  # node -> its Dask workers, removed from the Dask scheduler
         self.group_of = {m.name: group.name for group in groups.values() for m in group.members}
         self.convergence, self.run_ctx, self.console = convergence, run, console
         self.events: queue.Queue = queue.Queue()
@@ -591,6 +594,7 @@ class Driver:
         for group in there:
             for model in self.groups[group].members:
                 self.run_ctx.recorder.failed(model.name, f"node {node} lost: {lost}")
+        self.remove_workers(node)  # before the plan goes on: nothing new waits for a host cut off
         self._apply_decisions(self.scheduler.handle(NodeLost(self.now(), node)))
 
     def _trainer_failed(self, group: str, why: str) -> list:

@@ -58,6 +58,7 @@ class DeliverySetup:
     exit_s: float  # timeouts.exit_s
     patience: Patience  # timeouts.warn_s, stall_s
     collective_s: float  # timeouts.collective_s
+    host_s: float  # timeouts.host_s: a node agent silent this long is lost
     join_readers: int  # scheduler.join_running: spare readers in each ring of a one-hub flotilla (a node's slots)
 
 
@@ -77,7 +78,7 @@ class Flotilla:
         try:
             for node in sorted({hub.node for hub in plan.hubs} | {n for m in members for n in m.nodes}):
                 self.nodes[node], link = node_processes(node, delivery.agents, delivery.drain_s,
-                                                        delivery.agent_key, delivery.tls)
+                                                        delivery.agent_key, delivery.tls, delivery.host_s)
                 self.driver_links += [link] if link else []
             self._make_rings(graph, delivery.ring_depth, delivery.join_readers if len(plan.hubs) == 1 else 0)
             self._start_hubs(graph, setup, delivery)

@@ -34,7 +34,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing import connection
-from multiprocessing.managers import BaseManager, MakeProxyType, public_methods
+from multiprocessing.managers import BaseManager, MakeProxyType, State, public_methods
 
 import psutil
 
@@ -84,9 +84,11 @@ class NodeProcesses:
     """A flotilla's hubs, trainers and rings on one node. Every method is a
     call the driver can make from another host (arguments and results pickle)."""
 
-    def __init__(self, node: int, drain_s: float, host: str = LOOPBACK, tls: TlsFiles | None = None):
+    def __init__(self, node: int, drain_s: float, host: str = LOOPBACK, host_s: float | None = None,
+                 tls: TlsFiles | None = None):
         self.node, self.host, self.tls = node, host, tls  # tls: this host's files, for its hubs' Dask clients
         self.drain_s = drain_s  # timeouts.drain_s: what a closing hub gets to finish its split
+        self.host_s = host_s  # timeouts.host_s: a driver silent this long is gone (its host lost or cut off)
         self.context = children_context()
         self.abort = self.context.Event()  # tells hubs to leave between batches
         self.hubs: dict[int, Child] = {}  # hub rank -> its process
@@ -99,9 +101,10 @@ class NodeProcesses:
 
     def watch_driver(self) -> tuple[tuple[str, int], bytes]:
         """In an agent: (address, key) of a connection the driver opens and holds while the flotilla lives.
-        When it breaks (the driver died: SIGKILL, the OOM killer, a lost host), the agent closes the
-        flotilla's processes here; children watch their parent, and here that is the agent."""
-        return _watch_driver(self.host, self._close_without_driver, f"watch-driver-{self.node}")
+        When it breaks (the driver died: SIGKILL, the OOM killer, a lost host) or falls silent (a host
+        cut off), the agent closes the flotilla's processes here; children watch their parent, and here
+        that is the agent."""
+        return _watch_driver(self.host, self.host_s, self._close_without_driver, f"watch-driver-{self.node}")
 
     def _close_without_driver(self) -> None:
         if not self.closed:
@@ -257,12 +260,12 @@ class HostRates:
     the ranks are the agent's children, on this host's devices. The driver holds `watch_driver`'s link
     while it measures; when the link breaks, a measurement under way is abandoned and its ranks killed."""
 
-    def __init__(self, node: int, host: str = LOOPBACK):
-        self.node, self.host = node, host
+    def __init__(self, node: int, host: str = LOOPBACK, host_s: float | None = None):
+        self.node, self.host, self.host_s = node, host, host_s
         self.here = Here(abandon=threading.Event())
 
     def watch_driver(self) -> tuple[tuple[str, int], bytes]:
-        return _watch_driver(self.host, self.here.abandon.set, f"watch-rates-driver-{self.node}")
+        return _watch_driver(self.host, self.host_s, self.here.abandon.set, f"watch-rates-driver-{self.node}")
 
     def hardware(self, how: Measurement) -> HostHardware | RatesFailed:
         """describe_hardware of this host: the rate cache's key."""
@@ -305,22 +308,42 @@ class HostLost(RuntimeError):
 
 
 def _proxy_type(served: type) -> type:
-    """The driver's proxy of a `served` object in an agent: a broken connection to the agent is HostLost."""
+    """The driver's proxy of a `served` object in an agent, made by an `_Agent`: its links to the agent are
+    the manager's (they break on silence), and a broken one is HostLost, as is every call after it."""
 
     class Proxy(MakeProxyType(f"{served.__name__}Proxy", public_methods(served))):
+        def __init__(self, token, serializer, manager, *args, **kwargs):
+            super().__init__(token, serializer, manager, *args, **kwargs)
+            self._Client = manager._Client
+
         def _callmethod(self, methodname, args=(), kwds={}):
-            try:
-                return super()._callmethod(methodname, args, kwds)
-            except (EOFError, ConnectionError) as err:
-                host, port = self._token.address
-                raise HostLost(f"{host}:{port}", f"{type(err).__name__}: {err}".rstrip(": ")) from None
+            manager = self._manager
+            if manager.lost is None:
+                try:
+                    return super()._callmethod(methodname, args, kwds)
+                except (EOFError, OSError) as err:
+                    if traceback.extract_tb(err.__traceback__)[-1].filename != connection.__file__:
+                        raise  # the agent's method raised it: the link is fine
+                    manager.lost = (f"silent for timeouts.host_s={manager.host_s:g} s" if isinstance(err, TimeoutError)
+                                    else f"{type(err).__name__}: {err}".rstrip(": "))
+                    manager._state.value = State.SHUTDOWN  # its proxies' garbage collection must not try to reach it
+            host, port = self._token.address
+            raise HostLost(f"{host}:{port}", manager.lost) from None
 
     return Proxy
 
 
 class _Agent(BaseManager):
     """multiprocessing's manager protocol: the driver creates NodeProcesses (a flotilla's processes on the
-    node) and HostRates (the rate measurement) in an agent and calls them."""
+    node) and HostRates (the rate measurement) in an agent and calls them. A driver's links to an agent
+    break when it has not answered for `host_s` (_bound_silence)."""
+
+    def __init__(self, address, authkey, host_s: float | None = None):
+        super().__init__(address=address, authkey=authkey)
+        self.host_s = host_s
+        self.lost: str | None = None  # why the agent is taken as lost: its proxies' first broken link
+        if host_s is not None:
+            self._Client = functools.partial(_bounded_client, host_s=host_s)
 
 
 _Agent.register("NodeProcesses", NodeProcesses, proxytype=_proxy_type(NodeProcesses))
@@ -328,15 +351,15 @@ _Agent.register("HostRates", HostRates, proxytype=_proxy_type(HostRates))
 
 
 def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: bytes | None,
-                   tls: TlsFiles | None):
+                   tls: TlsFiles | None, host_s: float):
     """A flotilla's processes on `node`: in the agent registered for it (met with the agents' secret
-    `key`), else in this process (its hubs' Dask clients use `tls`); and, with an agent, the link to hold
-    open while they live (NodeProcesses.watch_driver), else None."""
+    `key`; lost when silent for `host_s`), else in this process (its hubs' Dask clients use `tls`); and,
+    with an agent, the link to hold open while they live (NodeProcesses.watch_driver), else None."""
     agent = agents.get(node)
     if agent is None:
         return NodeProcesses(node, drain_s, tls=tls), None
-    manager, host = _connect(node, agent, key)
-    processes = manager.NodeProcesses(node, drain_s, host)
+    manager, host = _connect(node, agent, key, host_s)
+    processes = manager.NodeProcesses(node, drain_s, host, host_s)
     address, link_key = processes.watch_driver()
     return processes, connection.Client(address, authkey=link_key)
 
@@ -346,8 +369,8 @@ class AgentRates:
     measurements run on the agent's host. It connects on first use and holds the agent's watch link
     until closed; an error there is raised here, naming the agent and its host."""
 
-    def __init__(self, node: int, agent: dict, key: bytes):
-        self.node, self.agent, self.key = node, agent, key
+    def __init__(self, node: int, agent: dict, key: bytes, host_s: float):
+        self.node, self.agent, self.key, self.host_s = node, agent, key, host_s
         self.remote = None  # the agent's HostRates, once connected
         self.link: connection.Connection | None = None
 
@@ -364,8 +387,8 @@ class AgentRates:
 
     def _host(self):
         if self.remote is None:
-            manager, host = _connect(self.node, self.agent, self.key)
-            self.remote = manager.HostRates(self.node, host)
+            manager, host = _connect(self.node, self.agent, self.key, self.host_s)
+            self.remote = manager.HostRates(self.node, host, self.host_s)
             address, link_key = self.remote.watch_driver()
             self.link = connection.Client(address, authkey=link_key)
         return self.remote
@@ -379,23 +402,23 @@ class AgentRates:
 
 
 @contextmanager
-def agent_rates(agents: dict[int, dict], key: bytes | None):
+def agent_rates(agents: dict[int, dict], key: bytes | None, host_s: float):
     """Where a run measures its rates: node 0's agent when the nodes have agents (they are alike, so
     one host's rates are every node's), else None (the driver's own devices)."""
     if not agents:
         yield None
         return
-    rates = AgentRates(0, agents[0], key)
+    rates = AgentRates(0, agents[0], key, host_s)
     try:
         yield rates
     finally:
         rates.close()
 
 
-def _connect(node: int, agent: dict, key: bytes | None) -> tuple[_Agent, str]:
-    """A manager connected to `node`'s agent, and that agent's host."""
+def _connect(node: int, agent: dict, key: bytes | None, host_s: float) -> tuple[_Agent, str]:
+    """A manager connected to `node`'s agent (lost when silent for `host_s`), and that agent's host."""
     host, port = agent["address"].rsplit(":", 1)
-    manager = _Agent(address=(host, int(port)), authkey=key)
+    manager = _Agent((host, int(port)), key, host_s)
     try:
         manager.connect()
     except mp.AuthenticationError:
@@ -408,22 +431,46 @@ def _connect(node: int, agent: dict, key: bytes | None) -> tuple[_Agent, str]:
     return manager, host
 
 
-def _watch_driver(host: str, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
+def _watch_driver(host: str, host_s: float | None, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
     """In an agent: (address, key) of a connection for the driver to open and hold; `on_gone` runs once
-    it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host)."""
+    it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host) or, when `host_s` is
+    given, once the driver's host has not answered for that long (cut off)."""
     key = os.urandom(16)
     listener = connection.Listener((host, 0), authkey=key)
-    threading.Thread(target=_wait_for_break, args=(listener, on_gone), name=name, daemon=True).start()
+    threading.Thread(target=_wait_for_break, args=(listener, host_s, on_gone), name=name, daemon=True).start()
     return listener.address, key
 
 
-def _wait_for_break(listener, on_gone) -> None:
+def _wait_for_break(listener, host_s: float | None, on_gone) -> None:
     try:
         with listener, listener.accept() as link:
-            link.recv()  # the driver sends nothing: this returns when its end closes
+            if host_s is not None:
+                _bound_silence(link, host_s)
+            link.recv()  # the driver sends nothing: this returns when its end closes or falls silent
     except (EOFError, OSError, mp.AuthenticationError):
         pass
     on_gone()
+
+
+def _bounded_client(address, authkey, host_s: float) -> connection.Connection:
+    link = connection.Client(address, authkey=authkey)
+    _bound_silence(link, host_s)
+    return link
+
+
+def _bound_silence(link: connection.Connection, host_s: float) -> None:
+    """`link` (TCP) breaks once its peer's host has answered nothing for about `host_s`: the kernel probes
+    it while idle (keepalive, answered by the peer's kernel however busy the peer process) and gives up
+    on data it does not acknowledge (TCP_USER_TIMEOUT). A call blocked on it then raises TimeoutError
+    instead of waiting for a host powered off or cut off. (Connecting is bounded by the kernel's SYN
+    retries, about 2 minutes.)"""
+    probe_s = max(1, round(host_s / 4))  # idle this long, then 3 probes this far apart: about host_s
+    with socket.socket(fileno=os.dup(link.fileno())) as sock:  # the same socket: options are its own
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, probe_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, probe_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(host_s * 1000))
 
 
 def agent_key(key_file: str | None, option: str) -> bytes:
@@ -487,7 +534,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
         pass
 
     Serving.register("NodeProcesses", functools.partial(NodeProcesses, tls=tls))
-    server = Serving(address=(host, 0), authkey=key).get_server()
+    server = Serving((host, 0), key).get_server()
     resource = f"node-{node}={threads}"
     tls_options = ["--tls-ca-file", tls.ca_file, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls else []
     with connect(scheduler, tls) as client:
