@@ -7,7 +7,6 @@ memory) and closes it whatever happens; a stop request (Ctrl-C, SIGTERM:
 StopSignals) ends it in order, and `resume=<run folder>` continues it."""
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 import signal
@@ -24,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipeline.config import ConfigError, Mode, check, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
-                                    in_flight_window, node_threads, remove_node_workers, worker_count)
+                                    in_flight_window, node_threads, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
@@ -34,7 +33,7 @@ from pipeline.orchestration.grouping import check_group_memory, choose_fusion, m
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm
-from pipeline.orchestration.node import agent_key, agent_rates, registered_agents
+from pipeline.orchestration.node import NodeAgents, agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
@@ -261,7 +260,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
         context = RunContext(graph, setup, delivery, recorder, progress, t.report_s, t.stop_s, state_dir)
         driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console,
-                        functools.partial(remove_node_workers, client))
+                        NodeAgents(client, agents))
         if cfg.resume:
             first = driver.resume()
             console.print(f"[bold]resumed[/] {output_dir} at {driver.now():.0f} s of its training: " + ", ".join(

@@ -11,7 +11,8 @@ import pipeline.orchestration.driver as driver_module
 from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.driver import (Continue, Convergence, Driver, EpochDone, ReleaseModel, RunContext,
                                            SaveCheckpoints, StopMember)
-from pipeline.scheduler import Checkpoint, Cluster, FleetG, FormFlotilla, RatesMeasured, Scheduler, Slot, Start
+from pipeline.scheduler import (Checkpoint, Cluster, EpochFinished, FleetG, FormFlotilla, RatesMeasured, Scheduler,
+                                Slot, Start)
 from pipeline.training.group import GroupSpec
 from tests.conftest import member
 from pipeline.training.reports import ValReport
@@ -40,6 +41,22 @@ class StandIn:
         return [self.commands.get_nowait() for _ in range(self.commands.qsize())]
 
 
+class Agents:
+    """NodeAgents without a Dask scheduler: `registered` stands for what agents registered there."""
+
+    def __init__(self, agents: dict[int, dict]):
+        self.agents, self.registered, self.lost = agents, dict(agents), []
+
+    def lose(self, node: int) -> None:
+        self.lost.append(node)
+
+    def returned(self, node: int) -> dict | None:
+        if self.registered[node] == self.agents[node]:
+            return None
+        self.agents[node] = self.registered[node]
+        return self.agents[node]
+
+
 def spec(name):
     return member(name)
 
@@ -57,7 +74,7 @@ def driver_of(groups: list[GroupSpec], tmp_path, monkeypatch, epochs=5) -> Drive
     context = RunContext(None, None, None, recorder, None, 60.0, 10.0, tmp_path / "state")
     slots = {Slot(0, i): "cpu" for i in range(len(groups))}
     driver = Driver(scheduler, {g.name: g for g in groups}, slots, Convergence(epochs, None, 0, 0.005), context,
-                    Console(file=io.StringIO()), lambda node: [])
+                    Console(file=io.StringIO()), Agents({}))
     decisions = [d for g in groups for d in scheduler.handle(RatesMeasured(0.0, g.name, (10.0,)))]
     driver._apply_decisions(decisions)
     return driver
@@ -129,10 +146,10 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     agents = {0: {"address": "198.51.100.2:4000"}, 1: {"address": "198.51.100.3:4000"}}
     delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
     context = RunContext(None, None, delivery, recorder, None, 60.0, 10.0, tmp_path / "state")
-    said, removed = io.StringIO(), []
+    said = io.StringIO()
     driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
                     {Slot(0, 0): "cpu", Slot(1, 0): "cpu"}, Convergence(5, None, 0, 0.005), context,
-                    Console(file=said, width=400), removed.append)
+                    Console(file=said, width=400), Agents(agents))
     driver._apply_decisions(scheduler.start(0.0))
     thread = driver.threads[0]
     driver._handle(HostGone(thread, HostLost("198.51.100.3:4000", "EOFError")))
@@ -140,7 +157,7 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     assert line.startswith("node 1 lost: the agent at 198.51.100.3:4000 does not answer (EOFError); b failed there")
     assert recorder.models["a"].failures == [] and len(recorder.models["b"].failures) == 1
     assert recorder.models["b"].failures[0].startswith("node 1 lost: the agent at 198.51.100.3:4000")
-    assert removed == [1]  # Dask was told the node's workers are gone
+    assert driver.agents.lost == [1]  # Dask was told the node's workers are gone
     assert driver.assigned and not driver.stranded  # its processes may still run: no slot is free yet
     driver._handle(ThreadEnded(thread, {}))
     assert driver.assigned == {} and scheduler.stranded == ["a", "b"] and driver.stranded
@@ -154,3 +171,44 @@ def test_a_checkpoint_beyond_what_a_model_did_is_refused():
     scheduler.handle(RatesMeasured(0.0, "a", (10.0,)))
     with pytest.raises(ValueError, match="a checkpoint after 1 epochs, but it has done 0"):
         scheduler.checkpointed("a", 1)
+
+
+def test_a_lost_node_whose_agent_is_started_again_takes_the_waiting_model(tmp_path, monkeypatch):
+    """scheduler=baseline, a on node 0 and b on node 1, each a flotilla of its own. Node 1 is lost: b waits,
+    since a holds node 0's slot. An agent registered again for node 1 is not looked for while b's broken
+    flotilla still closes; once it has, the driver says node 1 is back, the flotillas reach it at its new
+    agent, and b resumes there from its checkpoint."""
+    from types import SimpleNamespace
+
+    from pipeline.orchestration.driver import HostGone, ThreadEnded
+    from pipeline.orchestration.node import HostLost
+    from pipeline.scheduler import Baseline
+
+    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
+    models = [spec("a"), spec("b")]
+    scheduler = Scheduler(["a", "b"], Cluster(2, 1), Baseline())
+    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
+    agents = {0: {"address": "198.51.100.2:4000", "pid": 10}, 1: {"address": "198.51.100.3:4000", "pid": 11}}
+    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
+    context = RunContext(SimpleNamespace(cache=None), None, delivery, recorder, None, 60.0, 10.0, tmp_path / "s")
+    said, hosts = io.StringIO(), Agents(agents)
+    driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
+                    {Slot(0, 0): "cpu", Slot(1, 0): "cpu"}, Convergence(5, None, 0, 0.005), context,
+                    Console(file=said, width=400), hosts)
+    driver._apply_decisions([d for m in "ab" for d in scheduler.handle(RatesMeasured(0.0, m, (10.0,)))])
+    (on_1,) = [thread for thread in driver.threads.values() if thread.nodes == {1}]
+    assert on_1.members[0].group.name == "b"
+    driver._apply_decisions(scheduler.handle(EpochFinished(driver.now(), "b", 1, {"val_accuracy": 0.5})))
+    scheduler.checkpointed("b", 1)
+    driver._handle(HostGone(on_1, HostLost("198.51.100.3:4000", "silent for timeouts.host_s=30 s")))
+    hosts.registered[1] = {"address": "198.51.100.3:4100", "pid": 12}  # started again, elsewhere on the host
+    driver._look_for_returned_nodes()
+    assert "back" not in said.getvalue() and agents[1]["pid"] == 11  # b's flotilla still closes: not yet
+    driver._handle(ThreadEnded(on_1, {}))
+    assert not driver.broken and scheduler.models["b"].status == "waiting"
+    driver._look_for_returned_nodes()
+    (line,) = [line for line in said.getvalue().splitlines() if "back" in line]
+    assert line == "node 1 is back: its agent at 198.51.100.3:4100 (pid 12) takes flotillas again"
+    assert agents[1]["pid"] == 12 and scheduler.lost == set()
+    (again,) = [thread for thread in driver.threads.values() if thread.nodes == {1}]
+    assert again is not on_1 and again.members[0].group.name == "b" and again.members[0].start_epoch == 1

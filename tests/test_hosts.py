@@ -258,10 +258,10 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
                                                                   restart, env):
     """Node 1's host is lost mid-run (its agent and everything under it SIGKILLed, as a host powered off):
     the driver says so in one line naming the node and its agent's address; the model training there counts
-    a failure and resumes from its last checkpoint on node 0 once a slot is free there; the others train on;
-    the run finishes with every model's epochs counted once. The lost host left its rings and semaphores in
-    /dev/shm: its agent, started again, removes them. Returns that agent's process (the run does not take
-    it into its plans: not built yet)."""
+    a failure and resumes from its last checkpoint once a slot is free; the others train on; the run finishes
+    with every model's epochs counted once. The lost host left its rings and semaphores in /dev/shm: its
+    agent, started again, removes them, and the run takes node 1 back (its model resumes there if node 1 is
+    back before a slot of node 0 frees). Returns that agent's process."""
     from pipeline.orchestration.node import registered_agents
 
     folder, log_path = tmp_path / "lost", tmp_path / "lost.log"
@@ -269,7 +269,7 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
     before = set(os.listdir("/dev/shm"))
     with open(log_path, "w") as log:  # baseline: a flotilla per model, on one slot of one node
         driver = subprocess.Popen(hosts.command("driver", [
-            sys.executable, "-m", "pipeline", *overrides, "scheduler=baseline", "trainer.epochs=4", *PACED,
+            sys.executable, "-m", "pipeline", *overrides, "scheduler=baseline", "trainer.epochs=8", *PACED,
             f"rates.cache={tmp_path / 'rate_cache.json'}", f"hydra.run.dir={folder}"]),
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"})  # a line is a line
     first_epochs = lambda: re.findall(r"val accuracy \w+ \S+ \(epoch 1\)", log_path.read_text())
@@ -298,10 +298,19 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
         removed = set(re.search(r"node 1: removed what dead processes left in /dev/shm: (.*)", said)[1].split(", "))
         assert rings <= removed and any(name.startswith("sem.mp-") for name in removed), said
         assert not removed & set(os.listdir("/dev/shm"))
+        while "node 1 is back" not in log_path.read_text():  # the run, 7 epochs from its end, takes it back
+            assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
+            time.sleep(0.1)
         assert driver.wait(240) == 0, log_path.read_text()
     finally:
         driver.kill()
-    _models_of_the_lost_node_resumed_on_node_0(log_path, folder, agent1["address"], "EOFError")
+    address = registered_agents(client)[1]["address"]
+    lines = log_path.read_text().splitlines()
+    assert f"node 1 is back: its agent at {address} (pid {agent.pid}) takes flotillas again" in lines
+    (resumed_on,) = _models_of_the_lost_node_resumed(log_path, folder, agent1["address"], "EOFError", 8)
+    if resumed_on == 1:  # placed there after it was back
+        formed = next(i for i, line in enumerate(lines) if re.match(r"flotilla 3 formed", line))
+        assert lines.index(f"node 1 is back: its agent at {address} (pid {agent.pid}) takes flotillas again") < formed
     return agent
 
 
@@ -331,8 +340,11 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
         assert ours()  # node 1's flotilla's ring and its host's cache
         hosts.cut("node1")
         try:
-            while "node 1 lost" not in log_path.read_text() or ours():
+            while "node 1 lost" not in log_path.read_text():
                 assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
+                time.sleep(0.1)
+            while ours():  # still cut off: the agent acts on its driver's silence (the run may be over)
+                assert time.monotonic() < deadline, ours()
                 time.sleep(0.1)
         finally:
             hosts.heal("node1")
@@ -341,13 +353,16 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
         driver.kill()
     said = (tmp_path / "agent1-again.log").read_text()[len(said_before):]
     assert "node 1: the driver is gone: closing its flotilla" in said, said
-    _models_of_the_lost_node_resumed_on_node_0(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s")
+    assert "node 1 is back" not in log_path.read_text()  # the same agent, back: its Dask workers closed
+    resumed_on = _models_of_the_lost_node_resumed(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s",
+                                                  4)
+    assert resumed_on == [0]
 
 
-def _models_of_the_lost_node_resumed_on_node_0(log_path, folder, address, why):
+def _models_of_the_lost_node_resumed(log_path, folder, address, why, epochs) -> list[int]:
     """What the run in `folder` said and recorded when node 1 (its agent at `address`) was lost after every
     model's first epoch: one line naming node, address and `why`; the models there failed once, stopped, and
-    resumed from their checkpoints on node 0; every model's epochs counted once."""
+    resumed from their checkpoints; every model's `epochs` counted once. Returns the nodes they resumed on."""
     out = log_path.read_text()
     (line,) = [line for line in out.splitlines() if "node 1 lost" in line and "does not answer" in line]
     assert address in line and why in line, line
@@ -355,15 +370,16 @@ def _models_of_the_lost_node_resumed_on_node_0(log_path, folder, address, why):
     placed = [(d["model"], int(re.search(r"node=(\d+)", d["slots"])[1]))
               for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"]
     lost = sorted({model for model, node in placed[:3] if node == 1})  # the first plan: a slot each
-    assert lost and all(node == 0 for _, node in placed[3:]), placed
+    assert lost and sorted(model for model, _ in placed[3:]) == lost, placed
     stops = [d for d in results["scheduler"]["decisions"] if d["decision"] == "Stop" and d["reason"] == "node 1 lost"]
     assert sorted(d["model"] for d in stops) == lost
     models = {model["name"]: model for model in results["models"]}
-    assert {name: model["epochs"] for name, model in models.items()} == dict.fromkeys("ABC", 4)  # each epoch once
+    assert {name: model["epochs"] for name, model in models.items()} == dict.fromkeys("ABC", epochs)  # each once
     assert {name: len(model["failures"]) for name, model in models.items()} == {m: int(m in lost) for m in "ABC"}
     assert all("node 1 lost" in models[name]["failures"][0] for name in lost)
     resumed = [stint["start_epoch"] for name in lost for stint in models[name]["flotillas"][1:]]
-    assert len(resumed) == len(lost) and all(epochs >= 1 for epochs in resumed)  # from its checkpoint, not anew
+    assert len(resumed) == len(lost) and all(start >= 1 for start in resumed)  # from its checkpoint, not anew
+    return [node for _, node in placed[3:]]
 
 
 def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
@@ -380,6 +396,42 @@ def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_
                               "cluster.nodes=2"])
         with pytest.raises(ConfigError, match=r"cluster.nodes=2 but the scheduler at .* has node agents \[0, 2\]"):
             _node_agents(cfg, None)
+
+
+@pytest.mark.slow
+def test_a_lost_node_loses_its_dask_workers_and_returns_with_a_new_agent_that_answers():
+    """NodeAgents, the driver's view of the agents: a lost node's Dask workers are removed from the scheduler
+    (the others stay); the node is back only once another agent than the lost one is registered for it and
+    answers; the flotillas then reach it there."""
+    import socket
+
+    from dask.distributed import Client, LocalCluster, Worker
+
+    from pipeline.orchestration.node import AGENTS, NodeAgents
+
+    async def worker_of(address, node):
+        return await Worker(address, nthreads=1, resources={f"node-{node}": 1})
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client, \
+            socket.create_server((LOOPBACK, 0)) as listening, socket.create_server((LOOPBACK, 0)) as closed:
+        workers = [client.sync(worker_of, cluster.scheduler_address, node) for node in (0, 1)]
+        by_node = {node: [workers[node].address] for node in (0, 1)}
+        lost = {"address": "127.0.0.1:1", "pid": 1}
+        agents = {0: {"address": "127.0.0.1:2", "pid": 2}, 1: lost}
+        hosts = NodeAgents(client, agents)
+        hosts.lose(1)
+        assert sorted(client.scheduler_info()["workers"]) == by_node[0] and len(by_node[1]) == 1
+        client.set_metadata([AGENTS, "1"], lost)
+        assert hosts.returned(1) is None  # the lost agent itself
+        silent = {"address": f"{LOOPBACK}:{closed.getsockname()[1]}", "pid": 3}
+        closed.close()
+        client.set_metadata([AGENTS, "1"], silent)
+        assert hosts.returned(1) is None and agents[1] == lost  # registered, but it does not answer
+        again = {"address": f"{LOOPBACK}:{listening.getsockname()[1]}", "pid": 4}
+        client.set_metadata([AGENTS, "1"], again)
+        assert hosts.returned(1) == again and agents[1] == again
+        for worker in workers:
+            client.sync(worker.close)
 
 
 NOT_OURS = r"--host 198.51.100.77 is not an address of this host \(it has [\d., ]*127\.0\.0\.1"

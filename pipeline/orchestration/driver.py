@@ -21,7 +21,6 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,11 +33,11 @@ from pipeline.delivery.topology import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
-from pipeline.orchestration.node import HostLost
+from pipeline.orchestration.node import HostLost, NodeAgents
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged, NodeLost,
-                                PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
+                                NodeReturned, PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.gantt import Bar, Gantt
 from pipeline.scheduler.machine import FAILED, TRAIN_LOSS
@@ -171,6 +170,7 @@ class Stopping(Exception):
 
 
 EVENT_POLL_S = 0.2  # how often the main thread, waiting for an event, looks for a stop request
+RETURN_POLL_S = 2.0  # how often it looks for an agent started again for a lost node
 STOP_SAVE_SHARE = 0.5  # of timeouts.stop_s, what checkpointing the last epochs may take; closing gets the rest
 
 
@@ -464,10 +464,9 @@ class Driver:
     flotilla (ModelConverged to the scheduler) with its last model."""
 
     def __init__(self, scheduler: Scheduler, groups: dict[str, GroupSpec], slot_devices: dict[Slot, str],
-                 convergence: Convergence, run: RunContext, console: Console,
-                 remove_workers: Callable[[int], list[str]]):
+                 convergence: Convergence, run: RunContext, console: Console, agents: NodeAgents):
         self.scheduler, self.groups, self.slot_devices = scheduler, groups, slot_devices
-        self.remove_workers = remove_workers  # node -> its Dask workers, removed from the Dask scheduler
+        self.agents = agents  # the hosts' agents, as nodes are lost and return
         self.group_of = {m.name: group.name for group in groups.values() for m in group.members}
         self.convergence, self.run_ctx, self.console = convergence, run, console
         self.events: queue.Queue = queue.Queue()
@@ -481,6 +480,7 @@ class Driver:
         self.log: list[dict] = []  # every decision, for results.json
         self.gantt = Gantt()  # who held which slot when, for results.json and the report's chart
         self.stopping = False  # a stop was requested: decisions are recorded, not carried out
+        self.next_look = 0.0  # time.monotonic() of the next look for lost nodes' agents started again
 
     def now(self) -> float:
         return time.monotonic() - self.started
@@ -526,6 +526,9 @@ class Driver:
                     self.stopping, stop_by = True, time.monotonic() + self.run_ctx.stop_s
                     for thread in self.threads.values():
                         thread.stop(stop_by)
+                if self.scheduler.lost and not self.stopping and time.monotonic() >= self.next_look:
+                    self.next_look = time.monotonic() + RETURN_POLL_S
+                    self._look_for_returned_nodes()
                 try:
                     event: ThreadEvent = self.events.get(timeout=EVENT_POLL_S)
                 except queue.Empty:
@@ -588,14 +591,30 @@ class Driver:
             return
         self.broken |= {flotilla for flotilla, thread in self.threads.items() if node in thread.nodes}
         there = sorted(group for group, slots in self.assigned.items() if any(s.node == node for s in slots))
+        self.agents.lose(node)  # first: an agent started again on that host keeps its new workers
         self.console.print(f"[red]node {node} lost[/]: {lost}; " + (
             f"{', '.join(there)} failed there, and " if there else "") + "the models of its flotillas resume from "
             "their last checkpoints on the nodes left")
         for group in there:
             for model in self.groups[group].members:
                 self.run_ctx.recorder.failed(model.name, f"node {node} lost: {lost}")
-        self.remove_workers(node)  # before the plan goes on: nothing new waits for a host cut off
         self._apply_decisions(self.scheduler.handle(NodeLost(self.now(), node)))
+
+    def _look_for_returned_nodes(self) -> None:
+        """Lost nodes whose agent was started again take flotillas again (the next plan may use them), once
+        the flotillas that spanned lost nodes have closed (till then, their slots there are theirs)."""
+        if self.broken:
+            return
+        for node in sorted(self.scheduler.lost):
+            agent = self.agents.returned(node)
+            if agent is None:
+                continue
+            cache = self.run_ctx.graph.cache
+            if cache:  # the host's store now belongs to its new agent
+                cache.node_owners[node] = agent["pid"]
+            self.console.print(f"[green]node {node} is back[/]: its agent at {agent['address']} (pid {agent['pid']}) "
+                               "takes flotillas again")
+            self._apply_decisions(self.scheduler.handle(NodeReturned(self.now(), node)))
 
     def _trainer_failed(self, group: str, why: str) -> list:
         self.console.print(f"[red]trainer of {group} failed[/] ({why.strip().splitlines()[-1]}); "

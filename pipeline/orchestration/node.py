@@ -38,7 +38,7 @@ from multiprocessing.managers import BaseManager, MakeProxyType, State, public_m
 
 import psutil
 
-from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect
+from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect, remove_node_workers
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at, use_interface
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
@@ -499,10 +499,10 @@ def agent_key(key_file: str | None, option: str) -> bytes:
     return key
 
 
-def _answers(address: str) -> bool:
+def _answers(address: str, timeout_s: float = 5) -> bool:
     host, port = address.rsplit(":", 1)
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
         return True
     except OSError:
         return False
@@ -512,6 +512,27 @@ def registered_agents(client) -> dict[int, dict]:
     """Node -> agent registered with the client's scheduler ({} when nodes are simulated here)."""
     found = client.get_metadata(AGENTS, default={}) or {}
     return {int(node): agent for node, agent in found.items() if agent}
+
+
+class NodeAgents:
+    """The driver's view of the node agents registered with the Dask scheduler: `agents` (node -> how to
+    reach its agent) is the dict every flotilla reads, kept up to date here as nodes are lost and return."""
+
+    def __init__(self, client, agents: dict[int, dict]):
+        self.client, self.agents = client, agents
+
+    def lose(self, node: int) -> None:
+        """Node `node`'s host is lost: its Dask workers are removed before anything new waits for them."""
+        remove_node_workers(self.client, node)
+
+    def returned(self, node: int) -> dict | None:
+        """The agent of lost node `node`, if another one has registered since (started again: it
+        registers once its Dask workers have joined) and answers; it replaces the lost one."""
+        agent = registered_agents(self.client).get(node)
+        if agent is None or agent == self.agents[node] or not _answers(agent["address"], timeout_s=1):
+            return None
+        self.agents[node] = agent
+        return agent
 
 
 def serve(scheduler: str, node: int, workers: int, threads: int, host: str, interface: str, key: bytes,
