@@ -77,11 +77,10 @@ def test_joining_a_node_s_processes_and_a_flotilla_s_nodes_shares_one_timeout(mo
     from types import SimpleNamespace
 
     from pipeline.orchestration import flotilla as flotilla_module, node as node_module
+    from pipeline.runtime import hang
 
     clock = [0.0]
-    fake_time = SimpleNamespace(monotonic=lambda: clock[0])
-    monkeypatch.setattr(node_module, "time", fake_time)
-    monkeypatch.setattr(flotilla_module, "time", fake_time)
+    monkeypatch.setattr(hang, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Lingering:
         """A child or node that does not end: a join waits out the time it is given."""

@@ -11,6 +11,7 @@ import pipeline.orchestration.driver as driver_module
 from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.driver import (Continue, Convergence, Driver, EpochDone, ReleaseModel, RunContext,
                                            SaveCheckpoints, StopMember)
+from pipeline.orchestration.node import NodeAgents
 from pipeline.scheduler import (Checkpoint, Cluster, EpochFinished, FleetG, FormFlotilla, RatesMeasured, Scheduler,
                                 Slot, Start)
 from pipeline.training.group import GroupSpec
@@ -41,11 +42,12 @@ class StandIn:
         return [self.commands.get_nowait() for _ in range(self.commands.qsize())]
 
 
-class Agents:
+class Agents(NodeAgents):
     """NodeAgents without a Dask scheduler: `registered` stands for what agents registered there."""
 
     def __init__(self, agents: dict[int, dict]):
-        self.agents, self.registered, self.lost = agents, dict(agents), []
+        super().__init__(None, agents)
+        self.registered, self.lost = dict(agents), []
 
     def lose(self, node: int) -> None:
         self.lost.append(node)

@@ -129,20 +129,19 @@ def node_resource(node: int) -> str:
     return f"{NODE_RESOURCE}{node}"
 
 
-def remove_node_workers(client: Client, node: int) -> list[str]:
+def remove_node_workers(client: Client, node: int) -> None:
     """Tells the Dask scheduler that node `node`'s workers are gone (its host was lost), as it would find
     out by itself only after `distributed.scheduler.worker-ttl` for a host cut off: their tasks are
     computed again elsewhere, and no broadcast (a plugin registered, `client.run`) waits for them. Should
-    the host come back, its workers hear they were removed and close. Returns their addresses."""
+    the host come back, its workers hear they were removed and close."""
     resource = node_resource(node)
 
-    async def remove(dask_scheduler) -> list[str]:  # runs in the scheduler: defined here, sent by value
+    async def remove(dask_scheduler) -> None:  # runs in the scheduler: defined here, sent by value
         gone = [address for address, worker in dask_scheduler.workers.items() if resource in worker.resources]
         for address in gone:
             await dask_scheduler.remove_worker(address, stimulus_id=f"{resource}-lost", close=False)
-        return gone
 
-    return client.run_on_scheduler(remove)
+    client.run_on_scheduler(remove)
 
 
 class Executor:

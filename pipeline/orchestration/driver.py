@@ -586,7 +586,7 @@ class Driver:
     def _host_lost(self, lost: HostLost) -> None:
         """Says which node was lost; its models count a failure; every flotilla spanning it breaks up, and
         the scheduler plans their models on the nodes left, from their last checkpoints."""
-        node = next(n for n, agent in self.run_ctx.delivery.agents.items() if agent["address"] == lost.address)
+        node = self.agents.node_at(lost.address)
         if node in self.scheduler.lost:
             return
         self.broken |= {flotilla for flotilla, thread in self.threads.items() if node in thread.nodes}

@@ -11,7 +11,6 @@ its readers are detached and its trainers stopped while the others train on.
 """
 from __future__ import annotations
 
-import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -23,7 +22,7 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
                                         SplitDone, StopStreams)
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
-from pipeline.runtime.hang import HangError, Patience
+from pipeline.runtime.hang import HangError, Patience, shared_out
 from pipeline.runtime.lifetime import how_it_ended
 from pipeline.orchestration.node import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
@@ -253,9 +252,8 @@ class Flotilla:
 
     def join(self, timeout: float) -> None:
         """Waits up to `timeout` seconds in all for the processes of every node to end by themselves."""
-        deadline = time.monotonic() + timeout
-        for node in self.nodes.values():
-            node.join(max(deadline - time.monotonic(), 0))
+        for node, left in shared_out(timeout, self.nodes.values()):
+            node.join(left)
 
     def close(self, within: float | None = None) -> None:
         """Stop every process and free the rings (at once, and once). `within`: seconds the whole

@@ -43,6 +43,7 @@ from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_a
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.runtime.child import Child, messages
+from pipeline.runtime.hang import shared_out
 from pipeline.runtime.lifetime import (children_context, remove_shm, remove_shm_of, remove_stale_semaphores,
                                        remove_stale_shm)
 from pipeline.training.group import GroupSpec, StepInHand
@@ -213,9 +214,9 @@ class NodeProcesses:
 
     def join(self, timeout: float) -> None:
         """Waits up to `timeout` seconds in all for every process here to end by itself."""
-        deadline = time.monotonic() + timeout
-        for child in [t.child for trainers in self.trainers.values() for t in trainers] + list(self.hubs.values()):
-            child.join(max(deadline - time.monotonic(), 0))
+        children = [t.child for trainers in self.trainers.values() for t in trainers] + list(self.hubs.values())
+        for child, left in shared_out(timeout, children):
+            child.join(left)
 
     def close(self, within: float | None = None) -> None:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take
@@ -234,9 +235,8 @@ class NodeProcesses:
             for ring in self.rings.values():  # no hub waits on a trainer that is gone
                 for reader in range(ring.consumers):
                     ring.detach(reader)
-            deadline = time.monotonic() + drain_s
-            for hub in self.hubs.values():  # a hub in the middle of a split lets its batch tasks finish first
-                hub.stop(max(deadline - time.monotonic(), 0))  # what it says now, the run no longer reads
+            for hub, left in shared_out(drain_s, self.hubs.values()):  # a hub in the middle of a split lets
+                hub.stop(left)  # its batch tasks finish first; what it says now, the run no longer reads
                 remove_shm_of(hub.pid)  # hand-off files of batch tasks it never took
         finally:
             for hub in self.hubs.values():  # stopped already, unless the above raised
@@ -260,7 +260,7 @@ class HostRates:
     the ranks are the agent's children, on this host's devices. The driver holds `watch_driver`'s link
     while it measures; when the link breaks, a measurement under way is abandoned and its ranks killed."""
 
-    def __init__(self, node: int, host: str = LOOPBACK, host_s: float | None = None):
+    def __init__(self, node: int, host: str, host_s: float):
         self.node, self.host, self.host_s = node, host, host_s
         self.here = Here(abandon=threading.Event())
 
@@ -431,21 +431,20 @@ def _connect(node: int, agent: dict, key: bytes | None, host_s: float) -> tuple[
     return manager, host
 
 
-def _watch_driver(host: str, host_s: float | None, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
+def _watch_driver(host: str, host_s: float, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
     """In an agent: (address, key) of a connection for the driver to open and hold; `on_gone` runs once
-    it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host) or, when `host_s` is
-    given, once the driver's host has not answered for that long (cut off)."""
+    it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host) or once the driver's
+    host has not answered for `host_s` (cut off)."""
     key = os.urandom(16)
     listener = connection.Listener((host, 0), authkey=key)
     threading.Thread(target=_wait_for_break, args=(listener, host_s, on_gone), name=name, daemon=True).start()
     return listener.address, key
 
 
-def _wait_for_break(listener, host_s: float | None, on_gone) -> None:
+def _wait_for_break(listener, host_s: float, on_gone) -> None:
     try:
         with listener, listener.accept() as link:
-            if host_s is not None:
-                _bound_silence(link, host_s)
+            _bound_silence(link, host_s)
             link.recv()  # the driver sends nothing: this returns when its end closes or falls silent
     except (EOFError, OSError, mp.AuthenticationError):
         pass
@@ -520,6 +519,10 @@ class NodeAgents:
 
     def __init__(self, client, agents: dict[int, dict]):
         self.client, self.agents = client, agents
+
+    def node_at(self, address: str) -> int:
+        """The node whose agent is at `address`."""
+        return next(node for node, agent in self.agents.items() if agent["address"] == address)
 
     def lose(self, node: int) -> None:
         """Node `node`'s host is lost: its Dask workers are removed before anything new waits for them."""

@@ -9,6 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def shared_out(seconds: float, items):
+    """Each of `items` with the time left of `seconds` for them all: a wait on each in turn gets what the
+    ones before it left, so the whole never waits more than `seconds`."""
+    deadline = time.monotonic() + seconds
+    for item in items:
+        yield item, max(deadline - time.monotonic(), 0.0)
+
+
 class HangError(RuntimeError):
     """A wait ran out of its timeout: the message names what was awaited, the timeout's key and the fix."""
 
