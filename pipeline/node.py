@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--key-file", help="the secret shared with the driver (cluster.agent_key_file), a file "
                                            f"of mode 0600; without it, the environment variable {AGENT_KEY_ENV}")
     parser.add_argument("--tls-ca-file", help="with a tls:// scheduler: the CA's certificate (PEM)")
-    parser.add_argument("--tls-cert", help="with a tls:// scheduler: this host's certificate (PEM)")
+    parser.add_argument("--tls-cert", help="with a tls:// scheduler: this host's certificate (PEM), presented to "
+                                           "Dask and to the driver")
     parser.add_argument("--tls-key", help="with a tls:// scheduler: this host's private key (PEM)")
     args = parser.parse_args(argv)
     if args.node < 0 or args.workers < 1 or args.threads < 1:

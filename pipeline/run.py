@@ -33,6 +33,7 @@ from pipeline.orchestration.grouping import check_group_memory, choose_fusion, m
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm
+from pipeline.orchestration.link import Link
 from pipeline.orchestration.node import NodeAgents, agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
@@ -203,7 +204,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         results.update(saved["results"])
         table = None
     else:
-        with agent_rates(agents, key, cfg.timeouts.host_s) as where:  # with node agents, node 0's measures on its host
+        with agent_rates(agents, key, Link(cfg.timeouts.host_s, tls)) as where:  # node 0's agent measures, if any
             groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates,
                                    output_dir, console, results, where)
     policy = _policy(cfg, groups)

@@ -44,12 +44,16 @@ def bad_dataset(tiny_dataset, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 def tls(tmp_path_factory):
     """A throwaway CA and one certificate it signed (Dask's Security.temporary), as Dask's
     in-memory Security for a test's own scheduler and as the PEM files a run is given."""
+    return throwaway_tls(tmp_path_factory.mktemp("tls"))
+
+
+def throwaway_tls(folder: Path):
+    """A CA of its own and a certificate it signed, as the tls fixture gives them, written in `folder`."""
     from distributed import Security
 
     from pipeline.data.executor import TlsFiles
 
     security = Security.temporary()
-    folder = tmp_path_factory.mktemp("tls")
     files = {}
     for name, pem in (("ca", security.tls_ca_file), ("cert", security.tls_client_cert),
                       ("key", security.tls_client_key)):

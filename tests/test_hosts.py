@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
 from pipeline.delivery.collective import LOOPBACK
+from pipeline.orchestration.link import Link
 from pipeline.orchestration.node import AGENT_KEY_ENV
 from stages.base import UserError
 from stages.cache import cache_prefix
@@ -92,9 +94,9 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             host, port = registered[0]["address"].rsplit(":", 1)
             for wrong in (b"not the secret at all", None):  # None: this process's own random authkey
                 with pytest.raises(mp.AuthenticationError):
-                    _Agent((host, int(port)), wrong).connect()
+                    _Agent((host, int(port)), wrong, Link(30, tls_files)).connect()
             with pytest.raises(UserError, match="node 0's agent at .* refused this driver's secret"):
-                node_processes(0, registered, 1.0, b"not the secret at all", None, 30)
+                node_processes(0, registered, 1.0, b"not the secret at all", tls_files, 30)
             twice = subprocess.run(_agent_command(hosts, address, 0, tls_files), capture_output=True, text=True,
                                    timeout=120, env=env)
             assert twice.returncode == 1 and "node 0 is already served by the agent at" in twice.stderr
@@ -134,7 +136,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
                                                        for rank, n in enumerate(nodes) if n == node), started
             assert not [name for name in os.listdir("/dev/shm")
                         if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
-            _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tmp_path)
+            _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tls_files, tmp_path)
             _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path)
             agents[1] = _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
@@ -153,7 +155,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
         assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
 
 
-def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tmp_path):
+def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tls_files, tmp_path):
     """A driver (python -m pipeline) with a policy that needs rates (fleet_g): node 0's agent measures them
     on its host (its children, its devices), not the driver: the run's recorded results (state/run.json,
     written once the rates are in, before training) name the agent's process for every rate, and only
@@ -204,7 +206,7 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
     assert sorted(re.findall(r"node 0: measuring (\w+) on 1, 2 slot\(s\)", logs[0])) == ["A", "B"], logs[0]
     assert "measuring" not in logs[1]
     resnet11 = member("resnet11", depth=11)  # no such depth
-    with agent_rates(registered, AGENT_KEY.encode(), 30) as where:
+    with agent_rates(registered, AGENT_KEY.encode(), Link(30, tls_files)) as where:
         how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
         with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
                                                rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
@@ -486,10 +488,10 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
         pass
 
     Agent.register("Refuses", Refuses, proxytype=_proxy_type(Refuses))
-    served = Agent((LOOPBACK, 0), AGENT_KEY.encode())
+    served = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, None))
     served.start()
     try:
-        driver = Agent(served.address, AGENT_KEY.encode(), host_s=8)
+        driver = Agent(served.address, AGENT_KEY.encode(), Link(8, None))
         driver.connect()
         remote = driver.Refuses()
         with pytest.raises(ConnectionRefusedError, match="the agent's own connection elsewhere"):
@@ -498,9 +500,89 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
             assert link.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
             assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 2  # then 3 probes 2 s apart
+            assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1  # no call waits on a delayed ACK
     finally:
         served.shutdown()
     host, port = served.address
     for _ in range(2):
         with pytest.raises(HostLost, match=rf"the agent at {host}:{port} does not answer \((EOFError|Connection)"):
             remote.call()
+
+
+class Echoes:
+    """Served by a test agent: gives back what it is given."""
+
+    def echo(self, value):
+        return value
+
+
+@contextmanager
+def _recording_relay(upstream: tuple[str, int]):
+    """A TCP relay on loopback to `upstream`: (its address, the bytes that have crossed it either way)."""
+    import socket
+    import threading
+
+    seen, links = bytearray(), []
+    server = socket.create_server((LOOPBACK, 0))
+
+    def pump(source, sink):
+        try:
+            while chunk := source.recv(1 << 16):
+                seen.extend(chunk)
+                sink.sendall(chunk)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the relay closed
+
+    def relay():
+        while True:
+            try:
+                near, _ = server.accept()
+            except OSError:
+                return  # shut down
+            far = socket.create_connection(upstream)
+            links.extend((near, far))
+            for source, sink in ((near, far), (far, near)):
+                threading.Thread(target=pump, args=(source, sink), daemon=True).start()
+
+    threading.Thread(target=relay, daemon=True).start()
+    try:
+        yield server.getsockname(), seen
+    finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        server.close()
+        for link in links:
+            link.close()
+
+
+@pytest.mark.parametrize("encrypted", [True, False], ids=["tls", "plain"])
+def test_the_driver_agent_link_is_tls_with_the_clusters_certificates(encrypted, tls, tmp_path):
+    """With the cluster's Dask certificates, what the driver and an agent say crosses the network encrypted
+    (without them it crosses in clear: the check can fail); a message of many TLS records arrives whole; and a
+    driver whose certificate another CA signed is refused in one line that names both ends' settings."""
+    from pipeline.orchestration.node import _Agent, _connect, _proxy_type
+    from tests.conftest import throwaway_tls
+
+    class Agent(_Agent):
+        pass
+
+    files = tls[1] if encrypted else None
+    Agent.register("Echoes", Echoes, proxytype=_proxy_type(Echoes))
+    served = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, files))
+    served.start()
+    try:
+        with _recording_relay(served.address) as ((host, port), seen):
+            manager = Agent((host, port), AGENT_KEY.encode(), Link(8, files))
+            manager.connect()
+            said = b"what a flotilla says " * 5000  # 105 kB: 7 TLS records at least
+            assert manager.Echoes().echo(said) == said
+            assert (said[:42] in seen) is not encrypted
+        if encrypted:
+            host, port = served.address
+            foreign = throwaway_tls(tmp_path)[1]
+            for driver in (foreign, replace(foreign, ca_file=files.ca_file)):  # the driver refuses; the agent does
+                with pytest.raises(UserError, match=rf"node 0's agent at {host}:{port} and this driver do not accept "
+                                                    r"each other's TLS certificate \(.+\): .*cluster.tls.*--tls-\*"):
+                    _connect(0, {"address": f"{host}:{port}"}, AGENT_KEY.encode(), Link(8, driver))
+    finally:
+        served.shutdown()

@@ -15,7 +15,9 @@ It serves `HostRates` too: the scheduler's rate table is measured by node
 0's agent on its host's devices (`AgentRates` is the driver's end), not on
 the driver's. Driver and agents share a secret given out of band (a mode 0600 file or the
 environment variable PIPELINE_AGENT_KEY), never published: an agent refuses
-a connection that does not prove it knows the secret.
+a connection that does not prove it knows the secret. Their connections are
+link.py's: TLS with the cluster's Dask certificates when it has them, and
+broken once a host falls silent (timeouts.host_s).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -42,6 +45,7 @@ from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect, remove_node
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at, use_interface
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
+from pipeline.orchestration.link import Link, broke_the_link, serializer_for
 from pipeline.runtime.child import Child, messages
 from pipeline.runtime.hang import shared_out
 from pipeline.runtime.lifetime import (children_context, remove_shm, remove_shm_of, remove_stale_semaphores,
@@ -105,7 +109,8 @@ class NodeProcesses:
         When it breaks (the driver died: SIGKILL, the OOM killer, a lost host) or falls silent (a host
         cut off), the agent closes the flotilla's processes here; children watch their parent, and here
         that is the agent."""
-        return _watch_driver(self.host, self.host_s, self._close_without_driver, f"watch-driver-{self.node}")
+        return _watch_driver(Link(self.host_s, self.tls), self.host, self._close_without_driver,
+                             f"watch-driver-{self.node}")
 
     def _close_without_driver(self) -> None:
         if not self.closed:
@@ -260,12 +265,12 @@ class HostRates:
     the ranks are the agent's children, on this host's devices. The driver holds `watch_driver`'s link
     while it measures; when the link breaks, a measurement under way is abandoned and its ranks killed."""
 
-    def __init__(self, node: int, host: str, host_s: float):
-        self.node, self.host, self.host_s = node, host, host_s
+    def __init__(self, node: int, host: str, host_s: float, tls: TlsFiles | None):
+        self.node, self.host, self.link = node, host, Link(host_s, tls)  # tls: this host's files
         self.here = Here(abandon=threading.Event())
 
     def watch_driver(self) -> tuple[tuple[str, int], bytes]:
-        return _watch_driver(self.host, self.host_s, self.here.abandon.set, f"watch-rates-driver-{self.node}")
+        return _watch_driver(self.link, self.host, self.here.abandon.set, f"watch-rates-driver-{self.node}")
 
     def hardware(self, how: Measurement) -> HostHardware | RatesFailed:
         """describe_hardware of this host: the rate cache's key."""
@@ -308,24 +313,20 @@ class HostLost(RuntimeError):
 
 
 def _proxy_type(served: type) -> type:
-    """The driver's proxy of a `served` object in an agent, made by an `_Agent`: its links to the agent are
-    the manager's (they break on silence), and a broken one is HostLost, as is every call after it."""
+    """The driver's proxy of a `served` object in an agent, made by an `_Agent`: its connections to the agent
+    are the manager's Link, and a broken one is HostLost, as is every call after it."""
 
     class Proxy(MakeProxyType(f"{served.__name__}Proxy", public_methods(served))):
-        def __init__(self, token, serializer, manager, *args, **kwargs):
-            super().__init__(token, serializer, manager, *args, **kwargs)
-            self._Client = manager._Client
-
         def _callmethod(self, methodname, args=(), kwds={}):
             manager = self._manager
             if manager.lost is None:
                 try:
                     return super()._callmethod(methodname, args, kwds)
                 except (EOFError, OSError) as err:
-                    if traceback.extract_tb(err.__traceback__)[-1].filename != connection.__file__:
+                    if not broke_the_link(err):
                         raise  # the agent's method raised it: the link is fine
-                    manager.lost = (f"silent for timeouts.host_s={manager.host_s:g} s" if isinstance(err, TimeoutError)
-                                    else f"{type(err).__name__}: {err}".rstrip(": "))
+                    manager.lost = (f"silent for timeouts.host_s={manager.link.host_s:g} s"
+                                    if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}".rstrip(": "))
                     manager._state.value = State.SHUTDOWN  # its proxies' garbage collection must not try to reach it
             host, port = self._token.address
             raise HostLost(f"{host}:{port}", manager.lost) from None
@@ -335,15 +336,13 @@ def _proxy_type(served: type) -> type:
 
 class _Agent(BaseManager):
     """multiprocessing's manager protocol: the driver creates NodeProcesses (a flotilla's processes on the
-    node) and HostRates (the rate measurement) in an agent and calls them. A driver's links to an agent
-    break when it has not answered for `host_s` (_bound_silence)."""
+    node) and HostRates (the rate measurement) in an agent and calls them, through connections made as
+    `link` says (TLS or not; how long a silent host is waited for)."""
 
-    def __init__(self, address, authkey, host_s: float | None = None):
-        super().__init__(address=address, authkey=authkey)
-        self.host_s = host_s
+    def __init__(self, address, authkey, link: Link):
+        super().__init__(address=address, authkey=authkey, serializer=serializer_for(link))
+        self.link = link
         self.lost: str | None = None  # why the agent is taken as lost: its proxies' first broken link
-        if host_s is not None:
-            self._Client = functools.partial(_bounded_client, host_s=host_s)
 
 
 _Agent.register("NodeProcesses", NodeProcesses, proxytype=_proxy_type(NodeProcesses))
@@ -353,26 +352,26 @@ _Agent.register("HostRates", HostRates, proxytype=_proxy_type(HostRates))
 def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: bytes | None,
                    tls: TlsFiles | None, host_s: float):
     """A flotilla's processes on `node`: in the agent registered for it (met with the agents' secret
-    `key`; lost when silent for `host_s`), else in this process (its hubs' Dask clients use `tls`); and,
-    with an agent, the link to hold open while they live (NodeProcesses.watch_driver), else None."""
+    `key`, over TLS with `tls`; lost when silent for `host_s`), else in this process (its hubs' Dask clients
+    use `tls`); and, with an agent, the link to hold open while they live (NodeProcesses.watch_driver)."""
     agent = agents.get(node)
     if agent is None:
         return NodeProcesses(node, drain_s, tls=tls), None
-    manager, host = _connect(node, agent, key, host_s)
+    manager, host = _connect(node, agent, key, Link(host_s, tls))
     processes = manager.NodeProcesses(node, drain_s, host, host_s)
     address, link_key = processes.watch_driver()
-    return processes, connection.Client(address, authkey=link_key)
+    return processes, manager.link.connect(address, authkey=link_key)
 
 
 class AgentRates:
     """The driver's end of a node agent's HostRates: a RateHost (pipeline/training/rates.py) whose
-    measurements run on the agent's host. It connects on first use and holds the agent's watch link
-    until closed; an error there is raised here, naming the agent and its host."""
+    measurements run on the agent's host. It connects on first use (as `link` says) and holds the agent's
+    watch link until closed; an error there is raised here, naming the agent and its host."""
 
-    def __init__(self, node: int, agent: dict, key: bytes, host_s: float):
-        self.node, self.agent, self.key, self.host_s = node, agent, key, host_s
+    def __init__(self, node: int, agent: dict, key: bytes, link: Link):
+        self.node, self.agent, self.key, self.link = node, agent, key, link
         self.remote = None  # the agent's HostRates, once connected
-        self.link: connection.Connection | None = None
+        self.watch: connection.Connection | None = None  # held open while it measures
 
     def hardware(self, how: Measurement) -> HostHardware:
         return self._result(self._host().hardware(replace(how, where=None)))
@@ -381,16 +380,16 @@ class AgentRates:
         return self._result(self._host().measure(group, slot_counts, replace(how, where=None)))
 
     def close(self) -> None:
-        if self.link is not None:
-            self.link.close()  # the agent's watch ends; nothing of ours runs there any more
-        self.remote = self.link = None
+        if self.watch is not None:
+            self.watch.close()  # the agent's watch ends; nothing of ours runs there any more
+        self.remote = self.watch = None
 
     def _host(self):
         if self.remote is None:
-            manager, host = _connect(self.node, self.agent, self.key, self.host_s)
-            self.remote = manager.HostRates(self.node, host, self.host_s)
+            manager, host = _connect(self.node, self.agent, self.key, self.link)
+            self.remote = manager.HostRates(self.node, host, self.link.host_s)
             address, link_key = self.remote.watch_driver()
-            self.link = connection.Client(address, authkey=link_key)
+            self.watch = self.link.connect(address, authkey=link_key)
         return self.remote
 
     def _result(self, answer):
@@ -402,74 +401,56 @@ class AgentRates:
 
 
 @contextmanager
-def agent_rates(agents: dict[int, dict], key: bytes | None, host_s: float):
-    """Where a run measures its rates: node 0's agent when the nodes have agents (they are alike, so
-    one host's rates are every node's), else None (the driver's own devices)."""
+def agent_rates(agents: dict[int, dict], key: bytes | None, link: Link):
+    """Where a run measures its rates: node 0's agent (reached as `link` says) when the nodes have agents
+    (they are alike, so one host's rates are every node's), else None (the driver's own devices)."""
     if not agents:
         yield None
         return
-    rates = AgentRates(0, agents[0], key, host_s)
+    rates = AgentRates(0, agents[0], key, link)
     try:
         yield rates
     finally:
         rates.close()
 
 
-def _connect(node: int, agent: dict, key: bytes | None, host_s: float) -> tuple[_Agent, str]:
-    """A manager connected to `node`'s agent (lost when silent for `host_s`), and that agent's host."""
+def _connect(node: int, agent: dict, key: bytes | None, link: Link) -> tuple[_Agent, str]:
+    """A manager connected to `node`'s agent through `link`, and that agent's host."""
     host, port = agent["address"].rsplit(":", 1)
-    manager = _Agent((host, int(port)), key, host_s)
+    manager = _Agent((host, int(port)), key, link)
     try:
         manager.connect()
     except mp.AuthenticationError:
         raise UserError(f"node {node}'s agent at {agent['address']} refused this driver's secret: give the "
                         "driver the secret its agents were started with (cluster.agent_key_file or "
                         f"{AGENT_KEY_ENV})") from None
-    except OSError as err:
-        raise HostLost(agent["address"], f"{err}; start it again on its host: python -m pipeline.node <scheduler> "
-                                         f"--node {node}", node) from None
+    except ssl.SSLError as err:  # the handshake failed (an agent that went away is EOFError)
+        raise UserError(f"node {node}'s agent at {agent['address']} and this driver do not accept each other's "
+                        f"TLS certificate ({err.reason or err}): give both certificates signed by the cluster's "
+                        "CA, the driver in cluster.tls.*, the agent in --tls-*") from None
+    except (OSError, EOFError) as err:
+        raise HostLost(agent["address"], f"{err or type(err).__name__}; start it again on its host: "
+                                         f"python -m pipeline.node <scheduler> --node {node}", node) from None
     return manager, host
 
 
-def _watch_driver(host: str, host_s: float, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
-    """In an agent: (address, key) of a connection for the driver to open and hold; `on_gone` runs once
-    it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host) or once the driver's
-    host has not answered for `host_s` (cut off)."""
+def _watch_driver(link: Link, host: str, on_gone, name: str) -> tuple[tuple[str, int], bytes]:
+    """In an agent: (address, key) of a connection (made as `link` says) for the driver to open and hold;
+    `on_gone` runs once it breaks (the driver closed it, or died: SIGKILL, the OOM killer, a lost host)
+    or once the driver's host has not answered for link.host_s (cut off)."""
     key = os.urandom(16)
-    listener = connection.Listener((host, 0), authkey=key)
-    threading.Thread(target=_wait_for_break, args=(listener, host_s, on_gone), name=name, daemon=True).start()
+    listener = link.listen((host, 0), authkey=key)
+    threading.Thread(target=_wait_for_break, args=(listener, on_gone), name=name, daemon=True).start()
     return listener.address, key
 
 
-def _wait_for_break(listener, host_s: float, on_gone) -> None:
+def _wait_for_break(listener, on_gone) -> None:
     try:
         with listener, listener.accept() as link:
-            _bound_silence(link, host_s)
             link.recv()  # the driver sends nothing: this returns when its end closes or falls silent
     except (EOFError, OSError, mp.AuthenticationError):
         pass
     on_gone()
-
-
-def _bounded_client(address, authkey, host_s: float) -> connection.Connection:
-    link = connection.Client(address, authkey=authkey)
-    _bound_silence(link, host_s)
-    return link
-
-
-def _bound_silence(link: connection.Connection, host_s: float) -> None:
-    """`link` (TCP) breaks once its peer's host has answered nothing for about `host_s`: the kernel probes
-    it while idle (keepalive, answered by the peer's kernel however busy the peer process) and gives up
-    on data it does not acknowledge (TCP_USER_TIMEOUT). A call blocked on it then raises TimeoutError
-    instead of waiting for a host powered off or cut off. (Connecting is bounded by the kernel's SYN
-    retries, about 2 minutes.)"""
-    probe_s = max(1, round(host_s / 4))  # idle this long, then 3 probes this far apart: about host_s
-    with socket.socket(fileno=os.dup(link.fileno())) as sock:  # the same socket: options are its own
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, probe_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, probe_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(host_s * 1000))
 
 
 def agent_key(key_file: str | None, option: str) -> bytes:
@@ -554,11 +535,12 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     use_interface(interface)  # before the fork server starts: every child inherits it
     children_context()  # the fork server of the flotillas' children imports torch while the workers start
 
-    class Serving(_Agent):  # this host's NodeProcesses: its hubs connect to Dask with this host's TLS files
+    class Serving(_Agent):  # with this host's TLS files: the driver's links, the hubs' Dask clients
         pass
 
     Serving.register("NodeProcesses", functools.partial(NodeProcesses, tls=tls))
-    server = Serving((host, 0), key).get_server()
+    Serving.register("HostRates", functools.partial(HostRates, tls=tls))
+    server = Serving((host, 0), key, Link(None, tls)).get_server()
     resource = f"node-{node}={threads}"
     tls_options = ["--tls-ca-file", tls.ca_file, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls else []
     with connect(scheduler, tls) as client:
