@@ -20,6 +20,7 @@ a Link there, under itself.
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import ssl
 from contextlib import contextmanager, suppress
@@ -46,7 +47,7 @@ class Link:
 
     def connect(self, address: tuple[str, int], authkey: bytes | None = None) -> connection.Connection:
         """connection.Client's equal: a connection to `address` (with `authkey`: proving both ends hold it).
-        Connecting, the TLS handshake and the challenge wait at most host_s."""
+        Each step of connecting, the TLS handshake and the challenge waits host_s at most."""
         with _failure_of_the_link():
             link = self._over(socket.create_connection(address, timeout=self.host_s), server_side=False)
         if authkey is not None:
@@ -67,10 +68,21 @@ class Link:
                                                                           server_side)
 
 
+    def __reduce__(self):  # unpickled (a manager's server started under spawn, a proxy sent on): registered
+        return _registered, (self.host_s, self.tls)
+
+
 def serializer_for(link: Link) -> Link:
-    """`link` as a manager's serializer: its connections are the link's."""
+    """`link` as a manager's serializer: its connections are the link's. Its TLS contexts are made here, so
+    that files that cannot be used fail now, not as a connection that failed."""
+    for server_side in (True, False) if link.tls is not None else ():
+        _context(link.tls, server_side)
     listener_client.setdefault(link, (link.listen, link.connect))
     return link
+
+
+def _registered(host_s: float | None, tls: TlsFiles | None) -> Link:
+    return serializer_for(Link(host_s, tls))
 
 
 class _Listener:
@@ -99,10 +111,17 @@ class _Listener:
         self.close()
 
 
+_IMPORTED_HERE = os.urandom(8)  # with the pid (a forked child has both), marks this process's link failures
+
+
+def _this_process() -> tuple[bytes, int]:
+    return _IMPORTED_HERE, os.getpid()
+
+
 def broke_the_link(err: BaseException) -> bool:
     """Whether `err` is a link's own failure (its connection broke, or could not be made), not an error
-    raised at the other end and sent back through it (tracebacks and all)."""
-    return getattr(err, "broke_the_link", False)
+    raised at the other end and sent back through it (tracebacks, attributes and all)."""
+    return getattr(err, "broke_the_link", None) == _this_process()
 
 
 @contextmanager
@@ -110,7 +129,7 @@ def _failure_of_the_link():
     try:
         yield
     except (EOFError, OSError) as err:
-        err.broke_the_link = True
+        err.broke_the_link = _this_process()
         raise
 
 
@@ -141,8 +160,9 @@ class _Connection(connection.Connection):
 
 
 class _TlsConnection(_Connection):
-    """A Connection whose bytes go through TLS. Its records are read and written here, on the socket (the
-    ssl module's own sockets report a read that failed, a peer silent past TCP_USER_TIMEOUT, as EOF)."""
+    """A Connection whose bytes go through TLS. Its records are read and written here, on the socket, whose
+    errors are then its own (through the ssl module's sockets, a peer silent past TCP_USER_TIMEOUT came out
+    as EOF in tests/test_hosts.py, and a host cut off read as one that closed)."""
 
     def __init__(self, sock: socket.socket, context: ssl.SSLContext, server_side: bool):
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
