@@ -87,7 +87,8 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             registered = registered_agents(client)
             pids = {node: agent["pid"] for node, agent in registered.items()}
             assert pids == {0: agents[0].pid, 1: agents[1].pid}
-            assert all(set(agent) == {"address", "pid", "gpus", "gpu_memory"} for agent in registered.values())
+            assert all(set(agent) == {"address", "pid", "gpus", "gpu_memory", "workers_pid"}
+                       for agent in registered.values())
             assert [registered[n]["address"].rsplit(":", 1)[0] for n in (0, 1)] == [hosts.addresses["node0"],
                                                                                    hosts.addresses["node1"]]
             assert all("process groups through eth0" in (tmp_path / f"agent{n}.log").read_text() for n in (0, 1))
@@ -320,7 +321,9 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     """Node 1's host is cut off mid-run (its network down, inside its namespace: packets dropped, nobody
     told). The driver's calls to its agent go unanswered: after timeouts.host_s the driver says in one line
     that node 1 was lost, and the run goes on as for a killed host. The agent, whose driver fell silent,
-    closes that flotilla's processes and shared memory by itself (its hub gets timeouts.drain_s)."""
+    closes that flotilla's processes and shared memory by itself (its hub gets timeouts.drain_s). The host
+    comes back: its Dask workers, removed meanwhile, close; the agent starts them again and registers anew,
+    and the run takes node 1 back by itself."""
     from pipeline.orchestration.node import registered_agents
 
     folder, log_path = tmp_path / "cut", tmp_path / "cut.log"
@@ -328,7 +331,7 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     said_before = (tmp_path / "agent1-again.log").read_text()
     with open(log_path, "w") as log:
         driver = subprocess.Popen(hosts.command("driver", [
-            sys.executable, "-m", "pipeline", *overrides, "scheduler=baseline", "trainer.epochs=4", *PACED,
+            sys.executable, "-m", "pipeline", *overrides, "scheduler=baseline", "trainer.epochs=12", *PACED,
             "timeouts.host_s=4", "timeouts.drain_s=5", f"rates.cache={tmp_path / 'rate_cache.json'}",
             f"hydra.run.dir={folder}"]),
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"})
@@ -350,15 +353,20 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
                 time.sleep(0.1)
         finally:
             hosts.heal("node1")
+        while "node 1 is back" not in log_path.read_text():  # the run, several epochs from its end, takes it back
+            assert time.monotonic() < deadline and driver.poll() is None, (log_path.read_text(),
+                                                                           (tmp_path / "agent1-again.log").read_text())
+            time.sleep(0.1)
         assert driver.wait(240) == 0, log_path.read_text()
     finally:
         driver.kill()
     said = (tmp_path / "agent1-again.log").read_text()[len(said_before):]
     assert "node 1: the driver is gone: closing its flotilla" in said, said
-    assert "node 1 is back" not in log_path.read_text()  # the same agent, back: its Dask workers closed
-    resumed_on = _models_of_the_lost_node_resumed(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s",
-                                                  4)
-    assert resumed_on == [0]
+    assert re.search(r"node 1: its Dask workers ended \(exit code .*\): starting them again", said), said
+    back = registered_agents(client)[1]  # the same agent, with new workers
+    assert back["address"] == agent1["address"] and back["workers_pid"] != agent1["workers_pid"], back
+    assert f"node 1 is back: its agent at {back['address']} (pid {pid}) takes flotillas again" in log_path.read_text()
+    _models_of_the_lost_node_resumed(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s", 12)
 
 
 def _models_of_the_lost_node_resumed(log_path, folder, address, why, epochs) -> list[int]:
@@ -469,10 +477,15 @@ def test_an_agent_reaching_its_scheduler_on_loopback_takes_loopback():
 
 
 class Refuses:
-    """Served by a test agent: its method raises what a broken link would."""
+    """Served by a test agent: its method fails as a link of the agent's own does (marked as the agent's
+    link failure, which must not read as the driver's once sent back)."""
 
     def call(self) -> None:
-        raise ConnectionRefusedError("the agent's own connection elsewhere was refused")
+        import socket
+
+        with socket.create_server((LOOPBACK, 0)) as closed:  # a port nothing listens on once closed
+            port = closed.getsockname()[1]
+        Link(2, None).connect((LOOPBACK, port))
 
 
 def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_host():
@@ -482,6 +495,7 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
     every call after it, without trying the link again."""
     import socket
 
+    from pipeline.orchestration.link import broke_the_link
     from pipeline.orchestration.node import HostLost, _Agent, _proxy_type
 
     class Agent(_Agent):
@@ -494,8 +508,10 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
         driver = Agent(served.address, AGENT_KEY.encode(), Link(8, None))
         driver.connect()
         remote = driver.Refuses()
-        with pytest.raises(ConnectionRefusedError, match="the agent's own connection elsewhere"):
+        with pytest.raises(ConnectionRefusedError) as refused:
             remote.call()
+        assert hasattr(refused.value, "broke_the_link")  # the agent's link failure, marked there...
+        assert not broke_the_link(refused.value)  # ...is not the driver's
         with socket.socket(fileno=os.dup(remote._tls.connection.fileno())) as link:
             assert link.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000

@@ -510,8 +510,9 @@ class NodeAgents:
         remove_node_workers(self.client, node)
 
     def returned(self, node: int) -> dict | None:
-        """The agent of lost node `node`, if another one has registered since (started again: it
-        registers once its Dask workers have joined) and answers; it replaces the lost one."""
+        """The agent of lost node `node`, if it has registered anew since (an agent started again, or the
+        same one with its Dask workers started again: it registers once they have joined) and answers; it
+        replaces the lost one."""
         agent = registered_agents(self.client).get(node)
         if agent is None or agent == self.agents[node] or not _answers(agent["address"], timeout_s=1):
             return None
@@ -542,32 +543,96 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     Serving.register("HostRates", functools.partial(HostRates, tls=tls))
     server = Serving((host, 0), key, Link(None, tls)).get_server()
     resource = f"node-{node}={threads}"
-    tls_options = ["--tls-ca-file", tls.ca_file, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls else []
     with connect(scheduler, tls) as client:
         serving = registered_agents(client).get(node)
-        if serving and _answers(serving["address"]):  # an entry whose agent is gone is replaced
-            raise SystemExit(f"node {node} is already served by the agent at {serving['address']}: "
-                             "give each host its own --node")
-        dask_workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
-                                         "--nworkers", str(workers), "--nthreads", str(threads), "--host", host,
-                                         "--resources", resource, "--name", f"n{node}", "--no-dashboard",
-                                         "--dashboard-address", f"{host}:0",  # its HTTP server (health) too
-                                         *tls_options], env={**os.environ, **WORKER_MALLOC})
+    if serving and _answers(serving["address"]):  # an entry whose agent is gone is replaced
+        raise SystemExit(f"node {node} is already served by the agent at {serving['address']}: "
+                         "give each host its own --node")
+    tls_options = ["--tls-ca-file", tls.ca_file, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls else []
+    dask_workers = HostWorkers(scheduler, tls, node, workers, [
+        sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nworkers", str(workers), "--nthreads",
+        str(threads), "--host", host, "--resources", resource, "--name", f"n{node}", "--no-dashboard",
+        "--dashboard-address", f"{host}:0", *tls_options], {  # its HTTP server (health) on `host` too
+        # the secret is not published: the driver has it already
+        "address": f"{host}:{server.address[1]}", "pid": os.getpid(), "gpus": torch.cuda.device_count(),
+        "gpu_memory": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None})
+    try:
+        dask_workers.start()
+        print(f"node {node}: {workers} Dask worker(s) x {threads} thread(s) ({resource}); serving flotillas at "
+              f"{host}:{server.address[1]}; process groups through {interface}", flush=True)
+        threading.Thread(target=dask_workers.keep, name="keep-dask-workers", daemon=True).start()
+        server.serve_forever()
+    finally:
         try:
-            _wait_for_workers(client, f"node-{node}", workers)
-            client.set_metadata([AGENTS, str(node)], {  # the secret is not published: the driver has it already
-                "address": f"{host}:{server.address[1]}", "pid": os.getpid(), "gpus": torch.cuda.device_count(),
-                "gpu_memory": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None})
-            print(f"node {node}: {workers} Dask worker(s) x {threads} thread(s) ({resource}); serving flotillas at "
-                  f"{host}:{server.address[1]}; process groups through {interface}", flush=True)
-            try:
-                server.serve_forever()
-            finally:
-                client.set_metadata([AGENTS, str(node)], None)
-                remove_shm(cache_prefix(os.getpid()))  # the stores of runs this host served
+            dask_workers.stop()  # needs the scheduler, which may be gone
         finally:
-            dask_workers.terminate()
-            dask_workers.wait(60)
+            remove_shm(cache_prefix(os.getpid()))  # the stores of runs this host served
+
+
+class HostWorkers:
+    """In an agent: its host's Dask workers (resource node-<i>), and the agent's entry in the scheduler's
+    metadata, which names their process. The driver has the scheduler remove a lost host's workers
+    (NodeAgents.lose); should that host come back (cut off, then not), they hear so and close. The agent then
+    starts them again and registers anew, and the driver, finding a new entry for the node that answers
+    (NodeAgents.returned), takes the host back."""
+
+    RETRY_S = 5  # between attempts to start them again, while the scheduler cannot be reached
+
+    def __init__(self, scheduler: str, tls: TlsFiles | None, node: int, count: int, command: list[str], entry: dict):
+        self.scheduler, self.tls, self.node, self.count = scheduler, tls, node, count
+        self.command, self.entry = command, entry
+        self.process: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+        self.starting = threading.Lock()  # no process is started once the agent stops
+
+    def start(self) -> bool:
+        """Start the workers, wait until they have joined, and register the agent with them (False: the
+        agent stops, nothing was started)."""
+        with self.starting:
+            if self.stopping.is_set():
+                return False
+            self.process = subprocess.Popen(self.command, env={**os.environ, **WORKER_MALLOC})
+        try:
+            with connect(self.scheduler, self.tls) as client:
+                _wait_for_workers(client, f"node-{self.node}", self.count)
+                client.set_metadata([AGENTS, str(self.node)], {**self.entry, "workers_pid": self.process.pid})
+        except BaseException:
+            self._end_process()
+            raise
+        return True
+
+    def keep(self) -> None:
+        """Start them again whenever they end before the agent stops (a thread of the agent's)."""
+        while not self.stopping.is_set():
+            code = self.process.wait()
+            if self.stopping.is_set():
+                return
+            log.info("node %d: its Dask workers ended (exit code %s; the scheduler removed them?): starting them "
+                     "again", self.node, code)
+            while not self.stopping.is_set():
+                try:
+                    if self.start():
+                        log.info("node %d: its Dask workers joined again (pid %d)", self.node, self.process.pid)
+                    break
+                except OSError as err:  # the scheduler cannot be reached yet, or they did not join in time
+                    log.info("node %d: its Dask workers could not join (%s): trying again in %d s", self.node,
+                             err, self.RETRY_S)
+                    self.stopping.wait(self.RETRY_S)
+
+    def stop(self) -> None:
+        """Unregister the agent and end its workers (those of a start under way too)."""
+        with self.starting:
+            self.stopping.set()
+        try:
+            with connect(self.scheduler, self.tls) as client:
+                client.set_metadata([AGENTS, str(self.node)], None)
+        finally:
+            self._end_process()
+
+    def _end_process(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(60)
 
 
 def _wait_for_workers(client, resource: str, count: int, timeout_s: float = 120) -> None:
