@@ -160,9 +160,10 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     assert recorder.models["a"].failures == [] and len(recorder.models["b"].failures) == 1
     assert recorder.models["b"].failures[0].startswith("node 1 lost: the agent at 198.51.100.3:4000")
     assert driver.agents.lost == [1]  # Dask was told the node's workers are gone
-    assert driver.assigned and not driver.stranded  # its processes may still run: no slot is free yet
+    assert driver.freed_at_end == {0: [Slot(0, 0), Slot(1, 0)]}  # its processes may still run: no slot is free yet
+    assert not driver.stranded
     driver._handle(ThreadEnded(thread, {}))
-    assert driver.assigned == {} and scheduler.stranded == ["a", "b"] and driver.stranded
+    assert driver.freed_at_end == driver.assigned == {} and scheduler.stranded == ["a", "b"] and driver.stranded
     with StopSignals() as stop:
         driver.run([], stop)  # returns at once: nothing can go on
     assert [d["decision"] for d in driver.log][-2:] == ["Stop", "Stop"]
@@ -214,3 +215,38 @@ def test_a_lost_node_whose_agent_is_started_again_takes_the_waiting_model(tmp_pa
     assert agents[1]["pid"] == 12 and scheduler.lost == set()
     (again,) = [thread for thread in driver.threads.values() if thread.nodes == {1}]
     assert again is not on_1 and again.members[0].group.name == "b" and again.members[0].start_epoch == 1
+
+
+def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_the_old_flotillas_close(
+        tmp_path, monkeypatch):
+    """scheduler=baseline on 2 nodes of 2 slots: a and b on node 0 (best fit), node 1 free. Node 0 is lost:
+    both resume at once on node 1 while their broken flotillas still close. When those end they free the
+    slots they held (node 0's, lost), never the ones their models hold now. (The mistake this catches: the
+    slots freed at a broken flotilla's end looked up by model, after the model had new ones.)"""
+    from types import SimpleNamespace
+
+    from pipeline.orchestration.driver import HostGone, ThreadEnded
+    from pipeline.orchestration.node import HostLost
+    from pipeline.scheduler import Baseline
+
+    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
+    models = [spec("a"), spec("b")]
+    scheduler = Scheduler(["a", "b"], Cluster(2, 2), Baseline())
+    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
+    agents = {0: {"address": "198.51.100.2:4000", "pid": 10}, 1: {"address": "198.51.100.3:4000", "pid": 11}}
+    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
+    context = RunContext(SimpleNamespace(cache=None), None, delivery, recorder, None, 60.0, 10.0, tmp_path / "s")
+    driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
+                    {Slot(n, i): "cpu" for n in (0, 1) for i in (0, 1)}, Convergence(5, None, 0, 0.005), context,
+                    Console(file=io.StringIO(), width=400), Agents(agents))
+    driver._apply_decisions([d for m in "ab" for d in scheduler.handle(RatesMeasured(0.0, m, (10.0,)))])
+    old = dict(driver.threads)
+    assert [thread.nodes for thread in old.values()] == [{0}, {0}]
+    driver._handle(HostGone(old[0], HostLost("198.51.100.2:4000", "EOFError")))
+    new = [thread for flotilla, thread in driver.threads.items() if flotilla not in old]
+    assert sorted(thread.members[0].group.name for thread in new) == ["a", "b"]
+    assert all(thread.nodes == {1} for thread in new)
+    for thread in old.values():
+        driver._handle(ThreadEnded(thread, {}))
+    assert {group: {slot.node for slot in slots} for group, slots in driver.assigned.items()} == {"a": {1}, "b": {1}}
+    assert all(scheduler.models[m].status == "running" for m in "ab") and not driver.broken

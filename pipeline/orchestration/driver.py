@@ -474,7 +474,7 @@ class Driver:
         self.assigned: dict[str, tuple[Slot, ...]] = {}
         self.gone: set[str] = set()  # groups whose trainers failed: their flotilla already let them go
         self.broken: set[int] = set()  # flotillas that spanned a lost node: their threads are closing them
-        self.freed_at_end: dict[int, list[str]] = {}  # broken flotilla -> groups whose slots free as it ends
+        self.freed_at_end: dict[int, list[Slot]] = {}  # broken flotilla -> the slots it held, freed as it ends
         self.converged: set[str] = set()  # models
         self.started = time.monotonic()
         self.log: list[dict] = []  # every decision, for results.json
@@ -572,8 +572,8 @@ class Driver:
             event.thread.join()
             self.threads.pop(event.thread.flotilla_id, None)
             self.broken.discard(event.thread.flotilla_id)
-            for group in self.freed_at_end.pop(event.thread.flotilla_id, []):
-                self._free_slots(group)
+            for slot in self.freed_at_end.pop(event.thread.flotilla_id, []):
+                self._free_slot(slot)
             for group, epochs in event.saved.items():
                 self.scheduler.checkpointed(group, epochs)
                 for model in self.groups[group].members:
@@ -581,7 +581,10 @@ class Driver:
 
     def _free_slots(self, group: str) -> None:
         for slot in self.assigned.pop(group, ()):
-            self._apply_decisions(self.scheduler.handle(SlotFreed(self.now(), slot)))
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: Slot) -> None:
+        self._apply_decisions(self.scheduler.handle(SlotFreed(self.now(), slot)))
 
     def _host_lost(self, lost: HostLost) -> None:
         """Says which node was lost; its models count a failure; every flotilla spanning it breaks up, and
@@ -712,8 +715,9 @@ class Driver:
                     self._checkpoint(thread, decision.model, models, decision.epoch)
             elif isinstance(decision, Stop):
                 self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
-                if decision.flotilla in self.broken:  # its thread is closing its processes
-                    self.freed_at_end.setdefault(decision.flotilla, []).append(decision.model)
+                if decision.flotilla in self.broken:  # its thread is closing its processes; the model may
+                    # have new slots before it has closed (planned at once on the nodes left)
+                    self.freed_at_end.setdefault(decision.flotilla, []).extend(self.assigned.pop(decision.model, ()))
                 elif decision.model in self.gone:  # its trainers are already stopped
                     self.gone.discard(decision.model)
                     self._free_slots(decision.model)
