@@ -142,6 +142,8 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             agents[1] = _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
             _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path)
+            agents[1] = _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
+                hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
         finally:
             for agent in agents:
                 agent.send_signal(signal.SIGTERM)
@@ -367,6 +369,54 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     assert back["address"] == agent1["address"] and back["workers_pid"] != agent1["workers_pid"], back
     assert f"node 1 is back: its agent at {back['address']} (pid {pid}) takes flotillas again" in log_path.read_text()
     _models_of_the_lost_node_resumed(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s", 12)
+
+
+def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
+        hosts, overrides, agents, client, tmp_path, restart, env):
+    """scheduler=shared: every model at once, on both nodes (B asks for 2 slots, a node's). Node 1's host
+    is lost after the first epoch: the 2 slots left cannot take the 4 the models ask for, so the run stops
+    in order, exit code 5, with one line saying how to resume it. Node 1's agent started again, that
+    command (on the driver's host) finishes the run, every model's epochs counted once. Returns that agent."""
+    import shlex
+
+    from pipeline.orchestration.node import registered_agents
+
+    folder, log_path = tmp_path / "stranded", tmp_path / "stranded.log"
+    with open(log_path, "w") as log:
+        driver = subprocess.Popen(hosts.command("driver", [
+            sys.executable, "-m", "pipeline", *overrides, "scheduler=shared", "trainer.epochs=3", *PACED,
+            f"hydra.run.dir={folder}"]), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "400"})
+    try:
+        deadline = time.monotonic() + 180
+        while "(epoch 1)" not in log_path.read_text():  # every model's first epoch: one flotilla, one line
+            assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        os.killpg(agents[1].pid, signal.SIGKILL)
+        agents[1].wait()
+        assert driver.wait(120) == 5, log_path.read_text()
+    finally:
+        driver.kill()
+    said = log_path.read_text()
+    assert "node 1 lost: the agent at" in said, said
+    (line,) = [line for line in said.splitlines() if "to resume: python -m pipeline " in line]
+    assert line.startswith("stopped (") and line.endswith(f"resume={folder}"), line
+    interrupted = json.loads((folder / "results.json").read_text())["interrupted"]
+    assert interrupted["lost_nodes"] == [1] and "no slot left can take A, B, C" in interrupted["cause"], interrupted
+    with open(tmp_path / "agent1-stranded.log", "w") as log:
+        agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    while registered_agents(client).get(1, {}).get("pid") != agent.pid:
+        assert time.monotonic() < deadline and agent.poll() is None, (tmp_path / "agent1-stranded.log").read_text()
+        time.sleep(0.2)
+    command = shlex.split(line.split("to resume: ", 1)[1])
+    resumed = subprocess.run(hosts.command("driver", [sys.executable, *command[1:],
+                                                      f"hydra.run.dir={tmp_path / 'resumed'}"]),
+                             capture_output=True, text=True, timeout=240, env={**os.environ, "COLUMNS": "400"})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    models = {m["name"]: m for m in json.loads((folder / "results.json").read_text())["models"]}
+    assert {name: model["epochs"] for name, model in models.items()} == dict.fromkeys("ABC", 3)  # each once
+    on_1 = {name for name, model in models.items() if model["failures"]}
+    assert on_1 and all("node 1 lost" in models[name]["failures"][0] for name in on_1), models
+    return agent
 
 
 def _models_of_the_lost_node_resumed(log_path, folder, address, why, epochs) -> list[int]:
