@@ -199,3 +199,23 @@ def test_a_batch_task_no_worker_can_run_says_what_it_waits_for_then_fails(tiny_d
                 pytest.raises(HangError, match=r"batch-\w+-train-0-0-0 runs on worker n0-w0 and has not finished: "
                                                r"a stage is stuck .*timeouts.stall_s=2"):
             next(executor.batches(Split.TRAIN, 0))
+
+
+def test_a_nodes_executor_puts_its_graph_on_that_nodes_workers_only(tiny_dataset):
+    """Two nodes, a worker each. An executor of node 0 sets its graph up on node 0's worker and no other
+    (so that it never waits on another host's workers: one cut off and not yet removed would hold it up
+    for Dask's connect timeout, then fail it), the scheduler keeps it for node 0's workers that join later,
+    and it is gone everywhere once the executor is. (The mistake this catches: Dask's broadcast of the
+    plugin to every worker, or a plugin that sets itself up on any node.)"""
+    graph = build_graph(stages(tiny_dataset), {"out"})
+    held = lambda: sorted(__import__("pipeline.data.executor", fromlist=["_GRAPHS"])._GRAPHS)  # runs on a worker
+    plugins = lambda dask_scheduler: sorted(dask_scheduler.worker_plugins)
+    with dask_client(None, 2, 1, nodes=2) as client:
+        by_name = {info["name"]: address for address, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+        with Executor(client, graph, 0, "skip", 2, node=0) as executor:
+            list(executor.batches(Split.TRAIN, 0))
+            on_workers = client.run(held)
+            assert on_workers[by_name["n0-w0"]] == [executor.run_id] and on_workers[by_name["n1-w1"]] == []
+            assert executor.plugin in client.run_on_scheduler(plugins)
+        assert all(ids == [] for ids in client.run(held).values())
+        assert executor.plugin not in client.run_on_scheduler(plugins)

@@ -80,9 +80,10 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
                   for node, log in enumerate(logs)]
         try:
             deadline = time.monotonic() + 180
-            while len(registered_agents(client)) < 2:
-                assert time.monotonic() < deadline and all(a.poll() is None for a in agents), \
-                    [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
+            said = lambda: [(tmp_path / f"agent{n}.log").read_text() for n in (0, 1)]
+            # registered, and then each says so (a line printed after it registers)
+            while len(registered_agents(client)) < 2 or not all("serving flotillas at" in text for text in said()):
+                assert time.monotonic() < deadline and all(a.poll() is None for a in agents), said()
                 time.sleep(0.2)
             registered = registered_agents(client)
             pids = {node: agent["pid"] for node, agent in registered.items()}
@@ -142,6 +143,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             agents[1] = _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
             _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path)
+            _a_run_started_while_a_host_is_cut_off_trains_on_the_others(hosts, overrides, client, tmp_path)
             agents[1] = _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
         finally:
@@ -369,6 +371,37 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     assert back["address"] == agent1["address"] and back["workers_pid"] != agent1["workers_pid"], back
     assert f"node 1 is back: its agent at {back['address']} (pid {pid}) takes flotillas again" in log_path.read_text()
     _models_of_the_lost_node_resumed(log_path, folder, agent1["address"], "silent for timeouts.host_s=4 s", 12)
+
+
+def _a_run_started_while_a_host_is_cut_off_trains_on_the_others(hosts, overrides, client, tmp_path):
+    """Node 1's host is cut off before the run starts, so the Dask scheduler still lists its workers while
+    the first flotillas form: those on node 0 set up their hubs without waiting on node 1's workers; node 1
+    is lost once connecting to its agent has waited timeouts.host_s, and the run trains every model on node
+    0. The host back, its agent starts its workers again and registers anew."""
+    from pipeline.orchestration.node import registered_agents
+
+    folder, log_path = tmp_path / "cut-first", tmp_path / "cut-first.log"
+    before = registered_agents(client)[1]
+    hosts.cut("node1")
+    try:
+        with open(log_path, "w") as log:
+            driver = subprocess.run(hosts.command("driver", [
+                sys.executable, "-m", "pipeline", *overrides, "scheduler=baseline", "trainer.epochs=2",
+                "timeouts.host_s=6", "timeouts.drain_s=5", f"rates.cache={tmp_path / 'rate_cache.json'}",
+                f"hydra.run.dir={folder}"]), stdout=log, stderr=subprocess.STDOUT, timeout=240,
+                env={**os.environ, "COLUMNS": "400"})
+    finally:
+        hosts.heal("node1")
+    said = log_path.read_text()
+    assert driver.returncode == 0, said
+    (line,) = [line for line in said.splitlines() if line.startswith("node 1 lost: ")]
+    assert f"agent at {before['address']} does not answer (timed out" in line, line
+    models = json.loads((folder / "results.json").read_text())["models"]
+    assert {model["name"]: model["epochs"] for model in models} == dict.fromkeys("ABC", 2)  # each once
+    deadline = time.monotonic() + 120
+    while registered_agents(client)[1]["workers_pid"] == before["workers_pid"]:
+        assert time.monotonic() < deadline, "node 1's agent did not start its Dask workers again"
+        time.sleep(0.2)
 
 
 def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(

@@ -24,6 +24,7 @@ from pathlib import Path
 import dask
 from dask.distributed import (Client, LocalCluster, Security, WorkerPlugin, get_worker, performance_report,
                               wait)
+from distributed.protocol.pickle import dumps
 from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
@@ -52,9 +53,9 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
     return output
 
 
-def _worker_node() -> int:
-    """The node of this worker: the i of its resource node-<i> (0 without one)."""
-    return next((int(name.removeprefix(NODE_RESOURCE)) for name in get_worker().state.total_resources
+def _worker_node(worker=None) -> int:
+    """The node of `worker` (this one by default): the i of its resource node-<i> (0 without one)."""
+    return next((int(name.removeprefix(NODE_RESOURCE)) for name in (worker or get_worker()).state.total_resources
                  if name.startswith(NODE_RESOURCE)), 0)
 
 
@@ -81,18 +82,23 @@ _GRAPHS: dict[str, list] = {}  # in each worker process: graph id -> [graph, exe
 
 
 class GraphOnWorkers(WorkerPlugin):
-    """Puts a stage graph (it holds the file list) on every worker once, a worker that joins later
-    (a restarted one) included. Batch tasks name the graph instead of depending on a Dask key: a
-    dependency would make the scheduler place every task where that key is held, not by load.
-    Executors sharing keys share the graph id; it leaves a worker with the last of them."""
+    """Puts a stage graph (it holds the file list) once on every worker of `node` (None: every worker),
+    a worker that joins later (a restarted one) included. Batch tasks name the graph instead of depending
+    on a Dask key: a dependency would make the scheduler place every task where that key is held, not by
+    load. Executors sharing keys share the graph id; it leaves a worker with the last of them."""
 
-    def __init__(self, graph_id: str, graph: StageGraph):
-        self.graph_id, self.graph = graph_id, graph
+    def __init__(self, graph_id: str, graph: StageGraph, node: int | None):
+        self.graph_id, self.graph, self.node = graph_id, graph, node
+        self.held = False  # by this worker (each has its own copy of the plugin)
 
     def setup(self, worker) -> None:
-        _GRAPHS.setdefault(self.graph_id, [self.graph, 0])[1] += 1
+        if self.node is None or _worker_node(worker) == self.node:
+            _GRAPHS.setdefault(self.graph_id, [self.graph, 0])[1] += 1
+            self.held = True
 
     def teardown(self, worker) -> None:
+        if not self.held:
+            return
         held = _GRAPHS[self.graph_id]
         held[1] -= 1
         if held[1] == 0:
@@ -144,6 +150,50 @@ def remove_node_workers(client: Client, node: int) -> None:
     client.run_on_scheduler(remove)
 
 
+def node_workers(client: Client, node: int | None) -> list[str] | None:
+    """The addresses of node `node`'s Dask workers (None: every worker, as Dask takes it)."""
+    if node is None:
+        return None
+    return [address for address, info in client.scheduler_info(n_workers=-1)["workers"].items()
+            if node_resource(node) in (info.get("resources") or {})]
+
+
+def add_worker_plugin(client: Client, plugin: WorkerPlugin, name: str, workers: list[str] | None) -> None:
+    """`plugin` on `workers` (None: every worker) now, and on every worker that joins later (where it acts
+    only if it is for that worker's node). Dask's own registration broadcasts to every worker and fails
+    after its connect timeout if one is on a host cut off and not yet removed: a node's hub needs none of
+    the other nodes' workers."""
+    if workers is None:
+        client.register_plugin(plugin, name=name)
+        return
+    pickled = dumps(plugin)
+
+    async def add(dask_scheduler) -> dict:  # runs in the scheduler: defined here, sent by value
+        dask_scheduler.worker_plugins[name] = pickled  # what a joining worker is given
+        return await dask_scheduler.broadcast(msg={"op": "plugin-add", "plugin": pickled, "name": name},
+                                              workers=workers, on_error="return")
+
+    failed = {address: answer for address, answer in client.run_on_scheduler(add).items()
+              if not (isinstance(answer, dict) and answer.get("status") == "OK")}
+    if failed:
+        raise RuntimeError(f"the Dask plugin {name} could not be set up on worker(s) {failed}")
+
+
+def remove_worker_plugin(client: Client, name: str, workers: list[str] | None) -> None:
+    """add_worker_plugin undone: off `workers` (None: every worker) and off the workers that join later.
+    A worker that cannot be reached any more (its host lost) is left as it is."""
+    if workers is None:
+        client.unregister_worker_plugin(name)
+        return
+
+    async def remove(dask_scheduler) -> None:
+        dask_scheduler.worker_plugins.pop(name, None)
+        await dask_scheduler.broadcast(msg={"op": "plugin-remove", "name": name}, workers=workers,
+                                       on_error="ignore")
+
+    client.run_on_scheduler(remove)
+
+
 class Executor:
     """Use as a context manager: on exit it waits for tasks still running and
     removes whatever they left in shared memory. With `node`, batch tasks run
@@ -172,9 +222,10 @@ class Executor:
         self.prefetch_capacity = in_flight - 1
         self.ready: list[tuple[float, int]] = []
         self.plugin = f"graph-{self.run_id}-{uuid.uuid4().hex[:8]}"
-        client.register_plugin(GraphOnWorkers(self.run_id, graph), name=self.plugin)
+        self.workers = node_workers(client, node)  # the only ones its tasks run on
+        add_worker_plugin(client, GraphOnWorkers(self.run_id, graph, node), self.plugin, self.workers)
         here = socket.gethostname()
-        same_node = all(host == here for host in client.run(socket.gethostname).values())
+        same_node = all(host == here for host in client.run(socket.gethostname, workers=self.workers).values())
         # Shared tasks are taken by several executors: their results come through Dask, not a hand-off file.
         self.share_prefix = f"{HANDOFF_PREFIX}-{os.getpid()}-{self.run_id}" if same_node and not shared_keys else None
         self.pending: dict = {}
@@ -190,7 +241,7 @@ class Executor:
         self.pending.clear()
         self.retained.clear()
         if self.client.status == "running":  # a closed client's cluster took the graph with it
-            self.client.unregister_worker_plugin(self.plugin)
+            remove_worker_plugin(self.client, self.plugin, node_workers(self.client, self.node))
         if self.share_prefix:
             remove_shm(self.share_prefix)
 
