@@ -82,6 +82,24 @@ def driver_of(groups: list[GroupSpec], tmp_path, monkeypatch, epochs=5) -> Drive
     return driver
 
 
+def two_node_driver(tmp_path, monkeypatch, policy, slots_per_node: int = 1, said: io.StringIO | None = None
+                    ) -> Driver:
+    """A driver of models a and b on 2 nodes of `slots_per_node` slots each, whose agents are at
+    198.51.100.2:4000 (pid 10) and 198.51.100.3:4000 (pid 11); its flotilla threads are stand-ins."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
+    models = [spec("a"), spec("b")]
+    scheduler = Scheduler(["a", "b"], Cluster(2, slots_per_node), policy)
+    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
+    agents = {0: {"address": "198.51.100.2:4000", "pid": 10}, 1: {"address": "198.51.100.3:4000", "pid": 11}}
+    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
+    context = RunContext(SimpleNamespace(cache=None), None, delivery, recorder, None, 60.0, 10.0, tmp_path / "s")
+    return Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
+                  {Slot(n, i): "cpu" for n in (0, 1) for i in range(slots_per_node)}, Convergence(5, None, 0, 0.005),
+                  context, Console(file=said or io.StringIO(), width=400), Agents(agents))
+
+
 def test_a_failure_in_the_round_of_an_epoch_stops_the_survivors_before_they_go_on(tmp_path, monkeypatch):
     """a and b finish epoch 1; a's trainer dies in the same round. FLEET stops the flotilla (half its slots
     idle): b must hear StopMember before Continue, or it would train an epoch it was stopped from."""
@@ -134,24 +152,14 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     """scheduler=shared, a on node 0 and b on node 1, one flotilla. Node 1's agent stops answering: one line
     names the node and the agent's address; b counts a failure, a does not; the slots are free only once the
     flotilla's thread has closed what it could reach; then nothing left can take both: the run stops."""
-    from types import SimpleNamespace
-
     from pipeline.orchestration.driver import HostGone, ThreadEnded
     from pipeline.orchestration.node import HostLost
     from pipeline.runtime.lifetime import StopSignals
     from pipeline.scheduler import Shared
 
-    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
-    models = [spec("a"), spec("b")]
-    scheduler = Scheduler(["a", "b"], Cluster(2, 1), Shared({"a": 1, "b": 1}))
-    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
-    agents = {0: {"address": "198.51.100.2:4000"}, 1: {"address": "198.51.100.3:4000"}}
-    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
-    context = RunContext(None, None, delivery, recorder, None, 60.0, 10.0, tmp_path / "state")
     said = io.StringIO()
-    driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
-                    {Slot(0, 0): "cpu", Slot(1, 0): "cpu"}, Convergence(5, None, 0, 0.005), context,
-                    Console(file=said, width=400), Agents(agents))
+    driver = two_node_driver(tmp_path, monkeypatch, Shared({"a": 1, "b": 1}), said=said)
+    scheduler, recorder = driver.scheduler, driver.run_ctx.recorder
     driver._apply_decisions(scheduler.start(0.0))
     thread = driver.threads[0]
     driver._handle(HostGone(thread, HostLost("198.51.100.3:4000", "EOFError")))
@@ -181,23 +189,13 @@ def test_a_lost_node_whose_agent_is_started_again_takes_the_waiting_model(tmp_pa
     since a holds node 0's slot. An agent registered again for node 1 is not looked for while b's broken
     flotilla still closes; once it has, the driver says node 1 is back, the flotillas reach it at its new
     agent, and b resumes there from its checkpoint."""
-    from types import SimpleNamespace
-
     from pipeline.orchestration.driver import HostGone, ThreadEnded
     from pipeline.orchestration.node import HostLost
     from pipeline.scheduler import Baseline
 
-    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
-    models = [spec("a"), spec("b")]
-    scheduler = Scheduler(["a", "b"], Cluster(2, 1), Baseline())
-    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
-    agents = {0: {"address": "198.51.100.2:4000", "pid": 10}, 1: {"address": "198.51.100.3:4000", "pid": 11}}
-    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
-    context = RunContext(SimpleNamespace(cache=None), None, delivery, recorder, None, 60.0, 10.0, tmp_path / "s")
-    said, hosts = io.StringIO(), Agents(agents)
-    driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
-                    {Slot(0, 0): "cpu", Slot(1, 0): "cpu"}, Convergence(5, None, 0, 0.005), context,
-                    Console(file=said, width=400), hosts)
+    said = io.StringIO()
+    driver = two_node_driver(tmp_path, monkeypatch, Baseline(), said=said)
+    scheduler, hosts, agents = driver.scheduler, driver.agents, driver.agents.agents
     driver._apply_decisions([d for m in "ab" for d in scheduler.handle(RatesMeasured(0.0, m, (10.0,)))])
     (on_1,) = [thread for thread in driver.threads.values() if thread.nodes == {1}]
     assert on_1.members[0].group.name == "b"
@@ -223,22 +221,12 @@ def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_th
     both resume at once on node 1 while their broken flotillas still close. When those end they free the
     slots they held (node 0's, lost), never the ones their models hold now. (The mistake this catches: the
     slots freed at a broken flotilla's end looked up by model, after the model had new ones.)"""
-    from types import SimpleNamespace
-
     from pipeline.orchestration.driver import HostGone, ThreadEnded
     from pipeline.orchestration.node import HostLost
     from pipeline.scheduler import Baseline
 
-    monkeypatch.setattr(driver_module, "FlotillaThread", StandIn)
-    models = [spec("a"), spec("b")]
-    scheduler = Scheduler(["a", "b"], Cluster(2, 2), Baseline())
-    recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
-    agents = {0: {"address": "198.51.100.2:4000", "pid": 10}, 1: {"address": "198.51.100.3:4000", "pid": 11}}
-    delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
-    context = RunContext(SimpleNamespace(cache=None), None, delivery, recorder, None, 60.0, 10.0, tmp_path / "s")
-    driver = Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
-                    {Slot(n, i): "cpu" for n in (0, 1) for i in (0, 1)}, Convergence(5, None, 0, 0.005), context,
-                    Console(file=io.StringIO(), width=400), Agents(agents))
+    driver = two_node_driver(tmp_path, monkeypatch, Baseline(), slots_per_node=2)
+    scheduler = driver.scheduler
     driver._apply_decisions([d for m in "ab" for d in scheduler.handle(RatesMeasured(0.0, m, (10.0,)))])
     old = dict(driver.threads)
     assert [thread.nodes for thread in old.values()] == [{0}, {0}]
