@@ -29,13 +29,16 @@ def main(argv: list[str] | None = None) -> None:
                                             "(gloo, NCCL's sockets; default: the one --host is on)")
     parser.add_argument("--key-file", help="the secret shared with the driver (cluster.agent_key_file), a file "
                                            f"of mode 0600; without it, the environment variable {AGENT_KEY_ENV}")
+    parser.add_argument("--host-s", type=float, default=30,
+                        help="a driver whose host answers nothing this long (cut off, powered off) is gone: the "
+                             "connections serving it break (the driver's timeouts.host_s bounds its own end)")
     parser.add_argument("--tls-ca-file", help="with a tls:// scheduler: the CA's certificate (PEM)")
     parser.add_argument("--tls-cert", help="with a tls:// scheduler: this host's certificate (PEM), presented to "
                                            "Dask and to the driver")
     parser.add_argument("--tls-key", help="with a tls:// scheduler: this host's private key (PEM)")
     args = parser.parse_args(argv)
-    if args.node < 0 or args.workers < 1 or args.threads < 1:
-        parser.error("--node must be >= 0, --workers and --threads >= 1")
+    if args.node < 0 or args.workers < 1 or args.threads < 1 or args.host_s <= 0:
+        parser.error("--node must be >= 0, --workers and --threads >= 1, --host-s > 0")
     tls_files = (args.tls_ca_file, args.tls_cert, args.tls_key)
     if args.scheduler.startswith("tls://") != all(tls_files) or any(tls_files) != all(tls_files):
         parser.error("a tls:// scheduler needs --tls-ca-file, --tls-cert and --tls-key, and they need a tls:// "
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         interface = interface_for(host, args.interface)
     except UserError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    serve(args.scheduler, args.node, args.workers, args.threads, host, interface, key,
+    serve(args.scheduler, args.node, args.workers, args.threads, host, interface, key, args.host_s,
           TlsFiles(*tls_files) if all(tls_files) else None)
 
 

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -22,7 +23,7 @@ PREFIX = "enst"  # namespaces enst-<host>, veths enst-v<i> (eth0 inside), bridge
 BRIDGE = f"{PREFIX}-br"
 SUBNET = "198.51.100"  # TEST-NET-2: routed nowhere
 GONE_S = 30  # what killed processes and removed namespaces get to be gone
-LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp: listening
+LISTEN, ESTABLISHED = "0A", "01"  # TCP sockets' states in /proc/net/tcp
 
 
 def _ip(*args: str, check: bool = True) -> str:
@@ -114,18 +115,29 @@ class Hosts:
         _remove_ours()
 
 
-def listening(pid: int) -> set[str]:
-    """The addresses TCP sockets listen on in the network namespace of process `pid` (its /proc/<pid>/net),
-    "0.0.0.0" or "::" for every address."""
-    found = set()
+def _tcp_sockets(pid: int) -> Iterator[tuple[str, str, str]]:
+    """(local address, remote address, state) of every TCP socket in the network namespace of process
+    `pid` (its /proc/<pid>/net)."""
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         with open(f"/proc/{pid}/net/{table}") as rows:
             next(rows)
             for row in rows:
-                local, state = row.split()[1], row.split()[3]
-                if state == LISTEN:
-                    packed = bytes.fromhex(local.split(":")[0])
-                    # the kernel writes each 32-bit word of the address in host (little-endian) order
-                    words = b"".join(packed[i:i + 4][::-1] for i in range(0, len(packed), 4))
-                    found.add(socket.inet_ntop(family, words))
-    return found
+                local, remote, state = row.split()[1:4]
+                yield _address(local, family), _address(remote, family), state
+
+
+def _address(hex_address: str, family: int) -> str:
+    packed = bytes.fromhex(hex_address.split(":")[0])
+    # the kernel writes each 32-bit word of the address in host (little-endian) order
+    return socket.inet_ntop(family, b"".join(packed[i:i + 4][::-1] for i in range(0, len(packed), 4)))
+
+
+def listening(pid: int) -> set[str]:
+    """The addresses TCP sockets listen on in the network namespace of process `pid`, "0.0.0.0" or "::" for
+    every address."""
+    return {local for local, _, state in _tcp_sockets(pid) if state == LISTEN}
+
+
+def connected(pid: int, address: str) -> int:
+    """How many TCP connections to `address` are open in the network namespace of process `pid`."""
+    return sum(remote == address and state == ESTABLISHED for _, remote, state in _tcp_sockets(pid))

@@ -19,7 +19,7 @@ from pipeline.orchestration.node import AGENT_KEY_ENV
 from stages.base import UserError
 from stages.cache import cache_prefix
 from tests.conftest import compose_config
-from tests.hosts import Hosts, listening
+from tests.hosts import Hosts, connected, listening
 from tests.test_topology import MODELS, PACED, assert_every_batch_once_in_order_bit_identical
 
 AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
@@ -47,9 +47,10 @@ def _scheduler(hosts: Hosts, tls_files, folder):
 
 
 def _agent_command(hosts: Hosts, scheduler: str, node: int, tls_files) -> list[str]:
-    """Node `node`'s agent on its host, given no --host: it takes the address it reaches the scheduler from."""
+    """Node `node`'s agent on its host, given no --host: it takes the address it reaches the scheduler from.
+    A driver silent for 4 s is gone for it (--host-s), as for the cut-off run's driver (timeouts.host_s)."""
     return hosts.command(f"node{node}", [
-        sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1",
+        sys.executable, "-m", "pipeline.node", scheduler, "--node", str(node), "--workers", "1", "--host-s", "4",
         "--tls-ca-file", tls_files.ca_file, "--tls-cert", tls_files.cert, "--tls-key", tls_files.key])
 
 
@@ -325,7 +326,8 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     """Node 1's host is cut off mid-run (its network down, inside its namespace: packets dropped, nobody
     told). The driver's calls to its agent go unanswered: after timeouts.host_s the driver says in one line
     that node 1 was lost, and the run goes on as for a killed host. The agent, whose driver fell silent,
-    closes that flotilla's processes and shared memory by itself (its hub gets timeouts.drain_s). The host
+    closes that flotilla's processes and shared memory by itself (its hub gets timeouts.drain_s), and the
+    connections serving the driver break (--host-s), their threads ending. The host
     comes back: its Dask workers, removed meanwhile, close; the agent starts them again and registers anew,
     and the run takes node 1 back by itself."""
     from pipeline.orchestration.node import registered_agents
@@ -347,13 +349,15 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
             assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
             time.sleep(0.1)
         assert ours()  # node 1's flotilla's ring and its host's cache
+        serving = lambda: connected(pid, hosts.addresses["driver"])  # the driver's links to the agent
+        assert serving()
         hosts.cut("node1")
         try:
             while "node 1 lost" not in log_path.read_text():
                 assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
                 time.sleep(0.1)
-            while ours():  # still cut off: the agent acts on its driver's silence (the run may be over)
-                assert time.monotonic() < deadline, ours()
+            while ours() or serving():  # still cut off: the agent acts on its driver's silence (the run may be
+                assert time.monotonic() < deadline, (ours(), serving())  # over), its --host-s=4 later at most
                 time.sleep(0.1)
         finally:
             hosts.heal("node1")

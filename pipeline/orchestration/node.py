@@ -521,10 +521,11 @@ class NodeAgents:
 
 
 def serve(scheduler: str, node: int, workers: int, threads: int, host: str, interface: str, key: bytes,
-          tls: TlsFiles | None = None) -> None:
-    """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served.
-    Everything listens on `host`, but process groups between hosts, whose traffic goes through `interface`
-    (their sockets on its address; their store on `host`)."""
+          host_s: float, tls: TlsFiles | None = None) -> None:
+    """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served,
+    and a driver whose host has answered nothing for `host_s` is served no more (the connections break, the
+    threads serving them end). Everything listens on `host`, but process groups between hosts, whose
+    traffic goes through `interface` (their sockets on its address; their store on `host`)."""
     import torch
 
     log.addHandler(logging.StreamHandler(sys.stdout))
@@ -541,7 +542,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
 
     Serving.register("NodeProcesses", functools.partial(NodeProcesses, tls=tls))
     Serving.register("HostRates", functools.partial(HostRates, tls=tls))
-    server = Serving((host, 0), key, Link(None, tls)).get_server()
+    server = Serving((host, 0), key, Link(host_s, tls)).get_server()
     resource = f"node-{node}={threads}"
     with connect(scheduler, tls) as client:
         serving = registered_agents(client).get(node)
