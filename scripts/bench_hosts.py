@@ -213,7 +213,8 @@ def lost_host(hosts: Hosts, address: str, args: argparse.Namespace, root: Path) 
                  "scheduler=baseline", f"trainer.epochs={args.lost_epochs}", "topology=all_shared"]
     with agents(hosts, address, [1, 1], args.out) as started:
         driver = Driver(hosts, overrides, args.out / "lost")
-        firsts = [driver.wait_for(rf"val accuracy {m} \S+ \(epoch 1\)", args.timeout)[0] for m in "ABC"]
+        for m in "ABC":  # every model's first epoch done (and checkpointed, unless the kill comes first)
+            driver.wait_for(rf"val accuracy {m} \S+ \(epoch 1\)", args.timeout)
         os.killpg(started[0].pid, signal.SIGKILL)
         killed = time.monotonic()
         started[0].wait()
@@ -230,7 +231,6 @@ def lost_host(hosts: Hosts, address: str, args: argparse.Namespace, root: Path) 
               "kill_to_lost_line_s": lost_at - killed, "kill_to_flotilla_formed_s": formed_at - killed,
               "kill_to_epoch_trained_again_s": again_at - killed,
               "epoch_s": statistics.median(b - a for a, b in zip(after, after[1:])),  # its epochs in the new one
-              "first_epochs_done_s": [t - min(firsts) for t in firsts],
               "models": {m["name"]: {"epochs": m["epochs"], "failures": m["failures"],
                                      "stints": [(s["start_epoch"], s["flotilla"]) for s in m["flotillas"]]}
                          for m in results["models"]}}

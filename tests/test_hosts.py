@@ -327,9 +327,9 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     told). The driver's calls to its agent go unanswered: after timeouts.host_s the driver says in one line
     that node 1 was lost, and the run goes on as for a killed host. The agent, whose driver fell silent,
     closes that flotilla's processes and shared memory by itself (its hub gets timeouts.drain_s), and the
-    connections serving the driver break (--host-s), their threads ending. The host
-    comes back: its Dask workers, removed meanwhile, close; the agent starts them again and registers anew,
-    and the run takes node 1 back by itself."""
+    connections serving the driver break (--host-s), their threads ending. The host comes back: its Dask
+    workers, removed meanwhile, close; the agent starts them again and registers anew, and the run takes
+    node 1 back by itself."""
     from pipeline.orchestration.node import registered_agents
 
     folder, log_path = tmp_path / "cut", tmp_path / "cut.log"

@@ -222,10 +222,10 @@ class Executor:
         self.prefetch_capacity = in_flight - 1
         self.ready: list[tuple[float, int]] = []
         self.plugin = f"graph-{self.run_id}-{uuid.uuid4().hex[:8]}"
-        self.workers = node_workers(client, node)  # the only ones its tasks run on
-        add_worker_plugin(client, GraphOnWorkers(self.run_id, graph, node), self.plugin, self.workers)
+        workers = node_workers(client, node)  # the only ones its tasks run on
+        add_worker_plugin(client, GraphOnWorkers(self.run_id, graph, node), self.plugin, workers)
         here = socket.gethostname()
-        same_node = all(host == here for host in client.run(socket.gethostname, workers=self.workers).values())
+        same_node = all(host == here for host in client.run(socket.gethostname, workers=workers).values())
         # Shared tasks are taken by several executors: their results come through Dask, not a hand-off file.
         self.share_prefix = f"{HANDOFF_PREFIX}-{os.getpid()}-{self.run_id}" if same_node and not shared_keys else None
         self.pending: dict = {}

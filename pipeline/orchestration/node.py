@@ -41,7 +41,8 @@ from multiprocessing.managers import BaseManager, MakeProxyType, State, public_m
 
 import psutil
 
-from pipeline.data.executor import WORKER_MALLOC, TlsFiles, connect, remove_node_workers
+from pipeline.data.executor import (WORKER_MALLOC, TlsFiles, connect, node_resource, node_workers,
+                                    remove_node_workers)
 from pipeline.delivery.collective import LOOPBACK, LocalRendezvous, rendezvous_at, use_interface
 from pipeline.delivery.hub import HubSpec, hub_main
 from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
@@ -595,7 +596,7 @@ class HostWorkers:
             self.process = subprocess.Popen(self.command, env={**os.environ, **WORKER_MALLOC})
         try:
             with connect(self.scheduler, self.tls) as client:
-                _wait_for_workers(client, f"node-{self.node}", self.count)
+                _wait_for_workers(client, self.node, self.count)
                 client.set_metadata([AGENTS, str(self.node)], {**self.entry, "workers_pid": self.process.pid})
         except BaseException:
             self._end_process()
@@ -636,10 +637,10 @@ class HostWorkers:
             self.process.wait(60)
 
 
-def _wait_for_workers(client, resource: str, count: int, timeout_s: float = 120) -> None:
+def _wait_for_workers(client, node: int, count: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    while sum(resource in (w.get("resources") or {})
-              for w in client.scheduler_info(n_workers=-1)["workers"].values()) < count:
+    while len(node_workers(client, node)) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{count} Dask worker(s) with resource {resource} did not join in {timeout_s:.0f} s")
+            raise TimeoutError(f"{count} Dask worker(s) with resource {node_resource(node)} did not join in "
+                               f"{timeout_s:.0f} s")
         time.sleep(0.2)
