@@ -7,16 +7,24 @@ slots, memory, dataset, a bad file under on_error=fail) is one message on
 stderr and code 2; with HYDRA_FULL_ERROR=1 its traceback too. Ctrl-C or
 SIGTERM stops the run in order (130, 143) and says how to resume it; so does
 a run that lost hosts and has no slot left for its models (5). Errors
-Hydra raises while composing the config keep Hydra's own message and code."""
+Hydra raises while composing the config keep Hydra's own message and code.
+
+`python -m pipeline -m ...` (a Hydra multirun) runs one job per combination, under the launcher
+and sweeper Hydra's config names. A training job returns its objective (objective.of, objective.metric:
+pipeline/measure/objective.py) to the sweeper. A job that fails for any reason above but a stop raises
+JobFailed once it has said why: Hydra marks it failed, the sweeper decides whether the other jobs go on,
+and the multirun's exit code is not 0. Ctrl-C or SIGTERM stops the whole multirun."""
 import shlex
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipeline.config import ExitCode, exit_on_user_error, register
+from pipeline.config import ExitCode, JobFailed, exit_on_user_error, register
 from pipeline.runtime.hang import HangError
 from pipeline.runtime.lifetime import Interrupted, StopSignals
 from pipeline.run import run
@@ -26,25 +34,40 @@ register()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     with StopSignals() as stop:
         try:
             results = run(cfg, Path(HydraConfig.get().runtime.output_dir), stop)
         except UserError as err:
-            exit_on_user_error(err)
+            if not multirun:
+                exit_on_user_error(err)
+            fail(ExitCode.user_error, f"error: {err}", multirun)
         except Interrupted as stopped:  # before training began: nothing to checkpoint or resume
             print(f"{stopped}: stopped before training began; nothing to resume", file=sys.stderr)
             sys.exit(128 + stopped.signum)
         except HangError as hung:  # a known condition, said in full: no traceback
-            print(f"error: {hung}", file=sys.stderr)
-            sys.exit(ExitCode.hung)
+            fail(ExitCode.hung, f"error: {hung}", multirun)
     if "interrupted" in results:
         overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
-        print(f"stopped ({results['interrupted']['cause']}); to resume: python -m pipeline "
-              f"{shlex.join(overrides)} {results['interrupted']['resume']}", file=sys.stderr)
-        sys.exit(128 + stop.signum if stop.signum else ExitCode.nodes_lost)
+        said = (f"stopped ({results['interrupted']['cause']}); to resume: python -m pipeline "
+                f"{shlex.join(overrides)} {results['interrupted']['resume']}")
+        if stop.signum:
+            print(said, file=sys.stderr)
+            sys.exit(128 + stop.signum)
+        fail(ExitCode.nodes_lost, said, multirun)
     if results.get("given_up"):
-        sys.exit(ExitCode.models_given_up)
+        fail(ExitCode.models_given_up, f"given up: {', '.join(results['given_up'])}", multirun)
+    objective = results.get("objective")  # none in mode=profile
+    return objective["value"] if objective else None
+
+
+def fail(code: ExitCode, why: str, multirun: bool) -> NoReturn:
+    """Say why; then exit with `code`, or in a multirun fail the job and let the sweeper go on."""
+    print(why, file=sys.stderr)
+    if multirun:
+        raise JobFailed(code, why) from None  # why says it all: not the traceback of what it caught
+    sys.exit(code)
 
 
 if __name__ == "__main__":

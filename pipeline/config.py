@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeline.data.dataset import Synthetic
+from pipeline.measure.objective import BEST_MEMBER, ENSEMBLE, Metric
 from pipeline.scheduler.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
 from pipeline.scheduler.groups import Grouping
@@ -47,6 +48,19 @@ class ExitCode(enum.IntEnum):
     nodes_lost = 5  # hosts were lost and no slot left can take the models still to train: resume=<run folder>
     sigint = 130  # stopped by Ctrl-C: resume=<run folder> continues it
     sigterm = 143  # stopped by SIGTERM: the same
+
+
+class JobFailed(Exception):
+    """A multirun's job that did not finish (pipeline/__main__.py): why, and the exit code it would
+    have ended with on its own. Raised to Hydra, which marks the job failed; it crosses processes under
+    the joblib and submitit launchers, so it pickles."""
+
+    def __init__(self, code: int, why: str):
+        super().__init__(code, why)
+        self.code, self.why = ExitCode(code), why
+
+    def __str__(self) -> str:
+        return f"{self.why} (exit code {self.code.value} on its own)"
 
 
 class Mode(enum.StrEnum):
@@ -201,6 +215,12 @@ class EnsembleConf:
 
 
 @dataclass
+class ObjectiveConf:
+    of: str = ENSEMBLE  # what the run returns to a Hydra sweeper: ensemble | best_member | a member's name
+    metric: Metric = Metric.val_accuracy  # val_accuracy (a sweeper maximizes it) | val_loss (minimizes)
+
+
+@dataclass
 class Config:
     mode: Mode = Mode.train  # train | profile (a short profiling pass that writes the report, no training)
     topology: Topology = Topology.auto  # how batches reach a flotilla's trainers: auto | single_broadcast |
@@ -217,6 +237,7 @@ class Config:
     profile: ProfileConf = field(default_factory=ProfileConf)
     timeouts: TimeoutsConf = field(default_factory=TimeoutsConf)
     ensemble: EnsembleConf = field(default_factory=EnsembleConf)  # members chosen with +ensemble=<name>
+    objective: ObjectiveConf = field(default_factory=ObjectiveConf)  # the value a training run returns
     resume: Optional[str] = None  # a stopped or crashed run's folder: continue it there (same config)
 
 
@@ -333,6 +354,13 @@ def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:
     if duplicates:
         raise ConfigError(f"ensemble.models: the name {duplicates[0]!r} is used twice; names must be unique")
     return models
+
+
+def check_objective(objective: DictConfig, models: list[ModelSpec]) -> None:
+    names = [m.name for m in models]
+    if objective.of not in (ENSEMBLE, BEST_MEMBER, *names):
+        raise ConfigError(f"objective.of={objective.of}: no member has that name; give {ENSEMBLE}, {BEST_MEMBER} "
+                          f"or a member's name ({', '.join(names)})")
 
 
 MEMBER_DEFAULTS = ("optimizer", "lr_scheduler", "loss")  # declared once for the ensemble, refined per member

@@ -20,19 +20,20 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.config import ConfigError, Mode, check, check_output_dir, expand_ensemble
+from pipeline.config import ConfigError, Mode, check, check_objective, check_output_dir, expand_ensemble
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
                                     in_flight_window, node_threads, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
+from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
-from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm
+from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
 from pipeline.orchestration.link import Link
 from pipeline.orchestration.node import NodeAgents, agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
@@ -76,6 +77,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     """Run the configured mode; write results.json and the report into `output_dir` (with resume=,
     into the run folder it names). `stop`: the installed signal handlers (none: a run is not stopped)."""
     started = time.perf_counter()
+    standard_start_method()  # before any process starts: a launcher's worker may have set its own
     console = Console()
     stop = stop or StopSignals()
     if cfg.resume:
@@ -86,6 +88,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
     if left:
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
     models = expand_ensemble(cfg.ensemble, cfg.seed)
+    check_objective(cfg.objective, models)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
@@ -98,6 +101,9 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
         results = profile_run(cfg, inputs.models, inputs.graph, output_dir, console)
     else:
         results = train(cfg, inputs, output_dir, console, stop)
+        o = cfg.objective
+        results["objective"] = {"of": o.of, "metric": o.metric, "direction": o.metric.direction,
+                                "value": objective_value(results, o.of, o.metric)}
     results.update({"dataset": inputs.dataset_summary(d.name), "wall_s": time.perf_counter() - started,
                     "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
     write_json(output_dir / "results.json", results)

@@ -17,7 +17,7 @@ from PIL import Image
 from pipeline.report import analyse, write_report
 from pipeline.report.build import report_dict
 from pipeline.report.measurements import OPTIONAL, occupancy_stats
-from pipeline.report.sweep import SweepSummary
+from pipeline.report.sweep import JOB_FILE, METRICS, SweepSummary
 
 CHROMIUM = "/usr/bin/chromium"
 
@@ -256,8 +256,9 @@ def test_sweep_callback_compares_jobs_side_by_side(tmp_path):
     assert float(rows[0]["ensemble_accuracy"]) == 70 and float(rows[1]["wall_s"]) == 30
     assert [r["verdict"] for r in rows] == ["input", "compute"]
     html = (tmp_path / "sweep.html").read_text()
-    assert html.count("data:image/png;base64,") == 5 and "http" not in html
+    assert html.count("data:image/png;base64,") == len(METRICS) and "http" not in html
     assert "cluster.workers=4" in html and "<code>+ensemble=caltech256</code>" in html
+    assert '<a href="1/report.html">1</a>' in html
 
 
 def test_sweep_lists_a_job_without_results(tmp_path):
@@ -265,7 +266,7 @@ def test_sweep_lists_a_job_without_results(tmp_path):
     fake_job(tmp_path, 1, ["topology=b"], None)
     SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
-    assert rows[1]["images_per_s"] == "" and rows[1]["verdict"].startswith("no results.json")
+    assert rows[1]["images_per_s"] == "" and rows[1]["verdict"].startswith("no results.json (the job is running")
 
 
 HYDRA_APP = """
@@ -278,25 +279,40 @@ from hydra.core.hydra_config import HydraConfig
 
 @hydra.main(version_base="1.3", config_path=None, config_name=None)
 def main(cfg):
+    if cfg.rate < 0:
+        raise ValueError("no negative rates")
     results = json.loads(Path(__file__).with_name("results.json").read_text())
     results["pipeline"]["images_per_s"] = cfg.rate
+    results["objective"] = {"value": cfg.rate / 1000}
     (Path(HydraConfig.get().runtime.output_dir) / "results.json").write_text(json.dumps(results))
+    return cfg.rate / 1000
 
 
 main()
 """
 
 
-def test_sweep_callback_runs_at_the_end_of_a_real_hydra_multirun(tmp_path):
+def test_sweep_callback_records_each_job_of_a_real_hydra_multirun_failed_or_not(tmp_path):
+    """Hydra's basic sweeper runs the batch, then raises the first failure: the multirun never ends, so
+    the summary is written as each job ends. Fails if job.json records a failure as completed (or its
+    error as something else), or if the summary waits for the multirun's end."""
     (tmp_path / "results.json").write_text(json.dumps(input_bound()))
     (tmp_path / "app.py").write_text(HYDRA_APP)
     sweep = tmp_path / "sweep"
-    subprocess.run([sys.executable, str(tmp_path / "app.py"), "-m", "+rate=100,150", f"hydra.sweep.dir={sweep}",
-                    "+hydra.callbacks.sweep_summary._target_=pipeline.report.sweep.SweepSummary"],
-                   check=True, capture_output=True, timeout=120)
+    multirun = subprocess.run([sys.executable, str(tmp_path / "app.py"), "-m", "+rate=100,-1,150",
+                               f"hydra.sweep.dir={sweep}",
+                               "+hydra.callbacks.sweep_summary._target_=pipeline.report.sweep.SweepSummary"],
+                              capture_output=True, text=True, timeout=120)
+    assert multirun.returncode == 1 and "no negative rates" in multirun.stderr
+    outcomes = [json.loads((sweep / str(job) / JOB_FILE).read_text()) for job in range(3)]
+    assert outcomes == [{"status": "completed", "objective": 0.1},
+                        {"status": "failed", "error": "ValueError: no negative rates"},
+                        {"status": "completed", "objective": 0.15}]
     rows = list(csv.DictReader((sweep / "sweep.csv").open()))
-    assert [(r["overrides"], float(r["images_per_s"])) for r in rows] == [("+rate=100", 100), ("+rate=150", 150)]
-    assert (sweep / "sweep.html").is_file()
+    assert [(r["overrides"], r["images_per_s"], r["objective"]) for r in rows] == [
+        ("+rate=100", "100", "0.1"), ("+rate=-1", "", ""), ("+rate=150", "150", "0.15")]
+    assert rows[1]["verdict"] == "failed: ValueError: no negative rates"
+    assert "failed: ValueError: no negative rates" in (sweep / "sweep.html").read_text()
 
 
 @pytest.mark.slow

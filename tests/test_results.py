@@ -1,4 +1,6 @@
 """The run's records: ensemble accuracy per epoch, whatever the ensemble's size."""
+import math
+
 import numpy as np
 
 from pipeline.measure.recorder import RunRecorder
@@ -82,3 +84,20 @@ def test_an_epoch_done_again_after_a_resume_counts_once_and_the_record_survives_
         assert r.ensemble_accuracy == {0: 1.0, 1: 1.0}
         assert r.accuracies("a") == [1.0, 1.0]
         assert r.as_dict(1.0)["ensemble"]["final_val_accuracy"] == 1.0
+
+
+def test_validation_loss_is_the_cross_entropy_of_each_softmax_and_of_their_mean():
+    """Fails if the ensemble's loss is the mean of the members' losses (0.383 here), if a softmax that
+    gives the true class 0 makes it infinite, or if the loss reads another class than the label's."""
+    recorder = RunRecorder([spec("a"), spec("b")], {"a": 1, "b": 1}, {"a": 32, "b": 32})
+    for name in ("a", "b"):
+        recorder.joined(alone(name), 0, ("cpu",), 0)
+    recorder.add_report(val_event("a", [[0.6, 0.4], [0.6, 0.4]]))
+    recorder.add_report(val_event("b", [[0.9, 0.1], [1.0, 0.0]]))  # mean: [0.75, 0.25], [0.8, 0.2]
+    results = recorder.as_dict(wall_s=1.0)
+    a, b = results["models"]
+    assert np.isclose(a["val_loss"], [-(math.log(0.6) + math.log(0.4)) / 2]).all()
+    assert np.isclose(b["val_loss"], [-(math.log(0.9) + math.log(1e-12)) / 2]).all()
+    ensemble = -(math.log(0.75) + math.log(0.2)) / 2
+    assert np.isclose(results["ensemble"]["val_loss"], [ensemble]).all()
+    assert np.isclose(results["ensemble"]["final_val_loss"], ensemble)

@@ -129,29 +129,6 @@ def test_synthetic_stand_in_is_generated_once_and_labelled(tmp_path):
     assert len(list((tmp_path / "c256").glob("*/*.jpg"))) == 12
 
 
-def test_cli_multirun_runs_each_job_with_its_own_cluster(tmp_path):
-    """What a user types: two jobs, synthetic data generated, results written. The first job puts the
-    default ensemble's 4 models on one CPU slot: one trainer packs them (no family to fuse)."""
-    command = [sys.executable, "-m", "pipeline", "-m", "+ensemble=caltech256", f"dataset.root={tmp_path / 'data'}",
-               "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",
-               "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1", "trainer.slots=1,auto",
-               f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = job.communicate(timeout=600)  # Popen, not run: the rings are named by the job's pid
-    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert "SYNTHETIC stand-in" in stdout and "dataset.root=" in stdout
-    assert stdout.count("cache    on: the decoded dataset") == 2  # each job says what its cache will hold
-    assert "trainer.device=cuda" in stdout and "+ensemble=caltech256_paper" in stdout
-    jobs = sorted((tmp_path / "multirun").glob("*/results.json"))
-    assert len(jobs) == 2
-    one_slot, auto = [json.loads(j.read_text()) for j in jobs]
-    assert (one_slot["config"]["trainer"]["slots"], auto["config"]["trainer"]["slots"]) == (1, "auto")
-    assert [(g["mode"], len(g["members"])) for g in one_slot["groups"].values()] == [("packed", 4)]
-    assert all(m["epochs"] == 1 for m in one_slot["models"]) and len(one_slot["models"]) == 4
-    assert sorted(g["mode"] for g in auto["groups"].values()) == ["alone"] * 4
-    assert shm_segments(job.pid) == set()  # the jobs' rings (named by the driver's pid) are gone
-
-
 def test_cli_a_users_mistake_is_one_message_and_exit_code_2(tiny_dataset, bad_dataset, tmp_path):
     """Each kind of mistake through the real command, all started at once: one line on stderr naming
     the key or file and the fix, no traceback, exit code 2; Hydra's own composition errors keep

@@ -22,6 +22,7 @@ from pipeline.training.trainer import better_checkpoint
 
 MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline
 RECENT_BATCHES = 32  # batch tasks the preprocessing cost per image is measured over
+PROBABILITY_FLOOR = 1e-12  # a softmax rounded to 0 for the true class costs -log of this, not infinity
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ModelRecord:
     params: int
     image_size: int
     val_accuracy: dict[int, float] = field(default_factory=dict)  # by the model's epoch
+    val_loss: dict[int, float] = field(default_factory=dict)  # cross-entropy of its validation softmax
     train_loss: dict[int, float] = field(default_factory=dict)
     stints: list[dict] = field(default_factory=list)  # one per flotilla it trained in
     converged: str | None = None  # why it stopped training
@@ -55,6 +57,7 @@ class ModelRecord:
             "group": last.get("group"), "group_mode": last.get("group_mode"),
             "epochs": len(epochs), "converged": self.converged, "failures": self.failures,
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
+            "val_loss": [self.val_loss[e] for e in sorted(self.val_loss)],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
             "best_checkpoint": dict(zip(("epochs", "val_accuracy"), self.best_checkpoint))
             if self.best_checkpoint else None,  # checkpoints/<name>/epoch<epochs>.pt, kept (best.json)
@@ -87,6 +90,7 @@ class RunRecorder:
         self.epoch_probs: dict[int, tuple[np.ndarray, set[str]]] = {}
         self.val_labels: np.ndarray | None = None
         self.ensemble_accuracy: dict[int, float] = {}
+        self.ensemble_loss: dict[int, float] = {}  # cross-entropy of the mean softmax, by epoch
         self.checksums: dict[str, list] = {}
         self.train_images = 0
         self.delivery: dict[int, dict] = {}  # flotilla -> its topology, why, and what each hub moved
@@ -184,7 +188,7 @@ class RunRecorder:
         with self.lock:
             for model in group.members:
                 record = self.models[model.name]
-                for epochs in (record.val_accuracy, record.train_loss):
+                for epochs in (record.val_accuracy, record.val_loss, record.train_loss):
                     for epoch in [e for e in epochs if e >= start_epoch]:
                         del epochs[epoch]
                 record.stints.append({
@@ -274,13 +278,14 @@ class RunRecorder:
                 arrays.update({f"recent-{name}-{epoch}": probs for epoch, probs in record.recent_probs.items()})
             arrays.update({f"sum-{epoch}": total for epoch, (total, _) in self.epoch_probs.items()})
             state = {
-                "models": {name: {"val_accuracy": r.val_accuracy, "train_loss": r.train_loss, "stints": r.stints,
+                "models": {name: {"val_accuracy": r.val_accuracy, "val_loss": r.val_loss, "train_loss": r.train_loss,
+                                  "stints": r.stints,
                                   "converged": r.converged, "failures": r.failures, "images": r.images,
                                   "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs),
                                   "best_checkpoint": r.best_checkpoint}
                            for name, r in self.models.items()},
                 "epoch_models": {epoch: sorted(models) for epoch, (_, models) in self.epoch_probs.items()},
-                "ensemble_accuracy": self.ensemble_accuracy, "origin": self.origin, "timeline": self.timeline,
+                "ensemble_accuracy": self.ensemble_accuracy, "ensemble_loss": self.ensemble_loss, "origin": self.origin, "timeline": self.timeline,
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
                 "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
@@ -308,6 +313,7 @@ class RunRecorder:
             for name, saved in state["models"].items():
                 record = self.models[name]
                 record.val_accuracy, record.train_loss = by_epoch(saved["val_accuracy"]), by_epoch(saved["train_loss"])
+                record.val_loss = by_epoch(saved.get("val_loss", {}))  # (absent from older runs' state)
                 record.stints, record.converged = saved["stints"], saved["converged"]
                 record.failures = saved["failures"]
                 record.images, record.step_s, record.wait_s = saved["images"], saved["step_s"], saved["wait_s"]
@@ -319,6 +325,7 @@ class RunRecorder:
                                 for epoch, models in state["epoch_models"].items()}
             self.val_labels = array("val_labels")
             self.ensemble_accuracy = by_epoch(state["ensemble_accuracy"])
+            self.ensemble_loss = by_epoch(state.get("ensemble_loss", {}))
             self.origin, self.timeline, self.train_images = state["origin"], state["timeline"], state["train_images"]
             self.stages.update({name: StageTiming(**t) for name, t in state["stages"].items()})
             self.stage_walls.update(state["stage_walls"])
@@ -377,6 +384,7 @@ class RunRecorder:
         if not np.array_equal(self.val_labels, report.labels):
             raise RuntimeError(f"model {report.model} saw validation labels in another order: "
                                "streams are out of step")
+        record.val_loss[epoch] = self._loss(report.probs, 1)
         # The ensemble's accuracy at an epoch, once every model has reached it. An epoch done again
         # (resumed from a checkpoint before it) replaces its first softmax while the ensemble waits;
         # once the ensemble has its accuracy, that stands.
@@ -391,6 +399,7 @@ class RunRecorder:
         if len(models) == len(self.models):
             self.epoch_probs.pop(epoch, None)  # absent when one model makes the whole ensemble
             self.ensemble_accuracy[epoch] = self._accuracy(total)
+            self.ensemble_loss[epoch] = self._loss(total, len(models))
             for other in self.models.values():
                 other.recent_probs.pop(epoch, None)
         else:
@@ -403,7 +412,8 @@ class RunRecorder:
         records = list(self.models.values())
         if not records or any(r.best_probs is None for r in records):
             return None
-        return {"val_accuracy": self._accuracy(np.sum([r.best_probs for r in records], axis=0)),
+        total = np.sum([r.best_probs for r in records], axis=0)
+        return {"val_accuracy": self._accuracy(total), "val_loss": self._loss(total, len(records)),
                 "best_model_val_accuracy": max(r.best_checkpoint[1] for r in records),
                 "epochs": {r.model.name: r.best_checkpoint[0] for r in records}}
 
@@ -413,10 +423,20 @@ class RunRecorder:
         return float((summed_probs.argmax(1) == labels).mean()) if labels is not None and len(labels) \
             else float("nan")
 
+    def _loss(self, summed_probs: np.ndarray, count: int) -> float:
+        """Cross-entropy of the mean of `count` softmaxes: whatever loss the members trained with, the
+        validation loss compares them on one scale."""
+        labels = self.val_labels
+        if labels is None or not len(labels):
+            return float("nan")
+        chosen = summed_probs[np.arange(len(labels)), labels].astype(np.float64) / count
+        return float(-np.log(np.maximum(chosen, PROBABILITY_FLOOR)).mean())
+
     def as_dict(self, wall_s: float) -> dict:
         models = [record.as_dict() for record in self.models.values()]
         finals = [m["final_val_accuracy"] for m in models if m["final_val_accuracy"] is not None]
         last = [r.last_probs for r in self.models.values() if r.last_probs is not None]
+        final = np.sum(last, axis=0) if len(last) == len(self.models) else None  # every model's last epoch
         epochs = max((m["epochs"] for m in models), default=0)
         busy = sum(t.cpu_s for t in self.stages.values())
         groups = {}  # each slot group as it last trained: its members then, packed or fused
@@ -430,8 +450,9 @@ class RunRecorder:
             "groups": groups,
             "ensemble": {
                 "val_accuracy": [self.ensemble_accuracy[e] for e in sorted(self.ensemble_accuracy)],
-                "final_val_accuracy": self._accuracy(np.sum(last, axis=0)) if len(last) == len(self.models)
-                else None,
+                "val_loss": [self.ensemble_loss[e] for e in sorted(self.ensemble_loss)],
+                "final_val_accuracy": self._accuracy(final) if final is not None else None,
+                "final_val_loss": self._loss(final, len(last)) if final is not None else None,
                 "best_model_val_accuracy": max(finals) if finals else None,
                 "kept": self._kept_ensemble(),
             },

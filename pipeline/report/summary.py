@@ -22,6 +22,11 @@ def print_summary(console: Console, results: dict) -> None:
         table.add_row("ensemble, best checkpoints",
                       "", "", "", "", _pct(kept["val_accuracy"]), "", "")
     console.print(table)
+    objective = results.get("objective")
+    if objective:  # a training run's: what it returns to a Hydra sweeper
+        value = "none (nothing validated)" if objective["value"] is None else f"{objective['value']:.4f}"
+        console.print(f"[bold]objective[/] {objective['of']} {objective['metric']} = {value} "
+                      f"({objective['direction']}; objective.of, objective.metric)")
     stages = Table(title="Pipeline stages (all epochs)", title_justify="left")
     for column in ("stage", "items", "CPU s", "CPU share", "items/s per core"):
         stages.add_column(column, justify="left" if column == "stage" else "right")

@@ -1,8 +1,14 @@
-"""Sweep summary for Hydra multiruns: a callback that, when every job is done,
-compares the jobs side by side in sweep.html (self-contained) and sweep.csv."""
+"""Sweep summary for Hydra multiruns: a callback that records how each job ended
+(job.json in its folder: completed with its objective, or failed and why) and
+compares the jobs side by side in sweep.html (self-contained) and sweep.csv,
+written again as each job ends (so a sweep that stops at a failed batch keeps
+one) and once every job is done."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
+import io
 import json
 from dataclasses import dataclass
 from html import escape
@@ -10,15 +16,21 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pipeline.report import plots
 from pipeline.report.analysis import analyse
 from pipeline.report.build import CSS
+from pipeline.runtime.files import write_whole
+
+JOB_FILE = "job.json"  # in a job's folder: {"status": "completed" | "failed", "objective": ..., "error": ...}
 
 # column -> (title, unit) of the metrics compared across jobs
 METRICS = {
+    "objective": ("objective (what the job returned)", ""),
     "images_per_s": ("input rate", "images/s"),
     "cpu_s_per_epoch": ("preprocessing CPU per epoch", "CPU-s"),
     "mean_stall_pct": ("mean data stall", "%"),
@@ -28,9 +40,28 @@ METRICS = {
 
 
 class SweepSummary(Callback):
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        """In the job's own process, whatever the launcher."""
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        write_whole(Path(config.hydra.runtime.output_dir) / JOB_FILE, json.dumps(job_outcome(job_return)))
+        write_sweep_summary(Path(config.hydra.sweep.dir))
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         html_path, csv_path = write_sweep_summary(Path(config.hydra.sweep.dir))
         print(f"sweep summary: {html_path}  {csv_path}")
+
+
+def job_outcome(job_return: JobReturn) -> dict:
+    if job_return.status == JobStatus.COMPLETED:
+        value = job_return.return_value
+        return {"status": "completed", "objective": value if isinstance(value, (int, float)) else None}
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # it says "Error executing job" first: the sweeper will
+            job_return.return_value  # a failed job's return value raises what failed it
+    except Exception as failure:
+        return {"status": "failed", "error": f"{type(failure).__name__}: {failure}"}
+    raise AssertionError(f"a job that did not complete returned: {job_return.status}")
 
 
 @dataclass
@@ -43,10 +74,13 @@ class Job:
 
 
 def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
-    jobs = read_jobs(sweep_dir)
     html_path, csv_path = sweep_dir / "sweep.html", sweep_dir / "sweep.csv"
-    write_csv(jobs, csv_path)
-    html_path.write_text(render_html(jobs, common_overrides([job.overrides for job in jobs])))
+    # Jobs of a parallel launcher end at once: the last to write must have read every job.json before.
+    with (sweep_dir / ".sweep.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        jobs = read_jobs(sweep_dir)
+        write_whole(csv_path, csv_text(jobs))
+        write_whole(html_path, render_html(jobs, common_overrides([job.overrides for job in jobs])))
     return html_path, csv_path
 
 
@@ -59,7 +93,7 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     jobs = []
     for folder in folders:
         label = ", ".join(o for o in overrides[folder] if o not in common) or str(folder.relative_to(sweep_dir))
-        metrics, verdict = _job_metrics(folder / "results.json")
+        metrics, verdict = _job_metrics(folder)
         jobs.append(Job(str(folder.relative_to(sweep_dir)), overrides[folder], label, metrics, verdict))
     return jobs
 
@@ -69,19 +103,23 @@ def _job_order(folder: Path) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in folder.parts)
 
 
-def _job_metrics(results_path: Path) -> tuple[dict[str, float | None], str]:
-    if not results_path.is_file():
-        return dict.fromkeys(METRICS), "no results.json (the job failed or is still running)"
-    results = json.loads(results_path.read_text())
+def _job_metrics(folder: Path) -> tuple[dict[str, float | None], str]:
+    """The job's measurements and its verdict: the report's bound, or why it has none."""
+    outcome = json.loads((folder / JOB_FILE).read_text()) if (folder / JOB_FILE).is_file() else None
+    failed = f"failed: {outcome['error']}" if outcome and outcome["status"] == "failed" else None
+    if not (folder / "results.json").is_file():
+        return dict.fromkeys(METRICS), failed or "no results.json (the job is running, or was killed)"
+    results = json.loads((folder / "results.json").read_text())
     analysis = analyse(results)
     accuracy = results.get("ensemble", {}).get("final_val_accuracy")
     return {
+        "objective": (results.get("objective") or {}).get("value"),
         "images_per_s": analysis.images_per_s,
         "cpu_s_per_epoch": analysis.cpu_s_per_epoch,
         "mean_stall_pct": analysis.mean_stall_pct,
         "ensemble_accuracy": None if accuracy is None else 100 * accuracy,
         "wall_s": results.get("wall_s"),
-    }, analysis.verdict.bound
+    }, failed or analysis.verdict.bound
 
 
 def common_overrides(override_lists: list[list[str]]) -> list[str]:
@@ -91,14 +129,15 @@ def common_overrides(override_lists: list[list[str]]) -> list[str]:
     return [o for o in override_lists[0] if all(o in others for others in override_lists)]
 
 
-def write_csv(jobs: list[Job], path: Path) -> None:
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(["job", "overrides", *METRICS, "verdict"])
-        for job in jobs:
-            writer.writerow([job.folder, " ".join(job.overrides),
-                             *("" if job.metrics[key] is None else f"{job.metrics[key]:.6g}" for key in METRICS),
-                             job.verdict])
+def csv_text(jobs: list[Job]) -> str:
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(["job", "overrides", *METRICS, "verdict"])
+    for job in jobs:
+        writer.writerow([job.folder, " ".join(job.overrides),
+                         *("" if job.metrics[key] is None else f"{job.metrics[key]:.6g}" for key in METRICS),
+                         job.verdict])
+    return text.getvalue()
 
 
 def render_html(jobs: list[Job], common: list[str]) -> str:
@@ -110,16 +149,16 @@ def render_html(jobs: list[Job], common: list[str]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in ["job", "overrides", *(t for t, _ in METRICS.values()),
                                                         "verdict"])
     rows = "".join(
-        "<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in
-                         [job.folder, job.label, *(_cell(job.metrics[key]) for key in METRICS), job.verdict])
-        + "</tr>" for job in jobs)
+        f"<tr><td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a></td>" + "".join(
+            f"<td>{escape(cell)}</td>" for cell in [job.label, *(_cell(job.metrics[key]) for key in METRICS),
+                                                    job.verdict]) + "</tr>" for job in jobs)
     shared = escape(" ".join(common)) or "(none)"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Sweep summary</title>"
             f"<style>{CSS} .charts {{ display: flex; flex-wrap: wrap; gap: 1em; }} "
             ".charts img { width: 370px; }</style></head><body>\n"
             f"<h1>Sweep summary: {len(jobs)} job(s)</h1>"
             f"<p class=\"note\">Overrides shared by every job: <code>{shared}</code>. Each job's own report is "
-            "report.html in its folder.</p>"
+            "report.html in its folder (its link); job.json there says how it ended.</p>"
             f"<div class=\"charts\">{charts}</div>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>\n</body></html>\n")
 

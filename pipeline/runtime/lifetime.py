@@ -110,6 +110,15 @@ def _stop_now(signum: int) -> None:
     os._exit(128 + signum)  # as a shell reports a process its signal ended
 
 
+def standard_start_method() -> None:
+    """Makes the process's default start method one of the standard library's. A launcher's worker
+    process may have made its own the default (joblib's loky: "loky"); a spawned child, such as a
+    Dask worker, sets its parent's default first and cannot find that one ("cannot find context for
+    'loky'"). The run's own children name their context; so do Dask's."""
+    if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
+        mp.set_start_method("spawn", force=True)
+
+
 def children_context():
     """The multiprocessing context a run's hubs, trainers and rate measurements start from:
     multiprocessing's fork server, a process that imports torch and our children's modules once

@@ -1,0 +1,43 @@
+"""The value a run returns to a Hydra sweeper (objective.of, objective.metric), read from results the
+test writes by hand."""
+import pytest
+
+from pipeline.config import ConfigError, check_objective
+from pipeline.measure.objective import Metric, objective_value
+from tests.conftest import compose_config, member
+
+
+def results(kept: dict | None) -> dict:
+    return {"models": [{"name": "a", "val_accuracy": [0.5, 0.7, 0.6], "val_loss": [1.0, 0.8, 0.9]},
+                       {"name": "b", "val_accuracy": [0.6, 0.65], "val_loss": [0.9, 0.7]},
+                       {"name": "c", "val_accuracy": [], "val_loss": []}],  # failed before validating
+            "ensemble": {"kept": kept, "final_val_accuracy": 0.72, "final_val_loss": 0.65}}
+
+
+@pytest.mark.parametrize("of, metric, value", [
+    ("a", Metric.val_accuracy, 0.7),  # its best epoch, not its last (0.6)
+    ("a", Metric.val_loss, 0.8),
+    ("best_member", Metric.val_accuracy, 0.7),  # a's
+    ("best_member", Metric.val_loss, 0.7),  # b's: the lowest loss, whoever has it
+    ("ensemble", Metric.val_accuracy, 0.75),  # the ensemble of best checkpoints the run leaves
+    ("ensemble", Metric.val_loss, 0.6),
+    ("c", Metric.val_accuracy, None),  # nothing validated: nothing to return
+])
+def test_a_member_counts_its_best_epoch_and_the_ensemble_its_kept_checkpoints(of, metric, value):
+    assert objective_value(results({"val_accuracy": 0.75, "val_loss": 0.6}), of, metric) == value
+
+
+def test_the_ensemble_without_a_checkpoint_of_every_member_counts_their_last_epochs():
+    assert objective_value(results(None), "ensemble", Metric.val_accuracy) == 0.72
+    assert objective_value(results(None), "ensemble", Metric.val_loss) == 0.65
+
+
+def test_each_metric_says_the_direction_a_sweeper_must_take():
+    assert (Metric.val_accuracy.direction, Metric.val_loss.direction) == ("maximize", "minimize")
+
+
+def test_an_objective_naming_no_member_is_refused_with_the_names_there_are():
+    with pytest.raises(ConfigError, match=r"objective.of=resnet: no member has that name; give ensemble, "
+                                          r"best_member or a member's name \(a, b\)"):
+        check_objective(compose_config(["objective.of=resnet"]).objective, [member("a"), member("b")])
+    check_objective(compose_config(["objective.of=b"]).objective, [member("a"), member("b")])

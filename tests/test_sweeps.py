@@ -1,0 +1,94 @@
+"""Hydra multiruns of the real command, under the launchers and sweepers Hydra users pick: the basic
+launcher (one job after another in this process), joblib's (parallel jobs in loky's worker processes),
+submitit's (a process per job, as on Slurm; its local executor here) and the Optuna sweeper, which
+optimises the objective each job returns."""
+import json
+import subprocess
+import sys
+
+import optuna
+import pytest
+import yaml
+
+from pipeline.report.sweep import JOB_FILE
+from tests.test_run import REPO, shm_segments
+
+pytestmark = pytest.mark.slow
+
+
+def multirun(tmp_path, *overrides: str) -> tuple[subprocess.Popen, str, str]:
+    """The default ensemble, small: 4 models, one epoch on 3 classes of 12 images."""
+    command = [sys.executable, "-m", "pipeline", "-m", "+ensemble=caltech256", f"dataset.root={tmp_path / 'data'}",
+               "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",
+               "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1",
+               f"hydra.sweep.dir={tmp_path / 'multirun'}", *overrides]
+    job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = job.communicate(timeout=600)  # Popen, not run: the rings are named by the job's pid
+    return job, stdout, stderr
+
+
+def outcome(job_folder) -> dict:
+    return json.loads((job_folder / JOB_FILE).read_text())
+
+
+def test_basic_launcher_runs_each_job_with_its_own_cluster_and_a_failed_job_fails_the_multirun(tmp_path):
+    """What a user types: three jobs one after another, synthetic data generated, results written. The
+    first job puts the default ensemble's 4 models on one CPU slot: one trainer packs them (no family
+    to fuse). The third is a user's mistake: it says so in one line, the jobs before it keep their
+    results and objective, the sweep summary marks it failed, and the multirun's exit code is not 0
+    (it was 0 when the job exited by itself)."""
+    job, stdout, stderr = multirun(tmp_path, "trainer.slots=1,auto,0")
+    assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    assert "error: trainer.slots=0: give a positive integer or 'auto'" in stderr
+    assert "SYNTHETIC stand-in" in stdout and "dataset.root=" in stdout
+    assert stdout.count("cache    on: the decoded dataset") == 2  # each job says what its cache will hold
+    assert "trainer.device=cuda" in stdout and "+ensemble=caltech256_paper" in stdout
+    sweep = tmp_path / "multirun"
+    one_slot, auto = [json.loads((sweep / str(n) / "results.json").read_text()) for n in (0, 1)]
+    assert not (sweep / "2" / "results.json").exists()
+    assert (one_slot["config"]["trainer"]["slots"], auto["config"]["trainer"]["slots"]) == (1, "auto")
+    assert [(g["mode"], len(g["members"])) for g in one_slot["groups"].values()] == [("packed", 4)]
+    assert all(m["epochs"] == 1 for m in one_slot["models"]) and len(one_slot["models"]) == 4
+    assert sorted(g["mode"] for g in auto["groups"].values()) == ["alone"] * 4
+    for n, results in enumerate((one_slot, auto)):  # by default, the kept ensemble's accuracy
+        assert results["objective"]["value"] == results["ensemble"]["kept"]["val_accuracy"]
+        assert outcome(sweep / str(n)) == {"status": "completed", "objective": results["objective"]["value"]}
+    assert outcome(sweep / "2") == {"status": "failed", "error": "JobFailed: error: trainer.slots=0: give a "
+                                    "positive integer or 'auto' (exit code 2 on its own)"}
+    assert "failed: JobFailed: error: trainer.slots=0" in (sweep / "sweep.csv").read_text()
+    assert shm_segments(job.pid) == set()  # the jobs' rings (named by the driver's pid) are gone
+
+
+def test_optuna_sweeper_over_joblib_jobs_records_the_objective_each_trial_returned(tmp_path):
+    """Two trials at once in joblib's worker processes, whose start method ("loky") a Dask worker
+    spawned from them could not find: each job's local cluster starts, and the study holds each
+    trial's value, the job's objective (resnet10_w16's lowest validation loss)."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    job, stdout, stderr = multirun(
+        tmp_path, "ensemble.models.0.optimizer.lr=interval(0.01, 0.2)", "objective.of=resnet10_w16",
+        "objective.metric=val_loss", "hydra/sweeper=optuna", "hydra.sweeper.direction=minimize",
+        "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", f"hydra.sweeper.storage={storage}",
+        "hydra.sweeper.study_name=lr", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    sweep = tmp_path / "multirun"
+    trials = {}  # lr -> the job's objective
+    for n in (0, 1):
+        results = json.loads((sweep / str(n) / "results.json").read_text())
+        member = results["models"][0]
+        assert member["name"] == "resnet10_w16" and results["objective"]["value"] == min(member["val_loss"])
+        assert outcome(sweep / str(n)) == {"status": "completed", "objective": results["objective"]["value"]}
+        trials[member["optimizer"]["lr"]] = results["objective"]["value"]
+    study = optuna.load_study(study_name="lr", storage=storage)
+    assert {t.params["ensemble.models.0.optimizer.lr"]: t.value for t in study.trials} == trials
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert best["best_value"] == min(trials.values())
+
+
+def test_submitit_jobs_run_in_processes_of_their_own_and_a_failed_one_fails_the_multirun(tmp_path):
+    job, stdout, stderr = multirun(tmp_path, "hydra/launcher=submitit_local", "trainer.slots=0,2")
+    assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    sweep = tmp_path / "multirun"
+    assert outcome(sweep / "0")["status"] == "failed" and "trainer.slots=0" in outcome(sweep / "0")["error"]
+    results = json.loads((sweep / "1" / "results.json").read_text())
+    assert len(results["models"]) == 4 and all(m["epochs"] == 1 for m in results["models"])
+    assert outcome(sweep / "1") == {"status": "completed", "objective": results["objective"]["value"]}
