@@ -215,6 +215,11 @@ class EnsembleConf:
 
 
 @dataclass
+class TrackingConf:
+    tensorboard: bool = True  # each member's epochs as TensorBoard event files too (tracking/<member>/)
+
+
+@dataclass
 class ObjectiveConf:
     of: str = ENSEMBLE  # what the run returns to a Hydra sweeper: ensemble | best_member | a member's name
     metric: Metric = Metric.val_accuracy  # val_accuracy (a sweeper maximizes it) | val_loss (minimizes)
@@ -238,6 +243,7 @@ class Config:
     timeouts: TimeoutsConf = field(default_factory=TimeoutsConf)
     ensemble: EnsembleConf = field(default_factory=EnsembleConf)  # members chosen with +ensemble=<name>
     objective: ObjectiveConf = field(default_factory=ObjectiveConf)  # the value a training run returns
+    tracking: TrackingConf = field(default_factory=TrackingConf)  # each member's metrics per epoch: tracking/
     resume: Optional[str] = None  # a stopped or crashed run's folder: continue it there (same config)
 
 

@@ -7,6 +7,7 @@ memory) and closes it whatever happens; a stop request (Ctrl-C, SIGTERM:
 StopSignals) ends it in order, and `resume=<run folder>` continues it."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -29,6 +30,7 @@ from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
 from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
+from pipeline.measure.tracking import Tracker
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
@@ -241,6 +243,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
+            contextlib.closing(Tracker(output_dir, cfg.tracking.tensorboard)) as tracker, \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
         if cfg.cluster.dashboard and not cfg.cluster.address:
@@ -265,7 +268,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
             first = scheduler.start(0.0) if table is None else [
                 decision for name, rates in table.rates.items()
                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
-        context = RunContext(graph, setup, delivery, recorder, progress, t.report_s, t.stop_s, state_dir)
+        context = RunContext(graph, setup, delivery, recorder, tracker, progress, t.report_s, t.stop_s, state_dir)
         driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console,
                         NodeAgents(client, agents))
         if cfg.resume:

@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipeline.report import analyse, write_report
 from pipeline.report.build import report_dict
 from pipeline.report.measurements import OPTIONAL, occupancy_stats
+from pipeline.measure.tracking import CSV_FILE, FOLDER
 from pipeline.report.sweep import JOB_FILE, METRICS, SweepSummary
 
 CHROMIUM = "/usr/bin/chromium"
@@ -258,7 +260,7 @@ def test_sweep_callback_compares_jobs_side_by_side(tmp_path):
     html = (tmp_path / "sweep.html").read_text()
     assert html.count("data:image/png;base64,") == len(METRICS) and "http" not in html
     assert "cluster.workers=4" in html and "<code>+ensemble=caltech256</code>" in html
-    assert '<a href="1/report.html">1</a>' in html
+    assert '<a href="1/report.html">1</a> (<a href="1/tracking/metrics.csv">metrics</a>)' in html
 
 
 def test_sweep_lists_a_job_without_results(tmp_path):
@@ -317,14 +319,26 @@ def test_sweep_callback_records_each_job_of_a_real_hydra_multirun_failed_or_not(
 
 @pytest.mark.slow
 def test_report_of_a_real_run(tiny_dataset, tmp_path):
-    """A verdict read from the stall of a model that does not set the pace fails."""
+    """A verdict read from the stall of a model that does not set the pace fails. Tracking holds each member's
+    two epochs, in TensorBoard's files and the CSV; after the first, each member's rate is half its own (the
+    cosine schedule, halfway): one member's rate reported for all fails (resnet10_w24's is 0.05)."""
     from pipeline.run import run
     from tests.conftest import compose_config
 
     cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
                           "pipeline.batch_size=16", "pipeline.image_size=32", "pipeline.alt_image_size=24",
-                          "cluster.workers=2", "trainer.epochs=1"])
+                          "cluster.workers=2", "trainer.epochs=2"])
     results = json.loads(json.dumps(run(cfg, tmp_path), default=str))  # as read back from results.json
+    rows = list(csv.DictReader((tmp_path / FOLDER / CSV_FILE).open()))
+    assert sorted((r["model"], r["epoch"]) for r in rows) == sorted(
+        (m["name"], str(e)) for m in results["models"] for e in (1, 2))
+    for m in results["models"]:
+        first = next(r for r in rows if r["model"] == m["name"] and r["epoch"] == "1")
+        assert float(first["lr"]) == pytest.approx(m["optimizer"]["lr"] / 2, rel=1e-6)
+        assert float(first["val_accuracy"]) == m["val_accuracy"][0] and float(first["val_loss"]) == m["val_loss"][0]
+        events = EventAccumulator(str(tmp_path / FOLDER / m["name"]))
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/images_per_s")] == [1, 2]
     paths = write_report(results, tmp_path)
     report = json.loads(paths.json.read_text())
     # The verdict follows from the run's own numbers by docs/report.md's rule: the pace-setter's stall,

@@ -185,3 +185,22 @@ def test_a_module_vmap_rejects_packs_and_the_run_says_why():
     _say_unfused(checked, console)
     lines = console.export_text().splitlines()
     assert len(lines) == 1 and lines[0].startswith("note m0, m1 (Branches(channels=4)) pack, never fuse: vmap: ")
+
+
+@pytest.mark.parametrize("optimizer, model, kind", [
+    (SGD, {"_target_": "pipeline.training.models.resnet", "depth": 10, "width": 4}, "_Array"),
+    (ADAMW, None, "_Stacked"),
+])
+def test_a_fused_member_reports_its_own_learning_rate_as_it_would_apart(optimizer, model, kind):
+    """The rate tracking reads after an epoch (GroupStep.rate): each member's, on its cosine schedule, in
+    HFTA's array (the schedule's scale on the member's own lr) and in vmap's (the member's optimiser).
+    Fails if an array reports its first member's rate for all, or the schedule's scale for a rate."""
+    models = members(optimizer, [{"lr": 0.1}, {"lr": 0.05}], model)
+    fused, apart = group_step(models, array_size=2), group_step(models, array_size=1)
+    assert [type(unit).__name__ for unit in fused.units] == [kind]
+    for x, y in batches(3):
+        fused.train({"main": (x, y)})
+        apart.train({"main": (x, y)})
+    rates = [apart.rate(name) for name in apart.names]
+    assert rates[0] == pytest.approx(2 * rates[1]) and rates[0] < 0.1  # annealed, each from its own lr
+    assert [fused.rate(name) for name in apart.names] == pytest.approx(rates)

@@ -33,6 +33,7 @@ class ModelRecord:
     val_accuracy: dict[int, float] = field(default_factory=dict)  # by the model's epoch
     val_loss: dict[int, float] = field(default_factory=dict)  # cross-entropy of its validation softmax
     train_loss: dict[int, float] = field(default_factory=dict)
+    epoch_train: dict[int, dict] = field(default_factory=dict)  # its lr, images/s and data stall, by epoch
     stints: list[dict] = field(default_factory=list)  # one per flotilla it trained in
     converged: str | None = None  # why it stopped training
     failures: list[str] = field(default_factory=list)  # what its failed trainers said
@@ -188,7 +189,7 @@ class RunRecorder:
         with self.lock:
             for model in group.members:
                 record = self.models[model.name]
-                for epochs in (record.val_accuracy, record.val_loss, record.train_loss):
+                for epochs in (record.val_accuracy, record.val_loss, record.train_loss, record.epoch_train):
                     for epoch in [e for e in epochs if e >= start_epoch]:
                         del epochs[epoch]
                 record.stints.append({
@@ -244,6 +245,15 @@ class RunRecorder:
         with self.lock:
             return self.models[model].train_loss.get(epoch)
 
+    def epoch_metrics(self, model: str, epoch: int) -> dict[str, float | None]:
+        """What `model`'s epoch `epoch` (0-based) measured, None where a report did not say (what tracking
+        writes: pipeline/measure/tracking.py)."""
+        with self.lock:
+            record = self.models[model]
+            return {"train_loss": record.train_loss.get(epoch), "val_accuracy": record.val_accuracy.get(epoch),
+                    "val_loss": record.val_loss.get(epoch),
+                    **record.epoch_train.get(epoch, dict.fromkeys(("lr", "images_per_s", "data_stall_pct")))}
+
     def add_checksums(self, flotilla: int, done: TrainerDone) -> None:
         with self.lock:
             for stream, checksums in done.checksums.items():
@@ -261,6 +271,10 @@ class RunRecorder:
                 stint = record.stints[-1]
                 images = report.images * len(stint["devices"])
                 record.train_loss[report.epoch] = report.loss
+                busy = report.step_s + report.wait_s
+                record.epoch_train[report.epoch] = {
+                    "lr": report.lr, "images_per_s": images / report.step_s if report.step_s else None,
+                    "data_stall_pct": 100 * report.wait_s / busy if busy else None}
                 record.images += images
                 record.step_s += report.step_s
                 record.wait_s += report.wait_s

@@ -32,6 +32,7 @@ from pipeline.delivery.messages import SplitDone
 from pipeline.delivery.topology import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
+from pipeline.measure.tracking import Tracker
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
 from pipeline.orchestration.node import HostLost, NodeAgents
 from pipeline.runtime.lifetime import StopSignals
@@ -77,6 +78,7 @@ class RunContext:
     setup: TrainingSetup
     delivery: DeliverySetup
     recorder: RunRecorder
+    tracker: Tracker  # the main thread's: each member's epochs, written as they end
     progress: Progress
     report_s: float  # timeouts.report_s: a trainer silent this long when it owes a report is hung
     stop_s: float  # timeouts.stop_s: from a stop request to every process gone
@@ -636,6 +638,8 @@ class Driver:
         by_group: dict[str, list[ValReport]] = {}
         for report in sorted(reports, key=lambda r: r.model):
             self.run_ctx.recorder.add_report(report)
+            self.run_ctx.tracker.epoch(report.model, report.epoch + 1,
+                                       self.run_ctx.recorder.epoch_metrics(report.model, report.epoch))
             by_group.setdefault(self.group_of[report.model], []).append(report)
             reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report.model))
             if reason:

@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from pipeline.report import plots
 from pipeline.report.analysis import analyse
+from pipeline.measure.tracking import CSV_FILE as TRACKING_CSV, FOLDER as TRACKING
 from pipeline.report.build import CSS
 from pipeline.runtime.files import write_whole
 
@@ -80,7 +81,7 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         jobs = read_jobs(sweep_dir)
         write_whole(csv_path, csv_text(jobs))
-        write_whole(html_path, render_html(jobs, common_overrides([job.overrides for job in jobs])))
+        write_whole(html_path, render_html(jobs, common_overrides([job.overrides for job in jobs]), sweep_dir))
     return html_path, csv_path
 
 
@@ -140,7 +141,7 @@ def csv_text(jobs: list[Job]) -> str:
     return text.getvalue()
 
 
-def render_html(jobs: list[Job], common: list[str]) -> str:
+def render_html(jobs: list[Job], common: list[str], sweep_dir: Path) -> str:
     labels = [job.label for job in jobs]
     charts = "".join(
         f"<img alt=\"{escape(title)}\" src=\"data:image/png;base64,"
@@ -149,7 +150,8 @@ def render_html(jobs: list[Job], common: list[str]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in ["job", "overrides", *(t for t, _ in METRICS.values()),
                                                         "verdict"])
     rows = "".join(
-        f"<tr><td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a></td>" + "".join(
+        f"<tr><td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a> "
+        f"(<a href=\"{escape(job.folder)}/{TRACKING}/{TRACKING_CSV}\">metrics</a>)</td>" + "".join(
             f"<td>{escape(cell)}</td>" for cell in [job.label, *(_cell(job.metrics[key]) for key in METRICS),
                                                     job.verdict]) + "</tr>" for job in jobs)
     shared = escape(" ".join(common)) or "(none)"
@@ -158,7 +160,9 @@ def render_html(jobs: list[Job], common: list[str]) -> str:
             ".charts img { width: 370px; }</style></head><body>\n"
             f"<h1>Sweep summary: {len(jobs)} job(s)</h1>"
             f"<p class=\"note\">Overrides shared by every job: <code>{shared}</code>. Each job's own report is "
-            "report.html in its folder (its link); job.json there says how it ended.</p>"
+            f"report.html in its folder (its link), its members' metrics by epoch {TRACKING}/{TRACKING_CSV} and "
+            f"TensorBoard's files (<code>tensorboard --logdir {escape(str(sweep_dir))}</code>); job.json there says "
+            "how it ended.</p>"
             f"<div class=\"charts\">{charts}</div>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>\n</body></html>\n")
 

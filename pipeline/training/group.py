@@ -209,6 +209,9 @@ class _Solo(_OneOptimizer):
     def member_state(self, index: int) -> dict:
         return _plain_checkpoint(self.module.state_dict(), self.optimizer, self.schedule)
 
+    def member_rate(self, index: int) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         _load_plain_checkpoint(state, self.optimizer, self.schedule)
@@ -279,6 +282,10 @@ class _Array(_OneOptimizer):
         schedule.update(base_lrs=[group.get("initial_lr", group["lr"])], _last_lr=[group["lr"]])
         return {**state, "lr_scheduler": schedule}
 
+    def member_rate(self, index: int) -> float:
+        (group,) = self.optimizer.param_groups
+        return float(group["lr"] * group["lrs"][index])  # the schedule's scale on the member's own
+
     def load_member_state(self, index: int, state: dict) -> None:
         """Members of an array resume together, after the same steps: its schedule takes theirs."""
         self.array.load_member_state(index, state)
@@ -318,6 +325,9 @@ class _Stacked:
         # Clones: a view would keep (and torch.save would write) every member's rows.
         model = {name: t.clone() for name, t in self.array.nets[index].state_dict().items()}
         return _plain_checkpoint(model, self.optimizers[index], self.schedules[index])
+
+    def member_rate(self, index: int) -> float:
+        return float(self.optimizers[index].param_groups[0]["lr"])
 
     def load_member_state(self, index: int, state: dict) -> None:
         self.array.nets[index].load_state_dict(state["model"])  # copies into its rows
@@ -478,6 +488,11 @@ class GroupStep:
         optimiser's and schedule's state dicts, as a plain member's would be."""
         unit, index = self._find(name)
         return unit.member_state(index)
+
+    def rate(self, name: str) -> float:
+        """A member's learning rate now (a host sync on a GPU: once an epoch, not a step)."""
+        unit, index = self._find(name)
+        return unit.member_rate(index)
 
     def load(self, name: str, state: dict) -> None:
         """Resume a member from `state`; the group's members resume together, after the same steps."""

@@ -22,6 +22,7 @@ class TrainReport:
     wait_s: float  # waiting for the next batch
     spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of the group's steps,
     # time.time(); sent with the first member's report only
+    lr: float | None = None  # its learning rate as the epoch ended (its optimiser's first param group)
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,8 @@ class Trainer:
         for number, name in enumerate(self.members):  # the group's step and wait times are every member's
             loss = float(self.loss_sums[name]) / max(self.seen, 1)
             self.reports.send(TrainReport(name, self.spec.rank, self.epoch, loss, self.seen, self.step_time,
-                                          self.wait_time, self.spans if number == 0 else []))
+                                          self.wait_time, self.spans if number == 0 else [],
+                                          lr=self.step.rate(name) if self.spec.rank == 0 else None))
         self._reset_epoch()
 
     def _finish_validation(self) -> None:

@@ -1,0 +1,59 @@
+"""Tracking: each member's metrics per epoch, as the recorder has them, written as a CSV and as TensorBoard
+event files that TensorBoard's own reader reads back."""
+import csv
+import math
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pipeline.measure.recorder import RunRecorder
+from pipeline.measure.tracking import CSV_FILE, FOLDER, TAGS, Tracker
+from pipeline.training.group import GroupSpec
+from pipeline.training.reports import TrainReport, ValReport
+from tests.conftest import member
+
+
+def test_an_epoch_s_metrics_are_its_rank_0_report_over_the_model_s_slots_and_its_validation():
+    """A model on 2 slots: rank 0 trained 40 images in 2 s of steps and waited 0.5 s, so the model 80 images
+    at 40 images/s, stalled 20% of its time. Fails if images/s counts one rank's images or the waits, or if
+    the stall is taken over the steps alone (25%)."""
+    recorder = RunRecorder([member("m")], {"m": 1}, {"m": 32})
+    recorder.joined(GroupSpec("m", (member("m"),)), 0, ("cpu", "cpu"), 0)
+    recorder.add_report(TrainReport("m", 0, 0, 1.5, 40, 2.0, 0.5, lr=0.05))
+    recorder.add_report(TrainReport("m", 1, 0, 9.0, 40, 2.0, 0.5, lr=None))  # rank 1 speaks for nobody
+    recorder.add_report(ValReport("m", 0, 0.5, np.array([[0.8, 0.2], [0.8, 0.2]], np.float32), np.array([0, 1])))
+    assert recorder.epoch_metrics("m", 0) == pytest.approx({
+        "train_loss": 1.5, "val_accuracy": 0.5, "val_loss": -(math.log(0.8) + math.log(0.2)) / 2, "lr": 0.05,
+        "images_per_s": 40.0, "data_stall_pct": 20.0})
+    assert recorder.epoch_metrics("m", 1) == dict.fromkeys(TAGS)  # not trained yet
+
+
+def epoch(loss, accuracy, lr=0.1):
+    return {"train_loss": loss, "val_accuracy": accuracy, "val_loss": None, "lr": lr, "images_per_s": 100.0,
+            "data_stall_pct": 5.0}
+
+
+def test_tensorboard_reads_a_run_per_member_and_the_csv_a_row_per_member_epoch(tmp_path):
+    tracker = Tracker(tmp_path, tensorboard=True)
+    tracker.epoch("a", 1, epoch(2.0, 0.4))
+    tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
+    tracker.epoch("a", 2, epoch(1.5, 0.6))
+    tracker.close()
+    resumed = Tracker(tmp_path, tensorboard=True)  # a resumed run appends
+    resumed.epoch("b", 2, epoch(2.0, 0.5, lr=0.025))
+    resumed.close()
+    folder = tmp_path / FOLDER
+    runs = {}
+    for name in ("a", "b"):
+        events = EventAccumulator(str(folder / name))
+        events.Reload()
+        runs[name] = {tag: [(e.step, round(e.value, 6)) for e in events.Scalars(tag)]
+                      for tag in events.Tags()["scalars"]}
+    assert runs["a"]["val/accuracy"] == [(1, 0.4), (2, 0.6)] and runs["a"]["train/loss"] == [(1, 2.0), (2, 1.5)]
+    assert runs["b"]["train/lr"] == [(1, 0.05), (2, 0.025)]  # across both writers' files
+    assert "val/loss" not in runs["a"]  # a metric not measured is left out, not written as 0
+    assert set(runs["a"]) == set(TAGS.values()) - {"val/loss"}
+    rows = list(csv.DictReader((folder / CSV_FILE).open()))
+    assert [(r["model"], r["epoch"], r["val_accuracy"], r["val_loss"]) for r in rows] == [
+        ("a", "1", "0.4", ""), ("b", "1", "0.3", ""), ("a", "2", "0.6", ""), ("b", "2", "0.5", "")]
