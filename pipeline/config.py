@@ -133,6 +133,12 @@ class DeliveryConf:
 
 
 @dataclass
+class HalvingConf:
+    eta: int = 0  # successive halving: at each rung all but the best 1/eta of its members stop (0: off; 2, 3, 4)
+    min_epochs: int = 1  # the first rung; the next ones at min_epochs x eta, x eta^2, ...
+
+
+@dataclass
 class SchedulerConf:
     policy: PolicyName = PolicyName.shared  # shared (all models at once) | fleet_e | fleet_g | fleet_l | baseline | homogeneous
     min_active_fraction: float = 0.8  # fleet_g/fleet_l: a flotilla stops when fewer of its slots are active
@@ -145,6 +151,7 @@ class SchedulerConf:
     min_delta: float = 0.005  # the smallest gain in validation accuracy that counts
     checkpoint_every: int = 1  # epochs between a model's checkpoints (its final one, and a stop's, come anyway)
     max_failures: int = 2  # a model whose trainers fail more often is given up (the run then exits with code 3)
+    halving: HalvingConf = field(default_factory=HalvingConf)  # members ranked by objective.metric at each rung
 
 
 @dataclass
@@ -292,6 +299,12 @@ def check(cfg: DictConfig) -> None:
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")
+    if cfg.scheduler.halving.eta == 1 or cfg.scheduler.halving.eta < 0:
+        raise ConfigError(f"scheduler.halving.eta={cfg.scheduler.halving.eta}: give 2 or more (the best 1/eta of "
+                          "a rung's members go on), or 0 for no halving")
+    if cfg.scheduler.halving.min_epochs < 1:
+        raise ConfigError(f"scheduler.halving.min_epochs={cfg.scheduler.halving.min_epochs}: the first rung comes "
+                          "after at least one epoch; set scheduler.halving.min_epochs=1 or more")
     if not 0 <= cfg.scheduler.phase_threshold < 1:
         raise ConfigError(f"scheduler.phase_threshold={cfg.scheduler.phase_threshold}: give the fraction of the "
                           "training loss an epoch must remove, in [0, 1) (e.g. 0.02), or 0 to leave phases unused")

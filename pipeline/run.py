@@ -44,6 +44,7 @@ from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
 from pipeline.scheduler import POLICIES, Cluster, Policy, RatesMeasured, RateTable, Scheduler, make_policy
 from pipeline.scheduler.groups import Grouping
+from pipeline.scheduler.halving import Halving
 from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
@@ -229,7 +230,10 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         write_json(state_dir / "run.json", {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                                             "groups": [asdict(g) for g in groups], "results": dict(results)})
     t = cfg.timeouts
-    convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta)
+    metric = cfg.objective.metric
+    halving = Halving(s.halving.eta, s.halving.min_epochs, metric, metric.direction == "maximize") \
+        if s.halving.eta else None
+    convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta, halving)
     setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
                           steps_per_epoch=graph.source.num_batches(Split.TRAIN), threads=cfg.trainer.threads,
                           precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,

@@ -36,6 +36,7 @@ class ModelRecord:
     epoch_train: dict[int, dict] = field(default_factory=dict)  # its lr, images/s and data stall, by epoch
     stints: list[dict] = field(default_factory=list)  # one per flotilla it trained in
     converged: str | None = None  # why it stopped training
+    culled: bool = False  # successive halving stopped it (scheduler.halving)
     failures: list[str] = field(default_factory=list)  # what its failed trainers said
     last_probs: np.ndarray | None = None  # validation softmax of its latest epoch
     # Its softmax of epochs after its last checkpoint that the ensemble still waits on: if it resumes
@@ -56,7 +57,7 @@ class ModelRecord:
             "loss": m.loss, "seed": m.seed, "input": m.input, "image_size": self.image_size, "params": self.params,
             "slots": len(last["devices"]), "devices": list(last["devices"]), "flotillas": self.stints,
             "group": last.get("group"), "group_mode": last.get("group_mode"),
-            "epochs": len(epochs), "converged": self.converged, "failures": self.failures,
+            "epochs": len(epochs), "converged": self.converged, "culled": self.culled, "failures": self.failures,
             "val_accuracy": [self.val_accuracy[e] for e in epochs],
             "val_loss": [self.val_loss[e] for e in sorted(self.val_loss)],
             "final_val_accuracy": self.val_accuracy[epochs[-1]] if epochs else None,
@@ -231,6 +232,16 @@ class RunRecorder:
                     and better_checkpoint(record.best_checkpoint, epochs, accuracy):  # last_probs are that epoch's
                 record.best_checkpoint, record.best_probs = (epochs, accuracy), record.last_probs
 
+    def culled(self, model: str) -> None:
+        with self.lock:
+            self.models[model].culled = True
+
+    def by_epoch(self, metric: str) -> dict[str, list[float]]:
+        """Every model's `metric` (val_accuracy or val_loss) by epoch, its first epoch's first."""
+        with self.lock:
+            return {name: [values[e] for e in sorted(values)]
+                    for name, values in ((name, getattr(r, metric)) for name, r in self.models.items())}
+
     def failed(self, model: str, why: str) -> None:
         with self.lock:
             self.models[model].failures.append(why)
@@ -294,7 +305,8 @@ class RunRecorder:
             state = {
                 "models": {name: {"val_accuracy": r.val_accuracy, "val_loss": r.val_loss, "train_loss": r.train_loss,
                                   "stints": r.stints,
-                                  "converged": r.converged, "failures": r.failures, "images": r.images,
+                                  "converged": r.converged, "culled": r.culled, "failures": r.failures,
+                                  "images": r.images,
                                   "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs),
                                   "best_checkpoint": r.best_checkpoint}
                            for name, r in self.models.items()},
@@ -329,6 +341,7 @@ class RunRecorder:
                 record.val_accuracy, record.train_loss = by_epoch(saved["val_accuracy"]), by_epoch(saved["train_loss"])
                 record.val_loss = by_epoch(saved.get("val_loss", {}))  # (absent from older runs' state)
                 record.stints, record.converged = saved["stints"], saved["converged"]
+                record.culled = saved.get("culled", False)  # (absent from older runs' state)
                 record.failures = saved["failures"]
                 record.images, record.step_s, record.wait_s = saved["images"], saved["step_s"], saved["wait_s"]
                 record.last_probs = array(f"last-{name}")

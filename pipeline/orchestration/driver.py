@@ -33,6 +33,7 @@ from pipeline.delivery.topology import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import Tracker
+from pipeline.scheduler.halving import Halving
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
 from pipeline.orchestration.node import HostLost, NodeAgents
 from pipeline.runtime.lifetime import StopSignals
@@ -51,12 +52,14 @@ from stages.base import Split
 
 @dataclass(frozen=True)
 class Convergence:
-    """When a model is done: any criterion met ends its training."""
+    """When a model is done: any criterion met ends its training; with successive halving, the rungs
+    that cull the weaker members too."""
 
     max_epochs: int  # trainer.epochs
     target_accuracy: float | None  # validation accuracy that is good enough
     patience: int  # epochs without improving the best by min_delta (0: off)
     min_delta: float
+    halving: Halving | None = None  # scheduler.halving
 
     def reason(self, accuracies: list[float]) -> str | None:
         if len(accuracies) >= self.max_epochs:
@@ -644,6 +647,14 @@ class Driver:
             reason = self.convergence.reason(self.run_ctx.recorder.accuracies(report.model))
             if reason:
                 converging.append((report.model, reason))
+        halving = self.convergence.halving
+        if halving:  # a member that has converged anyway is not culled
+            done = {model for model, _ in converging}
+            reached = [r.model for r in reports if r.model not in done]
+            for model, reason in halving.culled(reached, self.run_ctx.recorder.by_epoch(halving.metric)).items():
+                self.console.print(f"flotilla {thread.flotilla_id}: {model} {reason}")
+                self.run_ctx.recorder.culled(model)
+                converging.append((model, reason))
         for group, group_reports in by_group.items():
             metrics = {"val_accuracy": sum(r.accuracy for r in group_reports) / len(group_reports)}
             losses = [self.run_ctx.recorder.train_loss(r.model, r.epoch) for r in group_reports]
