@@ -304,14 +304,14 @@ class RunRecorder:
             arrays.update({f"sum-{epoch}": total for epoch, (total, _) in self.epoch_probs.items()})
             state = {
                 "models": {name: {"val_accuracy": r.val_accuracy, "val_loss": r.val_loss, "train_loss": r.train_loss,
-                                  "stints": r.stints,
-                                  "converged": r.converged, "culled": r.culled, "failures": r.failures,
-                                  "images": r.images,
+                                  "stints": r.stints, "converged": r.converged, "culled": r.culled,
+                                  "failures": r.failures, "images": r.images,
                                   "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs),
                                   "best_checkpoint": r.best_checkpoint}
                            for name, r in self.models.items()},
                 "epoch_models": {epoch: sorted(models) for epoch, (_, models) in self.epoch_probs.items()},
-                "ensemble_accuracy": self.ensemble_accuracy, "ensemble_loss": self.ensemble_loss, "origin": self.origin, "timeline": self.timeline,
+                "ensemble_accuracy": self.ensemble_accuracy, "ensemble_loss": self.ensemble_loss,
+                "origin": self.origin, "timeline": self.timeline,
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
                 "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,

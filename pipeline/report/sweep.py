@@ -21,9 +21,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from pipeline.measure.tracking import CSV_FILE as TRACKING_CSV, FOLDER as TRACKING
 from pipeline.report import plots
 from pipeline.report.analysis import analyse
-from pipeline.measure.tracking import CSV_FILE as TRACKING_CSV, FOLDER as TRACKING
 from pipeline.report.build import CSS
 from pipeline.runtime.files import write_whole
 
@@ -58,8 +58,10 @@ def job_outcome(job_return: JobReturn) -> dict:
         value = job_return.return_value
         return {"status": "completed", "objective": value if isinstance(value, (int, float)) else None}
     try:
-        with contextlib.redirect_stderr(io.StringIO()):  # it says "Error executing job" first: the sweeper will
-            job_return.return_value  # a failed job's return value raises what failed it
+        # A failed job's return value raises what failed it, after writing "Error executing job" to
+        # stderr, which the sweeper does again when it reads it.
+        with contextlib.redirect_stderr(io.StringIO()):
+            job_return.return_value
     except Exception as failure:
         return {"status": "failed", "error": f"{type(failure).__name__}: {failure}"}
     raise AssertionError(f"a job that did not complete returned: {job_return.status}")
