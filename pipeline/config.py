@@ -299,7 +299,7 @@ def check(cfg: DictConfig) -> None:
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")
-    if cfg.scheduler.halving.eta == 1 or cfg.scheduler.halving.eta < 0:
+    if cfg.scheduler.halving.eta != 0 and cfg.scheduler.halving.eta < 2:
         raise ConfigError(f"scheduler.halving.eta={cfg.scheduler.halving.eta}: give 2 or more (the best 1/eta of "
                           "a rung's members go on), or 0 for no halving")
     if cfg.scheduler.halving.min_epochs < 1:

@@ -45,7 +45,7 @@ from bench_topology import ensemble_override, machine_info, summarize
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.hosts: the test hosts
 
-from tests.hosts import PREFIX, Hosts  # noqa: E402
+from tests.hosts import PREFIX, Hosts, dask_scheduler  # noqa: E402
 
 KEY = "0123456789abcdef" * 2  # the agents' secret, for these hosts only
 HOSTS = ["scheduler", "node0", "node1", "driver"]
@@ -68,27 +68,6 @@ def veth_sent(hosts: Hosts) -> dict[str, int]:
     """Bytes each host has sent into the bridge: received by the bridge's end of its veth."""
     return {name: int(Path(f"/sys/class/net/{PREFIX}-v{i}/statistics/rx_bytes").read_text())
             for i, name in enumerate(hosts.names)}
-
-
-@contextmanager
-def scheduler(hosts: Hosts, folder: Path):
-    """A Dask scheduler (plain TCP) on its own host: its address."""
-    address, file = hosts.addresses["scheduler"], folder / "scheduler.json"
-    file.unlink(missing_ok=True)
-    process = subprocess.Popen(hosts.command("scheduler", [
-        sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", address, "--port", "0",
-        "--dashboard-address", f"{address}:0", "--scheduler-file", str(file)]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not file.is_file() or not file.read_text().strip():
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError("the Dask scheduler did not start")
-            time.sleep(0.1)
-        yield json.loads(file.read_text())["address"]
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 @contextmanager
@@ -251,7 +230,7 @@ def main() -> None:
     root = args.cache.resolve()
     generate_imagefolder(root, 8, 128, seed=0)  # 8 x 128 images: 16 batches of 64 an epoch
     started = time.monotonic()
-    with Hosts(HOSTS) as hosts, scheduler(hosts, args.out) as address:
+    with Hosts(HOSTS) as hosts, dask_scheduler(hosts, args.out) as address:
         print(f"{machine_info()['cores']} cores; hosts {hosts.addresses}; scheduler {address}")
         print("one host against two")
         runs = one_against_two(hosts, address, args, root)

@@ -9,13 +9,17 @@ Where namespaces cannot be made (not root, no `ip`), the test is skipped saying 
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +117,30 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         _remove_ours()
+
+
+@contextmanager
+def dask_scheduler(hosts: Hosts, folder: Path, tls_files=None) -> Iterator[str]:
+    """A Dask scheduler on the host "scheduler", its address's port chosen there (TLS only with `tls_files`,
+    a pipeline TlsFiles): its address, while it runs."""
+    address, file = hosts.addresses["scheduler"], folder / "scheduler.json"
+    file.unlink(missing_ok=True)
+    tls = ["--protocol", "tls", "--tls-ca-file", tls_files.ca_file, "--tls-cert", tls_files.cert, "--tls-key",
+           tls_files.key] if tls_files else []
+    process = subprocess.Popen(hosts.command("scheduler", [
+        sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", address, "--port", "0",
+        "--dashboard-address", f"{address}:0", "--scheduler-file", str(file), *tls]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not file.is_file() or not file.read_text().strip():
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("the Dask scheduler on the test host did not start")
+            time.sleep(0.1)
+        yield json.loads(file.read_text())["address"]
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def _tcp_sockets(pid: int) -> Iterator[tuple[str, str, str]]:

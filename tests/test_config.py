@@ -136,11 +136,19 @@ def test_a_value_outside_its_choices_is_refused_naming_the_key_and_the_choices(o
     ("timeouts.warn_s=700", "timeouts.warn_s=700.0 is not below timeouts.stall_s=600.0: a wait says what it waits "
                             "for before it fails; lower warn_s"),
     ("scheduler.min_active_fraction=1.5", "scheduler.min_active_fraction=1.5: give a fraction in [0, 1]"),
+    ("scheduler.halving.eta=1", "scheduler.halving.eta=1: give 2 or more (the best 1/eta of a rung's members go on)"),
+    ("scheduler.halving.eta=-2", "scheduler.halving.eta=-2: give 2 or more"),
+    ("scheduler.halving.min_epochs=0", "scheduler.halving.min_epochs=0: the first rung comes after at least one"),
 ])
 def test_values_the_types_let_through_are_checked_once_before_a_run(override, message):
     with pytest.raises(ConfigError) as err:
         check(compose_config(["+ensemble=caltech256", override]))
     assert message in str(err.value)
+
+
+def test_halving_off_or_by_two_or_more_passes_the_check():
+    for eta in (0, 2, 3):
+        check(compose_config(["+ensemble=caltech256", f"scheduler.halving.eta={eta}"]))
 
 
 def test_auto_or_a_count_keeps_its_type():

@@ -19,31 +19,11 @@ from pipeline.orchestration.node import AGENT_KEY_ENV
 from stages.base import UserError
 from stages.cache import cache_prefix
 from tests.conftest import compose_config
-from tests.hosts import Hosts, connected, listening
+from tests.hosts import Hosts, connected, dask_scheduler, listening
 from tests.test_topology import MODELS, PACED, assert_every_batch_once_in_order_bit_identical
 
 AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
 HOSTS = ["scheduler", "node0", "node1", "driver"]
-
-
-@contextmanager
-def _scheduler(hosts: Hosts, tls_files, folder):
-    """A Dask scheduler speaking TLS only, on its host's address: its address, while it runs."""
-    address, file = hosts.addresses["scheduler"], folder / "scheduler.json"
-    scheduler = subprocess.Popen(hosts.command("scheduler", [
-        sys.executable, "-m", "distributed.cli.dask_scheduler", "--protocol", "tls", "--host", address, "--port", "0",
-        "--dashboard-address", f"{address}:0", "--scheduler-file", str(file), "--tls-ca-file", tls_files.ca_file,
-        "--tls-cert", tls_files.cert, "--tls-key", tls_files.key]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not file.is_file() or not file.read_text().strip():
-            assert time.monotonic() < deadline and scheduler.poll() is None, "the test's Dask scheduler did not start"
-            time.sleep(0.1)
-        yield json.loads(file.read_text())["address"]
-    finally:
-        scheduler.terminate()
-        scheduler.wait(30)
 
 
 def _agent_command(hosts: Hosts, scheduler: str, node: int, tls_files) -> list[str]:
@@ -73,7 +53,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
     key_file.write_text(AGENT_KEY)
     key_file.chmod(0o600)
     env = {**os.environ, AGENT_KEY_ENV: AGENT_KEY}
-    with Hosts(HOSTS) as hosts, _scheduler(hosts, tls_files, tmp_path) as address, \
+    with Hosts(HOSTS) as hosts, dask_scheduler(hosts, tmp_path, tls_files) as address, \
             Client(address, security=security, timeout="30s") as client:
         logs = [open(tmp_path / f"agent{node}.log", "w+") for node in (0, 1)]
         agents = [subprocess.Popen(_agent_command(hosts, address, node, tls_files), stdout=log,

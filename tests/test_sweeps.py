@@ -36,7 +36,7 @@ def test_basic_launcher_runs_each_job_with_its_own_cluster_and_a_failed_job_fail
     first job puts the default ensemble's 4 models on one CPU slot: one trainer packs them (no family
     to fuse). The third is a user's mistake: it says so in one line, the jobs before it keep their
     results and objective, the sweep summary marks it failed, and the multirun's exit code is not 0
-    (it was 0 when the job exited by itself)."""
+    (when the job exited by itself, the sweep ended there with no summary)."""
     job, stdout, stderr = multirun(tmp_path, "trainer.slots=1,auto,0")
     assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
     assert "error: trainer.slots=0: give a positive integer or 'auto'" in stderr

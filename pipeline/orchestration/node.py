@@ -544,7 +544,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     Serving.register("NodeProcesses", functools.partial(NodeProcesses, tls=tls))
     Serving.register("HostRates", functools.partial(HostRates, tls=tls))
     server = Serving((host, 0), key, Link(host_s, tls)).get_server()
-    resource = f"node-{node}={threads}"
+    resource = f"{node_resource(node)}={threads}"
     with connect(scheduler, tls) as client:
         serving = registered_agents(client).get(node)
     if serving and _answers(serving["address"]):  # an entry whose agent is gone is replaced
