@@ -32,7 +32,8 @@ from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import Tracker
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.orchestration.grouping import check_group_memory, choose_fusion, measure_sizes, plan_groups
+from pipeline.orchestration.grouping import (check_group_memory, choose_fusion, measure_sizes, plan_groups,
+                                             with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
@@ -47,6 +48,7 @@ from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.halving import Halving
 from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
+from pipeline.training.memory import measure_peaks
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec, check_members, grouped
@@ -349,6 +351,14 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
                       cfg.trainer.threads, cfg.trainer.precision, cfg.trainer.cuda_graphs, cfg.timeouts.report_s,
                       where)
     cache = Path(to_absolute_path(r.cache))
+    if device_kind == DeviceKind.cuda and where is None:  # the device says what a step holds: a trial's peak
+        peaks = measure_peaks(models, how, cache)
+        sizes.update(with_measured_peaks(sizes, peaks))  # the caller's sizes too
+        results["peak_allocated_bytes"] = peaks
+        least, most = _gb(min(peaks.values())), _gb(max(peaks.values()))
+        span = least if least == most else f"{least} to {most}"
+        console.print(f"[bold]GPU memory[/] of a training step, measured: {span} per model alone on one slot")
+        check_group_memory(fewest, sizes, slot_bytes)
     max_slots = min(r.max_slots, len(devices))
     measured_by: dict = {}  # group -> slot count -> the host and process that measured its rate
     single_rates = measure_rate_table(alone, max_slots, how, cache, measured_by) if needs_rates else None

@@ -14,7 +14,11 @@ which the project does not ship (fused by vmap, pipeline/training/stacked.py).
   members spell out SGD's default dampening=0, which HFTA's check does not take);
 * on CUDA, each again with "+graphs": every unit's step captured once as a CUDA
   graph and replayed (trainer.cuda_graphs). Plain "separate" (eager) is the
-  yardstick: k users' own training scripts sharing the GPU.
+  yardstick: k users' own training scripts sharing the GPU;
+* auto: what `trainer.grouping=auto` picks, packed or fused, as the run picks
+  it (orchestration/grouping.choose_fusion: both measured by the rate
+  measurement, with graphs on CUDA as trainers step by default), then timed
+  like the others; the row names the pick.
 
 Every mode trains with the trainer's own step (pipeline/training/group.py) on
 synthetic uint8 batches already in memory, so it times training, not input.
@@ -35,6 +39,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,13 +47,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.orchestration.grouping import fused, measure_sizes
+from pipeline.orchestration.grouping import choose_fusion, fused, measure_sizes
 from pipeline.runtime.child import Child
+from pipeline.scheduler.groups import Grouping
 from pipeline.training.group import GroupSpec, GroupStep, Precision
 from pipeline.training.members import with_defaults
+from pipeline.training.rates import Measurement
 
 MODES = ("separate", "packed", "fused", "fused-vmap")
 GRAPH_MODES = tuple(f"{mode}+graphs" for mode in MODES[:3])
+AUTO = "auto"
 
 
 class MobileNet(nn.Module):
@@ -111,7 +119,7 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 
 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
-    graphs = mode.endswith("+graphs")
+    graphs = mode.endswith("+graphs") or (mode == AUTO and args.device != "cpu")  # auto: the trainers' default
     # MobileNet is this script's own: spawned processes import it from their __main__, this script
     where = "__main__" if args.arch == "mobilenet" else "pipeline.training.models"
     model = {"_target_": f"{where}.{args.arch.replace('mobilenet', 'MobileNet')}", "depth": args.depth,
@@ -125,9 +133,17 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         threads = max(1, args.cores // k)
     else:
         group = GroupSpec("group", tuple(models))
-        if mode.startswith("fused"):  # arrays as the planner makes them (on CPU: one per thread, side by side)
-            lanes = args.cores if args.device == "cpu" else 1
-            group = fused(group, measure_sizes(models, 10, {"main": image_size}, args.batch), math.inf, lanes)
+        lanes = args.cores if args.device == "cpu" else 1  # arrays as the planner makes them (on CPU: one per
+        sizes = measure_sizes(models, 10, {"main": image_size}, args.batch)  # thread, side by side)
+        if mode.startswith("fused"):
+            group = fused(group, sizes, math.inf, lanes)
+        elif mode == AUTO:
+            device = "cpu" if args.device == "cpu" else "cuda:0"
+            how = Measurement(10, {"main": image_size}, args.batch, device.split(":")[0], [device], args.steps,
+                              args.warmup, args.cores, Precision(args.precision), graphs)
+            with tempfile.TemporaryDirectory() as cache:  # measured afresh, as a first run would
+                [group], _ = choose_fusion([group], Grouping.auto, sizes, math.inf, lanes, how,
+                                           Path(cache) / "rates.json")
         groups = [group]
         threads = args.cores
     context = mp.get_context("spawn")
@@ -141,7 +157,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
             child.stop(5)  # it exits once it reported; one that does not, or an error here, is killed
     # Each model trains batch x steps images; a separate process's own time counts for its model.
     per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
-    return {"mode": mode, "k": k, "image_size": image_size, "threads_per_process": threads,
+    return {"mode": mode, "k": k, "pick": groups[0].mode if mode == AUTO else None, "image_size": image_size, "threads_per_process": threads,
             "array_size": groups[0].array_size,
             "images_per_s_per_model": float(np.mean(per_model)), "images_per_s_total": float(np.sum(per_model)),
             "peak_rss_bytes": int(sum(rss for _, rss, _ in reports)),
@@ -162,12 +178,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default="fp32", choices=[p.value for p in Precision])
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads in all")
-    parser.add_argument("--modes", nargs="+", choices=MODES + GRAPH_MODES,
-                        help="default: all four, and on CUDA separate, packed and fused with +graphs too")
+    parser.add_argument("--modes", nargs="+", choices=MODES + GRAPH_MODES + (AUTO,),
+                        help="default: all four and auto, and on CUDA separate, packed and fused with +graphs too")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("bench_results/groups"))
     args = parser.parse_args()
-    modes = args.modes or (MODES + GRAPH_MODES if args.device != "cpu" else MODES)
+    modes = args.modes or (MODES + GRAPH_MODES if args.device != "cpu" else MODES) + (AUTO,)
     if args.arch == "mobilenet":  # its fused is vmap's already, whose steps are not captured as graphs
         modes = [mode for mode in modes if mode not in ("fused-vmap", "fused+graphs")]
     rows = []
@@ -183,7 +199,8 @@ def main() -> None:
                 rows.append(row)
                 baseline = baseline or row
                 one = one or row
-                print(f"{image_size:>4} {k:>3} {mode:>15} {row['images_per_s_per_model']:>12.1f} "
+                shown = f"{mode}: {row['pick']}" if row["pick"] else mode
+                print(f"{image_size:>4} {k:>3} {shown:>15} {row['images_per_s_per_model']:>12.1f} "
                       f"{row['images_per_s_total']:>12.1f} "
                       f"{row['images_per_s_total'] / baseline['images_per_s_total']:>11.2f}x "
                       f"{row['peak_rss_bytes'] / 2**30:>13.2f} {row['peak_rss_bytes'] / one['peak_rss_bytes']:>14.2f}x"

@@ -29,6 +29,31 @@ def test_ensemble_trains_on_gpus_with_nccl_for_models_and_hubs(tiny_dataset, tmp
         sent = [hub["sent_checksums"][stream] for hub in hubs if stream in hub["sent_checksums"]]
         assert sent and all(received == s for s in sent)
     assert all(m["epochs"] == 1 for m in results["models"])
+    assert set(results["peak_allocated_bytes"]) == {m["name"] for m in results["models"]}  # the memory trial's
+
+
+def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tmp_path):
+    """The memory trial on the GPU (pipeline/training/memory.py), fp32 so that the estimate counts the
+    bytes the GPU holds: a peak is at least the estimate (state, gradients, momentum and the activations
+    saved for backward, a lower bound), and doubling the batch adds at least the estimated activations of
+    the added images; a member differing only in its rate has the same peak. Mistakes it catches: the
+    memory held after the steps read instead of the peak (the state alone), a peak taken before the
+    backward pass. Not yet run on a GPU."""
+    from dataclasses import replace
+
+    from pipeline.orchestration.grouping import measure_sizes
+    from pipeline.training.memory import measure_peaks
+    from pipeline.training.rates import Measurement
+    from tests.conftest import member
+
+    models = [member("a", depth=18, width=64), member("b", depth=18, width=64, lr=0.01)]
+    how = Measurement(10, {"main": 64}, 64, "cuda", ["cuda:0"], 1, 0, 1, cuda_graphs=True)
+    peaks = measure_peaks(models, how, tmp_path / "rates.json")
+    doubled = measure_peaks(models[:1], replace(how, batch_size=128), tmp_path / "rates.json")
+    size, size_doubled = (measure_sizes(models[:1], 10, {"main": 64}, batch)["a"] for batch in (64, 128))
+    assert peaks["a"] == peaks["b"]
+    assert peaks["a"] >= size.state_bytes + size.activation_bytes, (peaks, size)
+    assert doubled["a"] - peaks["a"] >= size_doubled.activation_bytes - size.activation_bytes, (doubled, peaks, size)
 
 
 def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):

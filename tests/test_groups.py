@@ -80,6 +80,16 @@ def test_a_fused_array_needs_its_members_activations_at_once_packed_members_one_
     assert group_bytes(GroupSpec("a", (data_parallel,)), {"a": size(100, 1001)}) == 100 + 501
 
 
+class NodeHost:
+    """The node agent whose host has the GPUs (as run.py's agent_rates gives it): never asked here."""
+
+    def hardware(self, how):
+        raise AssertionError("no rate is measured for these plans")
+
+    def measure(self, group, slot_counts, how):
+        raise AssertionError("no rate is measured for these plans")
+
+
 def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES):
     """The run's plan on `gpus` GPUs of `gpu_bytes` (as a node agent reports its host's), made by run.py's
     own steps before any device is used: slots, groups, the memory check, and the policy's first flotilla.
@@ -90,8 +100,10 @@ def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES)
     device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": gpus, "gpu_memory": gpu_bytes}})
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)
     results = {}
-    groups, _ = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, False, Path(), Console(), results)
-    assert not results  # nothing measured: the shared policy needs no rates, and fuse and pack none either
+    groups, _ = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, False, Path(), Console(), results,
+                       where=NodeHost())
+    assert not results  # nothing measured: the shared policy needs no rates, fuse and pack none, and the
+    # memory of an agent's GPUs is estimated
     scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(slots)), _policy(cfg, groups))
     starts = [d for d in scheduler.start(0.0) if isinstance(d, Start)]
     assert {d.model for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}

@@ -24,7 +24,7 @@ from pipeline.training.rates import Measurement, measure_rate_table
 
 @dataclass(frozen=True)
 class ModelSize:
-    """What a model weighs, from one build at its image size."""
+    """What a model weighs, from one build at its image size (on CUDA, its activations as measured)."""
 
     params: int
     state_bytes: int  # parameters, gradients, the optimiser's state, buffers
@@ -51,6 +51,13 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
             sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
         by_name[m.name] = sizes[key]
     return by_name
+
+
+def with_measured_peaks(sizes: dict[str, ModelSize], peaks: dict[str, int]) -> dict[str, ModelSize]:
+    """`sizes` with each measured model's step beyond its state (activations, workspaces, the graphs'
+    pool) read from its measured peak (pipeline/training/memory.py) instead of estimated."""
+    return {name: replace(size, activation_bytes=max(peaks[name] - size.state_bytes, 0)) if name in peaks else size
+            for name, size in sizes.items()}
 
 
 def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int, grouping: Grouping,
@@ -116,7 +123,7 @@ def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slo
             what = f"model {group.name}" if len(group.members) == 1 else \
                 f"group {group.name} ({len(group.members)} models: {', '.join(m.name for m in group.members)})"
             raise SlotError(
-                f"{what} needs about {need / 2**30:.2f} GiB per slot to train (estimate x{MEMORY_HEADROOM} "
+                f"{what} needs about {need / 2**30:.2f} GiB per slot to train (x{MEMORY_HEADROOM} "
                 f"headroom) but a slot has {slot_bytes / 2**30:.2f} GiB; lower pipeline.batch_size, make the "
                 "models smaller (depth/width), raise trainer.slots (fewer models per slot), use "
                 "trainer.grouping=pack (a fused array holds all its members' activations at once), or set "

@@ -167,7 +167,7 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
     rate (this run's measurer, or the one that cached it; none for entries older than the record)."""
     where = how.where or Here()
     hardware = where.hardware(how).hardware  # the measuring host's: the cache keys on it, not on this process
-    cache = _read_cache(Path(cache_path))
+    cache = read_cache(Path(cache_path))
     table = RateTable()
     for group in groups:
         counts = list(range(1, max_slots + 1)) if len(group.members) == 1 else [1]
@@ -182,7 +182,7 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
             measured = where.measure(group, missing, how)
             entry["images_per_s"].update({str(k): rate for k, rate in measured.images_per_s.items()})
             entry.setdefault("measured_by", {}).update({str(k): asdict(measured.by) for k in missing})
-            _write_json(Path(cache_path), cache)  # after each group: an interrupted measurement keeps its work
+            write_cache(Path(cache_path), cache)  # after each group: an interrupted measurement keeps its work
         table.add(group.name, [entry["images_per_s"][str(k)] for k in counts])
         if measured_by is not None:
             by = entry.get("measured_by", {})
@@ -234,8 +234,8 @@ def format_table(table: RateTable) -> str:
 
 
 def save_table(table: RateTable, path: Path) -> None:
-    _write_json(Path(path), {model: {str(k): rate for k, rate in enumerate(rates, 1)}
-                             for model, rates in table.rates.items()})
+    write_whole(Path(path), json.dumps({model: {str(k): rate for k, rate in enumerate(rates, 1)}
+                                        for model, rates in table.rates.items()}, indent=1))
 
 
 def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement, devices_here: bool = True) -> None:
@@ -386,7 +386,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _read_cache(path: Path) -> list[dict]:
+def read_cache(path: Path) -> list[dict]:
     if not path.exists():
         return []
     try:
@@ -401,5 +401,5 @@ def _read_cache(path: Path) -> list[dict]:
     return entries
 
 
-def _write_json(path: Path, content) -> None:
-    write_whole(path, json.dumps(content, indent=1))
+def write_cache(path: Path, entries: list[dict]) -> None:
+    write_whole(path, json.dumps(entries, indent=1))
