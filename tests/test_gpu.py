@@ -35,10 +35,11 @@ def test_ensemble_trains_on_gpus_with_nccl_for_models_and_hubs(tiny_dataset, tmp
 def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tmp_path):
     """The memory trial on the GPU (pipeline/training/memory.py), fp32 so that the estimate counts the
     bytes the GPU holds: a peak is at least the estimate (state, gradients, momentum and the activations
-    saved for backward, a lower bound), and doubling the batch adds at least the estimated activations of
-    the added images; a member differing only in its rate has the same peak. Mistakes it catches: the
-    memory held after the steps read instead of the peak (the state alone), a peak taken before the
-    backward pass. Not yet run on a GPU."""
+    saved for backward, a lower bound), doubling the batch adds at least the estimated activations of
+    the added images, a wider model needs more, a member differing only in its rate the same, and the
+    order in which models are tried changes nothing. Mistakes it catches: the memory held after the steps
+    read instead of the peak (the state alone), a peak taken before the backward pass, models tried in
+    turn in one process (the first carries the process's workspaces: seen on an H100, 2026-11-26)."""
     from dataclasses import replace
 
     from pipeline.orchestration.grouping import measure_sizes
@@ -46,30 +47,16 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
     from pipeline.training.rates import Measurement
     from tests.conftest import member
 
-    models = [member("a", depth=18, width=64), member("b", depth=18, width=64, lr=0.01)]
+    models = [member("a", depth=18, width=32), member("b", depth=18, width=32, lr=0.01),
+              member("wide", depth=18, width=64)]
     how = Measurement(10, {"main": 64}, 64, "cuda", ["cuda:0"], 1, 0, 1, cuda_graphs=True)
     peaks = measure_peaks(models, how, tmp_path / "rates.json")
+    assert measure_peaks(models[::-1], how, tmp_path / "reversed.json") == pytest.approx(peaks, rel=0.02)
     doubled = measure_peaks(models[:1], replace(how, batch_size=128), tmp_path / "rates.json")
     size, size_doubled = (measure_sizes(models[:1], 10, {"main": 64}, batch)["a"] for batch in (64, 128))
-    assert peaks["a"] == peaks["b"]
+    assert peaks["a"] == peaks["b"] < peaks["wide"], peaks
     assert peaks["a"] >= size.state_bytes + size.activation_bytes, (peaks, size)
     assert doubled["a"] - peaks["a"] >= size_doubled.activation_bytes - size.activation_bytes, (doubled, peaks, size)
-
-
-def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
-    from pipeline.data.synthetic import generate_imagefolder
-    from tests.test_run import GROUPED
-
-    root = tmp_path_factory.mktemp("data") / "learnable"
-    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
-    results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
-                                  "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
-                                  "pipeline.alt_image_size=24", "trainer.epochs=5", "scheduler.patience=0",
-                                  "trainer.slots=1", "trainer.device=cuda", "trainer.precision=bf16",
-                                  "trainer.grouping=fuse", "cluster.workers=2"]), tmp_path_factory.mktemp("out"))
-    assert [g["mode"] for g in results["groups"].values()] == ["fused+packed"]
-    for model in results["models"]:
-        assert max(model["val_accuracy"]) >= 0.75, (model["name"], model["val_accuracy"])  # chance: 25%
 
 
 def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():

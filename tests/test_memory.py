@@ -15,13 +15,13 @@ HOW = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], 1, 0, 1)
 
 
 @pytest.fixture
-def trials(monkeypatch) -> list[list[str]]:
+def trials(monkeypatch) -> list[str]:
     """Stands in for the trial's child: records the models tried, and gives each 1 MB per unit of width."""
     tried = []
 
-    def trial(models, how):
-        tried.append([m.name for m in models])
-        return [m.model["width"] * 2**20 for m in models]
+    def trial(m, how):
+        tried.append(m.name)
+        return m.model["width"] * 2**20
 
     monkeypatch.setattr(memory, "_trial", trial)
     return tried
@@ -34,10 +34,10 @@ def test_models_that_differ_only_in_rate_are_tried_once_and_a_second_run_tries_n
     cache = tmp_path / "rates.json"
     models = [member("a", lr=0.1), member("b", lr=0.01), member("wide", width=16)]
     assert memory.measure_peaks(models, HOW, cache) == {"a": 8 * 2**20, "b": 8 * 2**20, "wide": 16 * 2**20}
-    assert trials == [["a", "wide"]]
+    assert trials == ["a", "wide"]
     assert memory.measure_peaks([member("c", lr=0.5), member("wide", width=16)], HOW, cache) == \
         {"c": 8 * 2**20, "wide": 16 * 2**20}
-    assert trials == [["a", "wide"]]
+    assert trials == ["a", "wide"]
 
 
 def test_a_peak_sits_beside_the_rates_of_the_same_model(trials, tmp_path, monkeypatch):
@@ -52,7 +52,7 @@ def test_a_peak_sits_beside_the_rates_of_the_same_model(trials, tmp_path, monkey
     measure_rate_table([GroupSpec("a", (m,))], 1, HOW, cache)
     [entry] = json.loads(cache.read_text())
     assert entry["images_per_s"] == {"1": 50.0} and entry["peak_allocated_bytes"] == 8 * 2**20
-    assert memory.measure_peaks([m], HOW, cache) == {"a": 8 * 2**20} and trials == [["a"]]
+    assert memory.measure_peaks([m], HOW, cache) == {"a": 8 * 2**20} and trials == ["a"]
 
 
 def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():

@@ -7,7 +7,10 @@ as a trainer steps it (eager steps, then its training and validation graphs capt
 and its peak is the most the caching allocator held (`torch.cuda.max_memory_allocated`; the CUDA
 context, outside the allocator, is not in it).
 
-One child process tries every distinct model of a run in turn on the run's first slot. Models that
+Each distinct model is tried in a fresh child process on the run's first slot: the workspaces that
+cuBLAS and cuDNN keep once per process count in every model's peak (tried in turn in one process, the
+first model carried them all: measured on an H100, 167 MB for a ResNet-10 of width 16 against 47 MB for
+width 24). A group's memory check counts them once, with its largest unit's activations. Models that
 differ only in learning rate, seed or name weigh the same and are tried once. Peaks are cached in the
 rate cache, beside each model's rates and under the same key (rates.cache_key), so a sweep or a second
 run tries nothing. CPU slots, and runs whose rates a node agent measures on its own host, keep the
@@ -29,15 +32,14 @@ TRIAL_STEPS = 2  # replayed training steps after the capture: a graph's replay a
 
 
 @dataclass(frozen=True)
-class TrialPeaks:
-    """The trial's report: each model's peak allocated bytes, in the order asked."""
+class TrialPeak:
+    """A trial's report: its model's peak allocated bytes."""
 
-    peaks: list[int]
+    bytes: int
 
 
 @dataclass(frozen=True)
 class TrialFailed:
-    model: str
     traceback: str
 
 
@@ -58,64 +60,49 @@ def measure_peaks(models: list[ModelSpec], how: Measurement, cache_path: Path) -
     for m in models:
         if "peak_allocated_bytes" not in entries[m.name]:
             untried.setdefault(id(entries[m.name]), m)
-    if untried:
-        for m, peak in zip(untried.values(), _trial(list(untried.values()), how)):
-            entries[m.name]["peak_allocated_bytes"] = peak
-        write_cache(Path(cache_path), cache)
+    for m in untried.values():
+        entries[m.name]["peak_allocated_bytes"] = _trial(m, how)
+        write_cache(Path(cache_path), cache)  # after each model: an interrupted trial keeps its work
     return {name: entry["peak_allocated_bytes"] for name, entry in entries.items()}
 
 
-def _trial(models: list[ModelSpec], how: Measurement) -> list[int]:
-    child = Child(_try_models, (models, how), "memory-trial", children_context())
+def _trial(m: ModelSpec, how: Measurement) -> int:
+    child = Child(_try, (m, how), f"memory-{m.name}", children_context())
     try:
         report = child.receive(how.report_s)
     except TimeoutError:
-        raise RuntimeError(f"the memory trial of {', '.join(m.name for m in models)} on {how.devices[0]} sent "
-                           f"nothing in {how.report_s:g} s (timeouts.report_s); check the device") from None
+        raise RuntimeError(f"the memory trial of model {m.name} on {how.devices[0]} sent nothing in "
+                           f"{how.report_s:g} s (timeouts.report_s); check the device") from None
     finally:
         child.stop(5)  # it exits once it reported
     if isinstance(report, TrialFailed):
-        raise RuntimeError(f"the memory trial of model {report.model} on {how.devices[0]} failed:\n"
-                           f"{report.traceback}")
-    return report.peaks
+        raise RuntimeError(f"the memory trial of model {m.name} on {how.devices[0]} failed:\n{report.traceback}")
+    return report.bytes
 
 
-def _try_models(models: list[ModelSpec], how: Measurement, *, to_parent, from_parent) -> None:
-    """Process entry point (runtime.child.Child): each model in turn, alone, on `how.devices[0]`."""
+def _try(m: ModelSpec, how: Measurement, *, to_parent, from_parent) -> None:
+    """Process entry point (runtime.child.Child): `m` alone on `how.devices[0]`, trained and validated;
+    reports the most bytes the allocator held meanwhile."""
     child_started("memory")
-    import numpy as np
-    import torch
-
-    device = torch.device(how.devices[0])
-    torch.cuda.set_device(device)
-    peaks, name = [], models[0].name
     try:
-        for m in models:
-            name = m.name
-            peaks.append(_peak(m, how, device, torch, np))
+        import numpy as np
+        import torch
+
+        device = torch.device(how.devices[0])
+        torch.cuda.set_device(device)
+        step = GroupStep(GroupSpec(m.name, (m,)), how.num_classes, how.image_sizes, device, 100, how.precision,
+                         cuda_graphs=how.cuda_graphs)
+        side = how.image_sizes[m.input]
+        random = np.random.default_rng(0)
+        images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)
+        labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)).to(device)
+        for _ in range(step.steps_before_replay + TRIAL_STEPS):
+            step.train({m.input: (step.normalise(images), labels)})
+        for _ in range(step.steps_before_replay + 1):  # validation's graphs share the training graphs' pool
+            step.predict({m.input: step.normalise(images)})
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
     except BaseException:
-        tell_parent(to_parent, TrialFailed(name, traceback.format_exc()))
+        tell_parent(to_parent, TrialFailed(traceback.format_exc()))
         raise
-    to_parent.send(TrialPeaks(peaks))
-
-
-def _peak(m: ModelSpec, how: Measurement, device, torch, np) -> int:
-    """Bytes the allocator held at most while `m` trained and validated, over what it held before."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step = GroupStep(GroupSpec(m.name, (m,)), how.num_classes, how.image_sizes, device, 100, how.precision,
-                     cuda_graphs=how.cuda_graphs)
-    side = how.image_sizes[m.input]
-    random = np.random.default_rng(0)
-    images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)
-    labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)).to(device)
-    for _ in range(step.steps_before_replay + TRIAL_STEPS):
-        step.train({m.input: (step.normalise(images), labels)})
-    for _ in range(step.steps_before_replay + 1):  # validation's graphs share the training graphs' pool
-        step.predict({m.input: step.normalise(images)})
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
-    del step
-    return peak
+    to_parent.send(TrialPeak(peak))
