@@ -78,9 +78,12 @@ class RunInputs:
                 "val_images": source.num_items(Split.VAL)}
 
 
-def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> dict:
+def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
+        parts: dict[str, list[str]] | None = None) -> dict:
     """Run the configured mode; write results.json and the report into `output_dir` (with resume=,
-    into the run folder it names). `stop`: the installed signal handlers (none: a run is not stopped)."""
+    into the run folder it names). `stop`: the installed signal handlers (none: a run is not stopped).
+    `parts`: sub-ensembles whose accuracy and loss results.json gives beside the whole's (`parts`), by
+    name (a shared sweep run's jobs: pipeline/sharing.py)."""
     started = time.perf_counter()
     standard_start_method()  # before any process starts: a launcher's worker may have set its own
     console = Console()
@@ -105,7 +108,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None) -> d
             console.print(inputs.cache_line)
         results = profile_run(cfg, inputs.models, inputs.graph, output_dir, console)
     else:
-        results = train(cfg, inputs, output_dir, console, stop)
+        results = train(cfg, inputs, output_dir, console, stop, parts)
         o = cfg.objective
         results["objective"] = {"of": o.of, "metric": o.metric, "direction": o.metric.direction,
                                 "value": objective_value(results, o.of, o.metric)}
@@ -193,7 +196,8 @@ def _flatten(tree, prefix: str = "") -> dict:
     return {prefix[:-1]: tree}
 
 
-def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console, stop: StopSignals) -> dict:
+def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console, stop: StopSignals,
+          parts: dict[str, list[str]] | None = None) -> dict:
     """mode=train: slots, groups, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
     models, graph = inputs.models, inputs.graph
     needs_rates = POLICIES[cfg.scheduler.policy].needs_rates
@@ -223,7 +227,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     s = cfg.scheduler
     sides = graph.image_sizes
     image_sizes = {m.name: sides[m.input] for m in models}
-    recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes)
+    recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes, parts)
     if table is not None:
         console.print(format_table(table))
         results["rates"] = {name: list(rates) for name, rates in table.rates.items()}

@@ -7,13 +7,16 @@ real command side by side:
 * halving: the same run with successive halving (scheduler.halving.eta=--eta from epoch 1): after each
   rung only the best 1/eta of the trials go on;
 * basic: a Hydra multirun of one job per trial under Hydra's basic launcher (`-m
-  ensemble.models.0.optimizer.lr=...`), each job its own run: its own cluster, read and decode.
+  ensemble.models.0.optimizer.lr=...`), each job its own run: its own cluster, read and decode;
+* shared: the same multirun under the project's launcher (`hydra/launcher=shared`): the jobs train as
+  one run, each still with its own folder and objective.
 
 For each: wall time of the command, preprocessing CPU-s (results.json's stage CPU, all epochs), the best
 trial's validation accuracy (its best epoch) and the epochs trained in all. Rounds alternate the modes'
-order, so that both see the same machine; ratios are against grid in the same round.
+order, so that both see the same machine; ratios are against grid in the same round, and shared's
+against basic too.
 
-    python scripts/bench_search.py --trials 8 --epochs 3 --rounds 2 --modes grid halving basic
+    python scripts/bench_search.py --trials 8 --epochs 3 --rounds 2 --modes grid halving basic shared
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ def run_mode(mode: str, args, folder: Path) -> dict:
                  "~pipeline.stages.alt", "~pipeline.stages.crop_alt",  # the model reads the main branch only
                  f"trainer.epochs={args.epochs}", "scheduler.patience=0"]
     trials = ",".join(map(str, rates(args.trials)))
-    if mode == "basic":
+    if mode in ("basic", "shared"):
         overrides = ["-m", *overrides, f"++ensemble.models.0.optimizer.lr={trials}", f"hydra.sweep.dir={folder}"]
+        overrides += ["hydra/launcher=shared"] if mode == "shared" else []
     else:
         overrides += [f"++ensemble.grid.optimizer.lr=[{trials}]", f"hydra.run.dir={folder}"]
     if mode == "halving":
@@ -53,6 +57,7 @@ def run_mode(mode: str, args, folder: Path) -> dict:
     if done.returncode:
         raise SystemExit(f"{mode} failed ({done.returncode}): {done.stderr[-2000:]}")
     runs = [json.loads(path.read_text()) for path in folder.rglob("results.json")]
+    runs = [results for results in runs if "shared_run" not in results]  # a shared run's jobs: its views
     models = [m for results in runs for m in results["models"]]
     return {"wall_s": wall,
             "cpu_s": sum(stage["cpu_s"] for results in runs for stage in results["pipeline"]["stages"].values()),
@@ -66,7 +71,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--eta", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", choices=("grid", "halving", "basic"), default=["grid", "halving"])
+    parser.add_argument("--modes", nargs="+", choices=("grid", "halving", "basic", "shared"),
+                        default=["grid", "halving"])
     parser.add_argument("--timeout-s", type=int, default=1800)
     args = parser.parse_args()
     print(f"{platform.processor() or platform.machine()}, {args.trials} trials x {args.epochs} epochs, "
@@ -84,6 +90,10 @@ def main() -> None:
                       f"best accuracy {100 * m['best_accuracy']:.1f}% "
                       f"({100 * (m['best_accuracy'] - base['best_accuracy']):+.1f} points)  "
                       f"{m['epochs']} epochs trained", flush=True)
+            if {"basic", "shared"} <= measured.keys():
+                shared, basic = measured["shared"], measured["basic"]
+                print(f"round {round_ + 1} shared vs basic: wall {shared['wall_s'] / basic['wall_s']:.2f}x, "
+                      f"preprocessing {shared['cpu_s'] / basic['cpu_s']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

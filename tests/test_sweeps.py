@@ -1,7 +1,8 @@
 """Hydra multiruns of the real command, under the launchers and sweepers Hydra users pick: the basic
 launcher (one job after another in this process), joblib's (parallel jobs in loky's worker processes),
-submitit's (a process per job, as on Slurm; its local executor here) and the Optuna sweeper, which
-optimises the objective each job returns."""
+submitit's (a process per job, as on Slurm; its local executor here), the project's own `shared`
+launcher (jobs as one run) and the Optuna sweeper, which optimises the objective each job returns."""
+import csv
 import json
 import subprocess
 import sys
@@ -92,3 +93,45 @@ def test_submitit_jobs_run_in_processes_of_their_own_and_a_failed_one_fails_the_
     results = json.loads((sweep / "1" / "results.json").read_text())
     assert len(results["models"]) == 4 and all(m["epochs"] == 1 for m in results["models"])
     assert outcome(sweep / "1") == {"status": "completed", "objective": results["objective"]["value"]}
+
+
+def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_member_failed(tmp_path):
+    """hydra/launcher=shared, 4 jobs that differ only in their ensembles: one run, its data prepared once,
+    holding 6 members (the 16 of the jobs, those the sweep leaves alone trained once). Jobs 1 and 3 hold
+    a member that fails where it trains (scheduler.max_failures=0): they fail, and so does the multirun;
+    jobs 0 and 2 complete, each with the folder Hydra's basic launcher gives a job (its overrides, results,
+    report, checkpoints and tracking, under its members' own names) and its objective, its ensemble
+    judged on its 4 members alone. Mistakes it catches: a job's ensemble taken as the shared run's, the
+    members every job shares trained again, one failed member failing every job, a job folder that
+    lacks its members' files."""
+    job, stdout, stderr = multirun(
+        tmp_path, "hydra/launcher=shared", "ensemble.models.0.optimizer.lr=0.1,0.05",
+        "ensemble.models.1.model._target_=pipeline.training.models.resnet,tests.failing_model.FailsWhereItTrains",
+        "scheduler.max_failures=0", "trainer.slots=auto")
+    assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    assert stdout.count("SYNTHETIC stand-in") == 1 and "jobs 0, 1, 2, 3 train as one run" in stdout
+    sweep = tmp_path / "multirun"
+    shared = json.loads((sweep / "shared-0-3" / "results.json").read_text())
+    assert sorted(m["name"] for m in shared["models"]) == [
+        "j0.densenet40_k12", "j0.densenet40_k8", "j0.resnet10_w16", "j0.resnet10_w24", "j1.resnet10_w24",
+        "j2.resnet10_w16"]
+    assert shared["given_up"] == ["j1.resnet10_w24"]
+    names = ["resnet10_w16", "resnet10_w24", "densenet40_k12", "densenet40_k8"]
+    for n, lr in ((0, 0.1), (2, 0.05)):
+        folder = sweep / str(n)
+        results = json.loads((folder / "results.json").read_text())
+        assert [m["name"] for m in results["models"]] == names and results["models"][0]["optimizer"]["lr"] == lr
+        assert all(m["epochs"] == 1 for m in results["models"])
+        assert results["ensemble"]["val_accuracy"] == shared["parts"][str(n)]["val_accuracy"]
+        assert sorted(results["ensemble"]["kept"]["epochs"]) == sorted(names)
+        assert results["objective"]["value"] == results["ensemble"]["kept"]["val_accuracy"]
+        assert outcome(folder) == {"status": "completed", "objective": results["objective"]["value"]}
+        assert f"ensemble.models.0.optimizer.lr={lr}" in (folder / ".hydra" / "overrides.yaml").read_text()
+        assert all(any((folder / "checkpoints" / name).glob("*.pt")) for name in names)
+        with (folder / "tracking" / "metrics.csv").open() as file:
+            assert sorted(row["model"] for row in csv.DictReader(file)) == sorted(names)
+        assert (folder / "report.html").exists()
+    for n in (1, 3):
+        assert outcome(sweep / str(n)) == {
+            "status": "failed", "error": "JobFailed: given up: resnet10_w24 (exit code 3 on its own)"}
+    assert shm_segments(job.pid) == set()

@@ -73,8 +73,17 @@ class ModelRecord:
 class RunRecorder:
     """Collects measurements from every flotilla thread (hence the lock)."""
 
-    def __init__(self, models: list[ModelSpec], params: dict[str, int], image_sizes: dict[str, int]):
+    def __init__(self, models: list[ModelSpec], params: dict[str, int], image_sizes: dict[str, int],
+                 parts: dict[str, list[str]] | None = None):
+        """`parts`: sub-ensembles reported beside the whole, by name (the jobs of a shared sweep run:
+        pipeline/sharing.py)."""
         self.models = {m.name: ModelRecord(m, params[m.name], image_sizes[m.name]) for m in models}
+        self.parts = {part: set(names) for part, names in (parts or {}).items()}
+        # Per part and epoch, each member's softmax until all have it (an epoch done again replaces its
+        # own); then the part's accuracy and loss, which stand. Not saved: shared runs are not resumed.
+        self.part_pending: dict[str, dict[int, dict[str, np.ndarray]]] = {p: defaultdict(dict) for p in self.parts}
+        self.part_accuracy: dict[str, dict[int, float]] = {p: {} for p in self.parts}
+        self.part_loss: dict[str, dict[int, float]] = {p: {} for p in self.parts}
         self.lock = threading.Lock()
         self.origin = time.time()  # timeline spans are seconds since this
         self.timeline: list[dict] = []
@@ -412,6 +421,15 @@ class RunRecorder:
             raise RuntimeError(f"model {report.model} saw validation labels in another order: "
                                "streams are out of step")
         record.val_loss[epoch] = self._loss(report.probs, 1)
+        for part, names in self.parts.items():
+            if report.model in names and epoch not in self.part_accuracy[part]:
+                pending = self.part_pending[part][epoch]
+                pending[report.model] = report.probs
+                if len(pending) == len(names):
+                    total = np.sum(list(pending.values()), axis=0)
+                    self.part_accuracy[part][epoch], self.part_loss[part][epoch] = \
+                        self._accuracy(total), self._loss(total, len(names))
+                    del self.part_pending[part][epoch]
         # The ensemble's accuracy at an epoch, once every model has reached it. An epoch done again
         # (resumed from a checkpoint before it) replaces its first softmax while the ensemble waits;
         # once the ensemble has its accuracy, that stands.
@@ -433,10 +451,9 @@ class RunRecorder:
             self.epoch_probs[epoch] = (total, models)
             record.recent_probs[epoch] = report.probs
 
-    def _kept_ensemble(self) -> dict | None:
+    def _kept_ensemble(self, records: list[ModelRecord]) -> dict | None:
         """The ensemble the run leaves in checkpoints/: each member's best checkpoint (its highest
         validation accuracy), against the best of those members. None until every member has one."""
-        records = list(self.models.values())
         if not records or any(r.best_probs is None for r in records):
             return None
         total = np.sum([r.best_probs for r in records], axis=0)
@@ -459,11 +476,22 @@ class RunRecorder:
         chosen = summed_probs[np.arange(len(labels)), labels].astype(np.float64) / count
         return float(-np.log(np.maximum(chosen, PROBABILITY_FLOOR)).mean())
 
+    def _ensemble(self, records: list[ModelRecord], accuracy: dict[int, float], loss: dict[int, float]) -> dict:
+        """What the ensemble of `records` measured: by epoch, at its members' last epochs, and kept."""
+        finals = [r.val_accuracy[max(r.val_accuracy)] for r in records if r.val_accuracy]
+        last = [r.last_probs for r in records if r.last_probs is not None]
+        final = np.sum(last, axis=0) if len(last) == len(records) else None  # every model's last epoch
+        return {
+            "val_accuracy": [accuracy[e] for e in sorted(accuracy)],
+            "val_loss": [loss[e] for e in sorted(loss)],
+            "final_val_accuracy": self._accuracy(final) if final is not None else None,
+            "final_val_loss": self._loss(final, len(last)) if final is not None else None,
+            "best_model_val_accuracy": max(finals) if finals else None,
+            "kept": self._kept_ensemble(records),
+        }
+
     def as_dict(self, wall_s: float) -> dict:
         models = [record.as_dict() for record in self.models.values()]
-        finals = [m["final_val_accuracy"] for m in models if m["final_val_accuracy"] is not None]
-        last = [r.last_probs for r in self.models.values() if r.last_probs is not None]
-        final = np.sum(last, axis=0) if len(last) == len(self.models) else None  # every model's last epoch
         epochs = max((m["epochs"] for m in models), default=0)
         busy = sum(t.cpu_s for t in self.stages.values())
         groups = {}  # each slot group as it last trained: its members then, packed or fused
@@ -475,14 +503,10 @@ class RunRecorder:
         return {
             "models": models,
             "groups": groups,
-            "ensemble": {
-                "val_accuracy": [self.ensemble_accuracy[e] for e in sorted(self.ensemble_accuracy)],
-                "val_loss": [self.ensemble_loss[e] for e in sorted(self.ensemble_loss)],
-                "final_val_accuracy": self._accuracy(final) if final is not None else None,
-                "final_val_loss": self._loss(final, len(last)) if final is not None else None,
-                "best_model_val_accuracy": max(finals) if finals else None,
-                "kept": self._kept_ensemble(),
-            },
+            "ensemble": self._ensemble(list(self.models.values()), self.ensemble_accuracy, self.ensemble_loss),
+            **({"parts": {part: self._ensemble([self.models[n] for n in sorted(names)], self.part_accuracy[part],
+                                               self.part_loss[part]) for part, names in self.parts.items()}}
+               if self.parts else {}),
             "pipeline": {
                 "train_images": self.train_images,
                 "images_per_s": self.train_images / wall_s if wall_s else None,

@@ -3,7 +3,10 @@ HTML embeds them and opens offline."""
 from __future__ import annotations
 
 import base64
+import functools
+import hashlib
 import io
+import pickle
 from collections.abc import Sequence
 
 from matplotlib import colormaps
@@ -18,12 +21,28 @@ from pipeline.scheduler.gantt import Bar, utilisation
 PACE_COLOUR, OTHER_COLOUR, WALL_COLOUR = "#c0392b", "#2e86c1", "#aed6f1"
 
 
+def _drawn_once(chart):
+    """A chart of the shared run's pipeline, drawn once for all the jobs' reports that repeat it
+    (pipeline/sharing.py); 0.2 s a chart, 7 charts a report."""
+    drawn: dict[str, str] = {}
+
+    @functools.wraps(chart)
+    def draw(*args) -> str:
+        key = hashlib.sha1(pickle.dumps(args)).hexdigest()
+        if key not in drawn:
+            drawn.clear()  # the last input's only: a process writes its reports one after another
+            drawn[key] = chart(*args)
+        return drawn[key]
+    return draw
+
+
 def to_base64_png(fig: Figure) -> str:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=96, bbox_inches="tight")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+@_drawn_once
 def stage_chart(stages: list[StageRow]) -> str:
     names = [s.name for s in stages][::-1]  # barh draws bottom-up: keep the pipeline's order top-down
     fig = Figure(figsize=(10, 0.45 * len(names) + 1.6))
@@ -40,6 +59,7 @@ def stage_chart(stages: list[StageRow]) -> str:
     return to_base64_png(fig)
 
 
+@_drawn_once
 def epoch_cpu_chart(by_epoch: list[float], by_flotilla: dict[str, list[float]],
                     cache_hits: list[float] | None) -> str:
     """Preprocessing CPU seconds per epoch: the run's, and each flotilla's when there are several; and
@@ -96,6 +116,7 @@ def accuracy_chart(models: list[ModelRow], ensemble: list[float]) -> str:
     return to_base64_png(fig)
 
 
+@_drawn_once
 def occupancy_chart(occupancy: dict[str, dict]) -> str:
     fig = Figure(figsize=(10, 3.5))
     ax = fig.subplots()
@@ -109,6 +130,7 @@ def occupancy_chart(occupancy: dict[str, dict]) -> str:
     return to_base64_png(fig)
 
 
+@_drawn_once
 def gantt_chart(scheduler: dict) -> str:
     """The run's slots over time (results.json `scheduler`): each model's stints, coloured by flotilla."""
     cluster = Cluster(scheduler["cluster"]["nodes"], scheduler["cluster"]["slots_per_node"])
@@ -118,6 +140,7 @@ def gantt_chart(scheduler: dict) -> str:
     return to_base64_png(gantt_figure(bars, cluster.slots, f"slots over time: {end:.0f} s, utilisation {busy:.0%}"))
 
 
+@_drawn_once
 def timeline_chart(events: list[dict]) -> str:
     lanes = sorted({e["lane"] for e in events})
     colours = {"task": OTHER_COLOUR, "step": "#27ae60", "wait": PACE_COLOUR}

@@ -1,0 +1,1 @@
+"""The project's Hydra plugins: the `shared` launcher (shared_launcher.py)."""

@@ -1,0 +1,117 @@
+"""`hydra/launcher=shared`: a sweep's jobs that differ only in `ensemble` and `objective` train as one
+run, one preprocessing pipeline feeding all their members (pipeline/sharing.py says how). Every job
+still gets its own folder, its .hydra files, its callbacks and its JobReturn, as under Hydra's basic
+launcher, which runs the jobs that cannot share one by one.
+
+(No `from __future__ import annotations`: Hydra imports plugin modules outside sys.modules, where
+dataclasses cannot resolve string annotations.)"""
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.plugins.launcher import Launcher
+from omegaconf import DictConfig, open_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SharedLauncherConf:
+    _target_: str = "hydra_plugins.pipeline_launcher.shared_launcher.SharedLauncher"
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="shared", node=SharedLauncherConf, provider="pipeline")
+
+
+class SharedLauncher(Launcher):
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from pipeline import sharing
+
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        jobs = {}
+        for number, overrides in enumerate(job_overrides, initial_job_idx):
+            log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(cfg):
+                cfg.hydra.job.id = number
+                cfg.hydra.job.num = number
+            jobs[number] = cfg
+        returns = {}
+        for batch in sharing.batches(jobs):
+            if len(batch) == 1:
+                returns[batch[0]] = self._run_job(jobs[batch[0]], self.task_function)
+                continue
+            shared = sharing.combine({number: jobs[number] for number in batch})
+            folder = shared.folder(sweep_dir)
+            log.info(f"jobs {', '.join(map(str, batch))} train as one run in {folder}")
+            outcome = _train(shared, folder)
+            for number in batch:
+                returns[number] = self._run_job(jobs[number], functools.partial(_job, shared, outcome, number, folder))
+        return [returns[number] for number in sorted(returns)]
+
+    def _run_job(self, cfg: DictConfig, task_function) -> JobReturn:
+        returned = run_job(hydra_context=self.hydra_context, task_function=task_function, config=cfg,
+                           job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return returned
+
+
+def _train(shared, folder: Path):
+    """The shared run's results, or the JobFailed each of its jobs fails with. A stop (Ctrl-C, SIGTERM)
+    ends the whole multirun, as it ends a job's run."""
+    from pipeline.config import ExitCode, JobFailed
+    from pipeline.run import run
+    from pipeline.runtime.hang import HangError
+    from pipeline.runtime.lifetime import Interrupted, StopSignals
+    from stages.base import UserError
+
+    with StopSignals() as stop:
+        try:
+            results = run(shared.cfg, folder, stop, shared.parts)
+        except UserError as err:
+            return JobFailed(ExitCode.user_error, f"error: {err}")
+        except HangError as hung:
+            return JobFailed(ExitCode.hung, f"error: {hung}")
+        except Interrupted as stopped:
+            print(f"{stopped}: the shared run of this sweep stopped before training began", file=sys.stderr)
+            sys.exit(128 + stopped.signum)
+    if "interrupted" in results:
+        why = f"the shared run in {folder} stopped ({results['interrupted']['cause']})"
+        if stop.signum:
+            print(why, file=sys.stderr)
+            sys.exit(128 + stop.signum)
+        return JobFailed(ExitCode.nodes_lost, why)
+    return results
+
+
+def _job(shared, outcome, number: int, folder: Path, cfg: DictConfig):
+    """Job `number`'s task under run_job: its folder split from the shared run's, and its objective;
+    or its failure, said and raised (Hydra marks the job failed)."""
+    from pipeline import sharing
+    from pipeline.config import JobFailed
+
+    if isinstance(outcome, JobFailed):
+        print(outcome.why, file=sys.stderr)
+        raise outcome
+    results = sharing.write_job(outcome, shared, number, cfg, folder, Path(HydraConfig.get().runtime.output_dir))
+    failure = sharing.job_failure(results)
+    if failure:
+        print(failure.why, file=sys.stderr)
+        raise failure
+    objective = results["objective"]
+    print(f"job {number}: objective {objective['of']} {objective['metric']} = {objective['value']} "
+          f"(its members trained in the shared run {folder})")
+    return objective["value"]

@@ -1,0 +1,162 @@
+"""Sweep jobs trained as one run: what the `shared` Hydra launcher does (hydra_plugins/pipeline_launcher).
+
+Jobs of one launch whose configs agree on everything but `ensemble` and `objective` read, decode and
+augment the same images the same way, so they train as one run: their members join one ensemble fed by
+one pipeline, packed or fused on the slots as any run's members are. A member is named `j<job>.<name>`
+there and keeps the seed its job's own run would give it; a member identical in all but its name to one
+of an earlier job (the members a sweep does not change) is trained once, for both. Jobs that differ elsewhere (the dataset, the
+pipeline, the trainer, the scheduler, the seed) form separate shared runs, one after another.
+
+Each job then gets what Hydra promises it, in its own folder: its results.json (its members, its
+ensemble's accuracy and loss computed over its members alone, its objective), report, checkpoints and
+tracking, taken from the shared run's folder (files hard-linked), and its return value. A job whose
+member was given up (with its slot group) fails; the others complete.
+"""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipeline.config import (ENSEMBLE, ExitCode, JobFailed, MemberConf, Mode, ObjectiveConf, check_objective,
+                             expand_ensemble)
+from pipeline.measure.objective import objective_value
+from pipeline.measure.recorder import write_json
+from pipeline.measure.tracking import CSV_FILE, FOLDER as TRACKING
+from pipeline.report import write_report
+from stages.base import UserError
+
+JOB_KEYS = ("ensemble", "objective")  # what jobs of one shared run may differ in
+MEMBER_KEYS = ("name", "input", "model", "optimizer", "lr_scheduler", "loss", "seed", "slots")  # MemberConf's
+SHARED_FOLDER = "shared-{first}-{last}"  # in the sweep's folder, beside the jobs' numbered folders
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """Jobs that train as one run: its config, and each job's members by their names in it."""
+
+    cfg: DictConfig
+    members: dict[int, dict[str, str]]  # job number -> its member's name -> its name in the shared run
+
+    @property
+    def parts(self) -> dict[str, list[str]]:
+        """The jobs as sub-ensembles of the shared run (RunRecorder's parts)."""
+        return {str(job): sorted(names.values()) for job, names in self.members.items()}
+
+    def folder(self, sweep_dir: Path) -> Path:
+        return Path(sweep_dir) / SHARED_FOLDER.format(first=min(self.members), last=max(self.members))
+
+
+def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:
+    """The jobs, by job number, in the runs they share: jobs that train (not resumed) and agree on
+    everything but JOB_KEYS together, in the order their first job comes; every other job alone (one
+    whose ensemble or objective is wrong, too: on its own it fails, saying why, as any job would)."""
+    shared: dict[str, list[int]] = {}
+    alone = []
+    for number, cfg in jobs.items():
+        if cfg.mode == Mode.train and not cfg.resume and _checks(cfg):
+            settings = {key: value for key, value in OmegaConf.to_container(cfg).items()
+                        if key not in (*JOB_KEYS, "hydra")}
+            shared.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(number)
+        else:
+            alone.append([number])
+    return sorted([*shared.values(), *alone], key=min)
+
+
+def _checks(cfg: DictConfig) -> bool:
+    try:
+        check_objective(cfg.objective, expand_ensemble(cfg.ensemble, cfg.seed))
+    except UserError:
+        return False
+    return True
+
+
+def combine(jobs: dict[int, DictConfig]) -> SharedRun:
+    """One run's config holding every job's members (as expanded by the job's own ensemble config)."""
+    members, specs = {}, []
+    trained: dict[str, str] = {}  # a member's settings but its name -> its name in the shared run
+    for number, cfg in jobs.items():
+        members[number] = {}
+        for spec in expand_ensemble(cfg.ensemble, cfg.seed):
+            settings = {key: asdict(spec)[key] for key in MEMBER_KEYS}
+            key = json.dumps({**settings, "name": None}, sort_keys=True, default=str)
+            if key in trained and trained[key] not in members[number].values():
+                members[number][spec.name] = trained[key]  # an earlier job's: trained once for both
+                continue
+            name = f"j{number}.{spec.name}"
+            trained.setdefault(key, name)
+            members[number][spec.name] = name
+            specs.append(MemberConf(**{**settings, "name": name}))
+    cfg = copy.deepcopy(jobs[min(jobs)])
+    with open_dict(cfg):
+        cfg.pop("hydra", None)  # the launcher's: each job keeps its own
+        cfg.ensemble.models = specs  # each complete: the ensemble's defaults are already in it
+        cfg.ensemble.grid = {}
+        cfg.objective = OmegaConf.structured(ObjectiveConf(of=ENSEMBLE))  # each job's is its own
+    return SharedRun(cfg, members)
+
+
+def job_results(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared_dir: Path) -> dict:
+    """Job `number`'s results, from the shared run's: its members under their own names, its ensemble,
+    its objective and config."""
+    names = {new: old for old, new in run.members[number].items()}
+    results = {key: value for key, value in shared.items() if key != "parts"}
+    trained = {m["name"]: m for m in shared["models"]}
+    results["models"] = [{**trained[new], "name": old} for old, new in run.members[number].items()]  # its order
+    ensemble = results["ensemble"] = copy.deepcopy(shared["parts"][str(number)])
+    if ensemble["kept"]:
+        ensemble["kept"]["epochs"] = {names[name]: epochs for name, epochs in ensemble["kept"]["epochs"].items()}
+    if "given_up" in shared:  # slot groups: a job's member is given up with its group
+        results["given_up"] = [names[m["name"]] for m in shared["models"]
+                               if m["name"] in names and m["group"] in shared["given_up"]]
+    o = cfg.objective
+    results["objective"] = {"of": o.of, "metric": o.metric, "direction": o.metric.direction,
+                            "value": objective_value(results, o.of, o.metric)}
+    results["config"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    results["shared_run"] = {"folder": str(shared_dir), "jobs": sorted(run.members),
+                             "members": run.members[number]}
+    return results
+
+
+def write_job(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared_dir: Path,
+              job_dir: Path) -> dict:
+    """Job `number`'s folder: results.json, the report, and its members' checkpoints and tracking."""
+    results = job_results(shared, run, number, cfg, shared_dir)
+    for old, new in run.members[number].items():
+        for kind in ("checkpoints", TRACKING):
+            if (shared_dir / kind / new).is_dir():
+                shutil.copytree(shared_dir / kind / new, job_dir / kind / old, copy_function=os.link,
+                                dirs_exist_ok=True)
+    _split_metrics(shared_dir / TRACKING / CSV_FILE, job_dir / TRACKING / CSV_FILE,
+                   {new: old for old, new in run.members[number].items()})
+    write_json(job_dir / "results.json", results)
+    write_report(results, job_dir)
+    return results
+
+
+def _split_metrics(source: Path, target: Path, names: dict[str, str]) -> None:
+    """The rows of `names`' members (shared name -> the job's) of the shared run's tracking CSV."""
+    if not source.exists():
+        return
+    with source.open(newline="") as file:
+        reader = csv.DictReader(file)
+        rows = [{**row, "model": names[row["model"]]} for row in reader if row["model"] in names]
+        fields = reader.fieldnames
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def job_failure(results: dict) -> JobFailed | None:
+    """Why a job's results fail it: a member given up."""
+    if results.get("given_up"):
+        return JobFailed(ExitCode.models_given_up, f"given up: {', '.join(results['given_up'])}")
+    return None
