@@ -135,3 +135,25 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
         assert outcome(sweep / str(n)) == {
             "status": "failed", "error": "JobFailed: given up: resnet10_w24 (exit code 3 on its own)"}
     assert shm_segments(job.pid) == set()
+
+
+def test_optuna_batches_under_the_shared_launcher_are_one_run_each_and_the_study_has_every_trial(tmp_path):
+    """Optuna asks for 4 trials, 2 at a time: each batch of 2 is one shared run, and the study holds each
+    trial's value, the job's objective (its resnet10_w16's lowest validation loss)."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    job, stdout, stderr = multirun(
+        tmp_path, "hydra/launcher=shared", "ensemble.models.0.optimizer.lr=interval(0.01, 0.2)",
+        "objective.of=resnet10_w16", "objective.metric=val_loss", "hydra/sweeper=optuna",
+        "hydra.sweeper.direction=minimize", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+        f"hydra.sweeper.storage={storage}", "hydra.sweeper.study_name=lr")
+    assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
+    sweep = tmp_path / "multirun"
+    assert sorted(p.name for p in sweep.glob("shared-*")) == ["shared-0-1", "shared-2-3"]
+    trials = {}
+    for n in range(4):
+        results = json.loads((sweep / str(n) / "results.json").read_text())
+        member = results["models"][0]
+        assert member["name"] == "resnet10_w16" and results["objective"]["value"] == min(member["val_loss"])
+        trials[member["optimizer"]["lr"]] = results["objective"]["value"]
+    study = optuna.load_study(study_name="lr", storage=storage)
+    assert {t.params["ensemble.models.0.optimizer.lr"]: t.value for t in study.trials} == trials
