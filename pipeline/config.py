@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import importlib.util
 import itertools
 import os
 import sys
@@ -224,6 +225,9 @@ class EnsembleConf:
 @dataclass
 class TrackingConf:
     tensorboard: bool = True  # each member's epochs as TensorBoard event files too (tracking/<member>/)
+    mlflow: Optional[str] = None  # an MLflow tracking URI (file:./mlruns, http://host:5000): a run per member
+    # under one per run; null: off (MLflow is optional: pip install mlflow-skinny)
+    mlflow_experiment: str = "ensemble"  # the MLflow experiment the runs go to
 
 
 @dataclass
@@ -305,6 +309,9 @@ def check(cfg: DictConfig) -> None:
     if cfg.scheduler.halving.min_epochs < 1:
         raise ConfigError(f"scheduler.halving.min_epochs={cfg.scheduler.halving.min_epochs}: the first rung comes "
                           "after at least one epoch; set scheduler.halving.min_epochs=1 or more")
+    if cfg.tracking.mlflow and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(f"tracking.mlflow={cfg.tracking.mlflow}: MLflow is not installed here; pip install "
+                          "mlflow-skinny, or set tracking.mlflow=null")
     if not 0 <= cfg.scheduler.phase_threshold < 1:
         raise ConfigError(f"scheduler.phase_threshold={cfg.scheduler.phase_threshold}: give the fraction of the "
                           "training loss an epoch must remove, in [0, 1) (e.g. 0.02), or 0 to leave phases unused")

@@ -30,7 +30,7 @@ from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
 from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
-from pipeline.measure.tracking import Tracker
+from pipeline.measure.tracking import MlflowRuns, Tracker
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
 from pipeline.orchestration.grouping import (check_group_memory, choose_fusion, measure_sizes, plan_groups,
                                              with_measured_peaks)
@@ -253,7 +253,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
-            contextlib.closing(Tracker(output_dir, cfg.tracking.tensorboard)) as tracker, \
+            contextlib.closing(Tracker(output_dir, cfg.tracking.tensorboard, _mlflow(cfg, output_dir, models))) \
+            as tracker, \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
         if cfg.cluster.dashboard and not cfg.cluster.address:
@@ -313,6 +314,11 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         **recorder.as_dict(training_s),
     })
     return results
+
+
+def _mlflow(cfg: DictConfig, output_dir: Path, models: list[ModelSpec]) -> MlflowRuns | None:
+    t = cfg.tracking
+    return MlflowRuns(t.mlflow, t.mlflow_experiment, output_dir, models) if t.mlflow else None
 
 
 def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:

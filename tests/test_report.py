@@ -321,13 +321,17 @@ def test_sweep_callback_records_each_job_of_a_real_hydra_multirun_failed_or_not(
 def test_report_of_a_real_run(tiny_dataset, tmp_path):
     """A verdict read from the stall of a model that does not set the pace fails. Tracking holds each member's
     two epochs, in TensorBoard's files and the CSV; after the first, each member's rate is half its own (the
-    cosine schedule, halfway): one member's rate reported for all fails (resnet10_w24's is 0.05)."""
+    cosine schedule, halfway): one member's rate reported for all fails (resnet10_w24's is 0.05). MLflow
+    (tracking.mlflow) has the same epochs, a run per member under the run's."""
+    from mlflow.tracking import MlflowClient
+
     from pipeline.run import run
     from tests.conftest import compose_config
 
+    mlflow_uri = f"file://{tmp_path / 'mlruns'}"
     cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
                           "pipeline.batch_size=16", "pipeline.image_size=32", "pipeline.alt_image_size=24",
-                          "cluster.workers=2", "trainer.epochs=2"])
+                          "cluster.workers=2", "trainer.epochs=2", f"tracking.mlflow={mlflow_uri}"])
     results = json.loads(json.dumps(run(cfg, tmp_path), default=str))  # as read back from results.json
     rows = list(csv.DictReader((tmp_path / FOLDER / CSV_FILE).open()))
     assert sorted((r["model"], r["epoch"]) for r in rows) == sorted(
@@ -339,6 +343,13 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
         events = EventAccumulator(str(tmp_path / FOLDER / m["name"]))
         events.Reload()
         assert [e.step for e in events.Scalars("train/images_per_s")] == [1, 2]
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    [experiment] = [e for e in client.search_experiments() if e.name == "ensemble"]
+    runs = {r.info.run_name: r.info.run_id for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == sorted([tmp_path.name, *(m["name"] for m in results["models"])])
+    for m in results["models"]:
+        history = client.get_metric_history(runs[m["name"]], "val/accuracy")
+        assert sorted((h.step, h.value) for h in history) == [(1, m["val_accuracy"][0]), (2, m["val_accuracy"][1])]
     paths = write_report(results, tmp_path)
     report = json.loads(paths.json.read_text())
     # The verdict follows from the run's own numbers by docs/report.md's rule: the pace-setter's stall,

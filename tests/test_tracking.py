@@ -57,3 +57,45 @@ def test_tensorboard_reads_a_run_per_member_and_the_csv_a_row_per_member_epoch(t
     rows = list(csv.DictReader((folder / CSV_FILE).open()))
     assert [(r["model"], r["epoch"], r["val_accuracy"], r["val_loss"]) for r in rows] == [
         ("a", "1", "0.4", ""), ("b", "1", "0.3", ""), ("a", "2", "0.6", ""), ("b", "2", "0.5", "")]
+
+
+def test_mlflow_holds_a_run_per_member_under_the_run_s_with_its_settings_and_epochs(tmp_path):
+    """tracking.mlflow (a file store here): member runs under one parent, each with its own settings as
+    parameters and its metrics by epoch; a resumed run logs into the same MLflow runs (an epoch trained
+    again comes again). A new parent on resume, or a metric not measured logged as 0, fails."""
+    mlflow = pytest.importorskip("mlflow")  # a test dependency; optional for users
+    from pipeline.measure.tracking import MlflowRuns
+
+    uri, models = f"file://{tmp_path / 'mlruns'}", [member("a", lr=0.1), member("b", lr=0.05)]
+    run_dir = tmp_path / "run"
+    tracker = Tracker(run_dir, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
+    tracker.epoch("a", 1, epoch(2.0, 0.4))
+    tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
+    tracker.close()
+    resumed = Tracker(run_dir, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
+    resumed.epoch("a", 2, epoch(1.5, 0.6))
+    resumed.close()
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    [experiment] = [e for e in client.search_experiments() if e.name == "search"]
+    runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
+    assert sorted(runs) == ["a", "b", "run"]
+    assert {runs[n].data.tags["mlflow.parentRunId"] for n in "ab"} == {runs["run"].info.run_id}
+    assert runs["a"].data.params["optimizer.lr"] == "0.1" and runs["b"].data.params["optimizer.lr"] == "0.05"
+    assert runs["a"].data.params["model._target_"] == "pipeline.training.models.resnet"
+    history = lambda name, tag: [(m.step, m.value) for m in client.get_metric_history(runs[name].info.run_id, tag)]
+    assert sorted(history("a", "val/accuracy")) == [(1, 0.4), (2, 0.6)] and history("b", "train/lr") == [(1, 0.05)]
+    assert history("a", "val/loss") == []
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+
+
+def test_mlflow_asked_for_where_it_is_not_installed_is_one_line_naming_the_key(monkeypatch):
+    import importlib.util
+
+    from pipeline.config import ConfigError, check
+    from tests.conftest import compose_config
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "mlflow" else found(name, *rest))
+    with pytest.raises(ConfigError, match="tracking.mlflow=file:./mlruns: MLflow is not installed here; pip install "
+                                          "mlflow-skinny, or set tracking.mlflow=null"):
+        check(compose_config(["+ensemble=caltech256", "tracking.mlflow=file:./mlruns"]))

@@ -3,21 +3,85 @@ read them. One CSV for the run (tracking/metrics.csv, a row per member and epoch
 tracking.tensorboard, TensorBoard event files, one TensorBoard run per member (tracking/<member>/):
 `tensorboard --logdir <run folder>/tracking`, or `--logdir <sweep folder>` for every job of a sweep.
 A resumed run appends to both: an epoch trained again after a resume comes again, and its later
-row is the one that stands."""
+row is the one that stands.
+
+With tracking.mlflow (a tracking URI), MLflow too: a parent run per run (named after its folder) and
+a child run per member, with the member's settings as parameters (model.depth, optimizer.lr, ...) and
+the same metrics by epoch. The runs' ids are kept in tracking/mlflow.json, so a resumed run goes on
+logging into its own MLflow runs."""
 from __future__ import annotations
 
 import csv
+import json
+import time
+from dataclasses import asdict
 from pathlib import Path
+
+from pipeline.runtime.files import write_whole
+from pipeline.training.members import ModelSpec
 
 FOLDER = "tracking"
 CSV_FILE = "metrics.csv"
+MLFLOW_IDS = "mlflow.json"
 # metric (as RunRecorder.epoch_metrics names it) -> its TensorBoard tag
 TAGS = {"train_loss": "train/loss", "val_accuracy": "val/accuracy", "val_loss": "val/loss", "lr": "train/lr",
         "images_per_s": "train/images_per_s", "data_stall_pct": "train/data_stall_pct"}
 
 
+class MlflowRuns:
+    """A run's MLflow runs: one parent, a child per member, created as members first report."""
+
+    def __init__(self, uri: str, experiment: str, run_dir: Path, models: list[ModelSpec]):
+        from mlflow.tracking import MlflowClient  # optional: config.check makes sure it imports
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self.ids_file = run_dir / FOLDER / MLFLOW_IDS
+        self.models = {m.name: m for m in models}
+        self.ids = json.loads(self.ids_file.read_text()) if self.ids_file.exists() else {"members": {}}
+        if "experiment" not in self.ids:
+            found = self.client.get_experiment_by_name(experiment)
+            self.ids["experiment"] = found.experiment_id if found else self.client.create_experiment(experiment)
+            self.ids["parent"] = self.client.create_run(self.ids["experiment"], run_name=run_dir.name,
+                                                        tags={"run_folder": str(run_dir)}).info.run_id
+            self._save()
+
+    def epoch(self, model: str, epoch: int, metrics: dict[str, float | None]) -> None:
+        from mlflow.entities import Metric, Param
+
+        run = self.ids["members"].get(model)
+        if run is None:
+            spec = self.models[model]
+            run = self.client.create_run(self.ids["experiment"], run_name=model,
+                                         tags={"mlflow.parentRunId": self.ids["parent"]}).info.run_id
+            settings = {key: value for key, value in asdict(spec).items() if key not in ("name", "unfusable")}
+            self.client.log_batch(run, params=[Param(key, str(value)) for key, value in _flat(settings).items()])
+            self.ids["members"][model] = run
+            self._save()
+        now = int(time.time() * 1000)
+        self.client.log_batch(run, metrics=[Metric(TAGS[key], value, now, epoch)
+                                            for key, value in metrics.items() if value is not None])
+
+    def close(self) -> None:
+        for run in [*self.ids["members"].values(), self.ids["parent"]]:
+            self.client.set_terminated(run)
+
+    def _save(self) -> None:
+        self.ids_file.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(self.ids_file, json.dumps(self.ids, indent=1))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 class Tracker:
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, mlflow: MlflowRuns | None = None):
         self.folder = run_dir / FOLDER
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / CSV_FILE
@@ -28,11 +92,14 @@ class Tracker:
             self._csv.writerow(["model", "epoch", *TAGS])
         self._tensorboard = tensorboard
         self._writers: dict = {}  # member -> its SummaryWriter
+        self._mlflow = mlflow
 
     def epoch(self, model: str, epoch: int, metrics: dict[str, float | None]) -> None:
         """`model` has trained `epoch` epochs (1 after its first); `metrics`: RunRecorder.epoch_metrics."""
         self._csv.writerow([model, epoch, *("" if metrics[key] is None else repr(metrics[key]) for key in TAGS)])
         self._file.flush()  # a row a killed run measured stays
+        if self._mlflow:
+            self._mlflow.epoch(model, epoch, metrics)
         if not self._tensorboard:
             return
         if model not in self._writers:
@@ -49,3 +116,5 @@ class Tracker:
         for writer in self._writers.values():
             writer.close()
         self._file.close()
+        if self._mlflow:
+            self._mlflow.close()
