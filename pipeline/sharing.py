@@ -54,13 +54,14 @@ class SharedRun:
 
 
 def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:
-    """The jobs, by job number, in the runs they share: jobs that train (not resumed) and agree on
+    """The jobs, by job number, in the runs they share: jobs that train (not resumed, no halving) and agree on
     everything but JOB_KEYS together, in the order their first job comes; every other job alone (one
     whose ensemble or objective is wrong, too: on its own it fails, saying why, as any job would)."""
     shared: dict[str, list[int]] = {}
     alone = []
     for number, cfg in jobs.items():
-        if cfg.mode == Mode.train and not cfg.resume and _checks(cfg):
+        # halving ranks a run's members against each other, by the run's objective metric: not across jobs
+        if cfg.mode == Mode.train and not cfg.resume and not cfg.scheduler.halving.eta and _checks(cfg):
             settings = {key: value for key, value in OmegaConf.to_container(cfg).items()
                         if key not in (*JOB_KEYS, "hydra")}
             shared.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(number)

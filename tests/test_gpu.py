@@ -59,6 +59,22 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
     assert doubled["a"] - peaks["a"] >= size_doubled.activation_bytes - size.activation_bytes, (doubled, peaks, size)
 
 
+def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
+    from pipeline.data.synthetic import generate_imagefolder
+    from tests.test_run import GROUPED
+
+    root = tmp_path_factory.mktemp("data") / "learnable"
+    generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
+    results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
+                                  "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
+                                  "pipeline.alt_image_size=24", "trainer.epochs=5", "scheduler.patience=0",
+                                  "trainer.slots=1", "trainer.device=cuda", "trainer.precision=bf16",
+                                  "trainer.grouping=fuse", "cluster.workers=2"]), tmp_path_factory.mktemp("out"))
+    assert [g["mode"] for g in results["groups"].values()] == ["fused+packed"]
+    for model in results["models"]:
+        assert max(model["val_accuracy"]) >= 0.75, (model["name"], model["val_accuracy"])  # chance: 25%
+
+
 def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
     """A fused array of two and a packed model, stepped once eagerly and once with CUDA graphs on the same
     batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch (an

@@ -12,13 +12,15 @@ def job(*overrides: str):
 def test_jobs_share_a_run_when_only_their_ensembles_and_objectives_differ():
     """Jobs 0, 2 and 4 differ in a member's rate and the objective: one run. Job 1 trains longer, job 3
     on another seed (other batches, other augmentations): each its own run. A profile job and a resumed
-    one run alone, and so does job 7, whose objective names no member (on its own it fails, saying so).
+    one run alone, and so does job 7, whose objective names no member (on its own it fails, saying so),
+    and jobs 8 and 9, which halve (halving would rank one job's members against another's).
     Jobs grouped by anything less than the whole config but the ensemble and objective (a trainer
     setting, the seed) fail."""
     jobs = {0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("trainer.epochs=20"), 2: job("objective.of=best_member"),
             3: job("seed=1"), 4: job("ensemble.models.0.optimizer.lr=0.01"), 5: job("seed=1", "mode=profile"),
-            6: job("seed=1", "resume=/somewhere"), 7: job("objective.of=nobody")}
-    assert batches(jobs) == [[0, 2, 4], [1], [3], [5], [6], [7]]
+            6: job("seed=1", "resume=/somewhere"), 7: job("objective.of=nobody"),
+            8: job("scheduler.halving.eta=2"), 9: job("scheduler.halving.eta=2")}
+    assert batches(jobs) == [[0, 2, 4], [1], [3], [5], [6], [7], [8], [9]]
 
 
 def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():

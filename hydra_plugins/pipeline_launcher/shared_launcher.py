@@ -9,6 +9,7 @@ dataclasses cannot resolve string annotations.)"""
 import functools
 import logging
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -88,6 +89,8 @@ def _train(shared, folder: Path):
         except Interrupted as stopped:
             print(f"{stopped}: the shared run of this sweep stopped before training began", file=sys.stderr)
             sys.exit(128 + stopped.signum)
+        except Exception:  # every job of the batch fails with it, each through run_job as Hydra expects
+            return JobFailed(ExitCode.crashed, f"the shared run in {folder} crashed:\n{traceback.format_exc()}")
     if "interrupted" in results:
         why = f"the shared run in {folder} stopped ({results['interrupted']['cause']})"
         if stop.signum:

@@ -79,9 +79,9 @@ class RunRecorder:
         pipeline/sharing.py)."""
         self.models = {m.name: ModelRecord(m, params[m.name], image_sizes[m.name]) for m in models}
         self.parts = {part: set(names) for part, names in (parts or {}).items()}
-        # Per part and epoch, each member's softmax until all have it (an epoch done again replaces its
-        # own); then the part's accuracy and loss, which stand. Not saved: shared runs are not resumed.
-        self.part_pending: dict[str, dict[int, dict[str, np.ndarray]]] = {p: defaultdict(dict) for p in self.parts}
+        # Per part and epoch, as for the whole: the sum of its members' softmax and the members in it, until
+        # all are; then the part's accuracy and loss, which stand. Not saved: shared runs are not resumed.
+        self.part_pending: dict[str, dict[int, tuple[np.ndarray, set[str]]]] = {p: {} for p in self.parts}
         self.part_accuracy: dict[str, dict[int, float]] = {p: {} for p in self.parts}
         self.part_loss: dict[str, dict[int, float]] = {p: {} for p in self.parts}
         self.lock = threading.Lock()
@@ -421,15 +421,20 @@ class RunRecorder:
             raise RuntimeError(f"model {report.model} saw validation labels in another order: "
                                "streams are out of step")
         record.val_loss[epoch] = self._loss(report.probs, 1)
-        for part, names in self.parts.items():
+        for part, names in self.parts.items():  # before the whole's below replaces record.recent_probs
             if report.model in names and epoch not in self.part_accuracy[part]:
-                pending = self.part_pending[part][epoch]
-                pending[report.model] = report.probs
-                if len(pending) == len(names):
-                    total = np.sum(list(pending.values()), axis=0)
+                total, models = self.part_pending[part].get(epoch, (0.0, set()))
+                if report.model in models:  # done again: as for the whole, below
+                    if epoch not in record.recent_probs:
+                        continue
+                    total = total - record.recent_probs[epoch]
+                total, models = total + report.probs, models | {report.model}
+                if len(models) == len(names):
                     self.part_accuracy[part][epoch], self.part_loss[part][epoch] = \
                         self._accuracy(total), self._loss(total, len(names))
-                    del self.part_pending[part][epoch]
+                    self.part_pending[part].pop(epoch, None)
+                else:
+                    self.part_pending[part][epoch] = (total, models)
         # The ensemble's accuracy at an epoch, once every model has reached it. An epoch done again
         # (resumed from a checkpoint before it) replaces its first softmax while the ensemble waits;
         # once the ensemble has its accuracy, that stands.
