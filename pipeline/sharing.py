@@ -3,8 +3,8 @@
 Jobs of one launch whose configs agree on everything but `ensemble` and `objective` read, decode and
 augment the same images the same way, so they train as one run: their members join one ensemble fed by
 one pipeline, packed or fused on the slots as any run's members are. A member is named `j<job>.<name>`
-there and keeps the seed its job's own run would give it; a member identical in all but its name to one
-of an earlier job (the members a sweep does not change) is trained once, for both. Jobs that differ elsewhere (the dataset, the
+there and keeps the seed its job's own run would give it; a member whose settings (seed included, so
+its name too) equal one of an earlier job's, one the sweep does not change, is trained once for both. Jobs that differ elsewhere (the dataset, the
 pipeline, the trainer, the scheduler, the seed) form separate shared runs, one after another.
 
 Each job then gets what Hydra promises it, in its own folder: its results.json (its members, its
