@@ -213,8 +213,17 @@ def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overri
         driver = subprocess.Popen(hosts.command("driver", [
             sys.executable, "-m", "pipeline", *overrides, "trainer.epochs=50", "scheduler.patience=0",
             f"hydra.run.dir={tmp_path / 'killed'}"]), stdout=log, stderr=subprocess.STDOUT)
-    flotilla = lambda: [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
-                        if c.name() in ("hub", "trainer")]
+    def flotilla() -> list:
+        found = []
+        for agent in agents:
+            for child in psutil.Process(agent.pid).children(recursive=True):
+                try:
+                    if child.name() in ("hub", "trainer"):
+                        found.append(child)
+                except psutil.NoSuchProcess:  # it ended between the listing and the read (seen in CI)
+                    pass
+        return found
+
     try:
         deadline = time.monotonic() + 180
         while len(flotilla()) < 2 + 4 or "val accuracy" not in log_path.read_text():  # a hub per node, 4 trainers
