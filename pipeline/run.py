@@ -51,7 +51,7 @@ from pipeline.scheduler.topology import Topology
 from pipeline.training.memory import measure_peaks
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
 from pipeline.training.group import GroupSpec
-from pipeline.training.members import ModelSpec, check_members, grouped
+from pipeline.training.members import ModelSpec, check_members, flatten, grouped
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
 from stages.cache import GB
@@ -178,8 +178,8 @@ def _resumed_folder(cfg: DictConfig) -> Path:
     if not state.is_file():
         raise ConfigError(f"resume={cfg.resume}: {state} is missing: give the folder of a training run that was "
                           "stopped or crashed after it began training (the folder its stop message names)")
-    saved = _flatten(json.loads(state.read_text())["config"])
-    current = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    saved = flatten(json.loads(state.read_text())["config"])
+    current = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     differ = [key for key in sorted(saved.keys() | current.keys())
               if not key.startswith(RESUME_MAY_CHANGE) and saved.get(key) != current.get(key)]
     if differ:
@@ -187,13 +187,6 @@ def _resumed_folder(cfg: DictConfig) -> Path:
         raise ConfigError(f"resume={cfg.resume}: that run had {shown}; resume with the same config (only "
                           f"{', '.join(RESUME_MAY_CHANGE)} may change)")
     return folder
-
-
-def _flatten(tree, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    if isinstance(tree, dict) and tree:
-        return {key: value for name, sub in tree.items() for key, value in _flatten(sub, f"{prefix}{name}.").items()}
-    return {prefix[:-1]: tree}
 
 
 def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console, stop: StopSignals,

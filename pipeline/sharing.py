@@ -4,8 +4,9 @@ Jobs of one launch whose configs agree on everything but `ensemble` and `objecti
 augment the same images the same way, so they train as one run: their members join one ensemble fed by
 one pipeline, packed or fused on the slots as any run's members are. A member is named `j<job>.<name>`
 there and keeps the seed its job's own run would give it; a member whose settings (seed included, so
-its name too) equal one of an earlier job's, one the sweep does not change, is trained once for both. Jobs that differ elsewhere (the dataset, the
-pipeline, the trainer, the scheduler, the seed) form separate shared runs, one after another.
+its name too) equal one of an earlier job's, one the sweep does not change, is trained once for both.
+Jobs that differ elsewhere (the dataset, the pipeline, the trainer, the scheduler, the seed) form
+separate shared runs, one after another; jobs that halve, profile or resume run alone.
 
 Each job then gets what Hydra promises it, in its own folder: its results.json (its members, its
 ensemble's accuracy and loss computed over its members alone, its objective), report, checkpoints and
@@ -19,7 +20,7 @@ import csv
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -33,7 +34,7 @@ from pipeline.report import write_report
 from stages.base import UserError
 
 JOB_KEYS = ("ensemble", "objective")  # what jobs of one shared run may differ in
-MEMBER_KEYS = ("name", "input", "model", "optimizer", "lr_scheduler", "loss", "seed", "slots")  # MemberConf's
+MEMBER_KEYS = tuple(f.name for f in fields(MemberConf))  # what a member declares (ModelSpec holds more)
 SHARED_FOLDER = "shared-{first}-{last}"  # in the sweep's folder, beside the jobs' numbered folders
 
 
@@ -48,6 +49,10 @@ class SharedRun:
     def parts(self) -> dict[str, list[str]]:
         """The jobs as sub-ensembles of the shared run (RunRecorder's parts)."""
         return {str(job): sorted(names.values()) for job, names in self.members.items()}
+
+    def own_names(self, number: int) -> dict[str, str]:
+        """Job `number`'s members: their names in the shared run -> their own."""
+        return {shared: own for own, shared in self.members[number].items()}
 
     def folder(self, sweep_dir: Path) -> Path:
         return Path(sweep_dir) / SHARED_FOLDER.format(first=min(self.members), last=max(self.members))
@@ -106,7 +111,7 @@ def combine(jobs: dict[int, DictConfig]) -> SharedRun:
 def job_results(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared_dir: Path) -> dict:
     """Job `number`'s results, from the shared run's: its members under their own names, its ensemble,
     its objective and config."""
-    names = {new: old for old, new in run.members[number].items()}
+    names = run.own_names(number)
     results = {key: value for key, value in shared.items() if key != "parts"}
     trained = {m["name"]: m for m in shared["models"]}
     results["models"] = [{**trained[new], "name": old} for old, new in run.members[number].items()]  # its order
@@ -134,8 +139,7 @@ def write_job(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared
             if (shared_dir / kind / new).is_dir():
                 shutil.copytree(shared_dir / kind / new, job_dir / kind / old, copy_function=os.link,
                                 dirs_exist_ok=True)
-    _split_metrics(shared_dir / TRACKING / CSV_FILE, job_dir / TRACKING / CSV_FILE,
-                   {new: old for old, new in run.members[number].items()})
+    _split_metrics(shared_dir / TRACKING / CSV_FILE, job_dir / TRACKING / CSV_FILE, run.own_names(number))
     write_json(job_dir / "results.json", results)
     write_report(results, job_dir)
     return results

@@ -138,7 +138,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         if mode.startswith("fused"):
             group = fused(group, sizes, math.inf, lanes)
         elif mode == AUTO:
-            device = "cpu" if args.device == "cpu" else "cuda:0"
+            device = args.device if args.device == "cpu" or ":" in args.device else f"{args.device}:0"
             how = Measurement(10, {"main": image_size}, args.batch, device.split(":")[0], [device], args.steps,
                               args.warmup, args.cores, Precision(args.precision), graphs)
             with tempfile.TemporaryDirectory() as cache:  # measured afresh, as a first run would
@@ -157,8 +157,8 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
             child.stop(5)  # it exits once it reported; one that does not, or an error here, is killed
     # Each model trains batch x steps images; a separate process's own time counts for its model.
     per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
-    return {"mode": mode, "k": k, "pick": groups[0].mode if mode == AUTO else None, "image_size": image_size, "threads_per_process": threads,
-            "array_size": groups[0].array_size,
+    return {"mode": mode, "k": k, "pick": groups[0].mode if mode == AUTO else None, "image_size": image_size,
+            "threads_per_process": threads, "array_size": groups[0].array_size,
             "images_per_s_per_model": float(np.mean(per_model)), "images_per_s_total": float(np.sum(per_model)),
             "peak_rss_bytes": int(sum(rss for _, rss, _ in reports)),
             "peak_allocated_bytes": int(sum(a for _, _, a in reports))}

@@ -36,10 +36,11 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
     """The memory trial on the GPU (pipeline/training/memory.py), fp32 so that the estimate counts the
     bytes the GPU holds: a peak is at least the estimate (state, gradients, momentum and the activations
     saved for backward, a lower bound), doubling the batch adds at least the estimated activations of
-    the added images, a wider model needs more, a member differing only in its rate the same, and the
-    order in which models are tried changes nothing. Mistakes it catches: the memory held after the steps
+    the added images, a wider model needs more, a member differing only in its rate is not tried again,
+    and the order in which models are tried changes nothing. Mistakes it catches: the memory held after the steps
     read instead of the peak (the state alone), a peak taken before the backward pass, models tried in
     turn in one process (the first carries the process's workspaces: seen on an H100, 2026-11-26)."""
+    import json
     from dataclasses import replace
 
     from pipeline.orchestration.grouping import measure_sizes
@@ -51,10 +52,11 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
               member("wide", depth=18, width=64)]
     how = Measurement(10, {"main": 64}, 64, "cuda", ["cuda:0"], 1, 0, 1, cuda_graphs=True)
     peaks = measure_peaks(models, how, tmp_path / "rates.json")
+    assert len(json.loads((tmp_path / "rates.json").read_text())) == 2  # a and b: one trial
     assert measure_peaks(models[::-1], how, tmp_path / "reversed.json") == pytest.approx(peaks, rel=0.02)
     doubled = measure_peaks(models[:1], replace(how, batch_size=128), tmp_path / "rates.json")
     size, size_doubled = (measure_sizes(models[:1], 10, {"main": 64}, batch)["a"] for batch in (64, 128))
-    assert peaks["a"] == peaks["b"] < peaks["wide"], peaks
+    assert peaks["a"] == peaks["b"] < peaks["wide"], peaks  # (a and b: one cache entry, read twice)
     assert peaks["a"] >= size.state_bytes + size.activation_bytes, (peaks, size)
     assert doubled["a"] - peaks["a"] >= size_doubled.activation_bytes - size.activation_bytes, (doubled, peaks, size)
 

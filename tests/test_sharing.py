@@ -1,5 +1,7 @@
 """How the shared launcher (pipeline/sharing.py) forms its runs: which jobs share one, and the members
 of that run. The launcher itself, a real multirun: tests/test_sweeps.py."""
+from omegaconf import open_dict
+
 from pipeline.config import expand_ensemble
 from pipeline.sharing import batches, combine
 from tests.conftest import compose_config
@@ -9,17 +11,26 @@ def job(*overrides: str):
     return compose_config(["+ensemble=caltech256", *overrides])
 
 
+def numbered(jobs: dict) -> dict:
+    """The jobs as a launcher has them: each with its own `hydra` node (its number there, at least)."""
+    for number, cfg in jobs.items():
+        with open_dict(cfg):
+            cfg.hydra = {"job": {"num": number}}
+    return jobs
+
+
 def test_jobs_share_a_run_when_only_their_ensembles_and_objectives_differ():
-    """Jobs 0, 2 and 4 differ in a member's rate and the objective: one run. Job 1 trains longer, job 3
-    on another seed (other batches, other augmentations): each its own run. A profile job and a resumed
-    one run alone, and so does job 7, whose objective names no member (on its own it fails, saying so),
-    and jobs 8 and 9, which halve (halving would rank one job's members against another's).
-    Jobs grouped by anything less than the whole config but the ensemble and objective (a trainer
-    setting, the seed) fail."""
-    jobs = {0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("trainer.epochs=20"), 2: job("objective.of=best_member"),
-            3: job("seed=1"), 4: job("ensemble.models.0.optimizer.lr=0.01"), 5: job("seed=1", "mode=profile"),
-            6: job("seed=1", "resume=/somewhere"), 7: job("objective.of=nobody"),
-            8: job("scheduler.halving.eta=2"), 9: job("scheduler.halving.eta=2")}
+    """Jobs 0, 2 and 4 differ in a member's rate and the objective (and, as every job, in their own
+    `hydra` node): one run. Job 1 trains longer, job 3 on another seed (other batches, other
+    augmentations): each its own run. A profile job and a resumed one run alone, and so does job 7,
+    whose objective names no member (on its own it fails, saying so), and jobs 8 and 9, which halve
+    (halving would rank one job's members against another's). Jobs grouped by anything less than the
+    whole config but the ensemble, objective and hydra node (a trainer setting, the seed), or split by
+    the hydra node, fail."""
+    jobs = numbered({0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("trainer.epochs=20"),
+                     2: job("objective.of=best_member"), 3: job("seed=1"), 4: job("ensemble.models.0.optimizer.lr=0.01"),
+                     5: job("seed=1", "mode=profile"), 6: job("seed=1", "resume=/somewhere"),
+                     7: job("objective.of=nobody"), 8: job("scheduler.halving.eta=2"), 9: job("scheduler.halving.eta=2")})
     assert batches(jobs) == [[0, 2, 4], [1], [3], [5], [6], [7], [8], [9]]
 
 
@@ -28,7 +39,7 @@ def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():
     members the sweep left alone once, each with the seed its job's own run would give it. A member
     trained once per job, a seed derived from the new name, or job 1's changed member taken as job 0's,
     fails."""
-    jobs = {0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("ensemble.models.0.optimizer.lr=0.01")}
+    jobs = numbered({0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("ensemble.models.0.optimizer.lr=0.01")})
     shared = combine(jobs)
     own = {n: {m.name: m for m in expand_ensemble(cfg.ensemble, cfg.seed)} for n, cfg in jobs.items()}
     members = {m.name: m for m in expand_ensemble(shared.cfg.ensemble, shared.cfg.seed)}

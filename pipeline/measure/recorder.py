@@ -421,40 +421,40 @@ class RunRecorder:
             raise RuntimeError(f"model {report.model} saw validation labels in another order: "
                                "streams are out of step")
         record.val_loss[epoch] = self._loss(report.probs, 1)
-        for part, names in self.parts.items():  # before the whole's below replaces record.recent_probs
-            if report.model in names and epoch not in self.part_accuracy[part]:
-                total, models = self.part_pending[part].get(epoch, (0.0, set()))
-                if report.model in models:  # done again: as for the whole, below
-                    if epoch not in record.recent_probs:
-                        continue
-                    total = total - record.recent_probs[epoch]
-                total, models = total + report.probs, models | {report.model}
-                if len(models) == len(names):
-                    self.part_accuracy[part][epoch], self.part_loss[part][epoch] = \
-                        self._accuracy(total), self._loss(total, len(names))
-                    self.part_pending[part].pop(epoch, None)
-                else:
-                    self.part_pending[part][epoch] = (total, models)
-        # The ensemble's accuracy at an epoch, once every model has reached it. An epoch done again
-        # (resumed from a checkpoint before it) replaces its first softmax while the ensemble waits;
-        # once the ensemble has its accuracy, that stands.
-        if epoch in self.ensemble_accuracy:
-            return
-        total, models = self.epoch_probs.get(epoch, (0.0, set()))
-        if report.model in models:
-            if epoch not in record.recent_probs:  # resumed from before its last checkpoint: the first stands
-                return
-            total = total - record.recent_probs[epoch]
-        total, models = total + report.probs, models | {report.model}
-        if len(models) == len(self.models):
-            self.epoch_probs.pop(epoch, None)  # absent when one model makes the whole ensemble
-            self.ensemble_accuracy[epoch] = self._accuracy(total)
-            self.ensemble_loss[epoch] = self._loss(total, len(models))
+        for part, names in self.parts.items():  # before the whole's, which replaces record.recent_probs
+            if report.model in names:
+                self._fold(self.part_pending[part], self.part_accuracy[part], self.part_loss[part], len(names),
+                           record, report)
+        complete = self._fold(self.epoch_probs, self.ensemble_accuracy, self.ensemble_loss, len(self.models),
+                              record, report)
+        if complete:
             for other in self.models.values():
                 other.recent_probs.pop(epoch, None)
-        else:
-            self.epoch_probs[epoch] = (total, models)
+        elif complete is False:
             record.recent_probs[epoch] = report.probs
+
+    def _fold(self, pending: dict[int, tuple[np.ndarray, set[str]]], accuracy: dict[int, float],
+              loss: dict[int, float], size: int, record: ModelRecord, report: ValReport) -> bool | None:
+        """`report`'s softmax into an ensemble of `size` members: its accuracy and loss at an epoch once
+        every member has reached it (`pending`: epoch -> the sum so far and who is in it). An epoch done
+        again (resumed from a checkpoint before it) replaces its first softmax while the ensemble waits;
+        once the ensemble has its accuracy, that stands. Whether the epoch is complete now; None when
+        the report changes nothing."""
+        epoch = report.epoch
+        if epoch in accuracy:
+            return None
+        total, models = pending.get(epoch, (0.0, set()))
+        if report.model in models:
+            if epoch not in record.recent_probs:  # resumed from before its last checkpoint: the first stands
+                return None
+            total = total - record.recent_probs[epoch]
+        total, models = total + report.probs, models | {report.model}
+        if len(models) < size:
+            pending[epoch] = (total, models)
+            return False
+        pending.pop(epoch, None)  # absent when one model makes the whole ensemble
+        accuracy[epoch], loss[epoch] = self._accuracy(total), self._loss(total, size)
+        return True
 
     def _kept_ensemble(self, records: list[ModelRecord]) -> dict | None:
         """The ensemble the run leaves in checkpoints/: each member's best checkpoint (its highest

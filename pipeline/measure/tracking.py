@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.runtime.files import write_whole
-from pipeline.training.members import ModelSpec
+from pipeline.training.members import ModelSpec, flatten
 
 FOLDER = "tracking"
 CSV_FILE = "metrics.csv"
@@ -54,7 +54,7 @@ class MlflowRuns:
             run = self.client.create_run(self.ids["experiment"], run_name=model,
                                          tags={"mlflow.parentRunId": self.ids["parent"]}).info.run_id
             settings = {key: value for key, value in asdict(spec).items() if key not in ("name", "unfusable")}
-            self.client.log_batch(run, params=[Param(key, str(value)) for key, value in _flat(settings).items()])
+            self.client.log_batch(run, params=[Param(key, str(value)) for key, value in flatten(settings).items()])
             self.ids["members"][model] = run
             self._save()
         now = int(time.time() * 1000)
@@ -68,16 +68,6 @@ class MlflowRuns:
     def _save(self) -> None:
         self.ids_file.parent.mkdir(parents=True, exist_ok=True)
         write_whole(self.ids_file, json.dumps(self.ids, indent=1))
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class Tracker:

@@ -22,8 +22,8 @@ PACE_COLOUR, OTHER_COLOUR, WALL_COLOUR = "#c0392b", "#2e86c1", "#aed6f1"
 
 
 def _drawn_once(chart):
-    """A chart of the shared run's pipeline, drawn once for all the jobs' reports that repeat it
-    (pipeline/sharing.py); 0.2 s a chart, 7 charts a report."""
+    """A chart of the run's pipeline, drawn once for the reports that repeat it: a shared sweep run's
+    jobs' (pipeline/sharing.py). 0.2 s a chart; 5 of a report's 7 charts are such."""
     drawn: dict[str, str] = {}
 
     @functools.wraps(chart)

@@ -351,6 +351,14 @@ def canonical(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+def flatten(tree, prefix: str = "") -> dict:
+    """A config as dotted keys, {"a": {"b": 1}} -> {"a.b": 1}: what differs between two, and MLflow's
+    parameters."""
+    if isinstance(tree, dict) and tree:
+        return {key: value for name, sub in tree.items() for key, value in flatten(sub, f"{prefix}{name}.").items()}
+    return {prefix[:-1]: tree}
+
+
 def _call(config: dict) -> str:
     arguments = ", ".join(f"{key}={value}" for key, value in config.items() if not key.startswith("_"))
     return f"{config['_target_'].rsplit('.', 1)[-1]}({arguments})"

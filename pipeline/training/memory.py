@@ -26,7 +26,8 @@ from pipeline.runtime.child import Child, tell_parent
 from pipeline.runtime.lifetime import child_started, children_context
 from pipeline.training.group import GroupSpec, GroupStep
 from pipeline.training.members import ModelSpec
-from pipeline.training.rates import Measurement, cache_key, describe_hardware, read_cache, write_cache
+from pipeline.training.rates import (Measurement, cache_entry, cache_key, describe_hardware, read_cache,
+                                    write_cache)
 
 TRIAL_STEPS = 2  # replayed training steps after the capture: a graph's replay allocates nothing new
 
@@ -48,18 +49,11 @@ def measure_peaks(models: list[ModelSpec], how: Measurement, cache_path: Path) -
     (validation's forward included), from the cache or tried now."""
     hardware = describe_hardware(how.device_kind, how.devices[:1], how.threads)
     cache = read_cache(Path(cache_path))
-    keyed = {m.name: cache_key(GroupSpec(m.name, (m,)), how, hardware) for m in models}
-    entries = {}
-    for name, key in keyed.items():
-        entry = next((e for e in cache if e["key"] == key), None)
-        if entry is None:
-            entry = {"key": key, "images_per_s": {}}  # its rates, if ever measured, go beside
-            cache.append(entry)
-        entries[name] = entry
-    untried = {}  # one model per entry without a peak
+    entries, untried = {}, {}  # untried: one model per entry without a peak
     for m in models:
-        if "peak_allocated_bytes" not in entries[m.name]:
-            untried.setdefault(id(entries[m.name]), m)
+        entry = entries[m.name] = cache_entry(cache, cache_key(GroupSpec(m.name, (m,)), how, hardware))
+        if "peak_allocated_bytes" not in entry:
+            untried.setdefault(id(entry), m)
     for m in untried.values():
         entries[m.name]["peak_allocated_bytes"] = _trial(m, how)
         write_cache(Path(cache_path), cache)  # after each model: an interrupted trial keeps its work

@@ -172,11 +172,7 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
     for group in groups:
         counts = list(range(1, max_slots + 1)) if len(group.members) == 1 else [1]
         _check_request(group, counts, how, devices_here=how.where is None)  # a remote host checks its own
-        key = cache_key(group, how, hardware)
-        entry = next((e for e in cache if e["key"] == key), None)
-        if entry is None:
-            entry = {"key": key, "images_per_s": {}}
-            cache.append(entry)
+        entry = cache_entry(cache, cache_key(group, how, hardware))
         missing = [k for k in counts if str(k) not in entry["images_per_s"]]
         if missing:
             measured = where.measure(group, missing, how)
@@ -188,6 +184,15 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
             by = entry.get("measured_by", {})
             measured_by[group.name] = {str(k): by[str(k)] for k in counts if str(k) in by}
     return table
+
+
+def cache_entry(cache: list[dict], key: dict) -> dict:
+    """The cache's entry for `key`, added empty if it has none."""
+    entry = next((e for e in cache if e["key"] == key), None)
+    if entry is None:
+        entry = {"key": key, "images_per_s": {}}
+        cache.append(entry)
+    return entry
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
