@@ -1,14 +1,16 @@
 """The GPU memory trial's bookkeeping (pipeline/training/memory.py): which models are tried, what the
 cache keeps, and what the memory check does with a peak. The trial itself needs CUDA: tests/test_gpu.py."""
 import json
+from dataclasses import replace
 
 import pytest
 
 from pipeline.orchestration.devices import SlotError
-from pipeline.orchestration.grouping import check_group_memory, measure_sizes, with_measured_peaks
+from pipeline.orchestration.grouping import check_group_memory, group_bytes, measure_sizes, with_measured_peaks
 from pipeline.training import memory
 from pipeline.training.group import GroupSpec
 from pipeline.training.rates import Measurement, measure_rate_table
+from pipeline.training.rates import RateError
 from tests.conftest import member
 
 HOW = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], 1, 0, 1)
@@ -28,16 +30,19 @@ def trials(monkeypatch) -> list[str]:
 
 
 def test_models_that_differ_only_in_rate_are_tried_once_and_a_second_run_tries_none(trials, tmp_path):
-    """A grid of learning rates weighs one model's peak; the cache answers the next run. Mistakes it
-    catches: a trial per member (a sweep of 100 rates tries 100 models), a cache key that holds the
-    learning rate, a cache that is not read back."""
+    """A grid of learning rates (or weight decays) weighs one model's peak; SGD without momentum keeps no
+    buffer, so it is tried apart; the cache answers the next run. Mistakes it catches: a trial per member
+    (a sweep of 100 rates tries 100 models), a cache key that holds the learning rate, one blind to the
+    optimiser's settings, a cache that is not read back."""
     cache = tmp_path / "rates.json"
-    models = [member("a", lr=0.1), member("b", lr=0.01), member("wide", width=16)]
-    assert memory.measure_peaks(models, HOW, cache) == {"a": 8 * 2**20, "b": 8 * 2**20, "wide": 16 * 2**20}
-    assert trials == ["a", "wide"]
+    models = [member("a", lr=0.1), member("b", lr=0.01, weight_decay=1e-3), member("wide", width=16),
+              replace(member("plain"), optimizer={**member("plain").optimizer, "momentum": 0, "nesterov": False})]
+    assert memory.measure_peaks(models, HOW, cache) == {"a": 8 * 2**20, "b": 8 * 2**20, "wide": 16 * 2**20,
+                                                         "plain": 8 * 2**20}
+    assert trials == ["a", "wide", "plain"]
     assert memory.measure_peaks([member("c", lr=0.5), member("wide", width=16)], HOW, cache) == \
         {"c": 8 * 2**20, "wide": 16 * 2**20}
-    assert trials == ["a", "wide"]
+    assert trials == ["a", "wide", "plain"]
 
 
 def test_a_peak_sits_beside_the_rates_of_the_same_model(trials, tmp_path, monkeypatch):
@@ -64,7 +69,51 @@ def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():
     slot = 5 * estimate  # x1.5 headroom: 4.5 estimates fit
     check_group_memory([GroupSpec("a", (m,))], sizes, slot)
     fits = with_measured_peaks(sizes, {"a": 3 * estimate})
-    assert fits["a"].state_bytes + fits["a"].activation_bytes == 3 * estimate
+    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate
     check_group_memory([GroupSpec("a", (m,))], fits, slot)
     with pytest.raises(SlotError, match="model a needs about"):
         check_group_memory([GroupSpec("a", (m,))], with_measured_peaks(sizes, {"a": slot}), slot)
+
+
+def test_a_fused_array_holds_one_workspace_and_each_members_activations():
+    """What a trial measures beyond a model's state and estimated activations (cuBLAS's and cuDNN's
+    workspaces, the graphs' pool) is the process's: a fused array of k members holds it once, their
+    activations k times. Counting the measured peak's surplus once per member (k workspaces), or the
+    activations once, fails."""
+    members = (member("a", lr=0.1), member("b", lr=0.01), member("c", lr=0.001))
+    sizes = measure_sizes(list(members), 4, {"main": 32}, 16)
+    state, activations = sizes["a"].state_bytes, sizes["a"].activation_bytes
+    workspace = 100 * 2**20
+    measured = with_measured_peaks(sizes, {m.name: state + activations + workspace for m in members})
+    assert group_bytes(GroupSpec("g", members, 3), measured) == 3 * state + 3 * activations + workspace
+    assert group_bytes(GroupSpec("g", members), measured) == 3 * state + activations + workspace
+
+
+def runs_out_of_memory(m, how, *, to_parent, from_parent):
+    """In the trial's child: the real trial on a stand-in GPU of 80 GiB whose first step raises what
+    torch's CUDA allocator raises."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def step(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                          "capacity of 79.19 GiB\nof which 1.2 GiB is free.")
+
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.get_device_properties = lambda device: SimpleNamespace(total_memory=80 * 2**30)
+    memory.GroupStep = step
+    memory._try(m, how, to_parent=to_parent, from_parent=from_parent)
+
+
+def test_a_model_that_runs_out_of_memory_alone_is_told_in_one_line(monkeypatch):
+    """A model whose step alone does not fit the GPU is the user's to fix (a smaller batch or model): a
+    one-line error naming it, the device's size, the batch and the fixes, with the allocator's first line;
+    not a traceback (an out-of-memory error reported as any other failure fails)."""
+    monkeypatch.setattr(memory, "_try", runs_out_of_memory)
+    with pytest.raises(RateError) as raised:
+        memory._trial(member("a"), HOW)
+    assert str(raised.value) == (
+        "model a ran out of GPU memory training alone on cpu (80.0 GiB) with pipeline.batch_size=16: lower "
+        "pipeline.batch_size, make the model smaller, use trainer.precision=bf16, or free the GPU of other "
+        "processes (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB)")

@@ -30,6 +30,9 @@ class ModelSize:
     state_bytes: int  # parameters, gradients, the optimiser's state, buffers
     activation_bytes: int  # saved for backward, per step on one slot (its whole batch)
     flops: float  # multiply-adds of one image's training step
+    # A measured step's peak beyond its state and activations (cuBLAS's and cuDNN's workspaces, the graphs'
+    # pool, the backward pass's transients): a process holds it once, however many models it steps.
+    workspace_bytes: int = 0
 
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
@@ -38,14 +41,14 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
     from pipeline.training.models import count_parameters, estimate_step_flops, estimate_training_bytes
 
     nets: dict[str, object] = {}  # a grid's members weigh the same: one build per shape
-    sizes: dict[str, ModelSize] = {}  # ...and per optimiser, whose state a rate does not change
+    sizes: dict[str, ModelSize] = {}  # ...and per kind of optimiser (ModelSpec.optimizer_kind)
     by_name = {}
     for m in models:
         side = image_sizes[m.input]
         if m.shape not in nets:
             nets[m.shape] = build_module(m, num_classes, side)
         net = nets[m.shape]
-        key = canonical([m.shape, {k: v for k, v in m.optimizer.items() if k != "lr"}])
+        key = canonical([m.shape, m.optimizer_kind])
         if key not in sizes:
             state, activations = estimate_training_bytes(net, side, batch_size, optimizer_state_bytes(m, net))
             sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
@@ -54,10 +57,11 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
 
 
 def with_measured_peaks(sizes: dict[str, ModelSize], peaks: dict[str, int]) -> dict[str, ModelSize]:
-    """`sizes` with each measured model's step beyond its state (activations, workspaces, the graphs'
-    pool) read from its measured peak (pipeline/training/memory.py) instead of estimated."""
-    return {name: replace(size, activation_bytes=max(peaks[name] - size.state_bytes, 0)) if name in peaks else size
-            for name, size in sizes.items()}
+    """`sizes` with what each measured model's peak (pipeline/training/memory.py) holds beyond its estimated
+    state and activations as its workspace. The activations stay estimated: they scale with the members of
+    a fused array, the workspaces do not."""
+    return {name: replace(size, workspace_bytes=max(peaks[name] - size.state_bytes - size.activation_bytes, 0))
+            if name in peaks else size for name, size in sizes.items()}
 
 
 def plan_groups(models: list[ModelSpec], sizes: dict[str, ModelSize], slots: int, grouping: Grouping,
@@ -107,12 +111,14 @@ def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, 
 
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
-    """A group's memory on one of its slots: every member's state, and the activations of the units
-    stepped at once: the largest one, or on CPU the `lanes` largest side by side (a fused array holds all
-    its members' activations). A data-parallel model holds its 1/g share of the batch's activations."""
+    """A group's memory on one of its slots: every member's state, the activations of the units stepped at
+    once (the largest one, or on CPU the `lanes` largest side by side; a fused array holds all its members'
+    activations), and the largest member's workspace, once for the process. A data-parallel model holds its
+    1/g share of the batch's activations."""
     state = sum(sizes[m.name].state_bytes for m in group.members)
     units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
-    return state + math.ceil(sum(units[:lanes]) / group.slots)
+    workspace = max(sizes[m.name].workspace_bytes for m in group.members)
+    return state + math.ceil(sum(units[:lanes]) / group.slots) + workspace
 
 
 def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slot_bytes: int,

@@ -86,6 +86,12 @@ class ModelSpec:
         return canonical([self.family, self.name]) if self.unfusable else self.family
 
     @property
+    def optimizer_kind(self) -> str:
+        """Its optimiser as far as memory and speed go: the target and every setting, numbers told only zero
+        or not (SGD's momentum 0 keeps no buffer; a learning rate or weight decay changes neither)."""
+        return canonical(_zero_or_not(self.optimizer))
+
+    @property
     def fusion(self) -> str:
         """How it fuses: "hfta", the built-in families' operator fusion (pipeline/training/fusion.py; an
         array all of whose members take it), else "vmap" (any module, pipeline/training/stacked.py)."""
@@ -357,6 +363,16 @@ def flatten(tree, prefix: str = "") -> dict:
     if isinstance(tree, dict) and tree:
         return {key: value for name, sub in tree.items() for key, value in flatten(sub, f"{prefix}{name}.").items()}
     return {prefix[:-1]: tree}
+
+
+def _zero_or_not(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, dict)):
+        return value
+    if isinstance(value, dict):
+        return {key: _zero_or_not(sub) for key, sub in value.items()}
+    if isinstance(value, list):
+        return [_zero_or_not(sub) for sub in value]
+    return "nonzero" if value else "zero"
 
 
 def _call(config: dict) -> str:

@@ -14,7 +14,7 @@ width 24). A group's memory check counts them once, with its largest unit's acti
 differ only in learning rate, seed or name weigh the same and are tried once. Peaks are cached in the
 rate cache, beside each model's rates and under the same key (rates.cache_key), so a sweep or a second
 run tries nothing. CPU slots, and runs whose rates a node agent measures on its own host, keep the
-estimate.
+estimate. A model whose step alone runs out of memory is the user's to fix: a one-line RateError.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from pipeline.runtime.child import Child, tell_parent
 from pipeline.runtime.lifetime import child_started, children_context
 from pipeline.training.group import GroupSpec, GroupStep
 from pipeline.training.members import ModelSpec
-from pipeline.training.rates import (Measurement, cache_entry, cache_key, describe_hardware, read_cache,
-                                    write_cache)
+from pipeline.training.rates import (Measurement, RateError, cache_entry, cache_key, describe_hardware,
+                                    read_cache, write_cache)
 
 TRIAL_STEPS = 2  # replayed training steps after the capture: a graph's replay allocates nothing new
 
@@ -37,6 +37,14 @@ class TrialPeak:
     """A trial's report: its model's peak allocated bytes."""
 
     bytes: int
+
+
+@dataclass(frozen=True)
+class TrialOutOfMemory:
+    """The model's step alone did not fit the device: the allocator's own words, and the device's size."""
+
+    message: str
+    device_bytes: int
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,12 @@ def _trial(m: ModelSpec, how: Measurement) -> int:
                            f"{how.report_s:g} s (timeouts.report_s); check the device") from None
     finally:
         child.stop(5)  # it exits once it reported
+    if isinstance(report, TrialOutOfMemory):
+        raise RateError(
+            f"model {m.name} ran out of GPU memory training alone on {how.devices[0]} "
+            f"({report.device_bytes / 2**30:.1f} GiB) with pipeline.batch_size={how.batch_size}: lower "
+            "pipeline.batch_size, make the model smaller, use trainer.precision=bf16, or free the GPU of other "
+            f"processes ({report.message.splitlines()[0]})")
     if isinstance(report, TrialFailed):
         raise RuntimeError(f"the memory trial of model {m.name} on {how.devices[0]} failed:\n{report.traceback}")
     return report.bytes
@@ -78,9 +92,10 @@ def _try(m: ModelSpec, how: Measurement, *, to_parent, from_parent) -> None:
     """Process entry point (runtime.child.Child): `m` alone on `how.devices[0]`, trained and validated;
     reports the most bytes the allocator held meanwhile."""
     child_started("memory")
+    import torch
+
     try:
         import numpy as np
-        import torch
 
         device = torch.device(how.devices[0])
         torch.cuda.set_device(device)
@@ -96,6 +111,9 @@ def _try(m: ModelSpec, how: Measurement, *, to_parent, from_parent) -> None:
             step.predict({m.input: step.normalise(images)})
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
+    except torch.cuda.OutOfMemoryError as err:
+        tell_parent(to_parent, TrialOutOfMemory(str(err), torch.cuda.get_device_properties(device).total_memory))
+        return
     except BaseException:
         tell_parent(to_parent, TrialFailed(traceback.format_exc()))
         raise

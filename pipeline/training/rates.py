@@ -196,7 +196,7 @@ def cache_entry(cache: list[dict], key: dict) -> dict:
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
-    members = sorted([canonical(m.model), m.optimizer["_target_"], how.image_sizes[m.input]] for m in group.members)
+    members = sorted([canonical(m.model), m.optimizer_kind, how.image_sizes[m.input]] for m in group.members)
     arrays = sorted([len(unit), array_fusion(unit)] for unit in group.units() if len(unit) > 1)
     return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
             "batch_size": how.batch_size, "precision": str(how.precision),
