@@ -54,14 +54,19 @@ class SharedRun:
         """Job `number`'s members: their names in the shared run -> their own."""
         return {shared: own for own, shared in self.members[number].items()}
 
+    def jobs_holding(self, member: str) -> list[int]:
+        """The jobs one of whose members is `member` of the shared run."""
+        return [job for job, names in self.members.items() if member in names.values()]
+
     def folder(self, sweep_dir: Path) -> Path:
         return Path(sweep_dir) / SHARED_FOLDER.format(first=min(self.members), last=max(self.members))
 
 
 def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:
     """The jobs, by job number, in the runs they share: jobs that train (not resumed, no halving) and agree on
-    everything but JOB_KEYS together, in the order their first job comes; every other job alone (one
-    whose ensemble or objective is wrong, too: on its own it fails, saying why, as any job would)."""
+    everything but JOB_KEYS (and on the environment Hydra sets for them, hydra.job.env_set) together, in the
+    order their first job comes; every other job alone (one whose ensemble or objective is wrong, too: on
+    its own it fails, saying why, as any job would)."""
     shared: dict[str, list[int]] = {}
     alone = []
     for number, cfg in jobs.items():
@@ -69,10 +74,16 @@ def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:
         if cfg.mode == Mode.train and not cfg.resume and not cfg.scheduler.halving.eta and _checks(cfg):
             settings = {key: value for key, value in OmegaConf.to_container(cfg).items()
                         if key not in (*JOB_KEYS, "hydra")}
+            settings["hydra.job.env_set"] = env_set(cfg)
             shared.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(number)
         else:
             alone.append([number])
     return sorted([*shared.values(), *alone], key=min)
+
+
+def env_set(cfg: DictConfig) -> dict[str, str]:
+    """The environment variables Hydra sets for the job (hydra.job.env_set): its shared run's too."""
+    return {key: str(value) for key, value in (OmegaConf.select(cfg, "hydra.job.env_set") or {}).items()}
 
 
 def _checks(cfg: DictConfig) -> bool:

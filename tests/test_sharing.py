@@ -24,14 +24,19 @@ def test_jobs_share_a_run_when_only_their_ensembles_and_objectives_differ():
     `hydra` node): one run. Job 1 trains longer, job 3 on another seed (other batches, other
     augmentations): each its own run. A profile job and a resumed one run alone, and so does job 7,
     whose objective names no member (on its own it fails, saying so), and jobs 8 and 9, which halve
-    (halving would rank one job's members against another's). Jobs grouped by anything less than the
-    whole config but the ensemble, objective and hydra node (a trainer setting, the seed), or split by
-    the hydra node, fail."""
+    (halving would rank one job's members against another's). Jobs 10 and 11 differ from 0 only in their
+    rate but Hydra sets an environment variable for them (hydra.job.env_set): their own run. Jobs grouped
+    by anything less than the whole config but the ensemble, objective and hydra node (a trainer setting,
+    the seed, the environment), or split by the rest of the hydra node, fail."""
     jobs = numbered({0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("trainer.epochs=20"),
                      2: job("objective.of=best_member"), 3: job("seed=1"), 4: job("ensemble.models.0.optimizer.lr=0.01"),
                      5: job("seed=1", "mode=profile"), 6: job("seed=1", "resume=/somewhere"),
-                     7: job("objective.of=nobody"), 8: job("scheduler.halving.eta=2"), 9: job("scheduler.halving.eta=2")})
-    assert batches(jobs) == [[0, 2, 4], [1], [3], [5], [6], [7], [8], [9]]
+                     7: job("objective.of=nobody"), 8: job("scheduler.halving.eta=2"), 9: job("scheduler.halving.eta=2"),
+                     10: job("ensemble.models.0.optimizer.lr=0.2"), 11: job("ensemble.models.0.optimizer.lr=0.3")})
+    for number in (10, 11):
+        with open_dict(jobs[number]):
+            jobs[number].hydra.job.env_set = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert batches(jobs) == [[0, 2, 4], [1], [3], [5], [6], [7], [8], [9], [10, 11]]
 
 
 def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():
@@ -52,4 +57,5 @@ def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():
             mine, theirs = own[number][name], members[trained_as]
             assert (mine.seed, mine.optimizer, mine.model) == (theirs.seed, theirs.optimizer, theirs.model)
     assert shared.parts == {"0": sorted(shared.members[0].values()), "1": sorted(shared.members[1].values())}
+    assert shared.jobs_holding("j1.resnet10_w16") == [1] and shared.jobs_holding("j0.resnet10_w24") == [0, 1]
     assert shared.cfg.objective.of == "ensemble" and "hydra" not in shared.cfg

@@ -96,28 +96,31 @@ def test_submitit_jobs_run_in_processes_of_their_own_and_a_failed_one_fails_the_
 
 
 def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_member_failed(tmp_path):
-    """hydra/launcher=shared, 4 jobs that differ only in their ensembles: one run, its data prepared once,
-    holding 6 members (the 16 of the jobs, those the sweep leaves alone trained once). Jobs 1 and 3 hold
-    a member that fails where it trains (scheduler.max_failures=0): they fail, and so does the multirun;
-    jobs 0 and 2 complete, each with the folder Hydra's basic launcher gives a job (its overrides, results,
-    report, checkpoints and tracking, under its members' own names) and its objective, its ensemble
-    judged on its 4 members alone. Mistakes it catches: a job's ensemble taken as the shared run's, the
-    members every job shares trained again, one failed member failing every job, a job folder that
-    lacks its members' files."""
+    """hydra/launcher=shared, 6 jobs that differ only in their ensembles. Jobs 2 and 5 declare a model that
+    does not exist: the shared run's check refuses it, so they run alone and fail with a user's error in
+    their own names, and the other 4 share one run, its data prepared once, holding 6 members (the 16 of
+    the jobs, those the sweep leaves alone trained once). Jobs 1 and 4 hold a member that fails where it
+    trains (scheduler.max_failures=0): they fail, and so does the multirun; jobs 0 and 3 complete, each
+    with the folder Hydra's basic launcher gives a job (its overrides, results, report, checkpoints and
+    tracking, under its members' own names) and its objective, its ensemble judged on its 4 members alone.
+    Mistakes it catches: a job's ensemble taken as the shared run's, the members every job shares trained
+    again, one job's bad declaration or failed member failing every job, a job folder that lacks its
+    members' files."""
     job, stdout, stderr = multirun(
         tmp_path, "hydra/launcher=shared", "ensemble.models.0.optimizer.lr=0.1,0.05",
-        "ensemble.models.1.model._target_=pipeline.training.models.resnet,tests.failing_model.FailsWhereItTrains",
-        "scheduler.max_failures=0", "trainer.slots=auto")
+        "ensemble.models.1.model._target_=pipeline.training.models.resnet,tests.failing_model.FailsWhereItTrains,"
+        "tests.failing_model.NoSuchModel", "scheduler.max_failures=0", "trainer.slots=auto")
     assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
-    assert stdout.count("SYNTHETIC stand-in") == 1 and "jobs 0, 1, 2, 3 train as one run" in stdout
+    assert "jobs 2, 5 run alone: the shared run refused ensemble member j2.resnet10_w24" in stdout + stderr
+    assert stdout.count("SYNTHETIC stand-in") == 1 and "jobs 0, 1, 3, 4 train as one run" in stdout
     sweep = tmp_path / "multirun"
-    shared = json.loads((sweep / "shared-0-3" / "results.json").read_text())
+    shared = json.loads((sweep / "shared-0-4" / "results.json").read_text())
     assert sorted(m["name"] for m in shared["models"]) == [
         "j0.densenet40_k12", "j0.densenet40_k8", "j0.resnet10_w16", "j0.resnet10_w24", "j1.resnet10_w24",
-        "j2.resnet10_w16"]
+        "j3.resnet10_w16"]
     assert shared["given_up"] == ["j1.resnet10_w24"]
     names = ["resnet10_w16", "resnet10_w24", "densenet40_k12", "densenet40_k8"]
-    for n, lr in ((0, 0.1), (2, 0.05)):
+    for n, lr in ((0, 0.1), (3, 0.05)):
         folder = sweep / str(n)
         results = json.loads((folder / "results.json").read_text())
         assert [m["name"] for m in results["models"]] == names and results["models"][0]["optimizer"]["lr"] == lr
@@ -131,9 +134,14 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
         with (folder / "tracking" / "metrics.csv").open() as file:
             assert sorted(row["model"] for row in csv.DictReader(file)) == sorted(names)
         assert (folder / "report.html").exists()
-    for n in (1, 3):
+    for n in (1, 4):
         assert outcome(sweep / str(n)) == {
             "status": "failed", "error": "JobFailed: given up: resnet10_w24 (exit code 3 on its own)"}
+    for n in (2, 5):
+        failed = outcome(sweep / str(n))
+        assert failed["status"] == "failed" and failed["error"].startswith(
+            "JobFailed: error: ensemble member resnet10_w24: model (tests.failing_model.NoSuchModel)"), failed
+        assert failed["error"].endswith("(exit code 2 on its own)"), failed
     assert shm_segments(job.pid) == set()
 
 

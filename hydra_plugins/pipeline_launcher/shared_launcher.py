@@ -16,7 +16,7 @@ from typing import Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, configure_log, env_override, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
@@ -52,16 +52,41 @@ class SharedLauncher(Launcher):
             jobs[number] = cfg
         returns = {}
         for batch in sharing.batches(jobs):
-            if len(batch) == 1:
-                returns[batch[0]] = self._run_job(jobs[batch[0]], self.task_function)
-                continue
+            returns.update(self._share(batch, jobs, sweep_dir))
+        return [returns[number] for number in sorted(returns)]
+
+    def _share(self, batch: list, jobs: dict, sweep_dir: Path) -> dict:
+        """The batch's jobs trained as one run, each job's folder and return split from it. A job with a
+        member whose declaration the run's check refuses runs alone (so fails, saying why in its own names)
+        and the others share again; any other user error before training each job meets alone."""
+        from pipeline import sharing
+        from pipeline.config import ExitCode, JobFailed
+        from pipeline.training.members import MemberError
+
+        returns = {}
+        while len(batch) > 1:
             shared = sharing.combine({number: jobs[number] for number in batch})
             folder = shared.folder(sweep_dir)
             log.info(f"jobs {', '.join(map(str, batch))} train as one run in {folder}")
-            outcome = _train(shared, folder)
-            for number in batch:
-                returns[number] = self._run_job(jobs[number], functools.partial(_job, shared, outcome, number, folder))
-        return [returns[number] for number in sorted(returns)]
+            with env_override(sharing.env_set(jobs[batch[0]])):
+                outcome = _train(shared, folder)
+            if isinstance(outcome, MemberError):
+                alone = shared.jobs_holding(outcome.member)
+                log.warning(f"jobs {', '.join(map(str, alone))} run alone: the shared run refused {outcome}")
+            elif isinstance(outcome, JobFailed) and outcome.code == ExitCode.user_error:
+                alone = batch
+                log.warning(f"each job runs alone: the shared run refused ({outcome.why})")
+            else:
+                for number in batch:
+                    returns[number] = self._run_job(jobs[number], functools.partial(_job, shared, outcome, number,
+                                                                                   folder))
+                return returns
+            for number in alone:
+                returns[number] = self._run_job(jobs[number], self.task_function)
+            batch = [number for number in batch if number not in alone]
+        for number in batch:
+            returns[number] = self._run_job(jobs[number], self.task_function)
+        return returns
 
     def _run_job(self, cfg: DictConfig, task_function) -> JobReturn:
         returned = run_job(hydra_context=self.hydra_context, task_function=task_function, config=cfg,
@@ -71,17 +96,20 @@ class SharedLauncher(Launcher):
 
 
 def _train(shared, folder: Path):
-    """The shared run's results, or the JobFailed each of its jobs fails with. A stop (Ctrl-C, SIGTERM)
-    ends the whole multirun, as it ends a job's run."""
+    """The shared run's results; or the MemberError of a member's declaration it refused; or the JobFailed
+    each of its jobs fails with. A stop (Ctrl-C, SIGTERM) ends the whole multirun, as it ends a job's run."""
     from pipeline.config import ExitCode, JobFailed
     from pipeline.run import run
     from pipeline.runtime.hang import HangError
     from pipeline.runtime.lifetime import Interrupted, StopSignals
+    from pipeline.training.members import MemberError
     from stages.base import UserError
 
     with StopSignals() as stop:
         try:
             results = run(shared.cfg, folder, stop, shared.parts)
+        except MemberError as refused:
+            return refused
         except UserError as err:
             return JobFailed(ExitCode.user_error, f"error: {err}")
         except HangError as hung:

@@ -50,9 +50,10 @@ CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree: 
 class MemberError(UserError):
     """A member's declaration that cannot be built or trained: names the member, the key and the fix."""
 
-    def __init__(self, message: str, reason: str | None = None):
+    def __init__(self, message: str, member: str, reason: str):
         super().__init__(message)
-        self.reason = reason or message  # the user's code's own error, alone
+        self.member = member  # its name
+        self.reason = reason  # the user's code's own error, alone
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ def _declared(m: ModelSpec, key: str):
             err = err.__cause__
         reason = " ".join(str(err).split()) or type(err).__name__
         raise MemberError(f"ensemble member {m.name}: {key} ({target}): {reason}; fix ensemble.models' "
-                          f"{m.name}.{key} (docs/configuration.md, Members)", reason) from None
+                          f"{m.name}.{key} (docs/configuration.md, Members)", m.name, reason) from None
 
 
 def _target(config: dict):
