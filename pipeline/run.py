@@ -348,8 +348,11 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
     check_group_memory(fewest, sizes, slot_bytes)
     r = cfg.rates
-    # An agent measures on its own host's devices: those of one node's slots (the nodes are alike).
+    # An agent measures on its own host's devices: those of one node's slots (the nodes are alike). A GPU
+    # split into sub-slots is one device to measure on: a rank of a measurement holds a whole GPU.
     devices = [device for slot, device in slots.items() if slot.node == 0] if where else list(slots.values())
+    if device_kind == DeviceKind.cuda:
+        devices = list(dict.fromkeys(devices))
     how = Measurement(classes, image_sizes, batch, device_kind, devices, r.steps, r.warmup,
                       cfg.trainer.threads, cfg.trainer.precision, cfg.trainer.cuda_graphs, cfg.timeouts.report_s,
                       where)
@@ -362,7 +365,9 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         span = least if least == most else f"{least} to {most}"
         console.print(f"[bold]GPU memory[/] of a training step, measured: {span} per model alone on one slot")
         check_group_memory(fewest, sizes, slot_bytes)
-    max_slots = min(r.max_slots, len(devices))
+    # Sub-slots of a GPU hold one rank each: no model grows data-parallel there (devices.slot_devices).
+    max_slots = 1 if cfg.trainer.slots_per_gpu > 1 and device_kind == DeviceKind.cuda else \
+        min(r.max_slots, len(devices))
     measured_by: dict = {}  # group -> slot count -> the host and process that measured its rate
     single_rates = measure_rate_table(alone, max_slots, how, cache, measured_by) if needs_rates else None
     grouping = cfg.trainer.grouping
@@ -442,8 +447,10 @@ def _devices(cfg: DictConfig, models: list[ModelSpec], agents: dict[int, dict]):
         gpus = torch.cuda.device_count()
         gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
     device_kind = resolve_device(cfg.trainer.device, gpus > 0)
-    slots = slot_devices(device_kind, gpus, cfg.trainer.slots, models, cfg.cluster.nodes, hosts=bool(agents))
-    return device_kind, slots, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory)
+    per_gpu = cfg.trainer.slots_per_gpu
+    slots = slot_devices(device_kind, gpus, cfg.trainer.slots, models, cfg.cluster.nodes, bool(agents), per_gpu)
+    return device_kind, slots, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory,
+                                                 per_gpu)
 
 
 def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_kind: DeviceKind, slots: int,
@@ -465,8 +472,10 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
                   "(100 models, 224/299 px, GPUs): +ensemble=caltech256_paper scheduler=fleet_g")
     where = f"Dask scheduler {cfg.cluster.address}" if cfg.cluster.address else \
         f"Dask LocalCluster {workers} workers x {cfg.cluster.threads_per_worker} thread"
-    console.print(f"[bold]devices[/]  {slots} {device_kind.upper()} slot(s) "
-                  f"({'GPUs' if device_kind == DeviceKind.cuda else 'no CUDA device in use'}); preprocessing on "
+    per_gpu = cfg.trainer.slots_per_gpu
+    what = ("no CUDA device in use" if device_kind != DeviceKind.cuda else
+            "GPUs" if per_gpu == 1 else f"{per_gpu} trainer processes per GPU, trainer.slots_per_gpu")
+    console.print(f"[bold]devices[/]  {slots} {device_kind.upper()} slot(s) ({what}); preprocessing on "
                   f"{where}. Change with trainer.device=cuda|cpu, trainer.slots=N, cluster.workers=N, "
                   "cluster.address=tcp://host:8786")
     if inputs.cache_line:

@@ -32,6 +32,17 @@ def test_ensemble_trains_on_gpus_with_nccl_for_models_and_hubs(tiny_dataset, tmp
     assert set(results["peak_allocated_bytes"]) == {m["name"] for m in results["models"]}  # the memory trial's
 
 
+def test_sub_slots_train_the_default_models_side_by_side_on_one_gpu(tiny_dataset, tmp_path):
+    """trainer.slots_per_gpu=4 on GPU 0: the 4 default models in 4 trainer processes sharing it, each
+    trained its epoch on cuda:0 and nothing packed."""
+    overrides = ["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
+                 "pipeline.batch_size=16", "trainer.epochs=1", "trainer.device=cuda", "trainer.slots=4",
+                 "trainer.slots_per_gpu=4", "cluster.workers=2"]
+    results = run(compose_config(overrides), tmp_path)
+    assert sorted(tuple(m["devices"]) for m in results["models"]) == [("cuda:0",)] * 4
+    assert all(m["epochs"] == 1 and m["group_mode"] == "alone" for m in results["models"]), results["models"]
+
+
 def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tmp_path):
     """The memory trial on the GPU (pipeline/training/memory.py), fp32 so that the estimate counts the
     bytes the GPU holds: a peak is at least the estimate (state, gradients, momentum and the activations

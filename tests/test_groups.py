@@ -123,6 +123,28 @@ def test_the_default_command_is_placed_on_1_to_8_gpus(tiny_dataset, gpus):
     assert len(used) == len(set(used)) == len(groups)  # one group per GPU, none shared
 
 
+def test_one_gpu_split_into_4_sub_slots_trains_each_default_model_in_a_process_of_its_own(tiny_dataset):
+    """trainer.slots_per_gpu=4 on one GPU: the default command's 4 models are 4 groups of one, each on a
+    slot of its own, all on cuda:0 (as 4 separate processes would share it). Packing them as on one
+    slot, or a slot on a GPU the host lacks, fails."""
+    overrides = ["+ensemble=caltech256", "trainer.slots_per_gpu=4"]
+    groups, placed = place(tiny_dataset, overrides, 1)
+    assert sorted(len(g.members) for g in groups) == [1, 1, 1, 1]
+    used = [slot for slots in placed.values() for slot in slots]
+    assert len(used) == len(set(used)) == 4
+    cfg = compose_config([*overrides, f"dataset.root={tiny_dataset}"])
+    _, slots, _ = _devices(cfg, expand_ensemble(cfg.ensemble, cfg.seed), {0: {"gpus": 1, "gpu_memory": H100_BYTES}})
+    assert set(slots.values()) == {"cuda:0"} and len(slots) == 4
+
+
+def test_a_sub_slot_holds_its_share_of_the_gpu(tiny_dataset):
+    """The paper ensemble's largest model needs 24.5 GiB with headroom: it fits a whole H100, not a
+    quarter of one less its CUDA context (19.5 GiB), and the error says the slot's size."""
+    place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.grouping=pack"], 8)
+    with pytest.raises(SlotError, match=r"needs about 2\d.\d\d GiB per slot .* but a slot has 19.50 GiB"):
+        place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.slots_per_gpu=4"], 8)
+
+
 @pytest.mark.parametrize("grouping", [Grouping.fuse, Grouping.pack])
 def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(tiny_dataset, grouping):
     groups, placed = place(tiny_dataset, ["+ensemble=caltech256_paper", f"trainer.grouping={grouping.value}"], 8)

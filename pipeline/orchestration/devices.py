@@ -12,6 +12,10 @@ from stages.base import UserError
 # higher (workspaces, allocator slack), so a group must fit with this margin
 # (pipeline/orchestration/grouping.py checks it).
 MEMORY_HEADROOM = 1.5
+# A trainer process's CUDA context and the kernels its libraries load, outside torch's allocator: what each
+# process sharing a GPU costs it beside its slot's tensors. An estimate (the driver's order of size with
+# lazy module loading); a measured peak (pipeline/training/memory.py) leaves it out.
+CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
 class DeviceKind(enum.StrEnum):
@@ -35,20 +39,23 @@ def resolve_device(requested: DeviceKind, cuda_available: bool) -> DeviceKind:
 
 
 def slot_devices(device_kind: DeviceKind, gpu_count: int, slots: int | str, models: list[ModelSpec],
-                 nodes: int = 1, hosts: bool = False) -> dict[Slot, str]:
-    """Slot -> device: every GPU, or on CPU `trainer.slots` CPU slots (auto: as
-    many as the models ask for together, rounded up to fill `nodes` evenly),
-    split evenly into `nodes` nodes: simulated ones sharing this machine's
-    `gpu_count` GPUs, or with `hosts` real hosts of `gpu_count` GPUs each."""
+                 nodes: int = 1, hosts: bool = False, per_gpu: int = 1) -> dict[Slot, str]:
+    """Slot -> device: `per_gpu` slots on every GPU (trainer.slots_per_gpu: processes sharing it), or on
+    CPU `trainer.slots` CPU slots (auto: as many as the models ask for together, rounded up to fill `nodes`
+    evenly), split evenly into `nodes` nodes: simulated ones sharing this machine's `gpu_count` GPUs, or
+    with `hosts` real hosts of `gpu_count` GPUs each. A node's slots take its GPUs in turn, so that fewer
+    models than slots spread over the GPUs."""
     if hosts:
         gpu_count *= nodes
+    per_gpu = per_gpu if device_kind == "cuda" else 1
     if slots == "auto":
-        count = gpu_count if device_kind == "cuda" else -(-sum(m.slots for m in models) // nodes) * nodes
+        count = gpu_count * per_gpu if device_kind == "cuda" else -(-sum(m.slots for m in models) // nodes) * nodes
     else:
         count = slots
-    if device_kind == "cuda" and count > gpu_count:
+    if device_kind == "cuda" and count > gpu_count * per_gpu:
         raise SlotError(f"trainer.slots={count} but {'the hosts have' if hosts else 'this machine has'} "
-                        f"{gpu_count} GPU(s); lower trainer.slots")
+                        f"{gpu_count} GPU(s)" + (f" of {per_gpu} slots (trainer.slots_per_gpu)" if per_gpu > 1 else "")
+                        + "; lower trainer.slots")
     if count % nodes:
         raise SlotError(f"{count} slots do not split evenly into cluster.nodes={nodes}; "
                         f"set trainer.slots to a multiple of {nodes}")
@@ -56,16 +63,27 @@ def slot_devices(device_kind: DeviceKind, gpu_count: int, slots: int | str, mode
         if not 1 <= model.slots <= count:
             raise SlotError(f"ensemble.models[{index}].slots={model.slots} ({model.name}) cannot be met: "
                             f"{count} slot(s) available; set it between 1 and {count} or raise trainer.slots")
+        if model.slots > 1 and per_gpu > 1:
+            raise SlotError(f"ensemble.models[{index}].slots={model.slots} ({model.name}): a model trains "
+                            f"data-parallel on whole GPUs (NCCL: one rank per GPU), but trainer.slots_per_gpu="
+                            f"{per_gpu} shares them; set its slots to 1 or trainer.slots_per_gpu=1")
     per_node = count // nodes
-    return {Slot(i // per_node, i % per_node): (f"cuda:{i % per_node if hosts else i}" if device_kind == "cuda"
-                                                 else "cpu") for i in range(count)}
+    node_gpus = gpu_count // nodes if hosts else gpu_count  # the GPUs a node's slots take in turn
+
+    def device(i: int) -> str:
+        if device_kind != "cuda":
+            return "cpu"
+        return f"cuda:{(i % per_node if hosts else i) % node_gpus}"
+
+    return {Slot(i // per_node, i % per_node): device(i) for i in range(count)}
 
 
-def slot_memory_bytes(device_kind: str, slots: int, configured_gb: float | None, gpu_memory: int | None) -> int:
-    """Memory one trainer may use: the configured amount, its GPU's, or on
-    CPU its share of this machine's RAM."""
+def slot_memory_bytes(device_kind: str, slots: int, configured_gb: float | None, gpu_memory: int | None,
+                      per_gpu: int = 1) -> int:
+    """Memory one trainer may use: the configured amount; its GPU's share (`per_gpu` processes share it,
+    each with its CUDA context); or on CPU its share of this machine's RAM."""
     if configured_gb is not None:
         return int(configured_gb * 2**30)
     if device_kind == "cuda":
-        return int(gpu_memory or 0)
+        return int(gpu_memory or 0) // per_gpu - (CUDA_CONTEXT_BYTES if per_gpu > 1 else 0)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // slots
