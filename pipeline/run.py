@@ -32,8 +32,8 @@ from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import MlflowRuns, Tracker
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.orchestration.grouping import (check_group_memory, choose_fusion, measure_sizes, plan_groups,
-                                             with_measured_peaks)
+from pipeline.orchestration.grouping import (ModelSize, check_group_memory, choose_fusion, measure_sizes,
+                                             plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
@@ -44,6 +44,7 @@ from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
 from pipeline.scheduler import POLICIES, Cluster, Policy, RatesMeasured, RateTable, Scheduler, make_policy
+from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.halving import Halving
 from pipeline.scheduler.policies import PolicyName
@@ -189,11 +190,30 @@ def _resumed_folder(cfg: DictConfig) -> Path:
     return folder
 
 
-def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console, stop: StopSignals,
-          parts: dict[str, list[str]] | None = None) -> dict:
-    """mode=train: slots, groups, the scheduler's plan, the Dask cluster and the driver that carries the plan out."""
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What mode=train decides before it starts anything (plan_training): the hosts and slots, who
+    shares a slot, the rates measured, and how members train and converge. `train` carries it out."""
+
+    agents: dict[int, dict]  # node -> its host's agent (python -m pipeline.node); none: every node here
+    agent_key: bytes | None  # the secret the driver and agents share (with agents only)
+    tls: TlsFiles | None
+    device_kind: DeviceKind
+    slots: dict[Slot, str]  # slot -> its device
+    workers: int | str  # the local cluster's worker processes, or "remote"
+    sizes: dict[str, ModelSize]
+    groups: list[GroupSpec]  # the slot groups, checked against a slot's memory
+    table: RateTable | None  # measured rates (policies that need them; a resumed run's are in its state)
+    policy: Policy
+    setup: TrainingSetup
+    convergence: Convergence
+    measured: dict  # what planning measured or decided, for results.json (rates, fusion, GPU memory peaks)
+
+
+def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> TrainingPlan:
+    """mode=train's plan, from the config: the run's first lines say it, and a new run's state folder
+    keeps it for resume= (a resumed run reads its groups back: measuring again might form others)."""
     models, graph = inputs.models, inputs.graph
-    needs_rates = POLICIES[cfg.scheduler.policy].needs_rates
     tls = TlsFiles.configured(cfg.cluster.tls)
     agents = _node_agents(cfg, tls)
     if graph.cache:  # a host's store belongs to a process of that host: its agent
@@ -203,42 +223,52 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, inputs, device_kind, len(slots), workers)
     state_dir = output_dir / STATE_DIR
-    results: dict = {}
+    measured: dict = {}
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)
-    if cfg.resume:  # the groups it formed, as they were (measuring again might form others)
+    if cfg.resume:
         saved = json.loads((state_dir / "run.json").read_text())
         groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
                   for g in saved["groups"]]
-        results.update(saved["results"])
+        measured.update(saved["results"])
         table = None
     else:
         with agent_rates(agents, key, Link(cfg.timeouts.host_s, tls)) as where:  # node 0's agent measures, if any
-            groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, needs_rates,
-                                   output_dir, console, results, where)
-    policy = _policy(cfg, groups)
-    nodes = cfg.cluster.nodes
-    s = cfg.scheduler
-    sides = graph.image_sizes
-    image_sizes = {m.name: sides[m.input] for m in models}
-    recorder = RunRecorder(models, {name: size.params for name, size in sizes.items()}, image_sizes, parts)
+            groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes,
+                                   POLICIES[cfg.scheduler.policy].needs_rates, output_dir, console, measured, where)
     if table is not None:
         console.print(format_table(table))
-        results["rates"] = {name: list(rates) for name, rates in table.rates.items()}
+        measured["rates"] = {name: list(rates) for name, rates in table.rates.items()}
     if not cfg.resume:
         state_dir.mkdir(exist_ok=True)
         write_json(state_dir / "run.json", {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-                                            "groups": [asdict(g) for g in groups], "results": dict(results)})
-    t = cfg.timeouts
-    metric = cfg.objective.metric
+                                            "groups": [asdict(g) for g in groups], "results": dict(measured)})
+    s, metric = cfg.scheduler, cfg.objective.metric
     halving = Halving(s.halving.eta, s.halving.min_epochs, metric, metric.direction == "maximize") \
         if s.halving.eta else None
-    convergence = Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta, halving)
     setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
                           steps_per_epoch=graph.source.num_batches(Split.TRAIN), threads=cfg.trainer.threads,
                           precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
                           checkpoint_dir=output_dir / "checkpoints",
                           record_checksums=cfg.trainer.record_checksums, consume_only=cfg.trainer.consume_only,
-                          collective_s=t.collective_s)
+                          collective_s=cfg.timeouts.collective_s)
+    return TrainingPlan(agents=agents, agent_key=key, tls=tls, device_kind=device_kind, slots=slots, workers=workers,
+                        sizes=sizes, groups=groups, table=table, policy=_policy(cfg, groups), setup=setup,
+                        convergence=Convergence(cfg.trainer.epochs, s.target_accuracy, s.patience, s.min_delta,
+                                                halving),
+                        measured=measured)
+
+
+def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console, stop: StopSignals,
+          parts: dict[str, list[str]] | None = None) -> dict:
+    """mode=train: the plan (plan_training), then the Dask cluster and the driver that carries it out."""
+    plan = plan_training(cfg, inputs, output_dir, console)
+    models, graph = inputs.models, inputs.graph
+    slots, agents, tls, policy = plan.slots, plan.agents, plan.tls, plan.policy
+    results = dict(plan.measured)
+    nodes = cfg.cluster.nodes
+    s, t = cfg.scheduler, cfg.timeouts
+    image_sizes = {m.name: graph.image_sizes[m.input] for m in models}
+    recorder = RunRecorder(models, {name: size.params for name, size in plan.sizes.items()}, image_sizes, parts)
     training_started = time.perf_counter()
     if not agents:  # this host starts the flotillas' children: their fork server imports while the cluster starts
         children_context()
@@ -257,23 +287,24 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         in_flight = {node: in_flight_window(cfg.cluster.in_flight, count) for node, count in threads_of_node.items()}
         joiners = len(slots) // nodes if policy.join_running else 0  # trainers a node's hub may take in
         delivery = DeliverySetup(scheduler=client.scheduler.address, seed=cfg.seed, on_error=cfg.on_error,
-                                 in_flight=in_flight, ring_depth=cfg.delivery.ring_depth, agents=agents, agent_key=key,
-                                 tls=tls, drain_s=t.drain_s, exit_s=t.exit_s, patience=Patience(t.warn_s, t.stall_s),
-                                 collective_s=t.collective_s, host_s=t.host_s, join_readers=joiners)
+                                 in_flight=in_flight, ring_depth=cfg.delivery.ring_depth, agents=agents,
+                                 agent_key=plan.agent_key, tls=tls, drain_s=t.drain_s, exit_s=t.exit_s,
+                                 patience=Patience(t.warn_s, t.stall_s), collective_s=t.collective_s, host_s=t.host_s, join_readers=joiners)
         auto = cfg.topology == Topology.auto
         # The CPU side of the plan: each node's worker threads, and the preprocessing cost per image,
         # probed here and then refreshed from the run's own stage timings after every epoch.
-        probed = _probe_seconds_per_image(client, graph, cfg) if needs_rates or (auto and nodes > 1) else None
+        probed = _probe_seconds_per_image(client, graph, cfg) if policy.needs_rates or (auto and nodes > 1) else None
         cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
-        scheduler = Scheduler([g.name for g in groups], cluster, policy, cfg.seed, s.checkpoint_every,
+        scheduler = Scheduler([g.name for g in plan.groups], cluster, policy, cfg.seed, s.checkpoint_every,
                               s.max_failures, cfg.topology, cfg.delivery.broadcast_groups)
         first = []  # a resumed run's come from driver.resume() below
         if not cfg.resume:
-            first = scheduler.start(0.0) if table is None else [
-                decision for name, rates in table.rates.items()
+            first = scheduler.start(0.0) if plan.table is None else [
+                decision for name, rates in plan.table.rates.items()
                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
-        context = RunContext(graph, setup, delivery, recorder, tracker, progress, t.report_s, t.stop_s, state_dir)
-        driver = Driver(scheduler, {g.name: g for g in groups}, slots, convergence, context, console,
+        context = RunContext(graph, plan.setup, delivery, recorder, tracker, progress, t.report_s, t.stop_s,
+                             output_dir / STATE_DIR)
+        driver = Driver(scheduler, {g.name: g for g in plan.groups}, slots, plan.convergence, context, console,
                         NodeAgents(client, agents))
         if cfg.resume:
             first = driver.resume()
@@ -294,8 +325,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     if driver.given_up:
         results["given_up"] = driver.given_up
     results.update({
-        "devices": {"kind": device_kind, "slots": len(slots)},
-        "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
+        "devices": {"kind": plan.device_kind, "slots": len(slots)},
+        "cluster": {"address": cfg.cluster.address or "local", "workers": plan.workers, "threads": threads,
                     "in_flight": max(in_flight.values()),  # a producer's window (nodes differ: the largest)
                     "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
