@@ -123,20 +123,27 @@ PACED = ["+pipeline.stages.pace={_target_: tests.slow_stage.SlowDown, inputs: [c
 PAUSE_S = 4.0  # every trainer stopped (SIGSTOP) this long: the slowest consumers there are
 
 
-def _pause_then_kill_a_worker_then_a_trainer(reported: threading.Event, paused: list[float]):
-    """Once the driver has C's first epoch (reported after its checkpoint): stop every
-    trainer for PAUSE_S (producers must wait, not pile batches up), then SIGKILL a
-    Dask worker (mid-epoch), then C's trainer. `paused` gets the pause's start and end
-    (time.time(), the clock of the run's timeline)."""
-    assert reported.wait(timeout=600)
-    trainers = [p for p in mp.active_children() if p.name.startswith("trainer-")]
-    for process in trainers:
-        os.kill(process.pid, signal.SIGSTOP)
+def _pause_trainers(paused: list[float], stopped: list[int]) -> None:
+    """Stop every trainer (SIGSTOP): `stopped` gets their pids, `paused` the time (time.time(), the clock of
+    the run's timeline)."""
+    stopped += [p.pid for p in mp.active_children() if p.name.startswith("trainer-")]
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
     paused.append(time.time())
+
+
+def _resume_then_kill_a_worker_then_a_trainer(pausing: threading.Event, delivered: threading.Event,
+                                              reported: threading.Event, paused: list[float], stopped: list[int]):
+    """Once the trainers are stopped: PAUSE_S later let them go on (producers must have waited, not piled
+    batches up); then, once epoch 2's training batches are delivered (a worker killed earlier takes the
+    batches made in the pause with it: made again, they would not count) and the driver has C's first
+    epoch (reported after its checkpoint), SIGKILL a Dask worker (mid-split), then C's trainer."""
+    assert pausing.wait(timeout=600)
     time.sleep(PAUSE_S)
     paused.append(time.time())
-    for process in trainers:
-        os.kill(process.pid, signal.SIGCONT)
+    for pid in stopped:
+        os.kill(pid, signal.SIGCONT)
+    assert delivered.wait(timeout=600) and reported.wait(timeout=600)
     workers = [p for p in mp.active_children() if "Dask Worker" in p.name]
     os.kill(workers[-1].pid, signal.SIGKILL)
     for process in mp.active_children():
@@ -160,7 +167,8 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
                           "trainer.record_checksums=true", *PACED])
     rings = lambda: {name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{os.getpid()}-")}
     before = rings()
-    reported, poll = threading.Event(), Flotilla.poll
+    pausing, delivered, reported = threading.Event(), threading.Event(), threading.Event()
+    poll, run_split = Flotilla.poll, Flotilla.run_split
 
     def poll_and_tell(self, timeout=None):  # the event the faults wait for: C's first epoch is checkpointed
         reports = poll(self, timeout)
@@ -169,6 +177,19 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
         return reports
 
     monkeypatch.setattr(Flotilla, "poll", poll_and_tell)
+
+    paused, stopped = [], []
+
+    def run_split_and_tell(self, split, epoch):  # the pause starts as the hubs are told to deliver epoch 2
+        if epoch == 1 and self.id == 0:
+            if split is Split.TRAIN:
+                _pause_trainers(paused, stopped)
+                pausing.set()
+            else:  # its training batches are delivered
+                delivered.set()
+        run_split(self, split, epoch)
+
+    monkeypatch.setattr(Flotilla, "run_split", run_split_and_tell)
     origins, make_recorder = [], RunRecorder.__init__  # where the run's timeline starts
 
     def recorder_and_origin(self, models, *args):
@@ -177,8 +198,8 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
             origins.append(self.origin)
 
     monkeypatch.setattr(RunRecorder, "__init__", recorder_and_origin)
-    paused = []
-    killer = threading.Thread(target=_pause_then_kill_a_worker_then_a_trainer, args=(reported, paused), daemon=True)
+    killer = threading.Thread(target=_resume_then_kill_a_worker_then_a_trainer,
+                              args=(pausing, delivered, reported, paused, stopped), daemon=True)
     killer.start()
     results = run(cfg, out)
     killer.join(timeout=5)
@@ -194,8 +215,9 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     assert max(len(info["hubs"]) for info in flotillas.values()) >= (1 if topology == "duplicated" else 2)
 
     # Back-pressure: from the moment no trainer takes a batch, each producer starts at most what fits in
-    # its rings, its tasks in flight and the batch in its hands. The pause starts as epoch 2 does (C has
-    # just checkpointed epoch 1): unbounded, each producer would make the split's 14 batches of 4.
+    # its rings, its tasks in flight and the batch in its hands. The pause starts as the hubs are told to
+    # deliver epoch 2: a producer whose window is unbounded (all of a split's tasks submitted at once) makes
+    # most of the split's 14 batches of 4 meanwhile, and fails.
     (origin,) = origins
     paused_from, paused_to = (t - origin for t in paused)
     made = [span for span in results["timeline"] if span["what"] == "task"
