@@ -31,8 +31,26 @@ def test_profile_pass_settings_are_checked(tmp_path):
         run(compose_config(["+ensemble=caltech256", "mode=profile", "profile.batches=0"]), tmp_path)
 
 
+def worker_lanes(trace_file) -> list[list[tuple[float, float]]]:
+    """The batch tasks' (start, end) on each Dask worker's lane of a report's trace.json."""
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    workers = {e["tid"] for e in events if e["ph"] == "M" and e["args"]["name"].startswith("worker ")}
+    lanes: dict[int, list] = {tid: [] for tid in workers}
+    for e in events:
+        if e["ph"] == "X" and e["tid"] in workers:
+            lanes[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    return list(lanes.values())
+
+
 @pytest.mark.slow
 def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(tiny_dataset, tmp_path):
+    """A stage that sleeps SLEEP_S a batch on 1 worker: the report names it, advises cluster.workers=2
+    and predicts the input rate's gain by Amdahl's law from how busy the worker was: with a sleeping
+    stage it is nearly all busy, so between 1.5x and 2x. Applied as a user would (the override appended
+    to the same command), the batch tasks run two at a time, which is what doubles the rate. Mistakes it
+    catches: another stage named, advice that does not double the workers, a prediction above what two
+    workers can give (or none), an override that does not reach the cluster (one lane, or lanes in
+    turn). The rates themselves are timings, not checked."""
     throttled = one_model(tiny_dataset, resnet_override("tiny"), 32,
                           f"+pipeline.stages.slow={{_target_:tests.slow_stage.SlowDown,inputs:[cache],"
                           f"seconds:{SLEEP_S}}}", "pipeline.stages.crop_main.inputs=[slow]")
@@ -41,11 +59,13 @@ def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(ti
     assert (report["verdict"]["bound"], report["verdict"]["stage"]) == ("input", "slow"), report["verdict"]["line"]
     advice = next(a for a in report["actions"] if a["override"] and a["override"].startswith("cluster.workers="))
     assert advice["override"] == "cluster.workers=2"
-    # Re-measure with the advice applied, as a user would: the override appended to the same command.
-    after = profile(throttled + [advice["override"]], tmp_path / "after")
-    measured = after["pipeline"]["images_per_s"] / before["pipeline"]["images_per_s"]
-    assert measured == pytest.approx(advice["predicted_factor"], rel=0.25), \
-        f"{before['pipeline']['images_per_s']:.1f} -> {after['pipeline']['images_per_s']:.1f} img/s: {advice['text']}"
+    assert 1.5 <= advice["predicted_factor"] <= 2.0, advice["text"]
+    assert len(worker_lanes(tmp_path / "before" / "trace.json")) == 1
+    profile(throttled + [advice["override"]], tmp_path / "after")
+    first, second = worker_lanes(tmp_path / "after" / "trace.json")
+    together = sum(max(0.0, min(end, other_end) - max(start, other_start))
+                   for start, end in first for other_start, other_end in second)
+    assert together >= 0.5 * min(sum(end - start for start, end in lane) for lane in (first, second))
     # The sleep sits after decoding: the cached pass still pays it, so the stall is preprocessing.
     split = report["differential"]["tiny"]
     assert split["preprocessing_ms"] > max(split["fetch_ms"], split["transport_ms"])
@@ -53,7 +73,7 @@ def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(ti
     assert report["run"]["mode"] == "profile" and report["profile_pass"]["batches"] == 16
     assert set(before["differential"]["tiny"]) == {"synthetic_images_per_s", "cached_images_per_s",
                                                    "files_images_per_s", "compute_images_per_s"}
-    assert (tmp_path / "before" / "results.json").is_file() and (tmp_path / "before" / "trace.json").is_file()
+    assert (tmp_path / "before" / "results.json").is_file()
     # in_flight 2 (2 x 1 worker thread): one batch is the consumer's, one can wait.
     assert report["occupancy"]["pipeline pass prefetch"]["capacity"] == 1
     assert report["dask_report"] == "dask-report.html"
