@@ -289,7 +289,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         delivery = DeliverySetup(scheduler=client.scheduler.address, seed=cfg.seed, on_error=cfg.on_error,
                                  in_flight=in_flight, ring_depth=cfg.delivery.ring_depth, agents=agents,
                                  agent_key=plan.agent_key, tls=tls, drain_s=t.drain_s, exit_s=t.exit_s,
-                                 patience=Patience(t.warn_s, t.stall_s), collective_s=t.collective_s, host_s=t.host_s, join_readers=joiners)
+                                 patience=Patience(t.warn_s, t.stall_s), collective_s=t.collective_s,
+                                 host_s=t.host_s, join_readers=joiners)
         auto = cfg.topology == Topology.auto
         # The CPU side of the plan: each node's worker threads, and the preprocessing cost per image,
         # probed here and then refreshed from the run's own stage timings after every epoch.
@@ -384,9 +385,10 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     devices = [device for slot, device in slots.items() if slot.node == 0] if where else list(slots.values())
     if device_kind == DeviceKind.cuda:
         devices = list(dict.fromkeys(devices))
-    how = Measurement(classes, image_sizes, batch, device_kind, devices, r.steps, r.warmup,
-                      cfg.trainer.threads, cfg.trainer.precision, cfg.trainer.cuda_graphs, cfg.timeouts.report_s,
-                      where)
+    how = Measurement(num_classes=classes, image_sizes=image_sizes, batch_size=batch, device_kind=device_kind,
+                      devices=devices, steps=r.steps, warmup=r.warmup, threads=cfg.trainer.threads,
+                      precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
+                      report_s=cfg.timeouts.report_s, where=where)
     cache = Path(to_absolute_path(r.cache))
     if device_kind == DeviceKind.cuda and where is None:  # the device says what a step holds: a trial's peak
         peaks = measure_peaks(models, how, cache)

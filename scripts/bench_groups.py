@@ -139,8 +139,10 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
             group = fused(group, sizes, math.inf, lanes)
         elif mode == AUTO:
             device = args.device if args.device == "cpu" or ":" in args.device else f"{args.device}:0"
-            how = Measurement(10, {"main": image_size}, args.batch, device.split(":")[0], [device], args.steps,
-                              args.warmup, args.cores, Precision(args.precision), graphs)
+            how = Measurement(num_classes=10, image_sizes={"main": image_size}, batch_size=args.batch,
+                              device_kind=device.split(":")[0], devices=[device], steps=args.steps,
+                              warmup=args.warmup, threads=args.cores, precision=Precision(args.precision),
+                              cuda_graphs=graphs)
             with tempfile.TemporaryDirectory() as cache:  # measured afresh, as a first run would
                 [group], _ = choose_fusion([group], Grouping.auto, sizes, math.inf, lanes, how,
                                            Path(cache) / "rates.json")

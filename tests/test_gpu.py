@@ -61,7 +61,8 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
 
     models = [member("a", depth=18, width=32), member("b", depth=18, width=32, lr=0.01),
               member("wide", depth=18, width=64)]
-    how = Measurement(10, {"main": 64}, 64, "cuda", ["cuda:0"], 1, 0, 1, cuda_graphs=True)
+    how = Measurement(num_classes=10, image_sizes={"main": 64}, batch_size=64, device_kind="cuda", devices=["cuda:0"],
+                      steps=1, warmup=0, threads=1, cuda_graphs=True)
     peaks = measure_peaks(models, how, tmp_path / "rates.json")
     assert len(json.loads((tmp_path / "rates.json").read_text())) == 2  # a and b: one trial
     assert measure_peaks(models[::-1], how, tmp_path / "reversed.json") == pytest.approx(peaks, rel=0.02)

@@ -193,7 +193,8 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
     assert "measuring" not in logs[1]
     resnet11 = member("resnet11", depth=11)  # no such depth
     with agent_rates(registered, AGENT_KEY.encode(), Link(30, tls_files)) as where:
-        how = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], steps=1, warmup=0, threads=1, where=where)
+        how = Measurement(num_classes=4, image_sizes={"main": 32}, batch_size=16, device_kind="cpu", devices=["cpu"],
+                          steps=1, warmup=0, threads=1, where=where)
         with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
                                                rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
                                                "resnet depth must be one of"):

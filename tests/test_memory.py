@@ -13,7 +13,8 @@ from pipeline.training.rates import Measurement, measure_rate_table
 from pipeline.training.rates import RateError
 from tests.conftest import member
 
-HOW = Measurement(4, {"main": 32}, 16, "cpu", ["cpu"], 1, 0, 1)
+HOW = Measurement(num_classes=4, image_sizes={"main": 32}, batch_size=16, device_kind="cpu", devices=["cpu"], steps=1,
+                  warmup=0, threads=1)
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ class RateError(UserError):
     """A rate measurement that cannot be made as asked, or a cache that cannot be read."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Measurement:
     """What every measurement of a run shares."""
 
