@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from pipeline.orchestration.driver import Driver, FlotillaThread
+from pipeline.orchestration.driver import Driver, EpochBoundary
 from pipeline.run import run
 from pipeline.scheduler import Join
 from tests.conftest import compose_config, resnet_override
@@ -120,20 +120,20 @@ def hold_the_host_for_its_joiner(monkeypatch):
     """Flotilla 1 waits at its first epoch boundary until the scheduler sends it a joiner: the host then
     still has epochs to go when resnet10_w24 is done, however fast each trains here."""
     sent = threading.Event()
-    apply_decisions, apply_commands = Driver._apply_decisions, FlotillaThread._apply_commands
+    apply_decisions, apply_commands = Driver._apply_decisions, EpochBoundary.apply
 
     def decide(driver, decisions):
         apply_decisions(driver, decisions)
         if any(isinstance(d, Join) for d in decisions):
             sent.set()
 
-    def wait_at_the_boundary(thread, flotilla, epoch):
-        if thread.flotilla_id == 1 and epoch == 1:
+    def wait_at_the_boundary(boundary, flotilla, epoch):
+        if boundary.thread.flotilla_id == 1 and epoch == 1:
             assert sent.wait(timeout=300), "no model joined flotilla 1 within 300 s"
-        apply_commands(thread, flotilla, epoch)
+        apply_commands(boundary, flotilla, epoch)
 
     monkeypatch.setattr(Driver, "_apply_decisions", decide)
-    monkeypatch.setattr(FlotillaThread, "_apply_commands", wait_at_the_boundary)
+    monkeypatch.setattr(EpochBoundary, "apply", wait_at_the_boundary)
 
 
 @pytest.mark.parametrize("joiner_name", JOINERS)

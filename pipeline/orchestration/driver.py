@@ -180,7 +180,8 @@ STOP_SAVE_SHARE = 0.5  # of timeouts.stop_s, what checkpointing the last epochs 
 
 
 class FlotillaThread(threading.Thread):
-    """Runs one flotilla: its epochs, split by split, until no member is left or the run stops."""
+    """Runs one flotilla: its epochs, split by split, until no member is left or the run stops. Between
+    two epochs its EpochBoundary carries out what the main thread commanded."""
 
     def __init__(self, formed: FormFlotilla, members: list[Member], run: RunContext, events: queue.Queue,
                  first_epoch: int = 0):
@@ -188,16 +189,12 @@ class FlotillaThread(threading.Thread):
         self.flotilla_id, self.formed, self.members = formed.flotilla, formed, members
         self.run_ctx, self.events = run, events
         self.first_epoch = first_epoch  # of its sequence: > 0 for a flotilla formed again (a resumed run)
+        # The main thread's words: read at the epoch boundary, and joiners taken in during the epoch.
         self.commands: queue.Queue[SaveCheckpoints | StopMember | ReleaseModel | Continue] = queue.Queue()
+        self.joins: queue.Queue[JoinMember] = queue.Queue()  # models that join the stream, as they come
         self.stop_requested = threading.Event()
         self.stop_by = 0.0  # time.monotonic() by which a stop must be done
-        self.reported: dict[str, int] = {}  # model -> epochs it has finished, as told to the main thread
-        # model -> epochs of its newest checkpoint (where it started, or written since)
-        self.saved: dict[str, int] = {m.name: member.start_epoch for member in members for m in member.group.members}
-        self.saved_on_stop: dict[str, int] = {}  # group -> epochs
-        self.joins: queue.Queue[JoinMember] = queue.Queue()  # models that join the stream, as they come
-        self.taken_in: list[Member] = []  # their trainers started: attached to the running hub at the next boundary
-        self.joining: list[Member] = []  # to lay the flotilla out again with, at the next epoch boundary
+        self.boundary = EpochBoundary(self)
 
     def stop(self, by: float) -> None:
         """Leave the epochs: checkpoint the last finished ones, close, all by time.monotonic() `by`."""
@@ -209,7 +206,7 @@ class FlotillaThread(threading.Thread):
     def nodes(self) -> set[int]:
         return {node for member in self.members for node in member.nodes}
 
-    def _check_stop(self) -> None:
+    def check_stop(self) -> None:
         if self.stop_requested.is_set():
             raise Stopping
 
@@ -221,10 +218,10 @@ class FlotillaThread(threading.Thread):
         except BaseException as err:  # handed to the main thread, which stops the run
             self.events.put(ThreadFailed(self, err))
         finally:
-            self.events.put(ThreadEnded(self, self.saved_on_stop))
+            self.events.put(ThreadEnded(self, self.boundary.saved_on_stop))
 
     def _train(self) -> None:
-        r = self.run_ctx
+        r, boundary = self.run_ctx, self.boundary
         epoch = self.first_epoch  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
         streams = self.formed.streams
         while self.members:  # one layout per membership: models joining at a boundary lay it out again
@@ -237,8 +234,8 @@ class FlotillaThread(threading.Thread):
             r.recorder.delivery_plan(self.flotilla_id, plan, why)
             with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
                 try:
-                    while flotilla.members and not self.joining:
-                        self._check_stop()
+                    while flotilla.members and not boundary.joining:
+                        self.check_stop()
                         # A trainer may report its validation before the driver hears that the hubs are done,
                         # and then die: its failure is told after the epoch it finished (it resumes from there).
                         early, failed = [], []
@@ -247,48 +244,16 @@ class FlotillaThread(threading.Thread):
                             early += reports
                             failed += failures
                         reports, failures = self._validation_reports(flotilla, early)
-                        self.reported.update({report.model: report.epoch + 1 for report in reports})
+                        boundary.reported.update({report.model: report.epoch + 1 for report in reports})
                         self.events.put(EpochDone(self, reports, failed + failures))
                         epoch += 1
-                        self._apply_commands(flotilla, epoch)
-                    self.members = self._lay_out_again(flotilla, epoch) if self.joining else []
+                        boundary.apply(flotilla, epoch)
+                    self.members = boundary.lay_out_again(flotilla, epoch) if boundary.joining else []
                 except Stopping:
-                    self._save_on_stop(flotilla)
+                    boundary.save_on_stop(flotilla)
                     flotilla.close(within=max(self.stop_by - time.monotonic(), 1.0))
                     return
             streams = (tuple(m.group.name for m in self.members),)  # a flotilla that takes joiners has one
-
-    def _lay_out_again(self, flotilla: Flotilla, epoch: int) -> list[Member]:
-        """Models join at this epoch boundary that the running hub cannot take (`Flotilla.take_in`): the
-        members still here are checkpointed after the epoch they finished (if the plan did not just do
-        it), the streams end, and the members to lay out next are returned, each resuming from its
-        checkpoint, the joiners with them; the stream's sequence of epochs goes on."""
-        staying = list(flotilla.members.values())
-        wanted = {(member.group.name, m.name): self.reported[m.name] for member in staying
-                  for m in member.group.members if self.saved.get(m.name) != self.reported.get(m.name)}
-        self._save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
-        if flotilla.members:
-            flotilla.stop()
-            self._await_done(flotilla)
-            self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
-        joining, self.joining = self.joining, []
-        for member in joining:
-            self._joined(member, epoch, "laid out again")
-        return [replace(member, start_epoch=self.saved[member.group.members[0].name]) for member in staying] + joining
-
-    def _take_in(self, flotilla: Flotilla) -> None:
-        """Joiners whose streams the running hub makes start their trainers now, to read from the next
-        epoch boundary on (their start overlaps this epoch); the others wait to be laid out with it."""
-        while not self.joins.empty():
-            member = self.joins.get_nowait().member
-            taken = flotilla.take_in(member, self.run_ctx.graph.sinks, self.run_ctx.setup)
-            (self.taken_in if taken else self.joining).append(member)
-
-    def _joined(self, member: Member, epoch: int, how: str) -> None:
-        self.saved.update({m.name: member.start_epoch for m in member.group.members})
-        self.run_ctx.recorder.joined(member.group, self.flotilla_id, member.devices, member.start_epoch, epoch, how)
-        self.run_ctx.progress.console.print(
-            f"flotilla {self.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
 
     def _deliver(self, flotilla: Flotilla, graph: StageGraph, split: Split, epoch: int
                  ) -> tuple[list[ValReport], list[tuple[str, str]]]:
@@ -305,8 +270,8 @@ class FlotillaThread(threading.Thread):
         watch = SplitWatch(flotilla, r.delivery.patience, r.progress.console.print)  # never hang silently
         try:
             while len(done) < len(flotilla.plan.hubs) and flotilla.members:
-                self._check_stop()
-                self._take_in(flotilla)
+                self.check_stop()
+                self.boundary.take_in(flotilla)
                 for event in flotilla.hub_progress(timeout=0.2):
                     watch.saw(event)
                     if isinstance(event, SplitDone):
@@ -326,33 +291,12 @@ class FlotillaThread(threading.Thread):
                     if event.hub in leads:
                         leads[event.hub] += 1
                         r.progress.update(task, completed=min(leads.values()))
-                validation += self._forward(flotilla.poll())
-                failures += self._drop_failed(flotilla)
+                validation += self.boundary.forward(flotilla.poll())
+                failures += drop_failed(flotilla)
                 watch.check()
         finally:
             r.progress.remove_task(task)
         return validation, failures
-
-    def _forward(self, reports: list[TrainerReport]) -> list[ValReport]:
-        """Training reports go to the recorder; validation ones are returned."""
-        validation = []
-        for report in reports:
-            if isinstance(report, ValReport):
-                validation.append(report)
-            elif isinstance(report, CheckpointSaved):
-                self.saved[report.model] = report.epochs
-            elif isinstance(report, TrainerDone):
-                self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
-            else:
-                self.run_ctx.recorder.add_report(report)
-        return validation
-
-    def _drop_failed(self, flotilla: Flotilla) -> list[tuple[str, str]]:
-        """Groups whose trainer failed leave at once: (name, why) of each."""
-        failed = list(flotilla.failed_members().items())
-        for name, _ in failed:
-            flotilla.remove(name)
-        return failed
 
     def _validation_reports(self, flotilla: Flotilla, early: list[ValReport]
                             ) -> tuple[list[ValReport], list[tuple[str, str]]]:
@@ -362,56 +306,130 @@ class FlotillaThread(threading.Thread):
         deadline = time.monotonic() + self.run_ctx.report_s
         training = lambda: {m.name for member in flotilla.members.values() for m in member.group.members}
         while not training() <= set(reports):
-            self._check_stop()
+            self.check_stop()
             if time.monotonic() > deadline:
                 raise HangError(f"flotilla {self.flotilla_id}: no validation report from "
                                 f"{sorted(training() - set(reports))} in {self.run_ctx.report_s:g} s "
                                 "(timeouts.report_s)")
-            for report in self._forward(flotilla.poll(timeout=1.0)):
+            for report in self.boundary.forward(flotilla.poll(timeout=1.0)):
                 reports[report.model] = report
-            failed += self._drop_failed(flotilla)
+            failed += drop_failed(flotilla)
         return list(reports.values()), failed  # a model that reported and then failed finished its epoch
 
-    def _apply_commands(self, flotilla: Flotilla, epoch: int) -> None:
+
+def drop_failed(flotilla: Flotilla) -> list[tuple[str, str]]:
+    """Groups whose trainer failed leave at once: (name, why) of each."""
+    failed = list(flotilla.failed_members().items())
+    for name, _ in failed:
+        flotilla.remove(name)
+    return failed
+
+
+class EpochBoundary:
+    """A flotilla's epoch boundary, as its thread's main-thread commands ask: checkpoints written, models
+    released, joiners attached to the running hub or laid out again with the flotilla, members leaving,
+    and the last checkpoints as the run stops. It keeps what each member has finished and saved."""
+
+    def __init__(self, thread: FlotillaThread):
+        self.thread = thread
+        self.reported: dict[str, int] = {}  # model -> epochs it has finished, as told to the main thread
+        # model -> epochs of its newest checkpoint (where it started, or written since)
+        self.saved: dict[str, int] = {m.name: member.start_epoch for member in thread.members
+                                      for m in member.group.members}
+        self.saved_on_stop: dict[str, int] = {}  # group -> epochs
+        self.taken_in: list[Member] = []  # their trainers started: attached to the running hub at the next boundary
+        self.joining: list[Member] = []  # to lay the flotilla out again with, at the next epoch boundary
+
+    def forward(self, reports: list[TrainerReport]) -> list[ValReport]:
+        """Training reports go to the recorder; validation ones are returned."""
+        validation = []
+        for report in reports:
+            if isinstance(report, ValReport):
+                validation.append(report)
+            elif isinstance(report, CheckpointSaved):
+                self.saved[report.model] = report.epochs
+            elif isinstance(report, TrainerDone):
+                self.thread.run_ctx.recorder.add_checksums(self.thread.flotilla_id, report)
+            else:
+                self.thread.run_ctx.recorder.add_report(report)
+        return validation
+
+    def apply(self, flotilla: Flotilla, epoch: int) -> None:
         """Applies the main thread's decisions at the boundary before `epoch`: checkpoints to write,
         models to release, joiners to take in, groups to stop."""
-        commands = list(iter(self.commands.get, Continue()))
-        self._check_stop()
+        thread = self.thread
+        commands = list(iter(thread.commands.get, Continue()))
+        thread.check_stop()
         wanted = {}  # (group, model) -> epochs
         for command in commands:
             if isinstance(command, SaveCheckpoints) and command.group in flotilla.members:
                 training = {m.name for m in flotilla.members[command.group].group.members}
                 wanted.update({(command.group, model): command.epochs for model in command.models
                                if model in training and self.saved.get(model) != command.epochs})
-        self._save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
+        self.save(flotilla, wanted, time.monotonic() + thread.run_ctx.report_s)
         for command in commands:
             if isinstance(command, ReleaseModel) and command.group in flotilla.members:
                 flotilla.release(command.group, command.model)  # before the next batch is published
-        self._take_in(flotilla)
+        self.take_in(flotilla)
         leaving = [command.group for command in commands if isinstance(command, StopMember)]
         stopped_early = [m for m in self.joining + self.taken_in if m.group.name in leaving]  # before they joined
         for member in stopped_early:
             flotilla.remove(member.group.name)
             leaving.remove(member.group.name)
-            self.events.put(MemberLeft(self, member.group.name))
+            thread.events.put(MemberLeft(thread, member.group.name))
         self.joining = [m for m in self.joining if m not in stopped_early]
         self.taken_in = [m for m in self.taken_in if m not in stopped_early]
         for member in self.taken_in:  # before the leavers: a stream a joiner reads goes on
             flotilla.attach(member.group.name)
             self._joined(member, epoch, "attached")
         if self.taken_in:
-            self.run_ctx.recorder.delivery_groups(self.flotilla_id, flotilla.plan)
+            thread.run_ctx.recorder.delivery_groups(thread.flotilla_id, flotilla.plan)
         self.taken_in = []
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
-            self._await_done(flotilla)
-            self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
+            self.await_done(flotilla)
+            thread.run_ctx.recorder.add_hub_summaries(thread.flotilla_id, flotilla.summaries)
         for group in leaving:
             flotilla.remove(group)
-            self.events.put(MemberLeft(self, group))
+            thread.events.put(MemberLeft(thread, group))
 
-    def _save(self, flotilla: Flotilla, wanted: dict[tuple[str, str], int], deadline: float,
-              stopping: bool = False) -> set[str]:
+    def lay_out_again(self, flotilla: Flotilla, epoch: int) -> list[Member]:
+        """Models join at this epoch boundary that the running hub cannot take (`Flotilla.take_in`): the
+        members still here are checkpointed after the epoch they finished (if the plan did not just do
+        it), the streams end, and the members to lay out next are returned, each resuming from its
+        checkpoint, the joiners with them; the stream's sequence of epochs goes on."""
+        staying = list(flotilla.members.values())
+        wanted = {(member.group.name, m.name): self.reported[m.name] for member in staying
+                  for m in member.group.members if self.saved.get(m.name) != self.reported.get(m.name)}
+        self.save(flotilla, wanted, time.monotonic() + self.thread.run_ctx.report_s)
+        if flotilla.members:
+            flotilla.stop()
+            self.await_done(flotilla)
+            self.thread.run_ctx.recorder.add_hub_summaries(self.thread.flotilla_id, flotilla.summaries)
+        joining, self.joining = self.joining, []
+        for member in joining:
+            self._joined(member, epoch, "laid out again")
+        return [replace(member, start_epoch=self.saved[member.group.members[0].name]) for member in staying] + joining
+
+    def take_in(self, flotilla: Flotilla) -> None:
+        """Joiners whose streams the running hub makes start their trainers now, to read from the next
+        epoch boundary on (their start overlaps this epoch); the others wait to be laid out with it."""
+        joins, r = self.thread.joins, self.thread.run_ctx
+        while not joins.empty():
+            member = joins.get_nowait().member
+            taken = flotilla.take_in(member, r.graph.sinks, r.setup)
+            (self.taken_in if taken else self.joining).append(member)
+
+    def _joined(self, member: Member, epoch: int, how: str) -> None:
+        thread = self.thread
+        self.saved.update({m.name: member.start_epoch for m in member.group.members})
+        thread.run_ctx.recorder.joined(member.group, thread.flotilla_id, member.devices, member.start_epoch, epoch,
+                                       how)
+        thread.run_ctx.progress.console.print(
+            f"flotilla {thread.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
+
+    def save(self, flotilla: Flotilla, wanted: dict[tuple[str, str], int], deadline: float,
+             stopping: bool = False) -> set[str]:
         """The trainers write the `wanted` checkpoints; returns the groups whose every wanted one is written.
         A group that fails meanwhile is left to the next round; past `deadline` a stop goes on without
         the rest, a run fails (the trainer is hung)."""
@@ -423,7 +441,7 @@ class FlotillaThread(threading.Thread):
         waiting = dict(wanted)
         while waiting:
             if not stopping:
-                self._check_stop()  # a stop request does not wait for a trainer that may be hung
+                self.thread.check_stop()  # a stop request does not wait for a trainer that may be hung
             failed = flotilla.failed_members()
             waiting = {(group, model): epochs for (group, model), epochs in waiting.items()
                        if group not in failed and self.saved.get(model) != epochs}
@@ -432,35 +450,37 @@ class FlotillaThread(threading.Thread):
             if time.monotonic() > deadline:
                 if stopping:
                     break
-                raise HangError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
-                                f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
-            self._forward(flotilla.poll(timeout=0.2))
+                raise HangError(f"flotilla {self.thread.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
+                                f"not written in {self.thread.run_ctx.report_s:g} s (timeouts.report_s)")
+            self.forward(flotilla.poll(timeout=0.2))
         return {group for group, _ in wanted} - {group for group, _ in waiting}
 
-    def _save_on_stop(self, flotilla: Flotilla) -> None:
+    def save_on_stop(self, flotilla: Flotilla) -> None:
         """The run stops: every member's last finished epoch (that the main thread knows of) is checkpointed."""
         failed = flotilla.failed_members()
         wanted = {(name, m.name): self.reported[m.name] for name, member in flotilla.members.items()
                   if name not in failed for m in member.group.members
                   if self.reported.get(m.name, 0) > self.saved.get(m.name, 0)}
-        saved = self._save(flotilla, wanted, time.monotonic() + STOP_SAVE_SHARE * self.run_ctx.stop_s, stopping=True)
+        saved = self.save(flotilla, wanted, time.monotonic() + STOP_SAVE_SHARE * self.thread.run_ctx.stop_s,
+                          stopping=True)
         self.saved_on_stop = {group: epochs for (group, _), epochs in wanted.items() if group in saved}
 
-    def _await_done(self, flotilla: Flotilla) -> None:
+    def await_done(self, flotilla: Flotilla) -> None:
         """After STOP: every hub's summary and every trainer's last report (its checksums), then exit."""
         waiting = {(name, rank) for name, m in flotilla.members.items() for rank in range(len(m.devices))}
-        deadline = time.monotonic() + self.run_ctx.report_s
+        report_s = self.thread.run_ctx.report_s
+        deadline = time.monotonic() + report_s
         while (waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}
                or len(flotilla.summaries) < len(flotilla.plan.hubs)):
-            self._check_stop()
+            self.thread.check_stop()
             if time.monotonic() > deadline:
-                raise HangError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not finish "
-                                f"in {self.run_ctx.report_s:g} s (timeouts.report_s)")
+                raise HangError(f"flotilla {self.thread.flotilla_id}: trainers {sorted(waiting)} or hubs did not "
+                                f"finish in {report_s:g} s (timeouts.report_s)")
             flotilla.hub_progress(timeout=0.1)
             reports = flotilla.poll(timeout=0.5)
             waiting -= {(r.group, r.rank) for r in reports if isinstance(r, TrainerDone)}
-            self._forward(reports)
-        flotilla.join(timeout=self.run_ctx.delivery.exit_s)
+            self.forward(reports)
+        flotilla.join(timeout=self.thread.run_ctx.delivery.exit_s)
 
 
 class Driver:
