@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.data.graph import build_graph
-from pipeline.delivery.topology import plan_delivery
+from pipeline.delivery.plan import plan_delivery
 from pipeline.measure.recorder import RunRecorder
 from pipeline.scheduler.topology import TOPOLOGIES, split_streams
 from stages.base import BatchContext, Split

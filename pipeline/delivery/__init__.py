@@ -1,5 +1,5 @@
-"""Delivery: how finished batches reach a flotilla's trainers. Topology plans
-(topology.py, pure), hub processes that make and exchange batches
+"""Delivery: how finished batches reach a flotilla's trainers. Delivery plans
+(plan.py, pure: the chosen topology laid out in hubs), hub processes that make and exchange batches
 (hub.py), collectives between nodes (collective.py), shared-memory rings on
 a node (ring.py, the stream protocol in stream.py) and the typed messages
 between a flotilla and its hubs (messages.py).

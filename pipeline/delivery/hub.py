@@ -24,7 +24,7 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
                                         SplitDone, StopStreams)
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
-from pipeline.delivery.topology import DeliveryGroup, HubPlan
+from pipeline.delivery.plan import DeliveryGroup, HubPlan
 from pipeline.runtime.child import tell_parent
 from pipeline.runtime.lifetime import child_started
 from pipeline.runtime.hang import HangError, Patience

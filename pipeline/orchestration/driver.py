@@ -29,7 +29,7 @@ from rich.progress import Progress
 
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.messages import SplitDone
-from pipeline.delivery.topology import plan_delivery
+from pipeline.delivery.plan import plan_delivery
 from pipeline.runtime.hang import HangError
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import Tracker

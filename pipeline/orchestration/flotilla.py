@@ -21,7 +21,7 @@ from pipeline.delivery.hub import HubSpec
 from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
                                         SplitDone, StopStreams)
 from pipeline.delivery.stream import StreamLayout
-from pipeline.delivery.topology import DeliveryPlan, HubPlan, Topology
+from pipeline.delivery.plan import DeliveryPlan, HubPlan, Topology
 from pipeline.runtime.hang import HangError, Patience, shared_out
 from pipeline.runtime.lifetime import how_it_ended
 from pipeline.orchestration.node import Laggard, node_processes

@@ -1,7 +1,7 @@
 """Which topology feeds a flotilla, and what each costs (docs/topologies.md):
 the scheduler's choice, made from its cluster model when it forms a
 flotilla, so that the simulator and a real run choose alike. The delivery
-layer (`pipeline.delivery.topology`) lays the chosen streams out in hubs.
+layer (`pipeline.delivery.plan`) lays the chosen streams out in hubs.
 
 A flotilla's members are split into *streams*: each stream is one sequence
 of batches, made once and read by all its members in lockstep, at its own
