@@ -120,12 +120,17 @@ def combine(jobs: dict[int, DictConfig]) -> SharedRun:
 
 
 def job_results(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared_dir: Path) -> dict:
-    """Job `number`'s results, from the shared run's: its members under their own names, its ensemble,
-    its objective and config."""
+    """Job `number`'s results, from the shared run's: its members under their own names (their rows and
+    GPU memory peaks; other jobs' members left out of those), its ensemble, its objective and config.
+    What is by slot group or describes the shared run as a whole (groups, rates, the scheduler's
+    decisions, the timeline, the pipeline) keeps the shared run's names."""
     names = run.own_names(number)
     results = {key: value for key, value in shared.items() if key != "parts"}
     trained = {m["name"]: m for m in shared["models"]}
     results["models"] = [{**trained[new], "name": old} for old, new in run.members[number].items()]  # its order
+    if "peak_allocated_bytes" in shared:  # by member
+        results["peak_allocated_bytes"] = {names[name]: peak for name, peak in shared["peak_allocated_bytes"].items()
+                                           if name in names}
     ensemble = results["ensemble"] = copy.deepcopy(shared["parts"][str(number)])
     if ensemble["kept"]:
         ensemble["kept"]["epochs"] = {names[name]: epochs for name, epochs in ensemble["kept"]["epochs"].items()}

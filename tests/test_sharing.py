@@ -1,9 +1,11 @@
 """How the shared launcher (pipeline/sharing.py) forms its runs: which jobs share one, and the members
 of that run. The launcher itself, a real multirun: tests/test_sweeps.py."""
+from pathlib import Path
+
 from omegaconf import open_dict
 
 from pipeline.config import expand_ensemble
-from pipeline.sharing import batches, combine
+from pipeline.sharing import batches, combine, job_results
 from tests.conftest import compose_config
 
 
@@ -59,3 +61,31 @@ def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():
     assert shared.parts == {"0": sorted(shared.members[0].values()), "1": sorted(shared.members[1].values())}
     assert shared.jobs_holding("j1.resnet10_w16") == [1] and shared.jobs_holding("j0.resnet10_w24") == [0, 1]
     assert shared.cfg.objective.of == "ensemble" and "hydra" not in shared.cfg
+
+
+def test_a_jobs_results_name_its_members_as_it_does_and_leave_the_other_jobs_out():
+    """Job 1's view of a shared run where each version of resnet10_w16 trained alone and the three
+    members both jobs share packed as group0: its rows and GPU memory peaks under its own names, job 0's
+    resnet10_w16 left out of them; what is by slot group (a row's group, rates) as the shared run names
+    it. Shared names left in a job's rows or peaks, another job's member kept there, or slot groups
+    renamed apart from the run's own `groups`, fail."""
+    jobs = numbered({0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("ensemble.models.0.optimizer.lr=0.01")})
+    run = combine(jobs)
+    packed = ["j0.resnet10_w24", "j0.densenet40_k12", "j0.densenet40_k8"]
+    alone = ["j0.resnet10_w16", "j1.resnet10_w16"]
+    models = [{"name": name, "group": name if name in alone else "group0", "val_accuracy": [0.5]}
+              for name in alone + packed]
+    part = {"kept": {"epochs": {name: 1 for name in run.members[1].values()}, "val_accuracy": 0.6},
+            "final_val_accuracy": 0.5}
+    rates = {"j0.resnet10_w16": [10.0], "j1.resnet10_w16": [11.0], "group0": [5.0]}
+    shared = {"models": models, "parts": {"0": part, "1": part}, "ensemble": part, "rates": rates,
+              "peak_allocated_bytes": {name: 2**20 * (i + 1) for i, name in enumerate(alone + packed)}}
+    results = job_results(shared, run, 1, jobs[1], Path("/sweep/shared-0-1"))
+    assert {m["name"]: m["group"] for m in results["models"]} == {
+        "resnet10_w16": "j1.resnet10_w16", "resnet10_w24": "group0", "densenet40_k12": "group0",
+        "densenet40_k8": "group0"}
+    assert results["rates"] == rates
+    assert results["peak_allocated_bytes"] == {"resnet10_w16": 2 * 2**20, "resnet10_w24": 3 * 2**20,
+                                               "densenet40_k12": 4 * 2**20, "densenet40_k8": 5 * 2**20}
+    assert results["objective"]["value"] == 0.6 and results["ensemble"]["kept"]["epochs"] == {
+        name: 1 for name in run.members[1]}
