@@ -380,11 +380,13 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
     check_group_memory(fewest, sizes, slot_bytes)
     r = cfg.rates
-    # An agent measures on its own host's devices: those of one node's slots (the nodes are alike). A GPU
-    # split into sub-slots is one device to measure on: a rank of a measurement holds a whole GPU.
-    devices = [device for slot, device in slots.items() if slot.node == 0] if where else list(slots.values())
-    if device_kind == DeviceKind.cuda:
-        devices = list(dict.fromkeys(devices))
+    # An agent measures on its own host's devices: those of one node's slots (the nodes are alike).
+    per_slot = [device for slot, device in slots.items() if slot.node == 0] if where \
+        else list(slots.values())
+    # A GPU split into sub-slots (trainer.slots_per_gpu) is one device to measure on, and holds one rank of
+    # a model: no model grows data-parallel there (devices.slot_devices).
+    devices = list(dict.fromkeys(per_slot)) if device_kind == DeviceKind.cuda else per_slot
+    sub_slots = len(devices) < len(per_slot)
     how = Measurement(num_classes=classes, image_sizes=image_sizes, batch_size=batch, device_kind=device_kind,
                       devices=devices, steps=r.steps, warmup=r.warmup, threads=cfg.trainer.threads,
                       precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
@@ -398,9 +400,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         span = least if least == most else f"{least} to {most}"
         console.print(f"[bold]GPU memory[/] of a training step, measured: {span} per model alone on one slot")
         check_group_memory(fewest, sizes, slot_bytes)
-    # Sub-slots of a GPU hold one rank each: no model grows data-parallel there (devices.slot_devices).
-    max_slots = 1 if cfg.trainer.slots_per_gpu > 1 and device_kind == DeviceKind.cuda else \
-        min(r.max_slots, len(devices))
+    max_slots = 1 if sub_slots else min(r.max_slots, len(devices))
     measured_by: dict = {}  # group -> slot count -> the host and process that measured its rate
     single_rates = measure_rate_table(alone, max_slots, how, cache, measured_by) if needs_rates else None
     grouping = cfg.trainer.grouping

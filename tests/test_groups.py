@@ -145,6 +145,33 @@ def test_a_sub_slot_holds_its_share_of_the_gpu(tiny_dataset):
         place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.slots_per_gpu=4"], 8)
 
 
+def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(tiny_dataset, tmp_path):
+    """scheduler=fleet_g on 2 GPUs of 2 sub-slots: every model's rate is asked for 1 slot only (a sub-slot
+    holds one rank: a model grown data-parallel over two sub-slots of one GPU would fail in NCCL), and on
+    the 2 GPUs each once. Rates asked for 2 slots, or a GPU listed twice, fail."""
+    from pipeline.training.rates import HostHardware, Measured, MeasuredBy
+
+    asked = []
+
+    class RecordingHost:
+        def hardware(self, how):
+            return HostHardware({"device_name": "H100"}, MeasuredBy("agent", 1))
+
+        def measure(self, group, slot_counts, how):
+            asked.append((group.name, tuple(slot_counts), tuple(how.devices)))
+            return Measured({k: 100.0 for k in slot_counts}, MeasuredBy("agent", 1))
+
+    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "scheduler=fleet_g",
+                          "trainer.slots_per_gpu=2", f"rates.cache={tmp_path / 'rates.json'}"])
+    models = expand_ensemble(cfg.ensemble, cfg.seed)
+    graph = _graph(cfg, models)
+    device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": 2, "gpu_memory": H100_BYTES}})
+    assert len(slots) == 4
+    _group(cfg, models, graph, _sizes(models, graph, cfg.pipeline.batch_size), device_kind, slots, slot_bytes,
+           True, tmp_path, Console(), {}, where=RecordingHost())
+    assert sorted(asked) == [(m.name, (1,), ("cuda:0", "cuda:1")) for m in sorted(models, key=lambda m: m.name)]
+
+
 @pytest.mark.parametrize("grouping", [Grouping.fuse, Grouping.pack])
 def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(tiny_dataset, grouping):
     groups, placed = place(tiny_dataset, ["+ensemble=caltech256_paper", f"trainer.grouping={grouping.value}"], 8)
