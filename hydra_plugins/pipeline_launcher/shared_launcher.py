@@ -71,7 +71,7 @@ class SharedLauncher(Launcher):
             with env_override(sharing.env_set(jobs[batch[0]])):
                 outcome = _train(shared, folder)
             if isinstance(outcome, MemberError):
-                alone = shared.jobs_holding(outcome.member)
+                alone = shared.jobs_holding(outcome.member) or batch  # (a member of no job: never loop)
                 log.warning(f"jobs {', '.join(map(str, alone))} run alone: the shared run refused {outcome}")
             elif isinstance(outcome, JobFailed) and outcome.code == ExitCode.user_error:
                 alone = batch

@@ -13,8 +13,8 @@ from stages.base import UserError
 # (pipeline/orchestration/grouping.py checks it).
 MEMORY_HEADROOM = 1.5
 # A trainer process's CUDA context and the kernels its libraries load, outside torch's allocator: what each
-# process sharing a GPU costs it beside its slot's tensors. An estimate (the driver's order of size with
-# lazy module loading); a measured peak (pipeline/training/memory.py) leaves it out.
+# process sharing a GPU costs it beside its slot's tensors. An estimate, not measured here (contexts take
+# some hundreds of MB); a measured peak (pipeline/training/memory.py) leaves it out.
 CUDA_CONTEXT_BYTES = 512 * 2**20
 
 
