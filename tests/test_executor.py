@@ -81,6 +81,37 @@ def test_batch_tasks_reuse_the_memory_of_the_tasks_before():
     assert max(faults[1:]) < 100, faults
 
 
+def _log_filters_bound_to_this_worker() -> list[str]:
+    import logging
+
+    from dask.distributed import get_worker
+
+    return [type(f).__name__ for f in logging.getLogger("distributed.worker").filters
+            if getattr(f, "worker", None) is get_worker()]
+
+
+def test_a_local_worker_drops_the_heartbeat_its_own_close_cut_off_and_no_other():
+    """A local worker's close cuts the heartbeat in flight, and distributed logs that as an error with a
+    traceback (seen in test_lifetime's stop, dask/distributed#7105). Mistakes caught: the filter not
+    installed in the workers; the record dropped while the worker runs (a scheduler really lost)."""
+    import logging
+    from types import SimpleNamespace
+
+    from distributed.core import Status
+
+    from pipeline.data.executor import HeartbeatCutByClose
+
+    with dask_client(None, 1, 1) as client:
+        assert client.submit(_log_filters_bound_to_this_worker, pure=False).result() == ["HeartbeatCutByClose"]
+    record = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0,
+                               "Failed to communicate with scheduler during heartbeat.", (), None)
+    other = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0, "Compute Failed", (), None)
+    kept = {status.name: HeartbeatCutByClose(SimpleNamespace(status=status)).filter(record)
+            for status in (Status.running, Status.closing, Status.closing_gracefully, Status.closed)}
+    assert kept == {"running": True, "closing": False, "closing_gracefully": False, "closed": False}, kept
+    assert HeartbeatCutByClose(SimpleNamespace(status=Status.closing)).filter(other)
+
+
 def test_prefetch_queue_fills_when_the_consumer_is_slow_and_empties_when_it_is_fast(tiny_dataset):
     """A capacity that is not the fill the queue reaches (the report's full and mean % divide by it) fails."""
     from dask.distributed import wait

@@ -24,6 +24,7 @@ from pathlib import Path
 import dask
 from dask.distributed import (Client, LocalCluster, Security, WorkerPlugin, get_worker, performance_report,
                               wait)
+from distributed.core import Status
 from distributed.protocol.pickle import dumps
 from rich.console import Console
 
@@ -108,14 +109,30 @@ class GraphOnWorkers(WorkerPlugin):
 log = logging.getLogger(__name__)
 
 
-class LeaveInterruptsToTheDriver(WorkerPlugin):
+class LeaveTheStopToTheDriver(WorkerPlugin):
     """A terminal's Ctrl-C, and a SIGTERM from `timeout`, Slurm or systemd, reach every process of the
     run: the workers of a LocalCluster made here ignore both (the driver stops them in order, through
-    their nannies, which kill a worker that does not stop) instead of dying in the middle of a batch."""
+    their nannies, which kill a worker that does not stop) instead of dying in the middle of a batch.
+    And a worker told to close does not report as an error the heartbeat its own close cut off."""
 
     def setup(self, worker) -> None:
         for signum in STOP_SIGNALS:  # (a worker runs its event loop in its main thread)
             signal.signal(signum, signal.SIG_IGN)
+        logging.getLogger("distributed.worker").addFilter(HeartbeatCutByClose(worker))
+
+
+class HeartbeatCutByClose(logging.Filter):
+    """Drops distributed's "Failed to communicate with scheduler during heartbeat" (a traceback at ERROR)
+    once its worker is closing: the close shuts the connections a heartbeat in flight waits on
+    (dask/distributed#7105), which says nothing wrong. While the worker runs, the record stays."""
+
+    def __init__(self, worker) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Failed to communicate with scheduler during heartbeat")
+                    and self.worker.status in (Status.closing, Status.closing_gracefully, Status.closed))
 
 
 SAMPLES_KEPT = 2000  # queue and latency samples a producer keeps (evenly thinned beyond twice this)
@@ -394,7 +411,7 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
                          # told otherwise, and warns on stderr when another cluster holds it: any free port
                          scheduler_kwargs=None if dashboard else {"dashboard_address": f"{LOOPBACK}:0"}) as cluster, \
             Client(cluster) as client:
-        client.register_plugin(LeaveInterruptsToTheDriver())
+        client.register_plugin(LeaveTheStopToTheDriver())
         for w in range(count):
             node = w * nodes // count
             spec = copy.deepcopy(cluster.new_spec)
