@@ -221,10 +221,14 @@ def _compute_bound(results: dict, limiter: ModelRow, models: list[ModelRow],
     verdict = Verdict("compute", None, limiter.name, limiter.data_stall_pct, line)
     if limiter.group_mode not in (None, "alone"):  # it shares a slot: more slots split its group, no DDP
         group = results.get("groups", {}).get(limiter.group, {})
-        slots = results.get("devices", {}).get("slots", 1) + 1
-        change = f"trainer.slots={slots}"
+        devices = results.get("devices", {})
+        if devices.get("kind") == "cuda":  # its slots are every GPU already: more processes on each
+            per_gpu = results.get("config", {}).get("trainer", {}).get("slots_per_gpu", 1)
+            change, more = f"trainer.slots_per_gpu={per_gpu + 1}", "more trainer processes on each GPU"
+        else:
+            change, more = f"trainer.slots={devices.get('slots', 1) + 1}", "more slots"
         text = (f"{change}: {limiter.name} trains in {limiter.group} ({len(group.get('members', []))} models "
-                f"{limiter.group_mode} on one slot), which sets the pace; more slots put fewer models on each "
+                f"{limiter.group_mode} on one slot), which sets the pace; {more} put fewer models on each "
                 "(a group's step takes about the sum of its members' steps)")
         return verdict, [Action(change, text, None, None, change)]
     # Twice the slots, at best twice the rate (linear DDP scaling); the next slowest member and the
