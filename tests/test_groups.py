@@ -139,9 +139,9 @@ def test_one_gpu_split_into_4_sub_slots_trains_each_default_model_in_a_process_o
 
 def test_a_sub_slot_holds_its_share_of_the_gpu(tiny_dataset):
     """The paper ensemble's largest model needs 24.5 GiB with headroom: it fits a whole H100, not a
-    quarter of one less its CUDA context (19.5 GiB), and the error says the slot's size."""
+    quarter of one less its CUDA context (19.25 GiB), and the error says the slot's size."""
     place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.grouping=pack"], 8)
-    with pytest.raises(SlotError, match=r"needs about 2\d.\d\d GiB per slot .* but a slot has 19.50 GiB"):
+    with pytest.raises(SlotError, match=r"needs about 2\d.\d\d GiB per slot .* but a slot has 19.25 GiB"):
         place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.slots_per_gpu=4"], 8)
 
 

@@ -13,9 +13,10 @@ from stages.base import UserError
 # (pipeline/orchestration/grouping.py checks it).
 MEMORY_HEADROOM = 1.5
 # A trainer process's CUDA context and the kernels its libraries load, outside torch's allocator: what each
-# process sharing a GPU costs it beside its slot's tensors. An estimate, not measured here (contexts take
-# some hundreds of MB); a measured peak (pipeline/training/memory.py) leaves it out.
-CUDA_CONTEXT_BYTES = 512 * 2**20
+# process sharing a GPU costs it beside its slot's tensors. Measured on an H100 (torch 2.11.0+cu130,
+# 2026-11-27, docs/benchmarks.md): 527 MiB once CUDA starts, 767 MiB after a bf16 convolution's and a
+# linear layer's step (cuDNN and cuBLAS loaded). A measured peak (pipeline/training/memory.py) leaves it out.
+CUDA_CONTEXT_BYTES = 768 * 2**20
 
 
 class DeviceKind(enum.StrEnum):
