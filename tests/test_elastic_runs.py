@@ -128,7 +128,7 @@ def hold_the_host_for_its_joiner(monkeypatch):
             sent.set()
 
     def wait_at_the_boundary(boundary, flotilla, epoch):
-        if boundary.thread.flotilla_id == 1 and epoch == 1:
+        if boundary.flotilla_id == 1 and epoch == 1:
             assert sent.wait(timeout=300), "no model joined flotilla 1 within 300 s"
         apply_commands(boundary, flotilla, epoch)
 

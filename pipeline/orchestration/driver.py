@@ -331,7 +331,7 @@ class EpochBoundary:
     and the last checkpoints as the run stops. It keeps what each member has finished and saved."""
 
     def __init__(self, thread: FlotillaThread):
-        self.thread = thread
+        self.thread, self.run_ctx, self.flotilla_id = thread, thread.run_ctx, thread.flotilla_id
         self.reported: dict[str, int] = {}  # model -> epochs it has finished, as told to the main thread
         # model -> epochs of its newest checkpoint (where it started, or written since)
         self.saved: dict[str, int] = {m.name: member.start_epoch for member in thread.members
@@ -349,9 +349,9 @@ class EpochBoundary:
             elif isinstance(report, CheckpointSaved):
                 self.saved[report.model] = report.epochs
             elif isinstance(report, TrainerDone):
-                self.thread.run_ctx.recorder.add_checksums(self.thread.flotilla_id, report)
+                self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
             else:
-                self.thread.run_ctx.recorder.add_report(report)
+                self.run_ctx.recorder.add_report(report)
         return validation
 
     def apply(self, flotilla: Flotilla, epoch: int) -> None:
@@ -366,7 +366,7 @@ class EpochBoundary:
                 training = {m.name for m in flotilla.members[command.group].group.members}
                 wanted.update({(command.group, model): command.epochs for model in command.models
                                if model in training and self.saved.get(model) != command.epochs})
-        self.save(flotilla, wanted, time.monotonic() + thread.run_ctx.report_s)
+        self.save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
         for command in commands:
             if isinstance(command, ReleaseModel) and command.group in flotilla.members:
                 flotilla.release(command.group, command.model)  # before the next batch is published
@@ -383,12 +383,12 @@ class EpochBoundary:
             flotilla.attach(member.group.name)
             self._joined(member, epoch, "attached")
         if self.taken_in:
-            thread.run_ctx.recorder.delivery_groups(thread.flotilla_id, flotilla.plan)
+            self.run_ctx.recorder.delivery_groups(self.flotilla_id, flotilla.plan)
         self.taken_in = []
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()
             self.await_done(flotilla)
-            thread.run_ctx.recorder.add_hub_summaries(thread.flotilla_id, flotilla.summaries)
+            self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
         for group in leaving:
             flotilla.remove(group)
             thread.events.put(MemberLeft(thread, group))
@@ -401,11 +401,11 @@ class EpochBoundary:
         staying = list(flotilla.members.values())
         wanted = {(member.group.name, m.name): self.reported[m.name] for member in staying
                   for m in member.group.members if self.saved.get(m.name) != self.reported.get(m.name)}
-        self.save(flotilla, wanted, time.monotonic() + self.thread.run_ctx.report_s)
+        self.save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
         if flotilla.members:
             flotilla.stop()
             self.await_done(flotilla)
-            self.thread.run_ctx.recorder.add_hub_summaries(self.thread.flotilla_id, flotilla.summaries)
+            self.run_ctx.recorder.add_hub_summaries(self.flotilla_id, flotilla.summaries)
         joining, self.joining = self.joining, []
         for member in joining:
             self._joined(member, epoch, "laid out again")
@@ -414,19 +414,17 @@ class EpochBoundary:
     def take_in(self, flotilla: Flotilla) -> None:
         """Joiners whose streams the running hub makes start their trainers now, to read from the next
         epoch boundary on (their start overlaps this epoch); the others wait to be laid out with it."""
-        joins, r = self.thread.joins, self.thread.run_ctx
+        joins = self.thread.joins
         while not joins.empty():
             member = joins.get_nowait().member
-            taken = flotilla.take_in(member, r.graph.sinks, r.setup)
+            taken = flotilla.take_in(member, self.run_ctx.graph.sinks, self.run_ctx.setup)
             (self.taken_in if taken else self.joining).append(member)
 
     def _joined(self, member: Member, epoch: int, how: str) -> None:
-        thread = self.thread
         self.saved.update({m.name: member.start_epoch for m in member.group.members})
-        thread.run_ctx.recorder.joined(member.group, thread.flotilla_id, member.devices, member.start_epoch, epoch,
-                                       how)
-        thread.run_ctx.progress.console.print(
-            f"flotilla {thread.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
+        self.run_ctx.recorder.joined(member.group, self.flotilla_id, member.devices, member.start_epoch, epoch, how)
+        self.run_ctx.progress.console.print(
+            f"flotilla {self.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
 
     def save(self, flotilla: Flotilla, wanted: dict[tuple[str, str], int], deadline: float,
              stopping: bool = False) -> set[str]:
@@ -450,8 +448,8 @@ class EpochBoundary:
             if time.monotonic() > deadline:
                 if stopping:
                     break
-                raise HangError(f"flotilla {self.thread.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
-                                f"not written in {self.thread.run_ctx.report_s:g} s (timeouts.report_s)")
+                raise HangError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
+                                f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             self.forward(flotilla.poll(timeout=0.2))
         return {group for group, _ in wanted} - {group for group, _ in waiting}
 
@@ -461,26 +459,25 @@ class EpochBoundary:
         wanted = {(name, m.name): self.reported[m.name] for name, member in flotilla.members.items()
                   if name not in failed for m in member.group.members
                   if self.reported.get(m.name, 0) > self.saved.get(m.name, 0)}
-        saved = self.save(flotilla, wanted, time.monotonic() + STOP_SAVE_SHARE * self.thread.run_ctx.stop_s,
+        saved = self.save(flotilla, wanted, time.monotonic() + STOP_SAVE_SHARE * self.run_ctx.stop_s,
                           stopping=True)
         self.saved_on_stop = {group: epochs for (group, _), epochs in wanted.items() if group in saved}
 
     def await_done(self, flotilla: Flotilla) -> None:
         """After STOP: every hub's summary and every trainer's last report (its checksums), then exit."""
         waiting = {(name, rank) for name, m in flotilla.members.items() for rank in range(len(m.devices))}
-        report_s = self.thread.run_ctx.report_s
-        deadline = time.monotonic() + report_s
+        deadline = time.monotonic() + self.run_ctx.report_s
         while (waiting - {(name, rank) for name, rank in waiting if name in flotilla.failed_members()}
                or len(flotilla.summaries) < len(flotilla.plan.hubs)):
             self.thread.check_stop()
             if time.monotonic() > deadline:
-                raise HangError(f"flotilla {self.thread.flotilla_id}: trainers {sorted(waiting)} or hubs did not "
-                                f"finish in {report_s:g} s (timeouts.report_s)")
+                raise HangError(f"flotilla {self.flotilla_id}: trainers {sorted(waiting)} or hubs did not "
+                                f"finish in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             flotilla.hub_progress(timeout=0.1)
             reports = flotilla.poll(timeout=0.5)
             waiting -= {(r.group, r.rank) for r in reports if isinstance(r, TrainerDone)}
             self.forward(reports)
-        flotilla.join(timeout=self.thread.run_ctx.delivery.exit_s)
+        flotilla.join(timeout=self.run_ctx.delivery.exit_s)
 
 
 class Driver:
