@@ -1,8 +1,9 @@
 """Ensemble training from one shared preprocessing pipeline.
 
-The folders are the layers, bottom first: `scheduler` (pure FLEET logic),
-`data` (stage DAG on Dask), `delivery` (topologies, hubs, rings,
-collectives), `training` (trainers, models, rate measurement), `measure`
+The folders are the layers, bottom first: `runtime` (how processes live,
+wait and end; the user's error), the stage contract (`stages/`, beside
+this package), `scheduler` (pure FLEET logic), `data` (stage DAG on Dask),
+`delivery` (topologies, hubs, rings, collectives), `training` (trainers, models, rate measurement), `measure`
 (the run recorder), `orchestration` (driver, flotillas, node agents,
 devices), `report` (reports, mode=profile). The entry sits on top:
 `__main__.py` (the command), `config.py` (schema), `run.py` (one run wired

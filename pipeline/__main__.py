@@ -2,7 +2,7 @@
 (mode=train), or profile its pipeline and write the report (mode=profile).
 
 How it ends is its exit code (pipeline.config.ExitCode, the table in
-docs/configuration.md). A user's mistake (stages.base.UserError: config,
+docs/configuration.md). A user's mistake (pipeline.runtime.errors.UserError: config,
 slots, memory, dataset, a bad file under on_error=fail) is one message on
 stderr and code 2; with HYDRA_FULL_ERROR=1 its traceback too. Ctrl-C or
 SIGTERM stops the run in order (130, 143) and says how to resume it; so does
@@ -28,7 +28,7 @@ from pipeline.config import ExitCode, JobFailed, exit_on_user_error, register
 from pipeline.runtime.hang import HangError
 from pipeline.runtime.lifetime import Interrupted, StopSignals
 from pipeline.run import run
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 register()
 

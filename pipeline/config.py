@@ -26,13 +26,14 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeline.data.dataset import Synthetic
 from pipeline.measure.objective import BEST_MEMBER, ENSEMBLE, Metric
+from pipeline.runtime.errors import UserError
 from pipeline.scheduler.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
 from pipeline.scheduler.groups import Grouping
 from pipeline.scheduler.policies import PolicyName
 from pipeline.training.group import MIN_ROWS, Precision
 from pipeline.training.members import ModelSpec, member_seed
-from stages.base import OnError, UserError
+from stages.base import OnError
 from stages.decode import DecodeBackend
 
 AUTO = "auto"

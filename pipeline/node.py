@@ -11,7 +11,7 @@ import psutil
 
 from pipeline.data.executor import TlsFiles
 from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key, serve
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import write_json
 from pipeline.measure.tracking import CSV_FILE, FOLDER as TRACKING
 from pipeline.report import write_report
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 JOB_KEYS = ("ensemble", "objective")  # what jobs of one shared run may differ in
 MEMBER_KEYS = tuple(f.name for f in fields(MemberConf))  # what a member declares (ModelSpec holds more)

@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from pipeline.runtime.errors import UserError
+
 
 class Role(str, enum.Enum):
     SOURCE = "source"  # no inputs: makes a batch from a batch index
@@ -100,12 +102,6 @@ class BatchContext:
         image, and it is made about 5x faster than numpy's."""
         key = f"{self.seed}/{self.sequence}/{self.split.value}/{self.epoch}/{self.stage}/{path}".encode()
         return random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
-
-
-class UserError(ValueError):
-    """A mistake in the user's config or data, not in the code: its message says
-    what is wrong, the value, the config key or file, and the fix. The command
-    prints it without a traceback and exits with code 2 (docs/configuration.md)."""
 
 
 class StageError(UserError):

@@ -16,7 +16,7 @@ import pytest
 from pipeline.delivery.collective import LOOPBACK
 from pipeline.orchestration.link import Link
 from pipeline.orchestration.node import AGENT_KEY_ENV
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 from stages.cache import cache_prefix
 from tests.conftest import compose_config
 from tests.hosts import Hosts, connected, dask_scheduler, listening

@@ -16,7 +16,7 @@ from pipeline.runtime.lifetime import SHM_DIR, remove_shm
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import StreamLayout
 from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 from tests.conftest import compose_config, resnet_override
 
 

@@ -103,7 +103,7 @@ def _train(shared, folder: Path):
     from pipeline.runtime.hang import HangError
     from pipeline.runtime.lifetime import Interrupted, StopSignals
     from pipeline.training.members import MemberError
-    from stages.base import UserError
+    from pipeline.runtime.errors import UserError
 
     with StopSignals() as stop:
         try:

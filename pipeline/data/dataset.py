@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra.utils import to_absolute_path
 
 from pipeline.data.synthetic import generate_imagefolder, read_marker
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 
 class Synthetic(enum.StrEnum):

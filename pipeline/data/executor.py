@@ -30,9 +30,10 @@ from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
+from pipeline.runtime.errors import UserError
 from pipeline.runtime.hang import Patience, Stall
 from pipeline.runtime.lifetime import STOP_SIGNALS, remove_shm
-from stages.base import BadFileError, BatchContext, OnError, Split, UserError
+from stages.base import BadFileError, BatchContext, OnError, Split
 from stages.cache import Cache
 
 

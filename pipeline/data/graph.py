@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.base import Batch, BatchContext, Role, Spec, Split, Stage, StageError, UserError
+from pipeline.runtime.errors import UserError
+from stages.base import Batch, BatchContext, Role, Spec, Split, Stage, StageError
 from stages.cache import Cache, stored_bytes
 from stages.read import ImageFolder
 

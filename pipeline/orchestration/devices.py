@@ -6,7 +6,7 @@ import os
 
 from pipeline.scheduler.cluster import Slot
 from pipeline.training.members import ModelSpec
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 # The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x
 # higher (workspaces, allocator slack), so a group must fit with this margin

@@ -56,7 +56,7 @@ from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
 from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.ring import Ring
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 from stages.cache import cache_prefix
 
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it

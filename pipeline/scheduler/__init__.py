@@ -6,7 +6,7 @@ A driver sends events (`RatesMeasured`, `PrepCostMeasured`, `EpochFinished`,
 `Scheduler.handle` and carries out the decisions it returns (`FormFlotilla`,
 `AssignSlots`, `Start`, `Join`, `Checkpoint`, `Stop`); the simulator drives the same code. See docs/scheduler.md.
 
-May import: `stages.base` (for `UserError`) and nothing else of the project;
+May import: `pipeline.runtime.errors` (for `UserError`) and nothing else of the project;
 every layer above may use its types (`Slot`, `RateTable`, `Cluster`).
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 
 class PlacementError(UserError):

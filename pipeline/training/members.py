@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 
 # What HFTA's operator fusion (pipeline/training/fusion.py) covers: the built-in families, stepped by Nesterov SGD
 # (each member's lr, momentum, weight decay its own) on the cosine schedule with cross-entropy. Other members of one

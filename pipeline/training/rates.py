@@ -49,7 +49,7 @@ from pipeline.runtime.child import Child, messages, tell_parent
 from pipeline.runtime.files import write_whole
 from pipeline.runtime.lifetime import child_started, children_context, how_it_ended
 from pipeline.scheduler.cluster import RateTable
-from stages.base import UserError
+from pipeline.runtime.errors import UserError
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
                                      rank_rows)
 from pipeline.training.members import array_fusion, canonical
