@@ -204,7 +204,7 @@ class TimeoutsConf:
 @dataclass
 class MemberConf:
     name: str = MISSING  # unique name, used for checkpoints and reports
-    input: str = MISSING  # the broadcast stage whose stream it trains on
+    input: str = MISSING  # the sink (a broadcast stage) it trains on
     model: Any = MISSING  # {_target_: <callable returning an nn.Module>, its arguments}; given num_classes, and
     # image_size where it takes one (pipeline.training.models.resnet / densenet are the built-in families)
     optimizer: Dict[str, Any] = field(default_factory=dict)  # its keys over ensemble.optimizer (e.g. {lr: 0.1});

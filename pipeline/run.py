@@ -499,8 +499,8 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
                       "set dataset.root=/path/to/256_ObjectCategories (any ImageFolder tree)")
     else:
         console.print(f"[bold]dataset[/]  {cfg.dataset.name} at {dataset.root}: {size}")
-    streams = ", ".join(f"{name} {spec.item_shape[0]}px" for name, spec in graph.sinks.items())
-    console.print(f"[bold]scale[/]    {models} models on streams {streams}, batch {cfg.pipeline.batch_size}, "
+    sinks = ", ".join(f"{name} {spec.item_shape[0]}px" for name, spec in graph.sinks.items())
+    console.print(f"[bold]scale[/]    {models} models on sinks {sinks}, batch {cfg.pipeline.batch_size}, "
                   f"up to {cfg.trainer.epochs} epochs, scheduler={cfg.scheduler.policy}; paper scale "
                   "(100 models, 224/299 px, GPUs): +ensemble=caltech256_paper scheduler=fleet_g")
     where = f"Dask scheduler {cfg.cluster.address}" if cfg.cluster.address else \

@@ -1,6 +1,6 @@
 """Benchmark of the layout CPU slots train in (docs/benchmarks.md, CPU layout): the default ensemble's
 models (+ensemble=caltech256), each trained with the trainer's own step (`GroupStep`) on synthetic uint8
-batches already in memory, at its stream's image size, batch and thread count as the default run has
+batches already in memory, at its sink's image size, batch and thread count as the default run has
 them, in each candidate setting:
 
 * channels_last: the layout GPUs train in, which CPU slots trained in before; oneDNN's channels-last

@@ -149,7 +149,7 @@ class Driver:
 
 def base_overrides(address: str, nodes: int, root: Path, image_size: int) -> list[str]:
     return ["+ensemble=caltech256", f"dataset.root={root}", "dataset.synthetic=never",
-            f"pipeline.image_size={image_size}", "~pipeline.stages.alt", "~pipeline.stages.crop_alt",  # one stream
+            f"pipeline.image_size={image_size}", "~pipeline.stages.alt", "~pipeline.stages.crop_alt",  # one sink
             f"cluster.address={address}", f"cluster.nodes={nodes}", "trainer.slots=4"]
 
 

@@ -144,7 +144,7 @@ class Ours:
         self.stage_cpu_s = {}
         images = 0
         for _, output in self.executor.batches(Split.TRAIN, self.epochs):
-            batch = output.streams[SINK]
+            batch = output.batches[SINK]
             check_batch(batch.data, self.size)
             images += len(batch.labels)
             for stage, timing in output.timings.items():
@@ -493,7 +493,7 @@ class Delivery:
         images = 0
         for outputs in zip(*(executor.batches(Split.TRAIN, self.epochs) for executor in self.executors)):
             for writer, (index, output) in zip(self.writers, outputs):
-                batch = output.streams[SINK]
+                batch = output.batches[SINK]
                 writer.publish(MessageKind.BATCH, TRAIN, self.epochs, index, batch.data, batch.labels)
                 images += len(batch.labels)
         for writer in self.writers:

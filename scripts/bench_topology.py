@@ -69,7 +69,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def ensemble_override(count: int) -> str:
-    """`count` copies of one tiny ResNet on the one stream, named m0..m<count-1>."""
+    """`count` copies of one tiny ResNet on the one sink, named m0..m<count-1>."""
     models = ", ".join(f"{{name: m{i}, input: main, model: {{_target_: pipeline.training.models.resnet, depth: 10, "
                        f"width: 8}}}}" for i in range(count))
     return f"ensemble.models=[{models}]"
@@ -103,7 +103,7 @@ def run_one(name: str, args: argparse.Namespace, root: Path, models: int, topolo
     from pipeline.run import run
 
     overrides = ["+ensemble=caltech256", ensemble_override(models), f"topology={topology}",
-                 "~pipeline.stages.alt", "~pipeline.stages.crop_alt",  # one stream: every model reads `main`
+                 "~pipeline.stages.alt", "~pipeline.stages.crop_alt",  # one sink: every model reads `main`
                  f"dataset.root={root}", "dataset.synthetic=never", "dataset.val_per_class=0",
                  f"pipeline.image_size={args.image_size}", f"cluster.workers={workers}", f"cluster.nodes={nodes}",
                  f"trainer.epochs={epochs}", f"trainer.consume_only={str(consume_only).lower()}"]
@@ -176,10 +176,10 @@ def summarize(results: dict, image_size: int) -> dict:
         "ring_bytes_per_epoch": sum(h["ring_bytes"] for h in hubs) / epochs,
         "collective_bytes_per_epoch": sum(h["sent_bytes"] for h in hubs) / epochs,
         "epoch_payload_bytes": train_images * (item_bytes + 8),  # one epoch's images (uint8) and labels (int64)
-        "hubs": [{k: h[k] for k in ("node", "group", "part", "ring_bytes", "sent_bytes", "received_bytes",
+        "hubs": [{k: h[k] for k in ("node", "stream", "part", "ring_bytes", "sent_bytes", "received_bytes",
                                     "exchange_s", "publish_wait_s")}
                  | {"occupancy": occupancy_stats(h["occupancy"])} for h in hubs],
-        "groups": [g for info in flotillas for g in info["groups"]],
+        "streams": [s for info in flotillas for s in info["streams"]],
         "epochs": epochs, "train_images": train_images,
         "worker_busy_pct": results["cluster"]["worker_busy_pct"], "wall_s": results["wall_s"],
     }

@@ -23,7 +23,7 @@ from pipeline.runtime.errors import UserError
 class Role(str, enum.Enum):
     SOURCE = "source"  # no inputs: makes a batch from a batch index
     MAP = "map"  # one input batch in, one out
-    SINK = "sink"  # end of a branch, a broadcast stage: its output is a stream fanned out to trainers
+    SINK = "sink"  # end of a branch, a broadcast stage: its batches are fanned out to trainers
 
 
 class DataKind(str, enum.Enum):

@@ -1,8 +1,8 @@
-"""Broadcast stage: the DAG's sinks. Its name is a stream that models name as
-their `input`; the stream is fanned out to every trainer of every model that
-reads it. Which collective carries it there (one producer, shares gathered
-from every node, one producer per group: docs/topologies.md) is the
-topology's business, not the stage's."""
+"""Broadcast stage: the DAG's sinks. Models name a sink as their `input`; its
+batches are fanned out to every trainer of every model that reads it. Which
+collective carries them there (one producer, shares gathered from every
+node, one producer per stream: docs/topologies.md) is the topology's
+business, not the stage's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +13,8 @@ from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage
 
 @dataclass
 class Broadcast(Stage):
-    """The end of a branch: its finished uint8 batches, unchanged, are one
-    stream handed to every model whose `input` names this stage."""
+    """The end of a branch: its finished uint8 batches, unchanged, are handed
+    to every model whose `input` names this stage."""
 
     role: ClassVar[Role] = Role.SINK
     accepts: ClassVar[DataKind | None] = DataKind.TENSOR

@@ -50,7 +50,7 @@ def epochs(graph, count, dataset_split=(Split.TRAIN, Split.VAL)):
                 out = graph.run(BatchContext(seed=5, split=split, epoch=epoch, index=index))
                 made[epoch, split, index] = {
                     "streams": {name: (zlib.crc32(batch.data.tobytes()), batch.labels.tolist(), batch.paths)
-                                for name, batch in out.streams.items()},
+                                for name, batch in out.batches.items()},
                     "skipped": out.skipped, "hits": out.cache_hits, "lookups": out.cache_lookups,
                     "read": out.timings["read"].items, "decoded": out.timings["decode"].items}
     return made
@@ -162,7 +162,7 @@ def test_dask_workers_share_one_store_and_a_killed_worker_costs_a_recomputation(
             pids, killed = client.run(os.getpid), None
             for epoch in (0, 1):
                 for index, out in executor.batches(Split.TRAIN, epoch):
-                    batch = out.streams["main"]
+                    batch = out.batches["main"]
                     received[epoch, Split.TRAIN, index] = (zlib.crc32(batch.data.tobytes()), batch.labels.tolist(),
                                                            batch.paths)
                     hits.append((epoch, out.cache_hits, out.cache_lookups))

@@ -162,5 +162,5 @@ def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(joine
     # finished): its loss goes on, and it trained on each image once an epoch, as resnet10_w24 did alone
     assert host["train_loss"][stint["flotilla_epoch"]] < host["train_loss"][0]
     assert host["flotillas"][0]["images"] == models["resnet10_w24"]["flotillas"][0]["images"]
-    (group,) = results["delivery"]["flotillas"]["1"]["groups"]
-    assert sorted(group["members"]) == sorted(["densenet40_k8", joiner_name])
+    (stream,) = results["delivery"]["flotillas"]["1"]["streams"]
+    assert sorted(stream["members"]) == sorted(["densenet40_k8", joiner_name])

@@ -28,7 +28,7 @@ def stages(root, slow=0.0):
 
 
 def checksum(index, output):
-    return index, zlib.crc32(output.streams["out"].data.tobytes()), output.streams["out"].labels.tolist()
+    return index, zlib.crc32(output.batches["out"].data.tobytes()), output.batches["out"].labels.tolist()
 
 
 def epoch_checksums(client, graph, seed, in_flight):

@@ -26,12 +26,12 @@ def _rank(kind, rank, address, stalled, results):
 
     started = time.monotonic()
     try:
-        if kind == "exchange":  # a delivery group's hubs (pipeline/delivery/hub.py)
-            from pipeline.delivery.collective import GroupLink, init_process_group, make_groups
+        if kind == "exchange":  # a stream's hubs (pipeline/delivery/hub.py)
+            from pipeline.delivery.collective import StreamLink, init_process_group, make_groups
 
             init_process_group(address, rank, 2, "cpu", COLLECTIVE_S, "the test's hubs")
             shapes = {"main": (4, 4, 3)}
-            link = GroupLink(make_groups(((0, 1),), COLLECTIVE_S)[0], (0, 1), shapes, 2, gather=False, device="cpu",
+            link = StreamLink(make_groups(((0, 1),), COLLECTIVE_S)[0], (0, 1), shapes, 2, gather=False, device="cpu",
                              timeout_s=COLLECTIVE_S)
             batch = {"main": (np.zeros((2, 4, 4, 3), np.uint8), np.zeros(2, np.int64))}
             step = lambda: link.broadcast(rank, 0, batch)
@@ -79,7 +79,7 @@ def test_a_collective_a_peer_never_joins_fails_naming_it_and_the_timeout_key():
                 process.kill()
         rendezvous.close()
     message, waited = outcome["exchange"]
-    assert message.startswith("HangError: hub 0's broadcast of batch 0 from hub 0 to delivery group hubs [0, 1] did "
+    assert message.startswith("HangError: hub 0's broadcast of batch 0 from hub 0 to the stream's hubs [0, 1] did "
                               "not complete in 2 s (timeouts.collective_s)"), message
     assert COLLECTIVE_S <= waited < COLLECTIVE_S + 5
     message, waited = outcome["ddp"]
@@ -134,7 +134,7 @@ def test_a_trainer_that_stops_taking_batches_fails_the_run_naming_it(tmp_path, m
     # Stopped wherever it was once batch 0 went back: before its first step, inside a step, or between two.
     where = r"before its first step|at step \d+ of \d+ of epoch 1, (in the step of m|between members' steps)"
     assert re.fullmatch(rf"flotilla 0: hub 0 \(node 0\) cannot publish: trainer trainer-m-0 \(pid \d+, stopped, "
-                        rf"({where})\) holds all 2 buffers of its ring of stream main\. .* \(nothing moved for \d+ s: "
+                        rf"({where})\) holds all 2 buffers of its ring of sink main\. .* \(nothing moved for \d+ s: "
                         rf"timeouts.stall_s={STALL_S:g}; .*\)", str(hang.value)), str(hang.value)
     assert failed_after < STALL_S + 10, failed_after
     said = capsys.readouterr().out

@@ -274,7 +274,7 @@ def test_a_group_of_several_is_measured_on_one_slot_packed_and_fused_apart(measu
 
 def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured, tmp_path):
     alt = replace(DENSE, input="alt")
-    with pytest.raises(RateError, match="no image size for stream 'alt' of model 'dense'"):
+    with pytest.raises(RateError, match="no image size for sink 'alt' of model 'dense'"):
         measure_rate_table([alone(alt)], 1, how(), tmp_path / "rates.json")
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text("{not json")

@@ -184,7 +184,8 @@ def with_optional_measurements() -> dict:
     results["cluster"]["threads"] = 2
     results["cluster"]["worker_busy_pct"] = {"tcp://a:1": 94.0, "tcp://b:2": 96.0}
     results["pipeline"]["occupancy"] = {"prefetch": {"capacity": 4, "t_s": [0, 1, 3, 4], "filled": [0, 2, 4, 4]}}
-    results["delivery"] = {"streams": {"main": {"bytes": 5_000_000, "latency_ms": {"p50": 0.5, "p95": 2.0}}}}
+    results["delivery"] = {"hubs": {"flotilla 0 single_broadcast hub 0 node 0": {
+        "bytes": 5_000_000, "latency_ms": {"p50": 0.5, "p95": 2.0}}}}
     results["timeline"] = [
         {"lane": "worker a/0", "what": "task", "start_s": 0.0, "end_s": 0.5, "split": "train", "epoch": 0,
          "batch": 0},

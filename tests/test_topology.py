@@ -26,31 +26,31 @@ PLACEMENT = {"A": (0,), "B": (1, 1), "C": (0,)}
 
 def test_single_broadcast_has_one_producer_where_most_trainers_are():
     plan = plan_delivery("single_broadcast", {"A": (0,), "B": (1, 1)}, (("A", "B"),))
-    (group,) = plan.groups
-    assert not group.gather and plan.hubs[group.hubs[0]].node == 1 and plan.hubs[group.hubs[0]].part == 0
+    (stream,) = plan.streams
+    assert not stream.gather and plan.hubs[stream.hubs[0]].node == 1 and plan.hubs[stream.hubs[0]].part == 0
     assert [h.part for h in plan.hubs] == [0, None]
 
 
 def test_all_shared_makes_every_hub_a_share():
     plan = plan_delivery("all_shared", PLACEMENT, (("A", "B", "C"),))
-    (group,) = plan.groups
-    assert group.gather and group.parts == 2 and sorted(h.part for h in plan.hubs) == [0, 1]
+    (stream,) = plan.streams
+    assert stream.gather and stream.parts == 2 and sorted(h.part for h in plan.hubs) == [0, 1]
 
 
 def test_multi_broadcast_gives_each_of_the_schedulers_streams_its_hubs():
     streams = split_streams("multi_broadcast", list(PLACEMENT), {"A": 100, "B": 10, "C": 90}, 2)
     plan = plan_delivery("multi_broadcast", PLACEMENT, streams)
-    assert [g.members for g in plan.groups] == [("A", "C"), ("B",)]
-    assert [len(g.hubs) for g in plan.groups] == [1, 1]
+    assert [s.members for s in plan.streams] == [("A", "C"), ("B",)]
+    assert [len(s.hubs) for s in plan.streams] == [1, 1]
     spanning = plan_delivery("multi_broadcast", PLACEMENT, split_streams("multi_broadcast", list(PLACEMENT), {}, 2))
-    assert [g.members for g in spanning.groups] == [("A", "B"), ("C",)]  # no rates: plan order
-    assert {spanning.hubs[r].node for r in spanning.groups[0].hubs} == {0, 1}
-    assert plan.hub_of("C", 0).group == 0 and spanning.hub_of("C", 0).group == 1
+    assert [s.members for s in spanning.streams] == [("A", "B"), ("C",)]  # no rates: plan order
+    assert {spanning.hubs[r].node for r in spanning.streams[0].hubs} == {0, 1}
+    assert plan.hub_of("C", 0).stream == 0 and spanning.hub_of("C", 0).stream == 1
 
 
 def test_duplicated_gives_every_member_its_own_pipeline():
     plan = plan_delivery("duplicated", PLACEMENT, split_streams("duplicated", list(PLACEMENT), {}, 2))
-    assert [g.members for g in plan.groups] == [("A",), ("B",), ("C",)]
+    assert [s.members for s in plan.streams] == [("A",), ("B",), ("C",)]
     assert all(h.part == 0 for h in plan.hubs)
     with pytest.raises(ValueError, match="the scheduler resolves topology=auto"):
         plan_delivery("auto", PLACEMENT, (("A", "B", "C"),))
@@ -62,8 +62,8 @@ def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
               "crop": {"_target_": "stages.augment.RandomResizedCropFlip", "inputs": ["decode"], "size": 24},
               "out": {"_target_": "stages.broadcast.Broadcast", "inputs": ["crop"]}}
     graph = build_graph(stages, {"out"})
-    whole = graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2)).streams["out"]
-    shares = [graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2, part=p, parts=3)).streams["out"]
+    whole = graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2)).batches["out"]
+    shares = [graph.run(BatchContext(seed=4, split=Split.TRAIN, epoch=1, index=2, part=p, parts=3)).batches["out"]
               for p in range(3)]
     assert [len(s.labels) for s in shares] == [4, 4, 2]
     assert np.array_equal(np.concatenate([s.data for s in shares]), whole.data)
@@ -73,7 +73,7 @@ def test_shares_assemble_into_the_batch_one_task_makes(tiny_dataset):
 def _exchange(rank, world, address, results):
     import torch.distributed as dist
 
-    from pipeline.delivery.collective import GroupLink, init_process_group
+    from pipeline.delivery.collective import StreamLink, init_process_group
 
     init_process_group(address, rank, world, "cpu", 60.0, "the test's hubs")
     group = dist.new_group([0, 1, 2])
@@ -81,9 +81,9 @@ def _exchange(rank, world, address, results):
     rng = np.random.default_rng(7)
     batch = {s: (rng.integers(0, 256, (5, *shape), dtype=np.uint8), np.arange(5) + 10 * i)
              for i, (s, shape) in enumerate(sorted(shapes.items()))}
-    cast = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=False, device="cpu", timeout_s=60)
+    cast = StreamLink(group, (0, 1, 2), shapes, batch_size=5, gather=False, device="cpu", timeout_s=60)
     got = cast.broadcast(rank, 3, batch if rank == 0 else None)
-    gather = GroupLink(group, (0, 1, 2), shapes, batch_size=5, gather=True, device="cpu", timeout_s=60)
+    gather = StreamLink(group, (0, 1, 2), shapes, batch_size=5, gather=True, device="cpu", timeout_s=60)
     share = {s: (images[rank * 2:rank * 2 + 2], labels[rank * 2:rank * 2 + 2]) for s, (images, labels) in batch.items()}
     gathered = gather.all_gather(rank, 3, share)
     results.put((rank, all(np.array_equal(got[s][0], batch[s][0]) and np.array_equal(got[s][1], batch[s][1])
@@ -255,16 +255,16 @@ def assert_every_batch_once_in_order_bit_identical(cfg, results):
     def reference_crcs(sequence, split_id, epoch, index) -> dict[str, int]:
         out = graph.run(BatchContext(seed=cfg.seed, split=list(Split)[split_id], epoch=epoch, index=index,
                                      sequence=sequence))
-        return {stream: zlib.crc32(batch.labels.tobytes(), zlib.crc32(np.ascontiguousarray(batch.data).tobytes()))
-                for stream, batch in out.streams.items()}
+        return {sink: zlib.crc32(batch.labels.tobytes(), zlib.crc32(np.ascontiguousarray(batch.data).tobytes()))
+                for sink, batch in out.batches.items()}
 
     for trainer, messages in results["delivery"]["received"].items():
-        flotilla, name, _, stream = trainer.split("/")
-        assert stream == models[name]["input"]
+        flotilla, name, _, sink = trainer.split("/")
+        assert sink == models[name]["input"]
         expected, epochs = [], sorted({m[2] for m in messages if m[0] == 0})
         for epoch in epochs:
             for split_id in (0, 1):
-                expected += [(0, split_id, epoch, i, reference_crcs(int(flotilla), split_id, epoch, i)[stream])
+                expected += [(0, split_id, epoch, i, reference_crcs(int(flotilla), split_id, epoch, i)[sink])
                              for i in range(batches[split_id])]
                 expected.append((1, split_id, epoch, 0, zlib.crc32(b"", zlib.crc32(b""))))
         assert [tuple(m) for m in messages[:-1]] == expected, trainer

@@ -40,7 +40,7 @@ from stages.cache import Cache
 def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int, index: int, part: int, parts: int,
               on_error: OnError, share_as: str | None) -> BatchOutput:
     """Share `part` of `parts` of one batch through the graph `graph_id`; with `share_as`,
-    the streams' arrays are left in this node's shared memory under that name prefix."""
+    the sinks' arrays are left in this node's shared memory under that name prefix."""
     started = time.time()
     context = BatchContext(seed=seed, split=split, epoch=epoch, index=index, sequence=sequence, part=part,
                            parts=parts, on_error=on_error, node=_worker_node())
@@ -50,8 +50,8 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
         return BatchOutput({}, {}, bad_file=str(err))
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
-        for stream, batch in output.streams.items():
-            batch.data = SharedArray.write(f"{share_as}-{stream}", batch.data)
+        for sink, batch in output.batches.items():
+            batch.data = SharedArray.write(f"{share_as}-{sink}", batch.data)
     return output
 
 
@@ -285,7 +285,7 @@ class Executor:
             if output.bad_file:
                 raise BadFileError(output.bad_file)
             self.retained.append(future)
-            for batch in output.streams.values():
+            for batch in output.batches.values():
                 if isinstance(batch.data, SharedArray):
                     batch.data = batch.data.take()
             yield index, output

@@ -43,7 +43,7 @@ def _nbytes(batch: Batch | None) -> int:
 class BatchOutput:
     """What one batch task returns: a batch per sink, stage timings, bad files."""
 
-    streams: dict[str, Batch]
+    batches: dict[str, Batch]  # sink -> its batch
     timings: dict[str, StageTiming]
     skipped: list[tuple[str, str]] = field(default_factory=list)
     converted: list[tuple[str, str]] = field(default_factory=list)
@@ -100,12 +100,12 @@ class StageGraph:
 
     @property
     def image_sizes(self) -> dict[str, int]:
-        """Each sink's (stream's) image side, in px."""
+        """Each sink's image side, in px."""
         return {name: spec.item_shape[0] for name, spec in self.sinks.items()}
 
     def feeding(self, sinks: set[str]) -> StageGraph:
         """The part of the graph these sinks need: a flotilla whose models read
-        only some streams does not compute the others."""
+        only some sinks does not compute the others."""
         needed: set[str] = set()
         for name in sinks:
             while name and name not in needed:
@@ -133,9 +133,9 @@ class StageGraph:
                 wall, cpu = wall - lookup_s[0], cpu - lookup_s[1]
             timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
                                         len(outputs[name].labels), _nbytes(given), _nbytes(outputs[name]))
-        streams = {name: outputs[name] for name in self.sinks}
+        batches = {name: outputs[name] for name in self.sinks}
         lookups = len(ctx.wanted) if cache and cache.budget_bytes else 0  # a cache turned off holds nothing
-        return BatchOutput(streams, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
+        return BatchOutput(batches, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
                            cache_lookups=lookups)
 
 

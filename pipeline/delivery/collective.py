@@ -1,7 +1,7 @@
-"""Between nodes: the hubs of a delivery group exchange batches over the
-group's own torch.distributed process group (gloo on CPU, NCCL on GPUs).
+"""Between nodes: the hubs of a stream exchange batches over the stream's
+own torch.distributed process group (gloo on CPU, NCCL on GPUs).
 
-A batch (every stream's images and labels, and a header) travels as one flat
+A batch (every sink's images and labels, and a header) travels as one flat
 uint8 tensor of fixed size, so each exchange is one collective call.
 """
 from __future__ import annotations
@@ -113,54 +113,54 @@ def completes(what: str, timeout_s: float):
         raise
 
 
-Streams = dict[str, tuple[np.ndarray, np.ndarray]]  # stream -> (images [n, h, w, c] uint8, labels [n] int64)
+Sinks = dict[str, tuple[np.ndarray, np.ndarray]]  # sink -> (images [n, h, w, c] uint8, labels [n] int64)
 
 
 class BatchCodec:
-    """Packs a batch of up to `capacity` items per stream into a flat buffer."""
+    """Packs a batch of up to `capacity` items per sink into a flat buffer."""
 
     def __init__(self, item_shapes: dict[str, tuple[int, ...]], capacity: int):
         self.item_shapes, self.capacity = dict(sorted(item_shapes.items())), capacity
-        self.header = 8 * (1 + len(self.item_shapes))  # index, then the item count of each stream
+        self.header = 8 * (1 + len(self.item_shapes))  # index, then the item count of each sink
         self.size = self.header + sum(capacity * (8 + int(np.prod(shape))) for shape in self.item_shapes.values())
 
     def _views(self, buf: np.ndarray):
         header = buf[:self.header].view(np.int64)
         offset, views = self.header, {}
-        for stream, shape in self.item_shapes.items():
+        for sink, shape in self.item_shapes.items():
             labels = buf[offset:offset + 8 * self.capacity].view(np.int64)
             offset += 8 * self.capacity
             images = buf[offset:offset + self.capacity * int(np.prod(shape))].reshape(self.capacity, *shape)
             offset += images.nbytes
-            views[stream] = (images, labels)
+            views[sink] = (images, labels)
         return header, views
 
-    def pack(self, index: int, streams: Streams, buf: np.ndarray) -> None:
+    def pack(self, index: int, sinks: Sinks, buf: np.ndarray) -> None:
         header, views = self._views(buf)
         header[0] = index
-        for position, (stream, (images, labels)) in enumerate(views.items(), start=1):
-            given_images, given_labels = streams[stream]
+        for position, (sink, (images, labels)) in enumerate(views.items(), start=1):
+            given_images, given_labels = sinks[sink]
             count = len(given_labels)
             if count > self.capacity:
-                raise ValueError(f"stream {stream}: {count} items exceed the exchange capacity {self.capacity}")
+                raise ValueError(f"sink {sink}: {count} items exceed the exchange capacity {self.capacity}")
             header[position] = count
             images[:count] = given_images
             labels[:count] = given_labels
 
-    def unpack(self, buf: np.ndarray) -> tuple[int, Streams]:
+    def unpack(self, buf: np.ndarray) -> tuple[int, Sinks]:
         header, views = self._views(buf)
-        return int(header[0]), {stream: (images[:header[position]], labels[:header[position]])
-                                for position, (stream, (images, labels)) in enumerate(views.items(), start=1)}
+        return int(header[0]), {sink: (images[:header[position]], labels[:header[position]])
+                                for position, (sink, (images, labels)) in enumerate(views.items(), start=1)}
 
 
 def exchange_bytes(item_shapes: dict[str, tuple[int, ...]], batch_size: int, hubs: int) -> int:
-    """Device memory a hub's exchange buffers take (GroupLink: one buffer per hub of its group, plus its
+    """Device memory a hub's exchange buffers take (StreamLink: one buffer per hub of its stream, plus its
     own share): what a GPU hosting a hub lends it, counted in the memory check."""
     return (hubs + 1) * BatchCodec(item_shapes, batch_size).size
 
 
-class GroupLink:
-    """A delivery group's hubs: `ranks` in the hubs' world, `group` their
+class StreamLink:
+    """A stream's hubs: `ranks` in the hubs' world, `group` their
     process group; a broadcast's root is ranks[0], an all-gather's shares
     come in rank order (share i from ranks[i]). Exchange buffers are made
     once (pinned on the host when the exchange runs on a GPU); a batch
@@ -172,7 +172,7 @@ class GroupLink:
         import torch
 
         self.torch, self.group, self.ranks, self.gather = torch, group, ranks, gather
-        self.timeout_s = timeout_s  # timeouts.collective_s: the group's process group has it too
+        self.timeout_s = timeout_s  # timeouts.collective_s: the stream's process group has it too
         self.device = torch.device(device)
         self.codec = BatchCodec(item_shapes, -(-batch_size // len(ranks)) if gather else batch_size)
         self.bytes_sent = self.bytes_received = 0
@@ -185,18 +185,18 @@ class GroupLink:
         self.mine_host = host()
         self.mine = device_copy(self.mine_host)
 
-    def broadcast(self, rank: int, index: int, streams: Streams | None) -> Streams:
+    def broadcast(self, rank: int, index: int, sinks: Sinks | None) -> Sinks:
         """The root passes its batch; every hub returns it."""
         import torch.distributed as dist
 
         host, on_device = self.host[0], self.on_device[0]
         if rank == self.ranks[0]:
-            self.codec.pack(index, streams, host.numpy())
+            self.codec.pack(index, sinks, host.numpy())
             self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
             on_device.copy_(host)
         else:
             self.bytes_received += self.codec.size
-        with completes(f"hub {rank}'s broadcast of batch {index} from hub {self.ranks[0]} to delivery group "
+        with completes(f"hub {rank}'s broadcast of batch {index} from hub {self.ranks[0]} to the stream's "
                        f"hubs {list(self.ranks)}", self.timeout_s):
             dist.broadcast(on_device, src=self.ranks[0], group=self.group)
         host.copy_(on_device)
@@ -205,13 +205,13 @@ class GroupLink:
             raise RuntimeError(f"hub {rank} expected batch {index}, the broadcast carried {received_index}")
         return received
 
-    def all_gather(self, rank: int, index: int, share: Streams) -> Streams:
+    def all_gather(self, rank: int, index: int, share: Sinks) -> Sinks:
         """Every hub passes its share; every hub returns the whole batch."""
         import torch.distributed as dist
 
         self.codec.pack(index, share, self.mine_host.numpy())
         self.mine.copy_(self.mine_host)
-        with completes(f"hub {rank}'s all-gather of batch {index} in delivery group hubs {list(self.ranks)}",
+        with completes(f"hub {rank}'s all-gather of batch {index} among the stream's hubs {list(self.ranks)}",
                        self.timeout_s):
             dist.all_gather(self.on_device, self.mine, group=self.group)
         self.bytes_sent += self.codec.size * (len(self.ranks) - 1)
@@ -221,5 +221,5 @@ class GroupLink:
         shares = [self.codec.unpack(buf.numpy()) for buf in self.host]
         if any(got != index for got, _ in shares):
             raise RuntimeError(f"all-gather of batch {index} carried batches {[got for got, _ in shares]}")
-        return {stream: (np.concatenate([s[stream][0] for _, s in shares]),
-                         np.concatenate([s[stream][1] for _, s in shares])) for stream in self.codec.item_shapes}
+        return {sink: (np.concatenate([s[sink][0] for _, s in shares]),
+                       np.concatenate([s[sink][1] for _, s in shares])) for sink in self.codec.item_shapes}

@@ -1,8 +1,8 @@
-"""A hub: where a delivery group of a flotilla meets one node, a process of its own.
+"""A hub: where a stream of a flotilla meets one node, a process of its own.
 
 A producing hub has its node's Dask workers make batches, or one share of
-each batch (all_shared); the hubs of a group then exchange them over the
-group's process group (broadcast or all-gather, pipeline/delivery/collective.py),
+each batch (all_shared); the hubs of a stream then exchange them over the
+stream's process group (broadcast or all-gather, pipeline/delivery/collective.py),
 and every hub writes each batch once into its node's shared-memory rings,
 which its trainers read. The driver sends one command per split and one to
 stop; the hub reports each batch it published, and what it moved (typed
@@ -24,13 +24,13 @@ from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubH
                                         SplitDone, StopStreams)
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
-from pipeline.delivery.plan import DeliveryGroup, HubPlan
+from pipeline.delivery.plan import HubPlan, StreamPlan
 from pipeline.runtime.child import tell_parent
 from pipeline.runtime.lifetime import child_started
 from pipeline.runtime.hang import HangError, Patience
 from stages.base import BadFileError, Batch, Split
 
-# multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a group up
+# multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a stream up
 # to that far behind takes them instead of making them again (memory: that many batches per producer).
 SHARED_WINDOW = 4
 
@@ -38,19 +38,19 @@ SHARED_WINDOW = 4
 @dataclass(frozen=True, kw_only=True)  # many fields: called by name, never by position
 class HubSpec:
     hub: HubPlan
-    group: DeliveryGroup
-    all_groups: tuple[tuple[int, ...], ...]  # every group's ranks: process groups are made in this order everywhere
+    stream: StreamPlan
+    stream_ranks: tuple[tuple[int, ...], ...]  # every stream's hubs: their process groups are made in this order
     world: int  # hubs of the flotilla
     rendezvous: str  # init_method of the hubs' process group
     device: str  # "cpu" (gloo) or "cuda:<i>" (NCCL) for the exchange
     scheduler: str  # Dask scheduler address
-    graph: StageGraph  # the part of the graph that feeds the group's streams
+    graph: StageGraph  # the part of the graph that feeds the stream's sinks
     seed: int
     on_error: str
     in_flight: int
-    rings: dict[str, Ring]  # stream -> this node's ring for the group's trainers here
+    rings: dict[str, Ring]  # sink -> this node's ring for the stream's trainers here
     record_checksums: bool
-    shared_keys: str | None  # multi_broadcast: the groups' producers share batch tasks under these keys
+    shared_keys: str | None  # multi_broadcast: the streams' producers share batch tasks under these keys
     sequence: int  # the flotilla's own sequence of epochs: its shuffles are its own
     drain_s: float  # timeouts.drain_s: what running batch tasks get to finish when the hub closes
     patience: Patience  # timeouts.warn_s, stall_s: a batch task awaited this long is described, then fails
@@ -81,7 +81,7 @@ class Hub:
         self.spec, self.events, self.abort = spec, events, abort
         self.link = None
         if spec.world > 1:
-            from pipeline.delivery.collective import GroupLink, init_process_group, make_groups
+            from pipeline.delivery.collective import StreamLink, init_process_group, make_groups
 
             if spec.device.startswith("cuda"):
                 import torch
@@ -89,14 +89,14 @@ class Hub:
                 torch.cuda.set_device(spec.device)  # NCCL's buffers and streams on this hub's GPU, not GPU 0
             init_process_group(spec.rendezvous, spec.hub.rank, spec.world, spec.device, spec.collective_s,
                                "the flotilla's hubs")
-            groups = make_groups(spec.all_groups, spec.collective_s)
-            if len(spec.group.hubs) > 1:
+            groups = make_groups(spec.stream_ranks, spec.collective_s)
+            if len(spec.stream.hubs) > 1:
                 item_shapes = {name: s.item_shape for name, s in spec.graph.sinks.items()}
-                self.link = GroupLink(groups[spec.hub.group], spec.group.hubs, item_shapes,
-                                      spec.graph.source.batch_size, spec.group.gather, spec.device,
-                                      spec.collective_s)
-        self.writers = {stream: ring.writer() for stream, ring in spec.rings.items()}
-        self.sent: dict[str, list] = {stream: [] for stream in spec.rings}
+                self.link = StreamLink(groups[spec.hub.stream], spec.stream.hubs, item_shapes,
+                                       spec.graph.source.batch_size, spec.stream.gather, spec.device,
+                                       spec.collective_s)
+        self.writers = {sink: ring.writer() for sink, ring in spec.rings.items()}
+        self.sent: dict[str, list] = {sink: [] for sink in spec.rings}
         self.publish_wait_s = self.exchange_s = 0.0
         self.occupancy: list[tuple[float, int]] = []  # (time.time(), batches held by the slowest reader)
         self.latency_ms: list[float] = []  # per batch: exchange + writing into the rings (waits included)
@@ -110,7 +110,7 @@ class Hub:
                     client = stack.enter_context(connect(spec.scheduler, spec.tls))
                     executor = stack.enter_context(Executor(client, spec.graph, spec.seed, spec.on_error,
                                                             spec.in_flight, node=spec.hub.node, part=spec.hub.part,
-                                                            parts=spec.group.parts, shared_keys=spec.shared_keys,
+                                                            parts=spec.stream.parts, shared_keys=spec.shared_keys,
                                                             retain=SHARED_WINDOW * spec.in_flight
                                                             if spec.shared_keys else 0,
                                                             sequence=spec.sequence, drain_s=spec.drain_s,
@@ -136,25 +136,25 @@ class Hub:
         for index in range(self.spec.graph.source.num_batches(split)):
             if self.abort.is_set():  # the flotilla is closing: leave, letting the executor clean up
                 return
-            output, streams = None, None
+            output, sinks = None, None
             if made is not None:
                 made_index, output = next(made)
                 assert made_index == index
-                streams = {name: (batch.data, batch.labels) for name, batch in output.streams.items()}
+                sinks = {name: (batch.data, batch.labels) for name, batch in output.batches.items()}
             exchange_started = started = time.perf_counter()
-            if self.link and self.spec.group.gather:
-                streams = self.link.all_gather(self.spec.hub.rank, index, streams)
+            if self.link and self.spec.stream.gather:
+                sinks = self.link.all_gather(self.spec.hub.rank, index, sinks)
             elif self.link:
-                streams = self.link.broadcast(self.spec.hub.rank, index, streams)
+                sinks = self.link.broadcast(self.spec.hub.rank, index, sinks)
             self.exchange_s += time.perf_counter() - started
             started = time.perf_counter()
-            for stream, writer in self.writers.items():
+            for sink, writer in self.writers.items():
                 self._sample(writer)
-                images, labels = streams[stream]
+                images, labels = sinks[sink]
                 writer.publish(MessageKind.BATCH, split_id, epoch, index, images, labels)
                 if self.spec.record_checksums:
                     crc = zlib.crc32(labels.tobytes(), zlib.crc32(images.tobytes()))
-                    self.sent[stream].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
+                    self.sent[sink].append((int(MessageKind.BATCH), split_id, epoch, index, crc))
             self.publish_wait_s += time.perf_counter() - started
             self.latency_ms = keep_sample(self.latency_ms, 1000 * (time.perf_counter() - exchange_started))
             self.events.send(BatchPublished(self.spec.hub.rank, split, index, _stats_only(output)))
@@ -166,21 +166,21 @@ class Hub:
 
     def _mark(self, kind: MessageKind, split_id: int, epoch: int) -> None:
         empty_crc = zlib.crc32(b"", zlib.crc32(b""))
-        for stream, writer in self.writers.items():
+        for sink, writer in self.writers.items():
             writer.publish(kind, split_id, epoch, 0)
             if self.spec.record_checksums:
-                self.sent[stream].append((int(kind), split_id, epoch, 0, empty_crc))
+                self.sent[sink].append((int(kind), split_id, epoch, 0, empty_crc))
 
     def _sample(self, writer) -> None:
         self.occupancy = keep_sample(self.occupancy, (time.time(), writer.occupancy()))
 
     def _summary(self, executor) -> dict:
         link = self.link
-        return {"node": self.spec.hub.node, "group": self.spec.hub.group, "part": self.spec.hub.part,
+        return {"node": self.spec.hub.node, "stream": self.spec.hub.stream, "part": self.spec.hub.part,
                 "ring_bytes": sum(w.bytes_written for w in self.writers.values()),
                 "sent_bytes": link.bytes_sent if link else 0, "received_bytes": link.bytes_received if link else 0,
                 "exchange_s": self.exchange_s, "publish_wait_s": self.publish_wait_s,
-                "ring_depth": {stream: ring.depth for stream, ring in self.spec.rings.items()},
+                "ring_depth": {sink: ring.depth for sink, ring in self.spec.rings.items()},
                 "occupancy": self.occupancy, "latency_ms": self.latency_ms, "sent_checksums": self.sent,
                 "in_flight": self.spec.in_flight, "prefetch_capacity": executor.prefetch_capacity if executor else 0,
                 "tasks_ready": executor.ready if executor else []}
@@ -190,5 +190,5 @@ def _stats_only(output):
     """A batch task's measurements without its image bytes, for the driver's records."""
     if output is None:
         return None
-    return replace(output, streams={name: Batch(np.empty(0, np.uint8), batch.labels, [])
-                                    for name, batch in output.streams.items()})
+    return replace(output, batches={name: Batch(np.empty(0, np.uint8), batch.labels, [])
+                                  for name, batch in output.batches.items()})

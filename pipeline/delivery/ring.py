@@ -1,5 +1,5 @@
 """Same-node delivery: a ring of `depth` batch buffers in one shared-memory
-segment per stream.
+segment per sink of a stream.
 
 The driver creates a ring (segment, semaphores, detach flags) before it
 spawns anyone; the hub writes each batch once into a buffer; every trainer
@@ -58,7 +58,7 @@ def _map(segment: str, size: int, writable: bool) -> mmap.mmap:
 
 
 class Ring:
-    """One stream's ring on one node, for `readers` readers from the start and `spare` more that may
+    """One sink's ring of a stream on one node, for `readers` readers from the start and `spare` more that may
     attach later. Picklable: the driver owns it (and unlinks it on close); hub and trainers get copies."""
 
     def __init__(self, name: str, layout: StreamLayout, readers: int, depth: int, context, spare: int = 0):
@@ -152,7 +152,7 @@ class RingWriter(StreamWriter):
         layout = self.ring.layout
         count = 0 if images is None else len(images)
         if count > layout.batch_capacity:
-            raise ValueError(f"stream {self.ring.name}: batch of {count} exceeds its capacity {layout.batch_capacity}")
+            raise ValueError(f"ring {self.ring.name}: batch of {count} exceeds its capacity {layout.batch_capacity}")
         for consumer in [c for c in self.joinable if self.ring.attaching[c]]:  # a joiner reads from this message on
             self.ring.first[consumer], self.ring.detached[consumer], self.ring.attaching[consumer] = self.seq, 0, 0
             self.joinable.remove(consumer)

@@ -1,7 +1,7 @@
 """The transport seam: how finished batches reach the trainers of a flotilla.
 
-A hub publishes each finished batch of a stream once; every reader of the
-stream receives every message, in order, exactly once. On a node, bytes move
+A hub publishes each finished batch of a stream once per sink; every reader
+of a sink's ring receives every message, in order, exactly once. On a node, bytes move
 through shared-memory rings (ring.py); between nodes, hubs exchange batches over
 torch.distributed collectives (collective.py) and each writes its node's rings.
 """

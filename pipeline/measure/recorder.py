@@ -121,7 +121,7 @@ class RunRecorder:
                 total.bytes_in += timing.bytes_in
                 total.bytes_out += timing.bytes_out
                 self.stage_walls[name].append(timing.wall_s)
-            produced = len(next(iter(output.streams.values())).labels) if output.streams else 0
+            produced = len(next(iter(output.batches.values())).labels) if output.batches else 0
             self.recent.append((sum(timing.wall_s for timing in output.timings.values()), produced))
             self._span(output.worker, "task", output.started, output.ended)
             self.worker_task_s[output.worker] += output.ended - output.started
@@ -155,14 +155,14 @@ class RunRecorder:
 
     def delivery_plan(self, flotilla: int, plan, why: str) -> None:
         with self.lock:
-            self.delivery[flotilla] = {"topology": plan.topology, "why": why, "groups": [], "hubs": {}}
-        self.delivery_groups(flotilla, plan)
+            self.delivery[flotilla] = {"topology": plan.topology, "why": why, "streams": [], "hubs": {}}
+        self.delivery_streams(flotilla, plan)
 
-    def delivery_groups(self, flotilla: int, plan) -> None:
-        """The delivery groups of `flotilla`'s plan, as laid out or since a model joined a running one."""
+    def delivery_streams(self, flotilla: int, plan) -> None:
+        """The streams of `flotilla`'s plan, as laid out or since a model joined a running one."""
         with self.lock:
-            self.delivery[flotilla]["groups"] = [{"members": list(g.members), "hubs": list(g.hubs),
-                                                  "gather": g.gather} for g in plan.groups]
+            self.delivery[flotilla]["streams"] = [{"members": list(s.members), "hubs": list(s.hubs),
+                                                   "gather": s.gather} for s in plan.streams]
 
     def add_queue(self, name: str, capacity: int, samples: list[tuple[float, int]]) -> dict:
         """A queue's occupancy, (time.time(), items held) samples, in the report's queue shape
@@ -276,8 +276,8 @@ class RunRecorder:
 
     def add_checksums(self, flotilla: int, done: TrainerDone) -> None:
         with self.lock:
-            for stream, checksums in done.checksums.items():
-                self.checksums[f"{flotilla}/{done.group}/{done.rank}/{stream}"] = checksums
+            for sink, checksums in done.checksums.items():
+                self.checksums[f"{flotilla}/{done.group}/{done.rank}/{sink}"] = checksums
 
     def add_report(self, report: TrainReport | ValReport) -> None:
         with self.lock:
@@ -419,7 +419,7 @@ class RunRecorder:
             self.val_labels = report.labels
         if not np.array_equal(self.val_labels, report.labels):
             raise RuntimeError(f"model {report.model} saw validation labels in another order: "
-                               "streams are out of step")
+                               "its rings are out of step")
         record.val_loss[epoch] = self._loss(report.probs, 1)
         for part, names in self.parts.items():  # before the whole's, which replaces record.recent_probs
             if report.model in names:
@@ -527,7 +527,7 @@ class RunRecorder:
             },
             "delivery": {"flotillas": {str(flotilla): info for flotilla, info in self.delivery.items()},
                          "received": self.checksums,
-                         "streams": {
+                         "hubs": {
                              f"flotilla {f} {info['topology']} hub {rank} node {hub['node']}": {
                                  "bytes": hub["ring_bytes"] + hub["sent_bytes"], "latency_ms": hub["latency_ms"]}
                              for f, info in self.delivery.items() for rank, hub in info["hubs"].items()}},

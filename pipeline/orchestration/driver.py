@@ -225,12 +225,12 @@ class FlotillaThread(threading.Thread):
         epoch = self.first_epoch  # of this flotilla's sequence: its shuffles are its own (HubSpec.sequence)
         streams = self.formed.streams
         while self.members:  # one layout per membership: models joining at a boundary lay it out again
-            graph = r.graph.feeding({stream for member in self.members for stream in member.group.inputs})
+            graph = r.graph.feeding({sink for member in self.members for sink in member.group.inputs})
             # The scheduler chose the topology and the streams; the hubs go where the trainers are.
             plan = plan_delivery(self.formed.topology, {m.group.name: m.nodes for m in self.members}, streams)
             why = self.formed.why
-            r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.groups)} delivery "
-                                     f"group(s), {len(plan.hubs)} hub(s) ({why})")
+            r.progress.console.print(f"flotilla {self.flotilla_id}: {plan.topology}, {len(plan.streams)} "
+                                     f"stream(s), {len(plan.hubs)} hub(s) ({why})")
             r.recorder.delivery_plan(self.flotilla_id, plan, why)
             with Flotilla(self.flotilla_id, self.members, graph, plan, r.setup, r.delivery) as flotilla:
                 try:
@@ -261,7 +261,7 @@ class FlotillaThread(threading.Thread):
         members leave. Returns the validation reports that came in, and the failures."""
         validation, failures = [], []
         r = self.run_ctx
-        leads = {group.hubs[0]: 0 for group in flotilla.plan.groups}  # batches each group has delivered
+        leads = {stream.hubs[0]: 0 for stream in flotilla.plan.streams}  # batches each stream has delivered
         task = r.progress.add_task(f"flotilla {self.flotilla_id} epoch {epoch + 1} {split.value}",
                                    total=graph.source.num_batches(split))
         done: set[int] = set()
@@ -282,8 +282,8 @@ class FlotillaThread(threading.Thread):
                     key = (event.index, made.worker, made.started) if made is not None else None
                     if key and key not in tasks:  # a task shared by several producers counts once
                         tasks.add(key)
-                        # Images the flotilla received: one group's batches (the others get the same ones).
-                        counted = split is Split.TRAIN and flotilla.plan.hubs[event.hub].group == 0
+                        # Images the flotilla received: one stream's batches (the others get the same ones).
+                        counted = split is Split.TRAIN and flotilla.plan.hubs[event.hub].stream == 0
                         for path, reason in r.recorder.add_batch(made, train=counted):
                             r.progress.console.print(f"[yellow]warning[/] skipped {path}: {reason}")
                         r.recorder.add_cpu(self.flotilla_id, epoch, made.cpu_s)
@@ -383,7 +383,7 @@ class EpochBoundary:
             flotilla.attach(member.group.name)
             self._joined(member, epoch, "attached")
         if self.taken_in:
-            self.run_ctx.recorder.delivery_groups(self.flotilla_id, flotilla.plan)
+            self.run_ctx.recorder.delivery_streams(self.flotilla_id, flotilla.plan)
         self.taken_in = []
         if flotilla.members and set(flotilla.members) <= set(leaving):  # everyone leaves: end the streams cleanly
             flotilla.stop()

@@ -1,5 +1,5 @@
 """The processes of a flotilla: its trainers, the hubs that feed them
-(pipeline/delivery/hub.py, one per delivery group and node, as the topology plans
+(pipeline/delivery/hub.py, one per stream and node, as the topology plans
 them) and the shared-memory rings between the two, on every node it spans.
 
 Each node's share lives in a NodeProcesses (pipeline/orchestration/node.py), in this
@@ -93,27 +93,27 @@ class Flotilla:
         readers: dict[tuple[int, str], int] = defaultdict(int)
         for member in self.members.values():
             for rank in range(len(member.devices)):
-                for stream in member.group.inputs:
-                    readers[self._hub(member, rank).rank, stream] += 1
-        for (hub, stream), count in sorted(readers.items()):
-            layout = StreamLayout(graph.source.batch_size, graph.sinks[stream].item_shape)
-            self.nodes[self.plan.hubs[hub].node].make_ring(hub, stream, layout, count, depth, spare)
+                for sink in member.group.inputs:
+                    readers[self._hub(member, rank).rank, sink] += 1
+        for (hub, sink), count in sorted(readers.items()):
+            layout = StreamLayout(graph.source.batch_size, graph.sinks[sink].item_shape)
+            self.nodes[self.plan.hubs[hub].node].make_ring(hub, sink, layout, count, depth, spare)
 
     def _start_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:
         rendezvous = self.nodes[self.plan.hubs[0].node].rendezvous({hub.node for hub in self.plan.hubs})
-        all_groups = tuple(group.hubs for group in self.plan.groups)
+        stream_ranks = tuple(stream.hubs for stream in self.plan.streams)
         node_device = {node: device for m in self.members.values() for node, device in zip(m.nodes, m.devices)}
-        # multi_broadcast groups make the same batches (of the whole flotilla's graph) under shared
-        # task keys, so Dask makes each once while the groups keep within a window of each other.
-        shared = self.plan.topology == Topology.multi_broadcast and len(self.plan.groups) > 1
+        # multi_broadcast streams make the same batches (of the whole flotilla's graph) under shared
+        # task keys, so Dask makes each once while the streams keep within a window of each other.
+        shared = self.plan.topology == Topology.multi_broadcast and len(self.plan.streams) > 1
         shared_keys = uuid.uuid4().hex[:8] if shared else None
         for hub in self.plan.hubs:
-            group = self.plan.groups[hub.group]
-            streams = {stream for name in (self.members if shared else group.members)
-                       for stream in self.members[name].group.inputs}
+            stream = self.plan.streams[hub.stream]
+            sinks = {sink for name in (self.members if shared else stream.members)
+                     for sink in self.members[name].group.inputs}
             self.nodes[hub.node].start_hub(HubSpec(
-                hub=hub, group=group, all_groups=all_groups, world=len(self.plan.hubs), rendezvous=rendezvous,
-                device=node_device[hub.node], scheduler=delivery.scheduler, graph=graph.feeding(streams),
+                hub=hub, stream=stream, stream_ranks=stream_ranks, world=len(self.plan.hubs), rendezvous=rendezvous,
+                device=node_device[hub.node], scheduler=delivery.scheduler, graph=graph.feeding(sinks),
                 seed=delivery.seed, on_error=delivery.on_error, in_flight=delivery.in_flight[hub.node], rings={},
                 record_checksums=setup.record_checksums, shared_keys=shared_keys, sequence=self.id,
                 drain_s=delivery.drain_s, patience=delivery.patience, collective_s=delivery.collective_s, tls=None))
@@ -137,22 +137,22 @@ class Flotilla:
                 self.nodes[node].start_trainer(spec, self.plan.hubs[0].rank)
                 continue
             hub = self._hub(member, rank).rank
-            self.nodes[node].start_trainer(spec, hub, {stream: next_reader[hub, stream] for stream in group.inputs})
-            for stream in group.inputs:
-                next_reader[hub, stream] += 1
+            self.nodes[node].start_trainer(spec, hub, {sink: next_reader[hub, sink] for sink in group.inputs})
+            for sink in group.inputs:
+                next_reader[hub, sink] += 1
 
     def take_in(self, member: Member, sinks: dict[str, Spec], setup: TrainingSetup) -> bool:
         """`member` joins the running stream: its trainers start now, as spare readers of the hub's rings,
         and wait for `attach` at the next epoch boundary; the other members train on untouched. False
-        (nothing started) if the flotilla has more than one hub, its hub does not make every stream
+        (nothing started) if the flotilla has more than one hub, its hub does not make every sink
         `member` reads, or too few spare readers are left: it is then laid out again with `member`."""
         if len(self.plan.hubs) != 1:
             return False
         hub = self.plan.hubs[0]
         node = self.nodes[hub.node]
         ranks = len(member.devices)
-        if set(member.nodes) != {hub.node} or any(node.spare_readers(hub.rank, stream) < ranks
-                                                   for stream in member.group.inputs):
+        if set(member.nodes) != {hub.node} or any(node.spare_readers(hub.rank, sink) < ranks
+                                                   for sink in member.group.inputs):
             return False
         self.joiners[member.group.name] = member
         self._start_member(member, sinks, setup, None)
@@ -189,7 +189,7 @@ class Flotilla:
 
     def hub_progress(self, timeout: float) -> list[BatchPublished | SplitDone]:
         """Progress of the hubs so far, waiting up to `timeout` (shared out over the nodes) for the first.
-        A hub that failed stops the run: it carries every member of its group."""
+        A hub that failed stops the run: it carries every member of its stream."""
         events = [event for node in self.nodes.values() for event in node.hub_progress(timeout / len(self.nodes))]
         dead = [(rank, code) for node in self.nodes.values() for rank, code in node.hub_exit_codes().items()
                 if code not in (None, 0)]

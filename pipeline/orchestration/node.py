@@ -67,10 +67,10 @@ log = logging.getLogger(__name__)  # an agent shows it: what its host runs
 
 @dataclass(frozen=True)
 class Laggard:
-    """A trainer holding every buffer of its hub's ring of a stream: the hub cannot publish past it."""
+    """A trainer holding every buffer of its hub's ring of a sink: the hub cannot publish past it."""
 
     hub: int
-    stream: str
+    sink: str
     process: str  # its process name, trainer-<group>-<rank>
     pid: int
     state: str  # as the OS sees it: running, sleeping, stopped (SIGSTOP, a debugger), ...
@@ -82,7 +82,7 @@ class Laggard:
 class TrainerProcess:
     child: Child
     rank: int  # in its group
-    readers: list[tuple[Ring, int]]  # (ring, reader index) of each stream it reads
+    readers: list[tuple[Ring, int]]  # (ring, reader index) of each sink it reads
     in_hand: StepInHand  # where its steps are
 
 
@@ -100,7 +100,7 @@ class NodeProcesses:
         self.hubs: dict[int, Child] = {}  # hub rank -> its process
         self.trainers: dict[str, list[TrainerProcess]] = defaultdict(list)  # group -> its trainers here
         self.unread: list = []  # what trainers said as they were stopped: the next `poll` returns it
-        self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, stream) -> ring
+        self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, sink) -> ring
         self.local = LocalRendezvous()  # for groups with every rank on this machine: they meet through files
         self.closing = threading.Lock()  # the driver's close, or the watch on a driver that died
         self.closed = False
@@ -125,31 +125,31 @@ class NodeProcesses:
         loopback), else at this host's address."""
         return self.local.next() if nodes == {self.node} or self.host == LOOPBACK else rendezvous_at(self.host)
 
-    def make_ring(self, hub: int, stream: str, layout: StreamLayout, readers: int, depth: int, spare: int) -> None:
-        self.rings[hub, stream] = Ring(f"h{hub}-{stream}", layout, readers, depth, self.context, spare)
+    def make_ring(self, hub: int, sink: str, layout: StreamLayout, readers: int, depth: int, spare: int) -> None:
+        self.rings[hub, sink] = Ring(f"h{hub}-{sink}", layout, readers, depth, self.context, spare)
 
-    def spare_readers(self, hub: int, stream: str) -> int:
-        """Readers of hub `hub`'s ring of `stream` that a joining trainer may still take (0: no such ring)."""
-        ring = self.rings.get((hub, stream))
+    def spare_readers(self, hub: int, sink: str) -> int:
+        """Readers of hub `hub`'s ring of `sink` that a joining trainer may still take (0: no such ring)."""
+        ring = self.rings.get((hub, sink))
         return len(ring.spares) if ring else 0
 
     def start_hub(self, spec: HubSpec) -> None:
         """`spec` with this node's rings of the hub and TLS files filled in."""
         rank = spec.hub.rank
-        spec = replace(spec, rings={stream: ring for (hub, stream), ring in self.rings.items() if hub == rank},
+        spec = replace(spec, rings={sink: ring for (hub, sink), ring in self.rings.items() if hub == rank},
                        tls=self.tls)
         self.hubs[rank] = Child(hub_main, (spec, self.abort), f"hub-{rank}-node{self.node}")
-        log.info("node %d: hub %d (group %d) started, pid %d", self.node, rank, spec.hub.group, self.hubs[rank].pid)
+        log.info("node %d: hub %d (stream %d) started, pid %d", self.node, rank, spec.hub.stream, self.hubs[rank].pid)
 
     def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int] | None = None) -> None:
-        """A trainer of `spec.group`, reading as reader `readers[stream]` of hub `hub`'s ring of each stream;
+        """A trainer of `spec.group`, reading as reader `readers[sink]` of hub `hub`'s ring of each sink;
         without `readers`, a trainer that joins the running stream, as a spare reader of each ring: it
         waits for messages until `attach`ed."""
         if readers is None:
-            readers = {stream: self.rings[hub, stream].take_spare() for stream in spec.group.inputs}
-        taken = {stream: (self.rings[hub, stream], reader) for stream, reader in readers.items()}
+            readers = {sink: self.rings[hub, sink].take_spare() for sink in spec.group.inputs}
+        taken = {sink: (self.rings[hub, sink], reader) for sink, reader in readers.items()}
         in_hand = StepInHand(self.context, spec.group, spec.setup.steps_per_epoch)
-        child = Child(trainer_main, (spec, {stream: ring.reader(i) for stream, (ring, i) in taken.items()}, in_hand),
+        child = Child(trainer_main, (spec, {sink: ring.reader(i) for sink, (ring, i) in taken.items()}, in_hand),
                       f"trainer-{spec.group.name}-{spec.rank}")
         self.trainers[spec.group.name].append(TrainerProcess(child, spec.rank, list(taken.values()), in_hand))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
@@ -200,11 +200,11 @@ class NodeProcesses:
         """Trainers here holding every buffer of one of their rings (read from the rings' semaphores)."""
         found = []
         trainers = [t for group in self.trainers.values() for t in group]
-        for (hub, stream), ring in self.rings.items():
+        for (hub, sink), ring in self.rings.items():
             for trainer, reader in ((t, reader) for t in trainers for taken, reader in t.readers if taken is ring):
                 if ring.free[reader].get_value() == 0 and not ring.detached[reader]:
                     pid = trainer.child.pid
-                    found.append(Laggard(hub, stream, trainer.child.name, pid, _state(pid), ring.depth,
+                    found.append(Laggard(hub, sink, trainer.child.name, pid, _state(pid), ring.depth,
                                          trainer.in_hand.describe()))
         return found
 

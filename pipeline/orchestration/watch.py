@@ -43,10 +43,10 @@ class SplitWatch:
         if behind:
             return f"{where} cannot publish: " + "; ".join(
                 f"trainer {lag.process} (pid {lag.pid}, {lag.state}, {lag.where}) holds all {lag.depth} buffers of "
-                f"its ring of stream {lag.stream}" for lag in behind) + \
+                f"its ring of sink {lag.sink}" for lag in behind) + \
                 ". A trainer that stopped taking batches is stuck or stopped (SIGSTOP, a debugger), or its " \
                 "steps are that slow"
         said = self.flotilla.waiting.get(hub)
         if said:
             return f"{where} waits: {said}"
-        return f"{where} has published nothing: it waits for its batch tasks or its delivery group's exchange"
+        return f"{where} has published nothing: it waits for its batch tasks or its stream's exchange"

@@ -13,7 +13,7 @@ from pipeline.report import plots
 from pipeline.report.analysis import Analysis, analyse
 from pipeline.report.measurements import OPTIONAL, occupancy_stats, recorded, stall_split, trace_events
 
-SCHEMA_VERSION = 2  # 2: "transport" -> "streams"; actions name delivery.ring_depth (was transport.slots)
+SCHEMA_VERSION = 3  # 3: "streams" -> "hubs"; 2: "transport" -> "streams", actions name delivery.ring_depth
 DASK_REPORT = "dask-report.html"  # Dask's performance report, when the run wrote one into its folder
 
 CSS = """
@@ -79,8 +79,8 @@ def report_dict(results: dict, analysis: Analysis, dask_report: str | None = Non
         report["occupancy"] = {name: occupancy_stats(queue) for name, queue in occupancy.items()}
     if results.get("differential"):
         report["differential"] = _stall_splits(results)
-    if results.get("delivery", {}).get("streams"):
-        report["streams"] = results["delivery"]["streams"]
+    if results.get("delivery", {}).get("hubs"):
+        report["hubs"] = results["delivery"]["hubs"]
     return report
 
 
@@ -272,10 +272,10 @@ def _optional_sections(results: dict) -> str:
     busy = results.get("cluster", {}).get("worker_busy_pct")
     if busy:
         parts.append("<h2>Dask workers</h2>" + _table(["worker", "busy"], [[w, f"{b:.0f}%"] for w, b in busy.items()]))
-    streams = results.get("delivery", {}).get("streams")
-    if streams:
-        rows = [[name, _mb(s.get("bytes")), _latency(s.get("latency_ms"))] for name, s in streams.items()]
-        parts.append("<h2>Delivery</h2>" + _table(["stream", "MB moved", "latency p50 / p95 ms"], rows))
+    hubs = results.get("delivery", {}).get("hubs")
+    if hubs:
+        rows = [[name, _mb(h.get("bytes")), _latency(h.get("latency_ms"))] for name, h in hubs.items()]
+        parts.append("<h2>Delivery</h2>" + _table(["hub", "MB moved", "latency p50 / p95 ms"], rows))
     if results.get("differential"):
         splits = _stall_splits(results)
         rows = [[model, _num(s["compute_images_per_s"], "{:,.1f}"), f"{s['synthetic_images_per_s']:,.1f}",

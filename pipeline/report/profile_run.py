@@ -59,7 +59,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
     image_sizes = {m.name: sides[m.input] for m in models}
     device = _device(cfg.trainer.device)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
-    families = grouped(models, lambda m: m.shape)  # models of one shape (module and stream) are measured once
+    families = grouped(models, lambda m: m.shape)  # models of one shape (module and sink) are measured once
     console.print(f"[bold]profile mode[/]  {batches} batches through the pipeline on "
                   f"{cfg.cluster.address or f'{workers} Dask workers'}, then {len(families)} model shape(s) x 3 "
                   f"differential passes of {steps} steps on {device}; no training (mode=train trains)")
@@ -92,15 +92,15 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
                                  min(CACHED_BATCHES, graph.source.num_batches(Split.TRAIN)))
         for family, members in families.items():
             trainee = trainees[family]
-            stream = members[0].input
+            sink = members[0].input
             measured = {}
-            for kind, pass_graph in (("synthetic", _synthetic_graph(graph, stream, len(graph.source.class_names))),
-                                     ("cached", _cached_graph(graph, stream, decoded)),
-                                     ("files", graph.feeding({stream}))):
+            for kind, pass_graph in (("synthetic", _synthetic_graph(graph, sink, len(graph.source.class_names))),
+                                     ("cached", _cached_graph(graph, sink, decoded)),
+                                     ("files", graph.feeding({sink}))):
                 with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s,
                               patience=patience) as executor:
                     feed = _ahead(_batches(executor, warmup + steps), cfg.delivery.ring_depth)
-                    measured[kind] = trainee.train(feed, stream, warmup)
+                    measured[kind] = trainee.train(feed, sink, warmup)
             rates = {f"{kind}_images_per_s": m.images / (m.wait_s + m.step_s) for kind, m in measured.items()}
             rates["compute_images_per_s"] = measured["synthetic"].images / measured["synthetic"].step_s
             console.print(f"{members[0].name}: " + ", ".join(
@@ -249,9 +249,9 @@ def _fetch_outputs(graph: StageGraph, seed: int, on_error: str, count: int) -> l
     return held
 
 
-def _cached_graph(graph: StageGraph, stream: str, decoded: list[dict[str, Batch]]) -> _PassGraph:
-    """The stages feeding `stream`, with the fetch stages replaced by their outputs held in memory."""
-    sub = graph.feeding({stream})
+def _cached_graph(graph: StageGraph, sink: str, decoded: list[dict[str, Batch]]) -> _PassGraph:
+    """The stages feeding `sink`, with the fetch stages replaced by their outputs held in memory."""
+    sub = graph.feeding({sink})
     stages: dict[str, Stage] = {}
     inputs: dict[str, str | None] = {}
     for name, stage in sub.stages.items():
@@ -262,12 +262,12 @@ def _cached_graph(graph: StageGraph, stream: str, decoded: list[dict[str, Batch]
     return _PassGraph(stages, inputs, {name: sub.specs[name] for name in stages}, folder=graph.source)
 
 
-def _synthetic_graph(graph: StageGraph, stream: str, classes: int) -> _PassGraph:
-    spec = graph.specs[stream]
+def _synthetic_graph(graph: StageGraph, sink: str, classes: int) -> _PassGraph:
+    spec = graph.specs[sink]
     size = graph.source.batch_size
     images = np.random.default_rng(0).integers(0, 256, (size, *spec.item_shape), dtype=np.uint8)
     labels = np.arange(size, dtype=np.int64) % classes
-    return _PassGraph({stream: _Synthetic(images, labels)}, {stream: None}, {stream: spec}, folder=graph.source)
+    return _PassGraph({sink: _Synthetic(images, labels)}, {sink: None}, {sink: spec}, folder=graph.source)
 
 
 # --- Training steps in this process ---------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class _Trainee:
                               total_steps)
         self.params = count_parameters(self.step.units[0].module)
 
-    def train(self, feed: Iterator[BatchOutput], stream: str, warmup: int) -> _Pass:
+    def train(self, feed: Iterator[BatchOutput], sink: str, warmup: int) -> _Pass:
         torch = self.torch
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)  # as a trainer process has (trainer.threads)
@@ -305,7 +305,7 @@ class _Trainee:
         try:
             waited = time.perf_counter()
             for number, output in enumerate(feed):
-                batch = output.streams[stream]
+                batch = output.batches[sink]
                 if len(batch.labels) < MIN_ROWS:  # trainers skip such a batch too
                     continue
                 started, wall_started = time.perf_counter(), time.time()

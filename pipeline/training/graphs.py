@@ -22,7 +22,7 @@ time.
 from __future__ import annotations
 
 EAGER_STEPS = 3  # before a unit's first capture: torch's graph examples warm up with three
-SHAPES = 2  # batch shapes a stream's graphs take: an epoch's batches, and its last, smaller one
+SHAPES = 2  # batch shapes a sink's graphs take: an epoch's batches, and its last, smaller one
 
 
 def shape_of(*tensors) -> tuple:
@@ -31,17 +31,17 @@ def shape_of(*tensors) -> tuple:
 
 
 class StaticInputs:
-    """Static tensors per stream and batch shape on the device (x and y to train on, x to validate on), the
+    """Static tensors per sink and batch shape on the device (x and y to train on, x to validate on), the
     graphs' inputs: each batch of a known shape is copied in, and the copy is what every unit of the group
-    reads (one copy per stream and step). A stream's first SHAPES shapes are known."""
+    reads (one copy per sink and step). A sink's first SHAPES shapes are known."""
 
     def __init__(self):
-        self._static: dict[str, dict[tuple, tuple]] = {}  # stream -> shape -> tensors
+        self._static: dict[str, dict[tuple, tuple]] = {}  # sink -> shape -> tensors
 
-    def take(self, stream: str, *batch) -> tuple:
+    def take(self, sink: str, *batch) -> tuple:
         """(*tensors, staged): the static tensors now holding `batch`, staged True; or `batch` itself,
-        False, when its stream has SHAPES other shapes already."""
-        known, shape = self._static.setdefault(stream, {}), shape_of(*batch)
+        False, when its sink has SHAPES other shapes already."""
+        known, shape = self._static.setdefault(sink, {}), shape_of(*batch)
         static = known.get(shape)
         if static is None:
             if len(known) >= SHAPES:
@@ -54,11 +54,11 @@ class StaticInputs:
 
 
 def stage(static: StaticInputs | None, batches: dict[str, tuple]) -> dict[str, tuple]:
-    """stream -> (*tensors, staged): each stream's batch copied once into the graphs' inputs where it has
+    """sink -> (*tensors, staged): each sink's batch copied once into the graphs' inputs where it has
     their shape (`StaticInputs.take`); as it is, staged False, without graphs."""
     if static is None:
-        return {stream: (*batch, False) for stream, batch in batches.items()}
-    return {stream: static.take(stream, *batch) for stream, batch in batches.items()}
+        return {sink: (*batch, False) for sink, batch in batches.items()}
+    return {sink: static.take(sink, *batch) for sink, batch in batches.items()}
 
 
 class StepGraph:

@@ -3,7 +3,7 @@
 A group of one is a model (data-parallel over its slots when it has several).
 A larger group holds one slot: its members are packed (each its own module
 and optimiser, stepped in turn, so the peak holds one member's activations)
-or, for members of one family (module, stream and loss), fused into arrays:
+or, for members of one family (module, sink and loss), fused into arrays:
 HFTA's operator fusion for the built-in families it covers
 (pipeline/training/fusion.py), vmap for any other family
 (pipeline/training/stacked.py). Every member keeps its own
@@ -340,7 +340,7 @@ class _Stacked:
 
 
 class GroupStep:
-    """Trains a group's members on one batch per stream, each on its own stream's batch.
+    """Trains a group's members on one batch per sink, each on its own sink's batch.
 
     `total_steps` (the run's) is given to the members' schedules that take it. A data-parallel
     model (a group of one on `world` slots) joins its process group first
@@ -435,7 +435,7 @@ class GroupStep:
         return self.torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
     def train(self, batches: dict[str, tuple]) -> dict[str, object]:
-        """One step of every member on its stream's (x, y); each member's loss, a 0-d tensor on the device."""
+        """One step of every member on its sink's (x, y); each member's loss, a 0-d tensor on the device."""
         staged = stage(self.static_inputs, batches)
         step = lambda unit: self._train_unit(unit, *staged[unit.input])
         stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
@@ -461,8 +461,8 @@ class GroupStep:
         return losses.detach().float()
 
     def predict(self, inputs: dict[str, object]) -> dict[str, object]:
-        """Each member's softmax on its stream's x, [N, classes] on the device."""
-        staged = stage(self.val_inputs, {stream: (x,) for stream, x in inputs.items()})
+        """Each member's softmax on its sink's x, [N, classes] on the device."""
+        staged = stage(self.val_inputs, {sink: (x,) for sink, x in inputs.items()})
         probs = {}
         for unit in self.units:
             x, static = staged[unit.input]

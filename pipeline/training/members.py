@@ -5,7 +5,7 @@ A member names its module, optimiser, learning-rate schedule and loss as Hydra
 each with what only it knows:
 
 - model: `num_classes=` the dataset's class count, unless the config sets it,
-  and `image_size=` its stream's image side where the callable names such a
+  and `image_size=` its sink's image side where the callable names such a
   parameter;
 - optimizer: the module's parameters, first (`_partial_` is optional);
 - lr_scheduler: the optimiser, first, and `total_steps=` the steps of the
@@ -61,7 +61,7 @@ class ModelSpec:
     """One member: each config a `_target_` dict, resolved (plain Python values)."""
 
     name: str
-    input: str  # the broadcast stage (stream) it trains on
+    input: str  # the sink (a broadcast stage) it trains on
     model: dict
     optimizer: dict
     lr_scheduler: dict
@@ -72,12 +72,12 @@ class ModelSpec:
 
     @property
     def shape(self) -> str:
-        """What it computes, per image: its module on its stream. Members of one shape weigh the same."""
+        """What it computes, per image: its module on its sink. Members of one shape weigh the same."""
         return canonical([self.model, self.input])
 
     @property
     def family(self) -> str:
-        """Members of one family (one module config, stream and loss) differ only in what each steps on its
+        """Members of one family (one module config, sink and loss) differ only in what each steps on its
         own (optimiser, schedule, seed, so weights): they fuse, unless vmap rejects their module."""
         return canonical([self.model, self.input, self.loss])
 

@@ -78,7 +78,7 @@ class Measurement:
     """What every measurement of a run shares."""
 
     num_classes: int
-    image_sizes: dict[str, int]  # stream -> side of its images in px
+    image_sizes: dict[str, int]  # sink -> side of its images in px
     batch_size: int  # images per step, split over the slots (as a flotilla's batch is)
     device_kind: str
     devices: list[str]  # the slots to use, in rank order ("cuda:<i>", or "cpu" repeated); k slots use the first k
@@ -260,7 +260,7 @@ def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement, d
         raise RateError(f"group {group.name} holds one slot; measure it on [1]")
     for m in group.members:
         if m.input not in how.image_sizes:
-            raise RateError(f"no image size for stream {m.input!r} of model {m.name!r}; image_sizes has "
+            raise RateError(f"no image size for sink {m.input!r} of model {m.name!r}; image_sizes has "
                             f"{sorted(how.image_sizes)}: add the side in px of the images it trains on")
     for name, value, least in [("steps", how.steps, 1), ("warmup", how.warmup, 0), ("threads", how.threads, 1)]:
         if not isinstance(value, int) or value < least:
@@ -351,11 +351,11 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
         warmup = how.warmup + step.steps_before_replay  # a trainer captures its graphs once a run
         random, rows = np.random.default_rng(rank), rank_rows(rank, world)  # its share, as a trainer takes it
         batches = {}
-        for stream in group.inputs:
-            side = how.image_sizes[stream]
+        for sink in group.inputs:
+            side = how.image_sizes[sink]
             images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)[rows]
             labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rows].copy())
-            batches[stream] = (images, labels)
+            batches[sink] = (images, labels)
         step_seconds = []
         for number in range(warmup + how.steps):
             in_hand.begin(number)

@@ -33,7 +33,7 @@ class ValReport:
     model: str
     epoch: int
     accuracy: float
-    probs: np.ndarray  # softmax of every validation image, in stream order
+    probs: np.ndarray  # softmax of every validation image, in delivery order
     labels: np.ndarray
 
 
@@ -48,7 +48,7 @@ class CheckpointSaved:
 
 @dataclass(frozen=True)
 class TrainerDone:
-    """The streams said STOP; with trainer.record_checksums, what this rank received of each stream."""
+    """The rings said STOP; with trainer.record_checksums, what this rank received of each sink."""
 
     group: str
     rank: int

@@ -2,8 +2,8 @@
 
 It knows torch, the reading ends of rings (pipeline/delivery/stream.py) and
 checkpoints; never Dask. Its group (pipeline/training/group.py) may read
-several streams: it takes one message of each, in step (hubs publish every
-stream's batch i before batch i + 1). A model on g slots runs g trainers
+several sinks, a ring each: it takes one message of each, in step (hubs
+publish every sink's batch i before batch i + 1). A model on g slots runs g trainers
 under DDP, each taking its 1/g share of every batch. Typed reports
 (reports.py) go to the driver up one pipe; the driver's commands
 (`ReleaseMember`, `SaveCheckpoint`) come down another (runtime/child.py) and
@@ -35,7 +35,7 @@ from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, 
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
-STAGING_BUFFERS = 2  # pinned buffers per stream: one being copied to the GPU while the next fills
+STAGING_BUFFERS = 2  # pinned buffers per sink: one being copied to the GPU while the next fills
 CHECKPOINTS_KEPT = 2  # per model: the newest, and the one before (a trainer may die while writing the next)
 BEST_CHECKPOINT = "best.json"  # per model: its checkpoint of highest validation accuracy, kept whatever is pruned
 
@@ -62,7 +62,7 @@ class TrainerSpec:
 
     setup: TrainingSetup
     group: GroupSpec
-    image_sizes: dict[str, int]  # stream -> side of its images (picks each model's stem)
+    image_sizes: dict[str, int]  # sink -> side of its images (picks each model's stem)
     start_epoch: int  # epochs trained before; > 0 resumes every member from its checkpoint
     rank: int  # within the group's data-parallel ranks (a group of several has one)
     rendezvous: str  # init_method of the process group (used when the group spans slots)
@@ -112,7 +112,7 @@ def note_best(checkpoint_dir: str | Path, model: str, epochs: int, accuracy: flo
 
 
 def trainer_main(spec: TrainerSpec, readers: dict, in_hand: StepInHand, *, to_parent, from_parent) -> None:
-    """Process entry point (runtime.child.Child): train until the streams say STOP, reporting to the
+    """Process entry point (runtime.child.Child): train until the rings say STOP, reporting to the
     driver and taking its commands between batches."""
     child_started("trainer")
     try:
@@ -137,30 +137,30 @@ class DeviceFeed:
         self.on_gpu = device.type == "cuda"
         self.new_event = new_event or ((lambda: torch.cuda.Event()) if self.on_gpu else None)
         self.pending: deque = deque()  # (event, what to call once it has passed), oldest first
-        # stream -> its pinned buffers, [images, labels, event of their last copy], next to use first
+        # sink -> its pinned buffers, [images, labels, event of their last copy], next to use first
         self.staging: dict[str, deque] = {}
 
-    def _stage(self, stream: str, images: np.ndarray) -> list:
-        """The stream's next pinned buffers (pinned: the only host memory a GPU copies from
+    def _stage(self, sink: str, images: np.ndarray) -> list:
+        """The sink's next pinned buffers (pinned: the only host memory a GPU copies from
         asynchronously), made with its first batch, remade if a larger one comes; they go to the back."""
-        buffers = self.staging.get(stream)
+        buffers = self.staging.get(sink)
         if buffers is None or len(buffers[0][1]) < len(images):
             self.flush()
             torch = self.torch
-            buffers = self.staging[stream] = deque(
+            buffers = self.staging[sink] = deque(
                 [torch.empty(images.shape, dtype=torch.uint8).pin_memory(),
                  torch.empty(len(images), dtype=torch.int64).pin_memory(), None] for _ in range(STAGING_BUFFERS))
         buffers.rotate(-1)
         return buffers[-1]
 
-    def copy(self, stream: str, images: np.ndarray, labels: np.ndarray, release) -> tuple:
+    def copy(self, sink: str, images: np.ndarray, labels: np.ndarray, release) -> tuple:
         """(uint8 NHWC images, labels) on the device; `release` is called once they no longer need the buffer."""
         torch = self.torch
         self.collect()
         if not self.on_gpu:
             x, y = torch.from_numpy(images.copy()), torch.from_numpy(labels.copy())
         else:
-            staged = self._stage(stream, images)
+            staged = self._stage(sink, images)
             host_x, host_y, busy = staged
             if busy is not None:
                 busy.synchronize()  # its previous copy must be done before it is overwritten (it always is by now)
@@ -226,7 +226,7 @@ class Trainer:
         # the driver asks for the last one it heard of; the trainer may have finished the next meanwhile)
         self.finished: dict[str, dict[int, dict]] = {}
         self.val_probs: dict[str, list] = {name: [] for name in self.members}  # rank 0's, batch by batch
-        self.val_labels: dict[str, list] = {stream: [] for stream in spec.group.inputs}
+        self.val_labels: dict[str, list] = {sink: [] for sink in spec.group.inputs}
         self._reset_epoch()
 
     @property
@@ -269,21 +269,21 @@ class Trainer:
                 del self.loss_sums[command.model], self.val_probs[command.model]
 
     def consume(self, readers: dict) -> None:
-        streams = sorted(readers)
+        sinks = sorted(readers)
         waited = time.perf_counter()
-        for messages in zip(*(readers[s].messages(idle=self._obey) for s in streams)):
+        for messages in zip(*(readers[s].messages(idle=self._obey) for s in sinks)):
             self.wait_time += time.perf_counter() - waited
             self._obey()
-            batch = dict(zip(streams, messages))
+            batch = dict(zip(sinks, messages))
             first = messages[0]
             if any((m.kind, m.split, m.epoch, m.index) != (first.kind, first.split, first.epoch, first.index)
                    for m in messages):
-                raise RuntimeError("the streams of this group are out of step: "
+                raise RuntimeError("the rings of this group are out of step: "
                                    + ", ".join(f"{s} {m.kind.name} {m.split}/{m.epoch}/{m.index}"
                                                for s, m in batch.items()))
             if self.spec.setup.record_checksums:
-                for stream, m in batch.items():
-                    self.checksums[stream].append((int(m.kind), m.split, m.epoch, m.index, zlib.crc32(
+                for sink, m in batch.items():
+                    self.checksums[sink].append((int(m.kind), m.split, m.epoch, m.index, zlib.crc32(
                         m.labels.tobytes(), zlib.crc32(m.images.tobytes()))))
             if first.kind == MessageKind.BATCH:
                 started, wall_started = time.perf_counter(), time.time()
@@ -307,9 +307,9 @@ class Trainer:
         self.reports.send(TrainerDone(self.spec.group.name, self.spec.rank, self.checksums))
 
     def _on_device(self, batch: dict, rows=slice(None)) -> dict[str, tuple]:
-        """Each stream's (uint8 images, labels) on the device; the ring buffers go back once copied."""
-        return {stream: self.feed.copy(stream, m.images[rows], m.labels[rows], m.release)
-                for stream, m in batch.items()}
+        """Each sink's (uint8 images, labels) on the device; the ring buffers go back once copied."""
+        return {sink: self.feed.copy(sink, m.images[rows], m.labels[rows], m.release)
+                for sink, m in batch.items()}
 
     def _train_step(self, batch: dict) -> None:
         count = len(next(iter(batch.values())).labels)
@@ -328,7 +328,7 @@ class Trainer:
         if self.step.in_hand:
             self.step.in_hand.begin(self.steps_begun, self.epoch)
         self.steps_begun += 1
-        inputs = {stream: (self.step.normalise(x), y) for stream, (x, y) in copied.items()}
+        inputs = {sink: (self.step.normalise(x), y) for sink, (x, y) in copied.items()}
         with self.collectives():
             losses = self.step.train(inputs)
         for name, loss in losses.items():
@@ -342,9 +342,9 @@ class Trainer:
         copied = self._on_device(batch)
         if self.spec.setup.consume_only:
             return
-        for stream, (_, y) in copied.items():
-            self.val_labels[stream].append(y)
-        probs = self.step.predict({stream: self.step.normalise(x) for stream, (x, _) in copied.items()})
+        for sink, (_, y) in copied.items():
+            self.val_labels[sink].append(y)
+        probs = self.step.predict({sink: self.step.normalise(x) for sink, (x, _) in copied.items()})
         for name, p in probs.items():
             self.val_probs[name].append(p)
 
@@ -360,8 +360,8 @@ class Trainer:
         if self.spec.rank != 0:
             return
         torch = self.torch
-        labels = {stream: torch.cat(ys).cpu().numpy() if ys else np.zeros(0, np.int64)
-                  for stream, ys in self.val_labels.items()}
+        labels = {sink: torch.cat(ys).cpu().numpy() if ys else np.zeros(0, np.int64)
+                  for sink, ys in self.val_labels.items()}
         for name in self.members:
             chunks = self.val_probs[name]
             probs = (torch.cat(chunks).cpu().numpy() if chunks
@@ -371,7 +371,7 @@ class Trainer:
             self._keep_state(name, accuracy)  # before the report: the driver may ask for its checkpoint at once
             self.reports.send(ValReport(name, self.epoch, accuracy, probs, truth))
             self.val_probs[name] = []
-        self.val_labels = {stream: [] for stream in self.val_labels}
+        self.val_labels = {sink: [] for sink in self.val_labels}
 
     def _keep_state(self, name: str, accuracy: float) -> None:
         """A host copy of `name`'s state after this epoch: the checkpoint the driver may ask for, while
