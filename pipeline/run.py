@@ -311,7 +311,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
             first = driver.resume()
             console.print(f"[bold]resumed[/] {output_dir} at {driver.now():.0f} s of its training: " + ", ".join(
                 f"{name} after {state.checkpoint_epoch} epochs ({state.status})"
-                for name, state in scheduler.models.items()))
+                for name, state in scheduler.groups.items()))
         with stop.deferred():
             driver.run(first, stop)
     training_s = time.perf_counter() - training_started

@@ -142,7 +142,7 @@ def test_the_saved_state_forms_the_running_flotillas_again_from_their_checkpoint
     again.scheduler = Scheduler(["a", "b"], Cluster(1, 2), FleetG(min_active_fraction=0.8), checkpoint_every=2)
     decisions = again.resume()
     assert [type(d) for d in decisions if isinstance(d, (FormFlotilla, Start))] == [FormFlotilla, Start, Start]
-    assert [(d.model, d.resume_epoch) for d in decisions if isinstance(d, Start)] == [("a", 2), ("b", 2)]
+    assert [(d.group, d.resume_epoch) for d in decisions if isinstance(d, Start)] == [("a", 2), ("b", 2)]
     assert again.now() >= driver.now() - 1 and again.log[:len(driver.log)] == driver.log
     assert again.run_ctx.recorder.accuracies("a") == [0.5, 0.5, 0.5]
     again._apply_decisions(decisions)  # joining again after 2 epochs forgets epoch 3: it is done again
@@ -209,7 +209,7 @@ def test_a_lost_node_whose_agent_is_started_again_takes_the_waiting_model(tmp_pa
     driver._look_for_returned_nodes()
     assert "back" not in said.getvalue() and agents[1]["pid"] == 11  # b's flotilla still closes: not yet
     driver._handle(ThreadEnded(on_1, {}))
-    assert not driver.broken and scheduler.models["b"].status == "waiting"
+    assert not driver.broken and scheduler.groups["b"].status == "waiting"
     driver._look_for_returned_nodes()
     (line,) = [line for line in said.getvalue().splitlines() if "back" in line]
     assert line == "node 1 is back: its agent at 198.51.100.3:4100 (pid 12) takes flotillas again"
@@ -240,4 +240,4 @@ def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_th
     for thread in old.values():
         driver._handle(ThreadEnded(thread, {}))
     assert {group: {slot.node for slot in slots} for group, slots in driver.assigned.items()} == {"a": {1}, "b": {1}}
-    assert all(scheduler.models[m].status == "running" for m in "ab") and not driver.broken
+    assert all(scheduler.groups[m].status == "running" for m in "ab") and not driver.broken

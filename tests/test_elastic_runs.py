@@ -43,7 +43,7 @@ def test_a_model_restarts_on_the_idle_slot_and_its_accuracy_curve_carries_on(tin
         assert model["epochs"] == 6 and model["converged"]
         assert len(model["val_accuracy"]) == 6  # one validation per epoch, none lost or repeated
     slow = models["slow"]
-    assert resized["model"] == "slow" and [len(s["devices"]) for s in slow["flotillas"]] == [1, 2]
+    assert resized["group"] == "slow" and [len(s["devices"]) for s in slow["flotillas"]] == [1, 2]
     restart = slow["flotillas"][1]["start_epoch"]  # resumed from the epoch it had finished, not from scratch
     assert 0 < restart < 6 and slow["train_loss"][restart] < slow["train_loss"][0]
     # on 2 slots its two trainers are one data-parallel model, each on half of every batch (the world the
@@ -76,7 +76,7 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
                                f"rates.cache={tmp_path / 'rate_cache.json'}"))
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
-    restarts = [(d["model"], d["reason"]) for d in decisions if d["decision"] == "Stop" and d["reason"] != "converged"]
+    restarts = [(d["group"], d["reason"]) for d in decisions if d["decision"] == "Stop" and d["reason"] != "converged"]
     assert restarts == [("old", "plateau"), ("young", "resized")], restarts
     models = {m["name"]: m for m in results["models"]}
     old, young = models["old"], models["young"]
@@ -98,8 +98,8 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
     assert young["flotillas"][1]["images"] == per_epoch * (6 - grew)
     # the run's Gantt chart: young's second stint holds a slot of old's first, and no slot is held twice at once
     gantt = results["scheduler"]["gantt"]
-    held = lambda model, flotilla: {tuple(b["slot"]) for b in gantt if (b["model"], b["flotilla"]) == (model, flotilla)}
-    assert sorted((b["model"], b["flotilla"]) for b in gantt) == [
+    held = lambda model, flotilla: {tuple(b["slot"]) for b in gantt if (b["group"], b["flotilla"]) == (model, flotilla)}
+    assert sorted((b["group"], b["flotilla"]) for b in gantt) == [
         ("old", 0), ("old", 0), ("old", 2), ("young", 1), ("young", 3), ("young", 3)]
     assert len(held("young", 3) & held("old", 0)) == 1
     bars = sorted((tuple(b["slot"]), b["start"], b["end"]) for b in gantt)
@@ -148,7 +148,7 @@ def test_a_waiting_model_joins_a_running_stream_at_its_next_epoch_boundary(joine
     results = run(cfg, tmp_path / "out")
     decisions = results["scheduler"]["decisions"]
     (join,) = [d for d in decisions if d["decision"] == "Join"]
-    assert (join["model"], join["flotilla"]) == (joiner_name, "1")
+    assert (join["group"], join["flotilla"]) == (joiner_name, "1")
     models = {m["name"]: m for m in results["models"]}
     for model in models.values():
         assert model["epochs"] == 4 and model["converged"] and len(model["val_accuracy"]) == 4

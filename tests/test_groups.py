@@ -106,7 +106,7 @@ def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES)
     # memory of an agent's GPUs is estimated
     scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(slots)), _policy(cfg, groups))
     starts = [d for d in scheduler.start(0.0) if isinstance(d, Start)]
-    assert {d.model for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}
+    assert {d.group for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}
     placed = {name: scheduler.flotillas[0].members[name] for name in scheduler.flotillas[0].members}
     return groups, placed
 

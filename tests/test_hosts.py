@@ -108,7 +108,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             assert [hub["sent_bytes"] for hub in hubs.values()] == [2 * (4 + 1) * share] * 2
             # Each node's processes were started by its agent: a hub each, and the trainers of the slots the
             # scheduler gave that node.
-            slots = {d["model"]: [int(n) for n in re.findall(r"node=(\d+)", d["slots"])]
+            slots = {d["group"]: [int(n) for n in re.findall(r"node=(\d+)", d["slots"])]
                      for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"}
             for node in (0, 1):
                 started = (tmp_path / f"agent{node}.log").read_text()
@@ -455,12 +455,12 @@ def _models_of_the_lost_node_resumed(log_path, folder, address, why, epochs) -> 
     (line,) = [line for line in out.splitlines() if "node 1 lost" in line and "does not answer" in line]
     assert address in line and why in line, line
     results = json.loads((folder / "results.json").read_text())
-    placed = [(d["model"], int(re.search(r"node=(\d+)", d["slots"])[1]))
+    placed = [(d["group"], int(re.search(r"node=(\d+)", d["slots"])[1]))
               for d in results["scheduler"]["decisions"] if d["decision"] == "AssignSlots"]
     lost = sorted({model for model, node in placed[:3] if node == 1})  # the first plan: a slot each
     assert lost and sorted(model for model, _ in placed[3:]) == lost, placed
     stops = [d for d in results["scheduler"]["decisions"] if d["decision"] == "Stop" and d["reason"] == "node 1 lost"]
-    assert sorted(d["model"] for d in stops) == lost
+    assert sorted(d["group"] for d in stops) == lost
     models = {model["name"]: model for model in results["models"]}
     assert {name: model["epochs"] for name, model in models.items()} == dict.fromkeys("ABC", epochs)  # each once
     assert {name: len(model["failures"]) for name, model in models.items()} == {m: int(m in lost) for m in "ABC"}

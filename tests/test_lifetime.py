@@ -313,7 +313,7 @@ def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_nev
     def sigterm_after_the_first_epoch():
         state = stopped / "state" / "driver.json"
         while not (state.exists() and any(m["epochs_done"] for m in
-                                          json.loads(state.read_text())["scheduler"]["models"].values())):
+                                          json.loads(state.read_text())["scheduler"]["groups"].values())):
             time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -333,7 +333,7 @@ def test_fleet_g_stopped_by_sigterm_resumes_to_the_flotilla_history_of_a_run_nev
     assert len(history) == len(reformed) + 1  # the flotilla running at the stop, formed again
     assert reformed == formed(never_stopped)
     # the Gantt chart goes on: the stopped run's stints, then the resumed run's, on the scheduler's one clock
-    stints = lambda results: [(b["model"], b["flotilla"], b["start"], b["end"]) for b in results["scheduler"]["gantt"]]
+    stints = lambda results: [(b["group"], b["flotilla"], b["start"], b["end"]) for b in results["scheduler"]["gantt"]]
     before = stints(first)
     assert stints(whole)[:len(before)] == before
     assert min(start for *_, start, _ in stints(whole)[len(before):]) >= max(end for *_, end in before)

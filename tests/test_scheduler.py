@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pipeline.scheduler import (AssignSlots, Baseline, Checkpoint, Cluster, EpochFinished, FleetE, FleetG, FleetL,
-                                FormFlotilla, Homogeneous, ModelConverged, NodeLost, NodeReturned, PrepCostMeasured,
+                                FormFlotilla, GroupConverged, Homogeneous, NodeLost, NodeReturned, PrepCostMeasured,
                                 RateTable, RatesMeasured, Scheduler, Shared, Slot, SlotFreed, Start, Stop,
                                 TrainerFailed, assign_slots, greedy_flotilla, make_policy)
 from pipeline.scheduler.planner import longest_first, lookahead_flotilla, share_streams, spread_slots
@@ -55,9 +55,9 @@ def test_every_decision_names_the_event_that_caused_it():
     scheduler = Scheduler(["a", "b"], Cluster(1, 2), FleetG(lookahead=0))
     assert scheduler.handle(RatesMeasured(0.0, "a", (10, 15))) == []  # b's rates still to come
     decisions = scheduler.handle(RatesMeasured(0.5, "b", (20, 30)))
-    assert decisions and {d.cause for d in decisions} == {"RatesMeasured(model=b, rates=(20, 30)) at 0.500 s"}
-    stops = scheduler.handle(ModelConverged(2.25, "b"))  # b runs on both slots (a waits)
-    assert of(Stop, stops) and {d.cause for d in stops} == {"ModelConverged(model=b) at 2.250 s"}
+    assert decisions and {d.cause for d in decisions} == {"RatesMeasured(group=b, rates=(20, 30)) at 0.500 s"}
+    stops = scheduler.handle(GroupConverged(2.25, "b"))  # b runs on both slots (a waits)
+    assert of(Stop, stops) and {d.cause for d in stops} == {"GroupConverged(group=b) at 2.250 s"}
     fresh = Scheduler(["a"], Cluster(1, 1), Shared({"a": 1}))  # plans without rates
     assert {d.cause for d in fresh.start(1.0)} == {"start at 1.000 s"}
 
@@ -68,7 +68,7 @@ def test_worked_example_through_the_state_machine():
     assert [type(d) for d in decisions] == [FormFlotilla, AssignSlots, AssignSlots, Start, Start]
     form = decisions[0]
     assert form.members == {"DNN1": 1, "DNN4": 3} and form.rate == 100
-    assert {d.model: len(d.slots) for d in of(AssignSlots, decisions)} == {"DNN1": 1, "DNN4": 3}
+    assert {d.group: len(d.slots) for d in of(AssignSlots, decisions)} == {"DNN1": 1, "DNN4": 3}
     assert all(d.resume_epoch == 0 for d in of(Start, decisions))
 
 
@@ -83,7 +83,7 @@ def test_measured_preprocessing_cost_caps_the_flotillas_planned_after_it():
     assert scheduler.state()["prep_seconds_per_image"] == 0.08
     for model in first.members:
         scheduler.handle(EpochFinished(2.0, model, 1))
-        scheduler.handle(ModelConverged(2.0, model))
+        scheduler.handle(GroupConverged(2.0, model))
     replan = []
     for slot in Cluster(1, 4).slots:
         replan += scheduler.handle(SlotFreed(4.0, slot))
@@ -110,7 +110,7 @@ def test_impossible_requests_say_what_and_how_to_fix():
     scheduler = Scheduler(["big"], Cluster(2, 2), FleetG())
     with pytest.raises(ValueError, match="must fit in one node of 2 slots"):
         scheduler.handle(RatesMeasured(0.0, "big", (0, 0, 0, 300)))
-    with pytest.raises(ValueError, match="unknown model 'x'"):
+    with pytest.raises(ValueError, match="unknown group 'x'"):
         scheduler.handle(EpochFinished(0.0, "x", 1))
 
 
@@ -137,17 +137,17 @@ def test_converged_model_is_checkpointed_and_released_and_flotilla_stops_below_8
     scheduler = five_on_five(FleetG())
     for model in FIVE:
         scheduler.handle(EpochFinished(10.0, model, 1))
-    first = scheduler.handle(ModelConverged(10.0, "a"))
+    first = scheduler.handle(GroupConverged(10.0, "a"))
     assert first == [Checkpoint(0, "a", 1, final=True), Stop(0, "a", "converged", flotilla_ends=False)]
-    second = scheduler.handle(ModelConverged(11.0, "b"))  # 3 of 5 slots active: 60% < 80%
+    second = scheduler.handle(GroupConverged(11.0, "b"))  # 3 of 5 slots active: 60% < 80%
     assert of(Stop, second) == [Stop(0, "b", "converged", False), Stop(0, "c", "flotilla stopped", False),
                                 Stop(0, "d", "flotilla stopped", False), Stop(0, "e", "flotilla stopped", True)]
-    assert {d.model for d in of(Checkpoint, second)} == {"b", "c", "d", "e"}
+    assert {d.group for d in of(Checkpoint, second)} == {"b", "c", "d", "e"}
     replan = []
     for slot in Cluster(5, 1).slots:
         replan += scheduler.handle(SlotFreed(12.0, slot))
     assert of(FormFlotilla, replan)[0].members.keys() == {"c", "d", "e"}
-    assert {d.model: d.resume_epoch for d in of(Start, replan)} == {"c": 1, "d": 1, "e": 1}
+    assert {d.group: d.resume_epoch for d in of(Start, replan)} == {"c": 1, "d": 1, "e": 1}
 
 
 def test_fleet_g_waits_for_the_flotilla_to_stop_while_fleet_l_refills_at_once():
@@ -157,7 +157,7 @@ def test_fleet_g_waits_for_the_flotilla_to_stop_while_fleet_l_refills_at_once():
         scheduler = Scheduler(list(rates), Cluster(5, 1), policy)
         started(scheduler, rates)
         scheduler.handle(EpochFinished(1.0, "a", 1))
-        scheduler.handle(ModelConverged(1.0, "a"))
+        scheduler.handle(GroupConverged(1.0, "a"))
         decisions[type(policy)] = scheduler.handle(SlotFreed(2.0, Slot(0, 0)))
     assert decisions[FleetG] == []
     refill = decisions[FleetL]
@@ -188,7 +188,7 @@ def test_failed_trainer_resumes_from_last_checkpoint_and_is_given_up_after_max_f
     assert of(Start, scheduler.handle(SlotFreed(4.0, Slot(0, 0)))) == [Start(1, "m", 2)]
     scheduler.handle(TrainerFailed(5.0, "m", Slot(0, 0)))
     assert scheduler.handle(SlotFreed(6.0, Slot(0, 0))) == [] and scheduler.done
-    assert scheduler.models["m"].status == "failed"
+    assert scheduler.groups["m"].status == "failed"
 
 
 def test_a_lost_node_fails_its_models_stops_its_flotillas_and_its_slots_wait_until_it_returns():
@@ -202,14 +202,14 @@ def test_a_lost_node_fails_its_models_stops_its_flotillas_and_its_slots_wait_unt
             scheduler.handle(EpochFinished(float(epoch), model, epoch))
     lost = scheduler.handle(NodeLost(3.5, 1))
     assert lost == [Stop(0, m, "node 1 lost", flotilla_ends=m == "c") for m in "abc"]  # the flotilla spans it
-    assert [scheduler.models[m].failures for m in "abc"] == [0, 1, 0]  # only the model on it failed
-    assert {m: (s.status, s.epochs_done) for m, s in scheduler.models.items()} == dict.fromkeys(rates, ("waiting", 2))
+    assert [scheduler.groups[m].failures for m in "abc"] == [0, 1, 0]  # only the model on it failed
+    assert {m: (s.status, s.epochs_done) for m, s in scheduler.groups.items()} == dict.fromkeys(rates, ("waiting", 2))
     assert scheduler.handle(NodeLost(3.6, 1)) == []  # told twice: once
     replan = []
     for slot in Cluster(3, 1).slots:  # node 1's slot stays lost
         replan += scheduler.handle(SlotFreed(4.0, slot))
     again = of(AssignSlots, replan)
-    assert {d.model for d in again} == {"a", "b"} and {d.slots for d in again} == {(Slot(0, 0),), (Slot(2, 0),)}
+    assert {d.group for d in again} == {"a", "b"} and {d.slots for d in again} == {(Slot(0, 0),), (Slot(2, 0),)}
     assert of(Start, replan) == [Start(1, "a", 2), Start(1, "b", 2)] and not scheduler.stranded
     assert scheduler.slots[Slot(1, 0)] == "lost"
     assert of(Start, scheduler.handle(NodeReturned(5.0, 1))) == [Start(2, "c", 2)]  # its slot in the next plan
@@ -237,9 +237,9 @@ def test_driver_mistakes_are_refused():
 
 def test_late_convergence_of_a_stopped_model_counts():
     scheduler = five_on_five(FleetG(min_active_fraction=1.0))
-    scheduler.handle(ModelConverged(1.0, "a"))  # stops the whole flotilla
-    assert scheduler.handle(ModelConverged(1.0, "b")) == []
-    assert scheduler.models["b"].status == "converged"
+    scheduler.handle(GroupConverged(1.0, "a"))  # stops the whole flotilla
+    assert scheduler.handle(GroupConverged(1.0, "b")) == []
+    assert scheduler.groups["b"].status == "converged"
 
 
 # --------------------------------------------------------------- simulation
@@ -271,7 +271,7 @@ def test_simulation_invariants(policy):
         assert all(a.end <= b.start + 1e-9 for a, b in zip(bars, bars[1:]))
     runs = {}
     for bar in result.bars:
-        runs.setdefault((bar.model, bar.flotilla), []).append(bar)
+        runs.setdefault((bar.group, bar.flotilla), []).append(bar)
     for bars in runs.values():  # a multi-slot model stays within one node
         assert len({b.slot.node for b in bars}) == 1
     # simulate() raises unless every model converged; each one did train
@@ -288,7 +288,7 @@ def test_a_time_limit_stops_a_model_at_the_end_of_the_epoch_that_reaches_it():
                         time_limit_seconds=35.0)
     result = simulate(instance, Baseline())
     # slow: 10 s epochs, stopped after its 4th (40 s); fast: 5 s epochs, stopped after its 7th (35 s)
-    assert sorted((bar.model, bar.end - bar.start) for bar in result.bars) == [("fast", 35.0), ("slow", 40.0)]
+    assert sorted((bar.group, bar.end - bar.start) for bar in result.bars) == [("fast", 35.0), ("slow", 40.0)]
     assert result.end_time == 40.0
     assert result.utilisation == (35 + 40) / (2 * 40.0)  # busy slot-seconds over the 2 slots' 40 s
 
@@ -299,7 +299,7 @@ def test_baseline_and_homogeneous_use_one_slot_per_model():
         result = simulate(instance, policy)
         slots_per_run = {}
         for bar in result.bars:
-            slots_per_run[(bar.model, bar.flotilla)] = slots_per_run.get((bar.model, bar.flotilla), 0) + 1
+            slots_per_run[(bar.group, bar.flotilla)] = slots_per_run.get((bar.group, bar.flotilla), 0) + 1
         assert set(slots_per_run.values()) == {1}
     baseline = simulate(instance, Baseline())
     assert baseline.flotillas == len(instance.epochs)  # one pipeline per model
@@ -391,9 +391,9 @@ def elastic_run(policy: FleetE) -> tuple[Scheduler, list]:
 
 def test_fleet_e_restarts_a_model_on_idle_slots_from_the_epoch_it_just_finished():
     scheduler, first = elastic_run(FleetE())
-    assert {d.model: len(d.slots) for d in of(AssignSlots, first)} == {"a": 2, "b": 2}
+    assert {d.group: len(d.slots) for d in of(AssignSlots, first)} == {"a": 2, "b": 2}
     scheduler.handle(EpochFinished(10.0, "b", 1))
-    converged = scheduler.handle(ModelConverged(10.0, "b"))
+    converged = scheduler.handle(GroupConverged(10.0, "b"))
     assert of(Stop, converged)[0].reason == "converged"
     for slot in of(AssignSlots, first)[1].slots:
         assert scheduler.handle(SlotFreed(11.0, slot)) == []  # nobody waits: the slots stay idle...
@@ -408,7 +408,7 @@ def test_fleet_e_restarts_a_model_on_idle_slots_from_the_epoch_it_just_finished(
 
 def test_fleet_e_phases_move_slots_from_a_plateaued_model_to_one_still_improving():
     scheduler, first = elastic_run(FleetE(phase_threshold=0.05))
-    slots = {d.model: d.slots for d in of(AssignSlots, first)}
+    slots = {d.group: d.slots for d in of(AssignSlots, first)}
     scheduler.handle(EpochFinished(10.0, "a", 1, {"train_loss": 4.0}))
     scheduler.handle(EpochFinished(10.0, "b", 1, {"train_loss": 3.0}))
     assert scheduler.handle(EpochFinished(20.0, "b", 2, {"train_loss": 2.0})) == [Checkpoint(1, "b", 2)]
@@ -489,7 +489,7 @@ def test_streams_of_a_flotilla_move_at_their_own_pace_in_simulation_and_in_the_d
     scheduler = Scheduler(["fast", "slow"], Cluster(1, 2), Homogeneous())  # both at once, one slot each
     (form,) = of(FormFlotilla, started(scheduler, {"fast": (200.0,), "slow": (50.0,)}))
     assert (form.topology, form.streams, form.rate) == (Topology.multi_broadcast, (("fast",), ("slow",)), 50.0)
-    bars = {bar.model: bar for bar in simulate(instance, Homogeneous()).bars}
+    bars = {bar.group: bar for bar in simulate(instance, Homogeneous()).bars}
     assert bars["fast"].end == pytest.approx(10.0) and bars["slow"].end == pytest.approx(40.0)  # not 40 and 40
     fixed = Scheduler(["fast", "slow"], Cluster(1, 2), Shared({"fast": 1, "slow": 1}),
                       topology=Topology.single_broadcast)

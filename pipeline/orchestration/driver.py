@@ -38,7 +38,7 @@ from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
 from pipeline.orchestration.node import HostLost, NodeAgents
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
-from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, Join, ModelConverged, NodeLost,
+from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, GroupConverged, Join, NodeLost,
                                 NodeReturned, PrepCostMeasured, Scheduler, SlotFreed, Start, Stop, TrainerFailed)
 from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.gantt import Bar, Gantt
@@ -483,7 +483,7 @@ class EpochBoundary:
 class Driver:
     """Carries out the scheduler's decisions. The scheduler places groups (a group of one is a model);
     convergence is each model's own: a converged model leaves its group, and the group leaves its
-    flotilla (ModelConverged to the scheduler) with its last model."""
+    flotilla (GroupConverged to the scheduler) with its last model."""
 
     def __init__(self, scheduler: Scheduler, groups: dict[str, GroupSpec], slot_devices: dict[Slot, str],
                  convergence: Convergence, run: RunContext, console: Console, agents: NodeAgents):
@@ -515,7 +515,7 @@ class Driver:
     @property
     def given_up(self) -> list[str]:
         """Groups the scheduler gave up after their allowed failures."""
-        return sorted(name for name, state in self.scheduler.models.items() if state.status == FAILED)
+        return sorted(name for name, state in self.scheduler.groups.items() if state.status == FAILED)
 
     def resume(self) -> list:
         """Take back the state a stopped or crashed run saved in `state_dir`; the decisions that go on
@@ -689,12 +689,12 @@ class Driver:
             self.converged.add(model)
         for group in sorted({self.group_of[model] for model, _ in converging}):
             if all(m.name in self.converged for m in self.groups[group].members):
-                decisions += self.scheduler.handle(ModelConverged(self.now(), group))
+                decisions += self.scheduler.handle(GroupConverged(self.now(), group))
                 continue
             for model, reason in converging:  # the rest of its group trains on
                 if self.group_of[model] == group and not self.stopping:
                     self.console.print(f"flotilla {thread.flotilla_id}: {model} leaves {group} ({reason})")
-                    self._checkpoint(thread, group, (model,), self.scheduler.models[group].epochs_done)
+                    self._checkpoint(thread, group, (model,), self.scheduler.groups[group].epochs_done)
                     thread.commands.put(ReleaseModel(group, model))
         for group, why in failed:  # after the epoch they finished, before the survivors go on
             decisions += self._trainer_failed(group, why)
@@ -730,10 +730,10 @@ class Driver:
                 self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
                     f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()) + planned)
             elif isinstance(decision, AssignSlots):
-                self.assigned[decision.model] = decision.slots
+                self.assigned[decision.group] = decision.slots
             elif isinstance(decision, (Start, Join)):
-                self.gone.discard(decision.model)
-                member = self._member(decision.model, decision.resume_epoch)
+                self.gone.discard(decision.group)
+                member = self._member(decision.group, decision.resume_epoch)
                 if isinstance(decision, Join):  # its flotilla's thread takes it in (FlotillaThread._take_in)
                     self.threads[decision.flotilla].joins.put(JoinMember(member))
                 else:
@@ -742,19 +742,19 @@ class Driver:
                                                  decision.resume_epoch)
             elif isinstance(decision, Checkpoint):
                 thread = self.threads.get(decision.flotilla)
-                if thread is not None and decision.model not in self.gone:
-                    models = tuple(m.name for m in self.groups[decision.model].members)
-                    self._checkpoint(thread, decision.model, models, decision.epoch)
+                if thread is not None and decision.group not in self.gone:
+                    models = tuple(m.name for m in self.groups[decision.group].members)
+                    self._checkpoint(thread, decision.group, models, decision.epoch)
             elif isinstance(decision, Stop):
-                self.console.print(f"flotilla {decision.flotilla}: {decision.model} leaves ({decision.reason})")
+                self.console.print(f"flotilla {decision.flotilla}: {decision.group} leaves ({decision.reason})")
                 if decision.flotilla in self.broken:  # its thread is closing its processes; the model may
                     # have new slots before it has closed (planned at once on the nodes left)
-                    self.freed_at_end.setdefault(decision.flotilla, []).extend(self.assigned.pop(decision.model, ()))
-                elif decision.model in self.gone:  # its trainers are already stopped
-                    self.gone.discard(decision.model)
-                    self._free_slots(decision.model)
+                    self.freed_at_end.setdefault(decision.flotilla, []).extend(self.assigned.pop(decision.group, ()))
+                elif decision.group in self.gone:  # its trainers are already stopped
+                    self.gone.discard(decision.group)
+                    self._free_slots(decision.group)
                 else:
-                    self.threads[decision.flotilla].commands.put(StopMember(decision.model))
+                    self.threads[decision.flotilla].commands.put(StopMember(decision.group))
             else:
                 raise TypeError(f"the driver cannot carry out {decision!r}")
         for flotilla_id, (formed, members) in forming.items():

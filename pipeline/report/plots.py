@@ -208,7 +208,7 @@ def gantt_figure(bars: list[Bar], slots: Sequence[Slot], title: str, hours: bool
         ax.barh(rows[bar.slot], (bar.end - bar.start) / unit, left=bar.start / unit, height=0.85,
                 color=colours[bar.flotilla % len(colours)], edgecolor="black", linewidth=0.2)
         if len(rows) <= 16:
-            ax.text((bar.start + bar.end) / 2 / unit, rows[bar.slot], bar.model, ha="center", va="center",
+            ax.text((bar.start + bar.end) / 2 / unit, rows[bar.slot], bar.group, ha="center", va="center",
                     fontsize=6)
     if len(rows) <= 32:
         ax.set_yticks(range(len(rows)), [str(s) for s in rows], fontsize=6)

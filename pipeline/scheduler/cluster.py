@@ -1,5 +1,5 @@
-"""What the scheduler knows about the hardware and the models: the cluster and
-the rate table (training rate of each model on 1..k slots)."""
+"""What the scheduler knows about the hardware and the groups: the cluster and
+the rate table (training rate of each group on 1..k slots)."""
 
 from __future__ import annotations
 
@@ -68,35 +68,35 @@ class Cluster:
 
 @dataclass
 class RateTable:
-    """Training rate (images/s) of each model on 1, 2, ..., k slots.
+    """Training rate (images/s) of each group on 1, 2, ..., k slots.
 
-    A rate of 0 marks a slot count the model cannot run on (e.g. it does not
+    A rate of 0 marks a slot count the group cannot run on (e.g. it does not
     fit in one slot's memory). Rates beyond the slots of one node are ignored:
-    a multi-slot model always stays within one node.
+    a multi-slot group always stays within one node.
     """
 
     rates: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
-    def add(self, model: str, rates: tuple[float, ...] | list[float]) -> None:
+    def add(self, group: str, rates: tuple[float, ...] | list[float]) -> None:
         rates = tuple(float(r) for r in rates)
         if not rates or any(r < 0 for r in rates) or max(rates) == 0:
             raise ValueError(
-                f"rate table entry of model {model!r} must list its images/s on 1, 2, ... slots with at least "
+                f"rate table entry of group {group!r} must list its images/s on 1, 2, ... slots with at least "
                 f"one positive rate, got {rates}")
-        self.rates[model] = rates
+        self.rates[group] = rates
 
-    def rate(self, model: str, slots: int) -> float:
-        table = self.rates[model]
+    def rate(self, group: str, slots: int) -> float:
+        table = self.rates[group]
         return table[slots - 1] if 1 <= slots <= len(table) else 0.0
 
-    def slot_counts(self, model: str, slots_per_node: int) -> list[int]:
-        """Slot counts the model can run on within one node."""
-        return [g for g in range(1, slots_per_node + 1) if self.rate(model, g) > 0]
+    def slot_counts(self, group: str, slots_per_node: int) -> list[int]:
+        """Slot counts the group can run on within one node."""
+        return [g for g in range(1, slots_per_node + 1) if self.rate(group, g) > 0]
 
     def check_fits(self, cluster: Cluster) -> None:
-        for model in self.rates:
-            if not self.slot_counts(model, cluster.slots_per_node):
+        for group in self.rates:
+            if not self.slot_counts(group, cluster.slots_per_node):
                 raise PlacementError(
-                    f"model {model!r} has no positive training rate on 1..{cluster.slots_per_node} slots "
-                    f"(rates {self.rates[model]}), but a model must fit in one node of "
+                    f"group {group!r} has no positive training rate on 1..{cluster.slots_per_node} slots "
+                    f"(rates {self.rates[group]}), but a group must fit in one node of "
                     f"{cluster.slots_per_node} slots; measure it on fewer slots or use nodes with more slots")

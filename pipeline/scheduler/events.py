@@ -19,29 +19,29 @@ from pipeline.scheduler.topology import Streams, Topology
 
 @dataclass(frozen=True)
 class RatesMeasured:
-    """Images/s of `model` on 1, 2, ... slots. Planning starts once every model has one."""
+    """Images/s of `group` on 1, 2, ... slots. Planning starts once every group has one."""
 
     time: float
-    model: str
+    group: str
     rates: tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class EpochFinished:
-    """`model` completed epoch number `epoch` (1-based) and validated."""
+    """`group` completed epoch number `epoch` (1-based) and validated."""
 
     time: float
-    model: str
+    group: str
     epoch: int
     metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class ModelConverged:
-    """The driver's convergence test (e.g. early stopping on `metrics`) fired for `model`."""
+class GroupConverged:
+    """The driver's convergence test (e.g. early stopping on `metrics`) fired for `group`."""
 
     time: float
-    model: str
+    group: str
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,10 @@ class SlotFreed:
 
 @dataclass(frozen=True)
 class TrainerFailed:
-    """A trainer of `model` crashed on `slot`; the model resumes from its last checkpoint."""
+    """A trainer of `group` crashed on `slot`; the group resumes from its last checkpoint."""
 
     time: float
-    model: str
+    group: str
     slot: Slot
     error: str = ""
 
@@ -65,8 +65,8 @@ class TrainerFailed:
 @dataclass(frozen=True)
 class NodeLost:
     """Node `node` is gone (its host killed, powered off or cut off): its slots are lost until it
-    returns; the models training there count a failure, and every flotilla it was part of stops. All
-    of their models resume from their last checkpoints on the slots left."""
+    returns; the groups training there count a failure, and every flotilla it was part of stops. All
+    of their groups resume from their last checkpoints on the slots left."""
 
     time: float
     node: int
@@ -90,7 +90,7 @@ class PrepCostMeasured:
     seconds_per_image: float
 
 
-Event = (RatesMeasured | EpochFinished | ModelConverged | SlotFreed | TrainerFailed | NodeLost | NodeReturned
+Event = (RatesMeasured | EpochFinished | GroupConverged | SlotFreed | TrainerFailed | NodeLost | NodeReturned
          | PrepCostMeasured)
 
 # ------------------------------------------------------------- decisions out
@@ -106,9 +106,9 @@ class Caused:
 
 @dataclass(frozen=True)
 class FormFlotilla(Caused):
-    """Create the preprocessing that feeds these models, laid out as `topology`.
+    """Create the preprocessing that feeds these groups, laid out as `topology`.
 
-    `members` maps model -> slot count; `streams` splits them into the
+    `members` maps group -> slot count; `streams` splits them into the
     sequences of batches they read in lockstep (one, but for multi_broadcast
     and duplicated), and `why` says why this topology; `rate` is the planned
     images/s of its slowest stream: that stream's slowest member's measured
@@ -126,53 +126,53 @@ class FormFlotilla(Caused):
 
 @dataclass(frozen=True)
 class AssignSlots(Caused):
-    """`model` trains data-parallel on `slots` (all on one node)."""
+    """`group` trains data-parallel on `slots` (all on one node)."""
 
     flotilla: int
-    model: str
+    group: str
     slots: tuple[Slot, ...]
 
 
 @dataclass(frozen=True)
 class Start(Caused):
-    """Start the trainers of `model`; resume from the checkpoint after `resume_epoch` epochs if > 0."""
+    """Start the trainers of `group`; resume from the checkpoint after `resume_epoch` epochs if > 0."""
 
     flotilla: int
-    model: str
+    group: str
     resume_epoch: int
 
 
 @dataclass(frozen=True)
 class Join(Caused):
-    """`model` (its slots assigned just before) joins the stream of running flotilla `flotilla` at that
+    """`group` (its slots assigned just before) joins the stream of running flotilla `flotilla` at that
     stream's next epoch boundary: its trainers become readers of the flotilla's stream from the next
     epoch on; they resume from the checkpoint after `resume_epoch` epochs if > 0."""
 
     flotilla: int
-    model: str
+    group: str
     resume_epoch: int
 
 
 @dataclass(frozen=True)
 class Checkpoint(Caused):
-    """Save `model` after `epoch` completed epochs (`final` when it has converged)."""
+    """Save `group` after `epoch` completed epochs (`final` when it has converged)."""
 
     flotilla: int
-    model: str
+    group: str
     epoch: int
     final: bool = False
 
 
 @dataclass(frozen=True)
 class Stop(Caused):
-    """Stop the trainers of `model` and release its slots (send `SlotFreed` for each).
+    """Stop the trainers of `group` and release its slots (send `SlotFreed` for each).
 
     `reason` is "converged", "flotilla stopped", "failed" or "node <i> lost". `flotilla_ends`
     is set on the last member: the flotilla's pipeline can be torn down.
     """
 
     flotilla: int
-    model: str
+    group: str
     reason: str
     flotilla_ends: bool
 
@@ -182,6 +182,6 @@ Decision = FormFlotilla | AssignSlots | Start | Join | Checkpoint | Stop
 
 def cause_of(event: Event) -> str:
     """An event as a decision's cause: its kind, its subject and its time, e.g.
-    "EpochFinished(model=group0, epoch=3) at 12.345 s"."""
+    "EpochFinished(group=group0, epoch=3) at 12.345 s"."""
     subject = ", ".join(f"{name}={value}" for name, value in vars(event).items() if name not in ("time", "metrics"))
     return f"{type(event).__name__}({subject}) at {event.time:.3f} s"

@@ -12,52 +12,52 @@ from pipeline.scheduler.events import AssignSlots, Decision, Join, Start, Stop
 
 @dataclass(frozen=True)
 class Bar:
-    """`model` of `flotilla` held `slot` from `start` to `end` (seconds)."""
+    """`group` of `flotilla` held `slot` from `start` to `end` (seconds)."""
 
     slot: Slot
-    model: str
+    group: str
     flotilla: int
     start: float
     end: float
 
     def to_json(self) -> dict:
-        return {"slot": [self.slot.node, self.slot.index], "model": self.model, "flotilla": self.flotilla,
+        return {"slot": [self.slot.node, self.slot.index], "group": self.group, "flotilla": self.flotilla,
                 "start": self.start, "end": self.end}
 
     @classmethod
     def from_json(cls, saved: dict) -> Bar:
-        return cls(Slot(*saved["slot"]), saved["model"], saved["flotilla"], saved["start"], saved["end"])
+        return cls(Slot(*saved["slot"]), saved["group"], saved["flotilla"], saved["start"], saved["end"])
 
 
 class Gantt:
-    """A model's bars open when it starts (or joins) on the slots assigned to it, and close when it is
+    """A group's bars open when it starts (or joins) on the slots assigned to it, and close when it is
     stopped."""
 
     def __init__(self, bars: list[Bar] | None = None):
         self.bars: list[Bar] = list(bars or [])  # closed
         self.assigned: dict[str, tuple[Slot, ...]] = {}
-        self.running: dict[str, tuple[int, float]] = {}  # model -> (flotilla, since)
+        self.running: dict[str, tuple[int, float]] = {}  # group -> (flotilla, since)
 
     def saw(self, decision: Decision, now: float) -> None:
         if isinstance(decision, AssignSlots):
-            self.assigned[decision.model] = decision.slots
+            self.assigned[decision.group] = decision.slots
         elif isinstance(decision, (Start, Join)):
-            self.running[decision.model] = (decision.flotilla, now)
-        elif isinstance(decision, Stop) and decision.model in self.running:
-            self.bars += self._bars(decision.model, now)
-            del self.running[decision.model]
+            self.running[decision.group] = (decision.flotilla, now)
+        elif isinstance(decision, Stop) and decision.group in self.running:
+            self.bars += self._bars(decision.group, now)
+            del self.running[decision.group]
 
     def until(self, now: float) -> list[Bar]:
-        """The bars so far, those of models still running ending `now`."""
-        return self.bars + [bar for model in self.running for bar in self._bars(model, now)]
+        """The bars so far, those of groups still running ending `now`."""
+        return self.bars + [bar for group in self.running for bar in self._bars(group, now)]
 
     def close(self, now: float) -> None:
-        """The schedule ends `now`, with the models still running (a run stopped before its end)."""
+        """The schedule ends `now`, with the groups still running (a run stopped before its end)."""
         self.bars, self.running = self.until(now), {}
 
-    def _bars(self, model: str, now: float) -> list[Bar]:
-        flotilla, since = self.running[model]
-        return [Bar(slot, model, flotilla, since, now) for slot in self.assigned[model]]
+    def _bars(self, group: str, now: float) -> list[Bar]:
+        flotilla, since = self.running[group]
+        return [Bar(slot, group, flotilla, since, now) for slot in self.assigned[group]]
 
 
 def utilisation(bars: list[Bar], slots: int, end: float) -> float:

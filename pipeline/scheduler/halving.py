@@ -1,7 +1,7 @@
 """Successive halving inside a run (scheduler.halving): at each rung, min_epochs x eta^k epochs, the
 members that reached it are ranked by a validation metric there (the objective's), and all but the best
 ceil(n / eta) stop training: they are culled, their last checkpoint kept, and their slots go back to the
-scheduler as a converged model's do. Under FLEET members reach a rung at different times (flotillas one
+scheduler as a converged group's do. Under FLEET members reach a rung at different times (flotillas one
 after another): each is judged as it reaches the rung, against every member that has reached it so far
 (ASHA's rule, Li et al., MLSys 2020); under scheduler=shared, where all train in lockstep, a rung is
 judged once, on all of them. Judged from the members' recorded metrics alone, it keeps no state of its

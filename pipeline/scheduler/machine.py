@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, field, replace
 
-from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla, Join,
-                                       ModelConverged, NodeLost, NodeReturned, PrepCostMeasured, RatesMeasured,
+from pipeline.scheduler.events import (AssignSlots, Checkpoint, Decision, EpochFinished, Event, FormFlotilla,
+                                       GroupConverged, Join, NodeLost, NodeReturned, PrepCostMeasured, RatesMeasured,
                                        SlotFreed, Start, Stop, TrainerFailed, cause_of)
 from pipeline.scheduler.planner import assign_slots
 from pipeline.scheduler.policies import Policy
@@ -23,10 +23,10 @@ FREE, BUSY, RELEASING, LOST = "free", "busy", "releasing", "lost"  # LOST: on a 
 
 
 @dataclass
-class ModelState:
+class GroupState:
     status: str = WAITING
     epochs_done: int = 0
-    checkpoint_epoch: int = 0  # where the model resumes after a stop or a failure
+    checkpoint_epoch: int = 0  # where the group resumes after a stop or a failure
     failures: int = 0
     flotilla: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # of the last epoch
@@ -37,7 +37,7 @@ class ModelState:
 class FlotillaState:
     members: dict[str, tuple[Slot, ...]]
     active: set[str]
-    streams: int = 1  # of its topology; a model may join a flotilla of one stream
+    streams: int = 1  # of its topology; a group may join a flotilla of one stream
 
     @property
     def nodes(self) -> set[int]:
@@ -53,24 +53,24 @@ class FlotillaState:
 
 
 class Scheduler:
-    """Plans flotillas for `models` on `cluster` with `policy`.
+    """Plans flotillas for `groups` on `cluster` with `policy`.
 
-    Planning starts when every model's rates are in (for the policies that
-    need one). A model whose trainers
+    Planning starts when every group's rates are in (for the policies that
+    need one). A group whose trainers
     fail more than `max_failures` times is given up (status "failed").
     A lost node's slots are out of its plans until the node returns.
     """
 
-    def __init__(self, models: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
+    def __init__(self, groups: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
                  checkpoint_every: int = 1, max_failures: int = 2, topology: Topology = Topology.auto,
                  broadcast_groups: int = 2):
-        if len(set(models)) != len(models) or not models:
-            raise ValueError(f"models must be a non-empty list of distinct names, got {models}")
+        if len(set(groups)) != len(groups) or not groups:
+            raise ValueError(f"groups must be a non-empty list of distinct names, got {groups}")
         self.cluster, self.policy = cluster, policy
         self.topology, self.broadcast_groups = topology, broadcast_groups  # config: fixed, or auto per flotilla
         self.checkpoint_every, self.max_failures = checkpoint_every, max_failures
         self.table = RateTable()
-        self.models = {m: ModelState() for m in models}
+        self.groups = {m: GroupState() for m in groups}
         self.slots = {s: FREE for s in cluster.slots}
         self.lost: set[int] = set()  # nodes gone (NodeLost) and not back
         self.flotillas: dict[int, FlotillaState] = {}
@@ -80,35 +80,35 @@ class Scheduler:
 
     @property
     def done(self) -> bool:
-        """Every model converged or was given up, and every slot is free (or lost)."""
-        return (all(s.status in (CONVERGED, FAILED) for s in self.models.values())
+        """Every group converged or was given up, and every slot is free (or lost)."""
+        return (all(s.status in (CONVERGED, FAILED) for s in self.groups.values())
                 and all(state in (FREE, LOST) for state in self.slots.values()))
 
     @property
     def stranded(self) -> list[str]:
-        """Models that wait for slots no node left can give: nodes were lost, nothing runs or is being
+        """Groups that wait for slots no node left can give: nodes were lost, nothing runs or is being
         released, and the policy planned nothing. The run cannot go on until a lost node returns."""
         if not self.lost or self.flotillas or RELEASING in self.slots.values():
             return []
-        return sorted(m for m, s in self.models.items() if s.status == WAITING)
+        return sorted(m for m, s in self.groups.items() if s.status == WAITING)
 
     def start(self, time: float) -> list[Decision]:
         """The driver is ready: the first plan, for policies that need no
-        table (the others plan once the last model's rates have come in)."""
+        table (the others plan once the last group's rates have come in)."""
         self.now = max(self.now, time)
         return _caused(self._plan(), f"start at {self.now:.3f} s")
 
-    def checkpointed(self, model: str, epoch: int) -> None:
-        """A checkpoint the driver wrote outside the plan (when a run is stopped): `model` resumes from it."""
-        state = self._model(model)
+    def checkpointed(self, group: str, epoch: int) -> None:
+        """A checkpoint the driver wrote outside the plan (when a run is stopped): `group` resumes from it."""
+        state = self._group(group)
         if not state.checkpoint_epoch <= epoch <= state.epochs_done:
-            raise ValueError(f"{model}: a checkpoint after {epoch} epochs, but it has done {state.epochs_done} "
+            raise ValueError(f"{group}: a checkpoint after {epoch} epochs, but it has done {state.epochs_done} "
                              f"and its last checkpoint is after {state.checkpoint_epoch}")
         state.checkpoint_epoch = epoch
 
     def state(self) -> dict:
         """Everything the scheduler knows, as JSON: `restore` continues from it (a resumed run)."""
-        return {"models": {name: asdict(state) for name, state in self.models.items()},
+        return {"groups": {name: asdict(state) for name, state in self.groups.items()},
                 "flotillas": {str(fid): {"members": {m: [[s.node, s.index] for s in slots]
                                                      for m, slots in f.members.items()},
                                          "active": sorted(f.active)} for fid, f in self.flotillas.items()},
@@ -119,11 +119,11 @@ class Scheduler:
 
     def restore(self, saved: dict) -> list[Decision]:
         """Continue from `state()` of a run that stopped: the flotillas it was running form again, on the
-        same slots, their models resuming from their last checkpoints; then planning goes on as before."""
-        if sorted(saved["models"]) != sorted(self.models):
-            raise ValueError(f"the saved scheduler planned {sorted(saved['models'])}, this one {sorted(self.models)}")
-        for name, fields in saved["models"].items():
-            self.models[name] = ModelState(**fields)
+        same slots, their groups resuming from their last checkpoints; then planning goes on as before."""
+        if sorted(saved["groups"]) != sorted(self.groups):
+            raise ValueError(f"the saved scheduler planned {sorted(saved['groups'])}, this one {sorted(self.groups)}")
+        for name, fields in saved["groups"].items():
+            self.groups[name] = GroupState(**fields)
         self.flotillas = {int(fid): FlotillaState({m: tuple(Slot(*s) for s in slots)
                                                    for m, slots in f["members"].items()}, set(f["active"]))
                           for fid, f in saved["flotillas"].items()}
@@ -143,8 +143,8 @@ class Scheduler:
             decisions.append(form)
             decisions += [AssignSlots(fid, m, slots) for m, slots in active.items()]
             for m in active:  # what it did after its last checkpoint is done again
-                self.models[m].epochs_done = self.models[m].checkpoint_epoch
-                decisions.append(Start(fid, m, resume_epoch=self.models[m].checkpoint_epoch))
+                self.groups[m].epochs_done = self.groups[m].checkpoint_epoch
+                decisions.append(Start(fid, m, resume_epoch=self.groups[m].checkpoint_epoch))
         return _caused(decisions + self._plan(), f"resume at {self.now:.3f} s")
 
     def handle(self, event: Event) -> list[Decision]:
@@ -155,7 +155,7 @@ class Scheduler:
             decisions = self._rates_measured(event)
         elif isinstance(event, EpochFinished):
             decisions = self._epoch_finished(event)
-        elif isinstance(event, ModelConverged):
+        elif isinstance(event, GroupConverged):
             decisions = self._converged(event)
         elif isinstance(event, SlotFreed):
             decisions = self._slot_freed(event)
@@ -174,19 +174,19 @@ class Scheduler:
 
     # ------------------------------------------------------------ events
 
-    def _model(self, name: str) -> ModelState:
-        if name not in self.models:
-            raise ValueError(f"unknown model {name!r}; the scheduler was built for {sorted(self.models)}")
-        return self.models[name]
+    def _group(self, name: str) -> GroupState:
+        if name not in self.groups:
+            raise ValueError(f"unknown group {name!r}; the scheduler was built for {sorted(self.groups)}")
+        return self.groups[name]
 
     def _rates_measured(self, event: RatesMeasured) -> list[Decision]:
-        self._model(event.model)
-        self.table.add(event.model, event.rates)
+        self._group(event.group)
+        self.table.add(event.group, event.rates)
         self.table.check_fits(self.cluster)
         return []
 
     def _epoch_finished(self, event: EpochFinished) -> list[Decision]:
-        state = self._model(event.model)
+        state = self._group(event.group)
         if state.status != RUNNING:  # a late report from trainers already stopped
             return []
         before, loss = state.metrics.get(TRAIN_LOSS), event.metrics.get(TRAIN_LOSS)
@@ -196,50 +196,50 @@ class Scheduler:
         if not (self.checkpoint_every and event.epoch % self.checkpoint_every == 0):
             return []
         state.checkpoint_epoch = event.epoch
-        checkpoint = Checkpoint(state.flotilla, event.model, event.epoch)
-        restart = self._restart_reason(event.model)
+        checkpoint = Checkpoint(state.flotilla, event.group, event.epoch)
+        restart = self._restart_reason(event.group)
         if restart:
             state.status = WAITING
-            return [checkpoint, *self._leave(event.model, restart)]
+            return [checkpoint, *self._leave(event.group, restart)]
         return [checkpoint]
 
-    def _restart_reason(self, model: str) -> str | None:
-        """An elastic policy's call, once no model waits: why `model`, just checkpointed, restarts on the
+    def _restart_reason(self, group: str) -> str | None:
+        """An elastic policy's call, once no group waits: why `group`, just checkpointed, restarts on the
         slot count its phase allows ("resized": more of the idle slots; "plateau": fewer, its loss having
         levelled off while another's on its node still falls), or None."""
         if (not self.policy.elastic or RELEASING in self.slots.values()
-                or any(s.status == WAITING for s in self.models.values())):
+                or any(s.status == WAITING for s in self.groups.values())):
             return None
         free = [s for s, state in self.slots.items() if state == FREE]
         running = {m: slots for f in self.flotillas.values() for m, slots in f.members.items() if m in f.active}
-        slots = self.flotillas[self.models[model].flotilla].members[model]
-        return self.policy.resize(model, slots, self._planning_table(), self.cluster, free, running)
+        slots = self.flotillas[self.groups[group].flotilla].members[group]
+        return self.policy.resize(group, slots, self._planning_table(), self.cluster, free, running)
 
     def _planning_table(self) -> RateTable:
         """The rate table as the policy plans with it: an elastic policy may hold back the slot counts of
-        models in a late training phase."""
+        groups in a late training phase."""
         if not self.policy.elastic:
             return self.table
-        return self.policy.by_phase(self.table, {m: s.loss_drop for m, s in self.models.items()})
+        return self.policy.by_phase(self.table, {m: s.loss_drop for m, s in self.groups.items()})
 
-    def _converged(self, event: ModelConverged) -> list[Decision]:
-        state = self._model(event.model)
+    def _converged(self, event: GroupConverged) -> list[Decision]:
+        state = self._group(event.group)
         if state.status == WAITING:  # its flotilla stopped first; that checkpoint is final
             state.status = CONVERGED
         if state.status != RUNNING:
             return []
         state.status, state.checkpoint_epoch = CONVERGED, state.epochs_done
-        checkpoint = Checkpoint(state.flotilla, event.model, state.epochs_done, final=True)
-        return [checkpoint, *self._leave(event.model, "converged")]
+        checkpoint = Checkpoint(state.flotilla, event.group, state.epochs_done, final=True)
+        return [checkpoint, *self._leave(event.group, "converged")]
 
     def _failed(self, event: TrainerFailed) -> list[Decision]:
-        state = self._model(event.model)
+        state = self._group(event.group)
         if state.status != RUNNING:
             return []
         state.failures += 1
         state.status = FAILED if state.failures > self.max_failures else WAITING
         state.epochs_done = state.checkpoint_epoch
-        return self._leave(event.model, "failed")
+        return self._leave(event.group, "failed")
 
     def _node_lost(self, event: NodeLost) -> list[Decision]:
         if event.node in self.lost:
@@ -250,16 +250,16 @@ class Scheduler:
         for flotilla_id, flotilla in sorted(self.flotillas.items()):
             if event.node not in {s.node for m in flotilla.active for s in flotilla.members[m]}:
                 continue
-            for model in sorted(flotilla.active):  # its pipeline spans the lost node: every member stops
-                state, slots = self.models[model], flotilla.members[model]
+            for group in sorted(flotilla.active):  # its pipeline spans the lost node: every member stops
+                state, slots = self.groups[group], flotilla.members[group]
                 if any(slot.node == event.node for slot in slots):
                     state.failures += 1
                 state.status = FAILED if state.failures > self.max_failures else WAITING
                 state.epochs_done, state.flotilla = state.checkpoint_epoch, None
                 for slot in slots:
                     self.slots[slot] = RELEASING
-                flotilla.active.discard(model)
-                decisions.append(Stop(flotilla_id, model, reason, flotilla_ends=not flotilla.active))
+                flotilla.active.discard(group)
+                decisions.append(Stop(flotilla_id, group, reason, flotilla_ends=not flotilla.active))
             del self.flotillas[flotilla_id]
         for slot in self.slots:
             if slot.node == event.node:
@@ -281,25 +281,25 @@ class Scheduler:
         if self.slots.get(event.slot) != RELEASING:
             raise ValueError(
                 f"slot {event.slot} was freed but is {self.slots.get(event.slot, 'not in the cluster')}; "
-                f"send SlotFreed only for slots of a model the scheduler stopped")
+                f"send SlotFreed only for slots of a group the scheduler stopped")
         self.slots[event.slot] = FREE
         return []
 
     # ---------------------------------------------------------- transitions
 
-    def _leave(self, model: str, reason: str) -> list[Decision]:
-        """`model` leaves its flotilla; the flotilla stops if too few of its
+    def _leave(self, group: str, reason: str) -> list[Decision]:
+        """`group` leaves its flotilla; the flotilla stops if too few of its
         slots stay active (sublinear scaling no longer pays for the sharing)."""
-        flotilla_id = self.models[model].flotilla
+        flotilla_id = self.groups[group].flotilla
         flotilla = self.flotillas[flotilla_id]
-        flotilla.active.discard(model)
-        leaving = [(model, reason)]
+        flotilla.active.discard(group)
+        leaving = [(group, reason)]
         too_few = flotilla.active_slots < self.policy.min_active_fraction * flotilla.slots - 1e-9
         if flotilla.active and too_few:
             leaving += [(m, "flotilla stopped") for m in sorted(flotilla.active)]
         decisions: list[Decision] = []
         for m, why in leaving:
-            state = self.models[m]
+            state = self.groups[m]
             if why == "flotilla stopped":
                 state.status, state.checkpoint_epoch = WAITING, state.epochs_done
                 decisions.append(Checkpoint(flotilla_id, m, state.epochs_done))
@@ -313,29 +313,29 @@ class Scheduler:
         return decisions
 
     def _join(self, waiting: list[str], free: list[Slot], table: RateTable) -> list[Decision]:
-        """Waiting models the policy places into running flotillas of one stream on one node, on that
+        """Waiting groups the policy places into running flotillas of one stream on one node, on that
         node's free slots: they join its stream at its next epoch boundary."""
         running = {fid: (min(f.nodes), {m: len(f.members[m]) for m in f.active}) for fid, f in self.flotillas.items()
                    if f.streams == 1 and len(f.nodes) == 1}
         decisions: list[Decision] = []
-        for model, fid in self.policy.join(waiting, table, self.cluster, free, running).items():
-            count, node = table.slot_counts(model, self.cluster.slots_per_node)[0], running[fid][0]
+        for group, fid in self.policy.join(waiting, table, self.cluster, free, running).items():
+            count, node = table.slot_counts(group, self.cluster.slots_per_node)[0], running[fid][0]
             flotilla = self.flotillas[fid]
             room = sorted(s for s in free if s.node == node and self.slots[s] == FREE)
             if len(room) < count:
-                raise ValueError(f"the policy placed {model} ({count} slots) into flotilla {fid} on node {node}, "
+                raise ValueError(f"the policy placed {group} ({count} slots) into flotilla {fid} on node {node}, "
                                  f"which has {len(room)} free; a policy's join must fit the free slots")
-            slots, state = tuple(room[:count]), self.models[model]
-            flotilla.members[model] = slots
-            flotilla.active.add(model)
+            slots, state = tuple(room[:count]), self.groups[group]
+            flotilla.members[group] = slots
+            flotilla.active.add(group)
             state.status, state.flotilla = RUNNING, fid
             for slot in slots:
                 self.slots[slot] = BUSY
-            decisions += [AssignSlots(fid, model, slots), Join(fid, model, resume_epoch=state.checkpoint_epoch)]
+            decisions += [AssignSlots(fid, group, slots), Join(fid, group, resume_epoch=state.checkpoint_epoch)]
         return decisions
 
     def _form(self, flotilla_id: int, members: dict[str, tuple[Slot, ...]]) -> FormFlotilla:
-        """The decision that forms a flotilla of `members` (model -> its slots, in plan order): its
+        """The decision that forms a flotilla of `members` (group -> its slots, in plan order): its
         topology and streams chosen from the cluster model, and its planned rate (its slowest stream's)."""
         nodes = {m: tuple(slot.node for slot in slots) for m, slots in members.items()}
         topology, why = choose_topology(nodes, self.table, self.cluster, self.topology)
@@ -351,9 +351,9 @@ class Scheduler:
         """Form flotillas on the free slots when the policy wants them: never
         while slots are being released (they come back together), and for
         FLEET-G and homogeneous only once the cluster is idle."""
-        waiting = [m for m, s in self.models.items() if s.status == WAITING]
+        waiting = [m for m, s in self.groups.items() if s.status == WAITING]
         free = [s for s, state in self.slots.items() if state == FREE]
-        measured = len(self.table.rates) == len(self.models)
+        measured = len(self.table.rates) == len(self.groups)
         if (not waiting or not free or (self.policy.needs_rates and not measured)
                 or RELEASING in self.slots.values()
                 or (self.policy.waits_for_idle_cluster and self.flotillas)):
@@ -361,32 +361,33 @@ class Scheduler:
         table = self._planning_table()
         decisions = self._join(waiting, free, table) if self.policy.join_running else []
         if decisions:
-            waiting = [m for m in waiting if self.models[m].status == WAITING]
+            waiting = [m for m in waiting if self.groups[m].status == WAITING]
             free = [s for s, state in self.slots.items() if state == FREE]
             if not waiting or not free:
                 return decisions
         try:
-            groups = self.policy.form(waiting, table, self.cluster, free, self.rng)
+            planned = self.policy.form(waiting, table, self.cluster, free, self.rng)
         except PlacementError:
             if not self.lost:
                 raise
-            groups = []  # what the lost nodes' slots would take: the models wait (`stranded`)
-        placement = assign_slots({m: g for group in groups for m, g in group.items()}, free)
-        for group in groups:
+            planned = []  # what the lost nodes' slots would take: the groups wait (`stranded`)
+        placement = assign_slots({m: g for members in planned for m, g in members.items()}, free)
+        for members in planned:
             flotilla_id, self.next_flotilla = self.next_flotilla, self.next_flotilla + 1
-            form = self._form(flotilla_id, {m: placement[m] for m in group})
-            self.flotillas[flotilla_id] = FlotillaState({m: placement[m] for m in group}, set(group), len(form.streams))
+            form = self._form(flotilla_id, {m: placement[m] for m in members})
+            self.flotillas[flotilla_id] = FlotillaState({m: placement[m] for m in members}, set(members),
+                                                        len(form.streams))
             decisions.append(form)
-            decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in group]
-            for m in group:
-                state = self.models[m]
+            decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in members]
+            for m in members:
+                state = self.groups[m]
                 state.status, state.flotilla = RUNNING, flotilla_id
                 for slot in placement[m]:
                     self.slots[slot] = BUSY
                 decisions.append(Start(flotilla_id, m, resume_epoch=state.checkpoint_epoch))
         if not self.flotillas and not self.lost:
             raise RuntimeError(
-                f"no flotilla can start: waiting models {waiting} do not fit the free slots "
+                f"no flotilla can start: waiting groups {waiting} do not fit the free slots "
                 f"{sorted(map(str, free))}; check the rate table against the cluster's slots per node")
         return decisions
 

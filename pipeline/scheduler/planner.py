@@ -1,6 +1,6 @@
 """Flotilla creation and slot assignment (FLEET steps 1 and 2).
 
-A flotilla is a dict model -> slot count. All functions are pure.
+A flotilla is a dict group -> slot count. All functions are pure.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ TOLERANCE = 0.2  # a member may be this much slower than the target (fraction)
 def flotilla_rate(members: dict[str, int], table: RateTable, prep_rate_per_slot: float) -> float:
     """Images/s of a flotilla: its slowest member's rate, capped by the
     preprocessing that the cores of its slots can supply (one shared pipeline)."""
-    slowest = min(table.rate(model, slots) for model, slots in members.items())
+    slowest = min(table.rate(group, slots) for group, slots in members.items())
     return min(slowest, prep_rate_per_slot * sum(members.values()))
 
 
 def fits(slot_counts: list[int], free_per_node: list[int]) -> bool:
-    """Whether models needing these slot counts can be placed, each within one
+    """Whether groups needing these slot counts can be placed, each within one
     node, by best-fit decreasing (the same rule `assign_slots` uses)."""
     free = sorted(free_per_node)
     for need in sorted(slot_counts, reverse=True):
@@ -33,22 +33,22 @@ def fits(slot_counts: list[int], free_per_node: list[int]) -> bool:
 
 
 def assign_slots(members: dict[str, int], free_slots: list[Slot]) -> dict[str, tuple[Slot, ...]]:
-    """Best-fit decreasing: models needing most slots first; each goes to the
+    """Best-fit decreasing: groups needing most slots first; each goes to the
     node with the fewest free slots that still holds it (lowest node on ties),
-    so a multi-slot model stays within one node and small models share nodes."""
+    so a multi-slot group stays within one node and small groups share nodes."""
     by_node: dict[int, list[Slot]] = defaultdict(list)
     for slot in sorted(free_slots):
         by_node[slot.node].append(slot)
     placement = {}
-    for model in sorted(members, key=lambda m: -members[m]):
-        need = members[model]
+    for group in sorted(members, key=lambda m: -members[m]):
+        need = members[group]
         nodes = [n for n in sorted(by_node) if len(by_node[n]) >= need]
         if not nodes:
             raise ValueError(
-                f"model {model!r} needs {need} slots on one node but the free slots are "
+                f"group {group!r} needs {need} slots on one node but the free slots are "
                 f"{sorted(map(str, free_slots))}; plan with `fits` before assigning")
         node = min(nodes, key=lambda n: len(by_node[n]))
-        placement[model], by_node[node] = tuple(by_node[node][:need]), by_node[node][need:]
+        placement[group], by_node[node] = tuple(by_node[node][:need]), by_node[node][need:]
     return placement
 
 
@@ -69,19 +69,19 @@ def greedy_flotilla(pending: list[str], table: RateTable, cluster: Cluster, free
     """FLEET's greedy flotilla creation on the free slots (`free_nodes`: free
     slots per node). See docs/scheduler.md for the worked example.
 
-    1. Reference: `reference` (model, slot count) if given; else the critical
-       model (`critical_model`) on its fastest slot count if there is one;
-       else the pending model with the highest rate on its smallest runnable
+    1. Reference: `reference` (group, slot count) if given; else the critical
+       group (`critical_group`) on its fastest slot count if there is one;
+       else the pending group with the highest rate on its smallest runnable
        slot count (usually 1 slot). The reference's rate is the target.
-    2. Every (model, slot count) pair of the other pending models is ranked by
+    2. Every (group, slot count) pair of the other pending groups is ranked by
        the distance of its rate to the target, |rate - target| / target, then
        by fewer slots, then by `pending` order. Walking that ranking, a pair
-       joins if its model is not in yet, its rate is at least
+       joins if its group is not in yet, its rate is at least
        (1 - tolerance) * target, and the flotilla still fits the free slots.
     3. Slots still free go to the slowest member while that speeds it up
        (`upgrade_bottleneck`).
     Ranking by distance keeps member rates similar (rule a); walking until the
-    ranking or the slots run out packs as many models as fit (rule b).
+    ranking or the slots run out packs as many groups as fit (rule b).
     Faster pairs may always join: they cost the flotilla no speed.
     """
     k = cluster.slots_per_node
@@ -91,30 +91,30 @@ def greedy_flotilla(pending: list[str], table: RateTable, cluster: Cluster, free
         if not startable:
             return {}
         _, _, *fastest = max(startable)
-        reference = critical_model(pending, table, cluster, free_nodes) or tuple(fastest)
-    reference_model, reference_slots = reference
-    target = table.rate(reference_model, reference_slots)
-    members = {reference_model: reference_slots}
+        reference = critical_group(pending, table, cluster, free_nodes) or tuple(fastest)
+    reference_group, reference_slots = reference
+    target = table.rate(reference_group, reference_slots)
+    members = {reference_group: reference_slots}
     ranking = sorted((abs(table.rate(m, g) - target) / target, g, i, m)
-                     for i, m in enumerate(pending) if m != reference_model
+                     for i, m in enumerate(pending) if m != reference_group
                      for g in table.slot_counts(m, k))
-    for _, g, _, model in ranking:
-        if (model not in members and table.rate(model, g) >= (1 - tolerance) * target
+    for _, g, _, group in ranking:
+        if (group not in members and table.rate(group, g) >= (1 - tolerance) * target
                 and fits([*members.values(), g], free_nodes)):
-            members[model] = g
+            members[group] = g
     return upgrade_bottleneck(members, table, cluster, free_nodes)
 
 
 def lookahead_flotilla(pending: list[str], table: RateTable, cluster: Cluster, free_nodes: list[int],
                        tolerance: float = TOLERANCE) -> dict[str, int]:
     """The best of the greedy's flotillas, one per possible reference (every
-    pending model on every slot count that fits), scored by the completion
+    pending group on every slot count that fits), scored by the completion
     time of the whole remaining schedule rather than by rate.
 
-    Convergence is not known ahead, so every pending model is assumed to have
+    Convergence is not known ahead, so every pending group is assumed to have
     the same work left (one unit of images): a flotilla then takes
-    1 / rate, and its score is that plus `remaining_time` of the models it
-    leaves out. Cost: (models x slot counts)^2 x models greedy walks, so the
+    1 / rate, and its score is that plus `remaining_time` of the groups it
+    leaves out. Cost: (groups x slot counts)^2 x groups greedy walks, so the
     policies use it only for small pending sets (`FleetG.lookahead`).
     """
     k = cluster.slots_per_node
@@ -132,10 +132,10 @@ def lookahead_flotilla(pending: list[str], table: RateTable, cluster: Cluster, f
 
 
 def remaining_time(pending: list[str], table: RateTable, cluster: Cluster, tolerance: float = TOLERANCE) -> float:
-    """Time (per unit of work left in every model) to train `pending` from an
+    """Time (per unit of work left in every group) to train `pending` from an
     idle cluster, round after round: each round takes the greedy flotilla,
     over all references, that minimises its own time plus `lower_bound` of
-    the models left after it."""
+    the groups left after it."""
     k, whole = cluster.slots_per_node, [cluster.slots_per_node] * cluster.nodes
     prep, total = cluster.prep_rate_per_slot, 0.0
     while pending:
@@ -152,13 +152,13 @@ def remaining_time(pending: list[str], table: RateTable, cluster: Cluster, toler
 
 
 def lower_bound(pending: list[str], table: RateTable, cluster: Cluster) -> float:
-    """`work_bound` with one unit of work left in every pending model."""
+    """`work_bound` with one unit of work left in every pending group."""
     return work_bound(dict.fromkeys(pending, 1.0), table, cluster)
 
 
 def work_bound(work: dict[str, float], table: RateTable, cluster: Cluster) -> float:
-    """Time no schedule can beat for `work` (model -> images left): no model beats its fastest rate,
-    and the slot-seconds cannot beat every model on its most slot-efficient count spread over all
+    """Time no schedule can beat for `work` (group -> images left): no group beats its fastest rate,
+    and the slot-seconds cannot beat every group on its most slot-efficient count spread over all
     slots. Whatever runs at once and whoever shares a stream: the CPUs are left out."""
     work = {m: w for m, w in work.items() if w > 0}
     if not work:
@@ -169,12 +169,12 @@ def work_bound(work: dict[str, float], table: RateTable, cluster: Cluster) -> fl
     return max(alone, packed / cluster.total_slots)
 
 
-def critical_model(pending: list[str], table: RateTable, cluster: Cluster,
+def critical_group(pending: list[str], table: RateTable, cluster: Cluster,
                    free_nodes: list[int]) -> tuple[str, int] | None:
-    """The slowest model and its fastest slot count, if it is critical: with
-    equal work left for every pending model (convergence is unknown ahead),
+    """The slowest group and its fastest slot count, if it is critical: with
+    equal work left for every pending group (convergence is unknown ahead),
     it would finish after the whole set packed perfectly on the free slots
-    (each model on its most slot-efficient count). Such a model must start
+    (each group on its most slot-efficient count). Such a group must start
     now, as fast as it can, or it becomes the tail of the run."""
     k = min(cluster.slots_per_node, max(free_nodes))
     fastest = {m: max((table.rate(m, g), -g) for g in table.slot_counts(m, k))
@@ -204,8 +204,8 @@ def upgrade_bottleneck(members: dict[str, int], table: RateTable, cluster: Clust
 
 
 def longest_first(pending: list[str], table: RateTable, cluster: Cluster) -> list[str]:
-    """`pending` with the models expected to take longest first. Convergence is
-    unknown ahead, so every model is assumed to have the same work left and
+    """`pending` with the groups expected to take longest first. Convergence is
+    unknown ahead, so every group is assumed to have the same work left and
     the slowest on its smallest runnable slot count comes first (ties: `pending` order)."""
     k = cluster.slots_per_node
     return sorted(pending, key=lambda m: table.rate(m, table.slot_counts(m, k)[0]))
@@ -218,11 +218,11 @@ def spread_slots(members: dict[str, int], table: RateTable, cluster: Cluster,
     members = dict(members)
     while True:
         gains = []
-        for model, slots in members.items():
+        for group, slots in members.items():
             more = slots + 1
-            if table.rate(model, more) > table.rate(model, slots) and fits(
-                    [g for m, g in members.items() if m != model] + [more], free_nodes):
-                gains.append((1 / table.rate(model, slots) - 1 / table.rate(model, more), model))
+            if table.rate(group, more) > table.rate(group, slots) and fits(
+                    [g for m, g in members.items() if m != group] + [more], free_nodes):
+                gains.append((1 / table.rate(group, slots) - 1 / table.rate(group, more), group))
         if not gains:
             return members
         members[max(gains)[1]] += 1
@@ -230,42 +230,42 @@ def spread_slots(members: dict[str, int], table: RateTable, cluster: Cluster,
 
 def share_streams(members: dict[str, int], table: RateTable, cluster: Cluster,
                   tolerance: float = TOLERANCE) -> list[dict[str, int]]:
-    """Flotillas for `members` (model -> slots): a model whose pipeline alone
+    """Flotillas for `members` (group -> slots): a group whose pipeline alone
     would hold it below its training rate (its slots' cores preprocess less)
-    shares one stream with CPU-held models of like rate (each within
-    `tolerance` of the group's fastest), which together have the cores of all
-    their slots; every other model has a stream of its own, since lockstep
+    shares one stream with CPU-held groups of like rate (each within
+    `tolerance` of the flotilla's fastest), which together have the cores of all
+    their slots; every other group has a stream of its own, since lockstep
     would only slow it down."""
     prep = cluster.prep_rate_per_slot
     held = sorted((m for m, g in members.items() if table.rate(m, g) > prep * g),
                   key=lambda m: -table.rate(m, members[m]))
     flotillas = [{m: g} for m, g in members.items() if m not in held]
-    group: dict[str, int] = {}
-    for model in held:
-        if group and table.rate(model, members[model]) < (1 - tolerance) * max(
-                table.rate(m, g) for m, g in group.items()):
-            flotillas.append(group)
-            group = {}
-        group[model] = members[model]
-    return flotillas + ([group] if group else [])
+    sharing: dict[str, int] = {}
+    for group in held:
+        if sharing and table.rate(group, members[group]) < (1 - tolerance) * max(
+                table.rate(m, g) for m, g in sharing.items()):
+            flotillas.append(sharing)
+            sharing = {}
+        sharing[group] = members[group]
+    return flotillas + ([sharing] if sharing else [])
 
 
 def join_running(pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
                  running: dict[int, tuple[int, dict[str, int]]], tolerance: float = TOLERANCE,
                  held_only: bool = False) -> dict[str, int]:
-    """Waiting models placed into running flotillas (FLEET-L joining a running stream), in `pending`
-    order: model -> flotilla. `running`: flotilla -> (its node, its members' slot counts). A model
+    """Waiting groups placed into running flotillas (FLEET-L joining a running stream), in `pending`
+    order: group -> flotilla. `running`: flotilla -> (its node, its members' slot counts). A group
     joins, on its smallest slot count and on the flotilla's node, the flotilla whose rate is nearest its
-    own, if the flotilla's rate with it stays within `tolerance` of both its rate before and the model's
-    own: nobody slows by more than a member of a flotilla may. With `held_only`, only models whose own
+    own, if the flotilla's rate with it stays within `tolerance` of both its rate before and the group's
+    own: nobody slows by more than a member of a flotilla may. With `held_only`, only groups whose own
     pipeline would hold them back (see `share_streams`) join: sharing pays in CPU alone.
     """
     prep, k = cluster.prep_rate_per_slot, cluster.slots_per_node
     room, members = free_by_node(free_slots), {fid: dict(m) for fid, (_, m) in running.items()}
     placed: dict[str, int] = {}
-    for model in pending:
-        slots = table.slot_counts(model, k)[0]
-        own = table.rate(model, slots)
+    for group in pending:
+        slots = table.slot_counts(group, k)[0]
+        own = table.rate(group, slots)
         if held_only and own <= prep * slots:
             continue
         options = []
@@ -273,12 +273,12 @@ def join_running(pending: list[str], table: RateTable, cluster: Cluster, free_sl
             if room.get(node, 0) < slots:
                 continue
             before = flotilla_rate(members[fid], table, prep)
-            after = flotilla_rate({**members[fid], model: slots}, table, prep)
+            after = flotilla_rate({**members[fid], group: slots}, table, prep)
             if after >= (1 - tolerance) * max(before, own):
                 options.append((abs(own - before), fid, node))
         if options:
             _, fid, node = min(options)
-            placed[model] = fid
-            members[fid][model] = slots
+            placed[group] = fid
+            members[fid][group] = slots
             room[node] -= slots
     return placed

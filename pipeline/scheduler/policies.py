@@ -1,8 +1,8 @@
 """Scheduling policies: which flotillas to form on the free slots, and when.
 
 Selected by name (Hydra: `scheduler=shared|fleet_e|fleet_g|fleet_l|baseline|homogeneous`).
-A policy only chooses flotillas, which waiting models join a running one
-(`join`, with `join_running`) and, if `elastic`, which running models to
+A policy only chooses flotillas, which waiting groups join a running one
+(`join`, with `join_running`) and, if `elastic`, which running groups to
 restart on more slots or, on their plateau, on fewer; the state machine (`machine.py`) applies the rules
 every policy shares (convergence releases slots, stop below
 `min_active_fraction` active slots, resume from checkpoints).
@@ -22,12 +22,12 @@ from pipeline.scheduler.cluster import Cluster, PlacementError, RateTable, Slot
 
 @dataclass
 class Shared:
-    """Data sharing without scheduling (the SC18 setting): every model at once
+    """Data sharing without scheduling (the SC18 setting): every group at once
     in one flotilla, on the slots its config asks for, until each converges.
     Needs no rate table."""
 
-    slots: dict[str, int]  # model -> slots it asks for (ensemble.models[].slots)
-    min_active_fraction: float = 0.0  # the flotilla runs until its last model converges
+    slots: dict[str, int]  # group -> slots it asks for (its models' ensemble.models[].slots)
+    min_active_fraction: float = 0.0  # the flotilla runs until its last group converges
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = False
     elastic: ClassVar[bool] = False
@@ -35,23 +35,23 @@ class Shared:
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
-        group = {model: self.slots[model] for model in pending}
-        if not fits(list(group.values()), free_per_node(free_slots)):
+        members = {group: self.slots[group] for group in pending}
+        if not fits(list(members.values()), free_per_node(free_slots)):
             raise PlacementError(
-                f"scheduler=shared puts every model on its own slots at once: {sum(group.values())} slots "
+                f"scheduler=shared puts every group on its own slots at once: {sum(members.values())} slots "
                 f"asked, {len(free_slots)} free; raise trainer.slots, lower the models' slots, or use "
                 "scheduler=fleet_g to train them in turns")
-        return [group]
+        return [members]
 
 
 @dataclass
 class FleetG:
     """FLEET-G: one flotilla over the whole cluster at a time; when it stops,
-    re-plan globally from all unconverged models."""
+    re-plan globally from all unconverged groups."""
 
     min_active_fraction: float = 0.8
     tolerance: float = TOLERANCE  # a member may be this much slower than the flotilla's target rate
-    lookahead: int = 8  # up to this many waiting models, pick the flotilla by lookahead (0: greedy alone)
+    lookahead: int = 8  # up to this many waiting groups, pick the flotilla by lookahead (0: greedy alone)
     waits_for_idle_cluster: ClassVar[bool] = True
     needs_rates: ClassVar[bool] = True
     elastic: ClassVar[bool] = False
@@ -69,18 +69,18 @@ class FleetL(FleetG):
     """FLEET-L: same greedy, but released slots are refilled at once with new
     flotillas (as many as the free slots take) next to the flotillas still
     running; with `join_running`, a
-    waiting model of like rate first joins a running flotilla's stream at its
+    waiting group of like rate first joins a running flotilla's stream at its
     next epoch boundary (`join`). No lookahead: it scores whole-cluster
     rounds, which is FLEET-G's execution."""
 
     lookahead: int = 0
-    join_running: bool = False  # a waiting model of like rate joins a running stream (scheduler.join_running)
+    join_running: bool = False  # a waiting group of like rate joins a running stream (scheduler.join_running)
     waits_for_idle_cluster: ClassVar[bool] = False
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
-        """Greedy flotillas, one after another, until the free slots or the waiting models run out: no
-        slot idles while a model waits."""
+        """Greedy flotillas, one after another, until the free slots or the waiting groups run out: no
+        slot idles while a group waits."""
         flotillas: list[dict[str, int]] = []
         free, waiting = list(free_slots), list(pending)
         while waiting and free:
@@ -96,39 +96,39 @@ class FleetL(FleetG):
 
     def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
-        """Waiting models into running flotillas of like rate, at their next epoch boundary."""
+        """Waiting groups into running flotillas of like rate, at their next epoch boundary."""
         return join_running(pending, table, cluster, free_slots, running, self.tolerance)
 
 
 @dataclass
 class FleetE:
-    """FLEET-E (elastic), the recommended policy: no slot waits and no model
+    """FLEET-E (elastic), the recommended policy: no slot waits and no group
     waits for another.
 
-    * Free slots are refilled at once (as FLEET-L), with the waiting models
+    * Free slots are refilled at once (as FLEET-L), with the waiting groups
       expected to take longest first (`longest_first`), one slot each while
-      models wait, since one slot is the most work per slot under sublinear
-      scaling; slots left over go to the models they speed up most.
-    * Only models whose own pipeline would hold them back share a stream
+      groups wait, since one slot is the most work per slot under sublinear
+      scaling; slots left over go to the groups they speed up most.
+    * Only groups whose own pipeline would hold them back share a stream
       (`share_streams`): sharing pays in CPU, and lockstep costs the faster
-      members of a flotilla their speed. With `join_running`, such a model,
+      members of a flotilla their speed. With `join_running`, such a group,
       waiting, joins a running stream of like rate at its next epoch
       boundary (`join`).
     * A flotilla runs on as members leave (their slots are refilled); once no
-      model waits, a running model that would train faster on the idle slots
+      group waits, a running group that would train faster on the idle slots
       is restarted there from the checkpoint of the epoch it just finished
       (`resize`), so the tail of the run uses the whole cluster.
-    * Training phases (Wei and Shudo), with `phase_threshold` > 0: a model
+    * Training phases (Wei and Shudo), with `phase_threshold` > 0: a group
       whose training loss fell by less than that fraction in its last epoch
       is on its plateau. It is planned on its smallest slot count
       (`by_phase`), and gives up the slots above it, by restarting there, as
-      soon as a model whose loss still falls could train faster on them.
+      soon as a group whose loss still falls could train faster on them.
     """
 
     tolerance: float = TOLERANCE  # a stream's members are within this fraction of its fastest's rate
-    min_gain: float = 0.1  # a restart on more slots must raise the model's rate by this fraction
-    phase_threshold: float = 0.0  # loss drop per epoch below which a model is on its plateau; 0: phases unused
-    join_running: bool = False  # a CPU-held waiting model joins a running stream (scheduler.join_running)
+    min_gain: float = 0.1  # a restart on more slots must raise the group's rate by this fraction
+    phase_threshold: float = 0.0  # loss drop per epoch below which a group is on its plateau; 0: phases unused
+    join_running: bool = False  # a CPU-held waiting group joins a running stream (scheduler.join_running)
     min_active_fraction: float = 0.0  # flotillas never stop for members leaving
     waits_for_idle_cluster: ClassVar[bool] = False
     needs_rates: ClassVar[bool] = True
@@ -137,60 +137,60 @@ class FleetE:
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
         nodes, members = free_per_node(free_slots), {}
-        for model in longest_first(pending, table, cluster):
-            slots = table.slot_counts(model, cluster.slots_per_node)[0]
+        for group in longest_first(pending, table, cluster):
+            slots = table.slot_counts(group, cluster.slots_per_node)[0]
             if fits([*members.values(), slots], nodes):
-                members[model] = slots
+                members[group] = slots
         return share_streams(spread_slots(members, table, cluster, nodes), table, cluster, self.tolerance)
 
     def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
-        """Waiting models that their own pipeline would hold back join a running stream of like rate,
+        """Waiting groups that their own pipeline would hold back join a running stream of like rate,
         longest first."""
         return join_running(longest_first(pending, table, cluster), table, cluster, free_slots, running,
                             self.tolerance, held_only=True)
 
     def by_phase(self, table: RateTable, loss_drops: dict[str, float | None]) -> RateTable:
-        """`table` with every model on its plateau limited to its smallest runnable slot count."""
+        """`table` with every group on its plateau limited to its smallest runnable slot count."""
         if not self.phase_threshold:
             return table
         limited = RateTable(dict(table.rates))
-        for model, drop in loss_drops.items():
-            if drop is not None and drop < self.phase_threshold and model in table.rates:
-                rates = table.rates[model]
+        for group, drop in loss_drops.items():
+            if drop is not None and drop < self.phase_threshold and group in table.rates:
+                rates = table.rates[group]
                 smallest = next(i for i, r in enumerate(rates) if r > 0)
-                limited.rates[model] = tuple(r if i == smallest else 0.0 for i, r in enumerate(rates))
+                limited.rates[group] = tuple(r if i == smallest else 0.0 for i, r in enumerate(rates))
         return limited
 
-    def resize(self, model: str, slots: tuple[Slot, ...], table: RateTable, cluster: Cluster,
+    def resize(self, group: str, slots: tuple[Slot, ...], table: RateTable, cluster: Cluster,
                free_slots: list[Slot], running: dict[str, tuple[Slot, ...]]) -> str | None:
-        """Why `model`, running on `slots` while no model waits, should restart now, or None (`table` is
+        """Why `group`, running on `slots` while no group waits, should restart now, or None (`table` is
         the planning table, `by_phase`): "plateau", on fewer slots, if it holds more than `table` allows
-        and another `running` model on its node could use them; "resized", on more, if its rate on the
+        and another `running` group on its node could use them; "resized", on more, if its rate on the
         most slots it could get (the idle ones and its own, within one node) beats its rate now by
         `min_gain`."""
         now, k, node = len(slots), cluster.slots_per_node, slots[0].node
         room = free_by_node(free_slots)
-        if now not in table.slot_counts(model, k):
-            given_up = room.get(node, 0) + now - table.slot_counts(model, k)[0]
+        if now not in table.slot_counts(group, k):
+            given_up = room.get(node, 0) + now - table.slot_counts(group, k)[0]
             gains = any(self._gains(other, len(held), len(held) + given_up, table, k)
-                        for other, held in running.items() if other != model and held[0].node == node)
+                        for other, held in running.items() if other != group and held[0].node == node)
             return "plateau" if gains else None
         room[node] = room.get(node, 0) + now
-        return "resized" if self._gains(model, now, max(room.values()), table, k) else None
+        return "resized" if self._gains(group, now, max(room.values()), table, k) else None
 
-    def _gains(self, model: str, now: int, most: int, table: RateTable, slots_per_node: int) -> bool:
-        """Whether `model` on up to `most` slots beats its rate on `now` by `min_gain`."""
-        best = max((table.rate(model, g) for g in table.slot_counts(model, min(most, slots_per_node))), default=0.0)
-        return best > (1 + self.min_gain) * table.rate(model, now)
+    def _gains(self, group: str, now: int, most: int, table: RateTable, slots_per_node: int) -> bool:
+        """Whether `group` on up to `most` slots beats its rate on `now` by `min_gain`."""
+        best = max((table.rate(group, g) for g in table.slot_counts(group, min(most, slots_per_node))), default=0.0)
+        return best > (1 + self.min_gain) * table.rate(group, now)
 
 
 @dataclass
 class Baseline:
-    """Each model alone on one slot with its own pipeline; a random waiting
-    model takes each free slot."""
+    """Each group alone on one slot with its own pipeline; a random waiting
+    group takes each free slot."""
 
-    min_active_fraction: float = 0.0  # a one-model flotilla ends with its model
+    min_active_fraction: float = 0.0  # a one-group flotilla ends with its group
     waits_for_idle_cluster: ClassVar[bool] = False
     needs_rates: ClassVar[bool] = True
     elastic: ClassVar[bool] = False
@@ -198,12 +198,12 @@ class Baseline:
 
     def form(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              rng: random.Random) -> list[dict[str, int]]:
-        return [{model: slots} for model, slots in _random_fill(pending, table, cluster, free_slots, rng)]
+        return [{group: slots} for group, slots in _random_fill(pending, table, cluster, free_slots, rng)]
 
 
 @dataclass
 class Homogeneous:
-    """Data sharing without FLEET (Pittman et al.): a random subset of models,
+    """Data sharing without FLEET (Pittman et al.): a random subset of groups,
     one slot each, shares one pipeline; the next subset starts when the whole
     previous one has converged."""
 
@@ -221,15 +221,15 @@ class Homogeneous:
 
 def _random_fill(pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
                  rng: random.Random) -> list[tuple[str, int]]:
-    """Random waiting models, each on its smallest runnable slot count (1 for
+    """Random waiting groups, each on its smallest runnable slot count (1 for
     most), while they fit the free slots."""
     order = list(pending)
     rng.shuffle(order)
     nodes, chosen = free_per_node(free_slots), []
-    for model in order:
-        slots = table.slot_counts(model, cluster.slots_per_node)[0]
+    for group in order:
+        slots = table.slot_counts(group, cluster.slots_per_node)[0]
         if fits([*(g for _, g in chosen), slots], nodes):
-            chosen.append((model, slots))
+            chosen.append((group, slots))
     return chosen
 
 
@@ -255,7 +255,7 @@ def make_policy(name: PolicyName, min_active_fraction: float = 0.8,
                 requested_slots: dict[str, int] | None = None, phase_threshold: float = 0.0,
                 join_running: bool = False) -> Policy:
     """The policy called `name`; `min_active_fraction` applies to fleet_g/fleet_l only, `requested_slots`
-    (model -> slots) to shared only, `phase_threshold` to fleet_e only, `join_running` to fleet_l and
+    (group -> slots) to shared only, `phase_threshold` to fleet_e only, `join_running` to fleet_l and
     fleet_e."""
     if name == PolicyName.shared:
         return Shared(dict(requested_slots or {}))

@@ -26,7 +26,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pipeline.scheduler.events import (Decision, EpochFinished, FormFlotilla, Join, ModelConverged,
+from pipeline.scheduler.events import (Decision, EpochFinished, FormFlotilla, GroupConverged, Join,
                                        RatesMeasured, SlotFreed, Start, Stop)
 from pipeline.scheduler.gantt import Bar, Gantt, utilisation
 from pipeline.scheduler.machine import TRAIN_LOSS, Scheduler
@@ -118,21 +118,21 @@ class _Simulation:
                 self.streams[decision.flotilla, index] = _Stream(decision.topology, since=self.now)
                 self.stream_of.update({name: (decision.flotilla, index) for name in names})
         elif isinstance(decision, Start):
-            self.streams[self.stream_of[decision.model]].members[decision.model] = self.gantt.assigned[decision.model]
-            self.epochs_done[decision.model] = decision.resume_epoch
-            return self.stream_of[decision.model]
+            self.streams[self.stream_of[decision.group]].members[decision.group] = self.gantt.assigned[decision.group]
+            self.epochs_done[decision.group] = decision.resume_epoch
+            return self.stream_of[decision.group]
         elif isinstance(decision, Join):  # its slots are held from now on, its training starts at the boundary
-            key = self.stream_of[decision.model] = (decision.flotilla, 0)
-            self.streams[key].joining[decision.model] = self.gantt.assigned[decision.model]
-            self.epochs_done[decision.model] = decision.resume_epoch
+            key = self.stream_of[decision.group] = (decision.flotilla, 0)
+            self.streams[key].joining[decision.group] = self.gantt.assigned[decision.group]
+            self.epochs_done[decision.group] = decision.resume_epoch
         elif isinstance(decision, Stop):
-            key = self.stream_of[decision.model]
+            key = self.stream_of[decision.group]
             stream = self.streams[key]
             self.settle(stream)
-            members = stream.members if decision.model in stream.members else stream.joining
-            slots = members.pop(decision.model)
-            since = self.gantt.running[decision.model][1]
-            self.trained_s[decision.model] = self.trained_s.get(decision.model, 0.0) + self.now - since
+            members = stream.members if decision.group in stream.members else stream.joining
+            slots = members.pop(decision.group)
+            since = self.gantt.running[decision.group][1]
+            self.trained_s[decision.group] = self.trained_s.get(decision.group, 0.0) + self.now - since
             for slot in slots:
                 self.push(self.now + self.instance.checkpoint_seconds, "free", slot)
             if not stream.members and stream.joining:  # nobody reads on: the joiners start a new epoch now
@@ -181,7 +181,7 @@ class _Simulation:
             running = self.gantt.running.get(model)  # (absent when its flotilla stopped it just now)
             trained = self.trained_s.get(model, 0.0) + (self.now - running[1] if running else 0.0)
             if self.epochs_done[model] >= self.instance.epochs[model] or (limit and trained >= limit):
-                self.send(ModelConverged(self.now, model))
+                self.send(GroupConverged(self.now, model))
         if self.streams.get(key) is stream:
             self.reschedule(key)
 

@@ -37,7 +37,7 @@ class Topology(enum.StrEnum):
 
 
 TOPOLOGIES = tuple(t for t in Topology if t is not Topology.auto)  # the ones a plan lays out
-SPREAD_FOR_GROUPS = 2.0  # auto: members this many times apart in speed get streams of their own
+SPREAD_FOR_STREAMS = 2.0  # auto: members this many times apart in speed get streams of their own
 
 Streams = tuple[tuple[str, ...], ...]  # a flotilla's members, split into streams
 
@@ -75,9 +75,9 @@ def stream_rate(stream: tuple[str, ...], slots: dict[str, tuple[int, ...]], topo
 
 def choose_topology(members: dict[str, tuple[int, ...]], table: RateTable, cluster: Cluster,
                     setting: Topology = Topology.auto) -> tuple[Topology, str]:
-    """The topology of a flotilla (`members`: model -> the node of each of its slots), and why:
+    """The topology of a flotilla (`members`: group -> the node of each of its slots), and why:
     `setting` if fixed; else, for topology=auto, multi_broadcast when members' speeds differ
-    `SPREAD_FOR_GROUPS`-fold (each group at its own pace instead of all held to the slowest); on one
+    `SPREAD_FOR_STREAMS`-fold (each stream at its own pace instead of all held to the slowest); on one
     node, single_broadcast (one producer, shared memory); across nodes, single_broadcast while its
     producer keeps up (fewest bytes moved), else all_shared (every node makes a share)."""
     if setting != Topology.auto:
@@ -88,8 +88,8 @@ def choose_topology(members: dict[str, tuple[int, ...]], table: RateTable, clust
             return Topology.single_broadcast, "all trainers on one node: one producer, shared memory"
         return Topology.all_shared, f"{len(nodes)} nodes, members' rates not measured: every node makes a share"
     rates = sorted(table.rate(m, len(slots)) for m, slots in members.items())
-    if len(rates) >= 2 and rates[0] > 0 and rates[-1] / rates[0] >= SPREAD_FOR_GROUPS:
-        return Topology.multi_broadcast, (f"members' speeds differ {rates[-1] / rates[0]:.1f}x: groups of similar "
+    if len(rates) >= 2 and rates[0] > 0 and rates[-1] / rates[0] >= SPREAD_FOR_STREAMS:
+        return Topology.multi_broadcast, (f"members' speeds differ {rates[-1] / rates[0]:.1f}x: streams of similar "
                                           "speed, each fed at its own pace, instead of all held to the slowest")
     if len(nodes) == 1:
         return Topology.single_broadcast, ("all trainers on one node: one producer writes each batch once into "
