@@ -29,7 +29,7 @@ from pipeline.measure.objective import BEST_MEMBER, ENSEMBLE, Metric
 from pipeline.runtime.errors import UserError
 from pipeline.scheduler.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
-from pipeline.scheduler.groups import Grouping
+from pipeline.scheduler.slot_groups import Grouping
 from pipeline.scheduler.policies import PolicyName
 from pipeline.training.group import MIN_ROWS, Precision
 from pipeline.training.members import ModelSpec, member_seed

@@ -1,5 +1,5 @@
 """`python -m pipeline.node <scheduler> --node <i> --key-file agent.key`: serve this host as one node
-of a multi-host run: its Dask workers, hubs and trainers (pipeline/orchestration/node.py)."""
+of a multi-host run: its Dask workers, hubs and trainers (pipeline/orchestration/agent.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from pipeline.data.executor import TlsFiles
-from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key, serve
+from pipeline.orchestration.agent import AGENT_KEY_ENV, agent_key, serve
 from pipeline.runtime.errors import UserError
 
 

@@ -32,20 +32,20 @@ from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import MlflowRuns, Tracker
 from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.orchestration.grouping import (ModelSize, check_group_memory, choose_fusion, measure_sizes,
+from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, choose_fusion, measure_sizes,
                                              plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
 from pipeline.orchestration.link import Link
-from pipeline.orchestration.node import NodeAgents, agent_key, agent_rates, registered_agents
+from pipeline.orchestration.agent import NodeAgents, agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
 from pipeline.report.build import DASK_REPORT
 from pipeline.report.profile_run import profile_run
 from pipeline.report.summary import print_summary
 from pipeline.scheduler import POLICIES, Cluster, Policy, RatesMeasured, RateTable, Scheduler, make_policy
 from pipeline.scheduler.cluster import Slot
-from pipeline.scheduler.groups import Grouping
+from pipeline.scheduler.slot_groups import Grouping
 from pipeline.scheduler.halving import Halving
 from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology

@@ -23,7 +23,7 @@ from distributed import Security
 
 from pipeline.data.executor import TlsFiles
 from pipeline.orchestration.link import Link
-from pipeline.orchestration.node import _Agent, _proxy_type
+from pipeline.orchestration.agent import _Agent, _proxy_type
 
 KEY = b"0123456789abcdef" * 2
 LOOPBACK = "127.0.0.1"

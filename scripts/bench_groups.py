@@ -47,9 +47,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.orchestration.grouping import choose_fusion, fused, measure_sizes
+from pipeline.orchestration.group_plan import choose_fusion, fused, measure_sizes
 from pipeline.runtime.child import Child
-from pipeline.scheduler.groups import Grouping
+from pipeline.scheduler.slot_groups import Grouping
 from pipeline.training.group import GroupSpec, GroupStep, Precision
 from pipeline.training.members import with_defaults
 from pipeline.training.rates import Measurement

@@ -75,7 +75,7 @@ def agents(hosts: Hosts, address: str, workers: list[int], folder: Path):
     """One agent per entry of `workers` (node i with workers[i] Dask workers), registered: their processes."""
     from distributed import Client
 
-    from pipeline.orchestration.node import registered_agents
+    from pipeline.orchestration.agent import registered_agents
 
     env = {**os.environ, "PIPELINE_AGENT_KEY": KEY}
     started, logs = [], []

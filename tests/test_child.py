@@ -76,7 +76,7 @@ def test_joining_a_node_s_processes_and_a_flotilla_s_nodes_shares_one_timeout(mo
     the whole timeout given to each in turn (a run's exit could wait timeouts.exit_s times its processes)."""
     from types import SimpleNamespace
 
-    from pipeline.orchestration import flotilla as flotilla_module, node as node_module
+    from pipeline.orchestration import agent as agent_module, flotilla as flotilla_module
     from pipeline.runtime import hang
 
     clock = [0.0]
@@ -93,7 +93,7 @@ def test_joining_a_node_s_processes_and_a_flotilla_s_nodes_shares_one_timeout(mo
             clock[0] += timeout
 
     trainers, hub = [Lingering(), Lingering()], Lingering()
-    processes = object.__new__(node_module.NodeProcesses)  # join reads only its trainers and hubs
+    processes = object.__new__(agent_module.NodeProcesses)  # join reads only its trainers and hubs
     processes.trainers = {"g": [SimpleNamespace(child=child) for child in trainers]}
     processes.hubs = {0: hub}
     processes.join(5.0)

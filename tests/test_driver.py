@@ -12,7 +12,7 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.measure.tracking import Tracker
 from pipeline.orchestration.driver import (Continue, Convergence, Driver, EpochDone, ReleaseModel, RunContext,
                                            SaveCheckpoints, StopMember)
-from pipeline.orchestration.node import NodeAgents
+from pipeline.orchestration.agent import NodeAgents
 from pipeline.scheduler import (Checkpoint, Cluster, EpochFinished, FleetG, FormFlotilla, RatesMeasured, Scheduler,
                                 Slot, Start)
 from pipeline.training.group import GroupSpec
@@ -156,7 +156,7 @@ def test_a_lost_node_fails_its_models_frees_the_slots_once_its_flotilla_closed_a
     names the node and the agent's address; b counts a failure, a does not; the slots are free only once the
     flotilla's thread has closed what it could reach; then nothing left can take both: the run stops."""
     from pipeline.orchestration.driver import HostGone, ThreadEnded
-    from pipeline.orchestration.node import HostLost
+    from pipeline.orchestration.agent import HostLost
     from pipeline.runtime.lifetime import StopSignals
     from pipeline.scheduler import Shared
 
@@ -193,7 +193,7 @@ def test_a_lost_node_whose_agent_is_started_again_takes_the_waiting_model(tmp_pa
     flotilla still closes; once it has, the driver says node 1 is back, the flotillas reach it at its new
     agent, and b resumes there from its checkpoint."""
     from pipeline.orchestration.driver import HostGone, ThreadEnded
-    from pipeline.orchestration.node import HostLost
+    from pipeline.orchestration.agent import HostLost
     from pipeline.scheduler import Baseline
 
     said = io.StringIO()
@@ -225,7 +225,7 @@ def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_th
     slots they held (node 0's, lost), never the ones their models hold now. (The mistake this catches: the
     slots freed at a broken flotilla's end looked up by model, after the model had new ones.)"""
     from pipeline.orchestration.driver import HostGone, ThreadEnded
-    from pipeline.orchestration.node import HostLost
+    from pipeline.orchestration.agent import HostLost
     from pipeline.scheduler import Baseline
 
     driver = two_node_driver(tmp_path, monkeypatch, Baseline(), slots_per_node=2)

@@ -54,7 +54,7 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
     import json
     from dataclasses import replace
 
-    from pipeline.orchestration.grouping import measure_sizes
+    from pipeline.orchestration.group_plan import measure_sizes
     from pipeline.training.memory import measure_peaks
     from pipeline.training.rates import Measurement
     from tests.conftest import member

@@ -8,11 +8,11 @@ from rich.console import Console
 
 from pipeline.config import expand_ensemble
 from pipeline.orchestration.devices import DeviceKind, SlotError, slot_devices
-from pipeline.orchestration.grouping import ModelSize, group_bytes
+from pipeline.orchestration.group_plan import ModelSize, group_bytes
 from pipeline.run import _devices, _graph, _group, _policy, _sizes
 from pipeline.scheduler import Cluster, FormFlotilla, RatesMeasured, Scheduler, Start
 from pipeline.scheduler.cluster import PlacementError
-from pipeline.scheduler.groups import Candidate, Grouping, form_groups
+from pipeline.scheduler.slot_groups import Candidate, Grouping, form_groups
 from pipeline.training.group import GroupSpec
 from tests.conftest import compose_config, member
 

@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.delivery.collective import LOOPBACK
 from pipeline.orchestration.link import Link
-from pipeline.orchestration.node import AGENT_KEY_ENV
+from pipeline.orchestration.agent import AGENT_KEY_ENV
 from pipeline.runtime.errors import UserError
 from stages.cache import cache_prefix
 from tests.conftest import compose_config
@@ -46,7 +46,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
     driver without the secret, which was never published."""
     from distributed import Client
 
-    from pipeline.orchestration.node import _Agent, node_processes, registered_agents
+    from pipeline.orchestration.agent import _Agent, node_processes, registered_agents
 
     security, tls_files = tls
     key_file = tmp_path / "agent.key"
@@ -152,7 +152,7 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
 
     import psutil
 
-    from pipeline.orchestration.node import agent_rates
+    from pipeline.orchestration.agent import agent_rates
     from pipeline.training.group import GroupSpec
     from tests.conftest import member
     from pipeline.training.rates import Measurement, measure_rate_table
@@ -261,7 +261,7 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
     with every model's epochs counted once. The lost host left its rings and semaphores in /dev/shm: its
     agent, started again, removes them, and the run takes node 1 back (its model resumes there if node 1 is
     back before a slot of node 0 frees). Returns that agent's process."""
-    from pipeline.orchestration.node import registered_agents
+    from pipeline.orchestration.agent import registered_agents
 
     folder, log_path = tmp_path / "lost", tmp_path / "lost.log"
     agent1 = registered_agents(client)[1]
@@ -321,7 +321,7 @@ def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, clie
     connections serving the driver break (--host-s), their threads ending. The host comes back: its Dask
     workers, removed meanwhile, close; the agent starts them again and registers anew, and the run takes
     node 1 back by itself."""
-    from pipeline.orchestration.node import registered_agents
+    from pipeline.orchestration.agent import registered_agents
 
     folder, log_path = tmp_path / "cut", tmp_path / "cut.log"
     agent1, pid = registered_agents(client)[1], agents[1].pid
@@ -373,7 +373,7 @@ def _a_run_started_while_a_host_is_cut_off_trains_on_the_others(hosts, overrides
     the first flotillas form: those on node 0 set up their hubs without waiting on node 1's workers; node 1
     is lost once connecting to its agent has waited timeouts.host_s, and the run trains every model on node
     0. The host back, its agent starts its workers again and registers anew."""
-    from pipeline.orchestration.node import registered_agents
+    from pipeline.orchestration.agent import registered_agents
 
     folder, log_path = tmp_path / "cut-first", tmp_path / "cut-first.log"
     before = registered_agents(client)[1]
@@ -407,7 +407,7 @@ def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_
     command (on the driver's host) finishes the run, every model's epochs counted once. Returns that agent."""
     import shlex
 
-    from pipeline.orchestration.node import registered_agents
+    from pipeline.orchestration.agent import registered_agents
 
     folder, log_path = tmp_path / "stranded", tmp_path / "stranded.log"
     with open(log_path, "w") as log:
@@ -473,7 +473,7 @@ def _models_of_the_lost_node_resumed(log_path, folder, address, why, epochs) -> 
 def test_node_agents_numbered_otherwise_than_cluster_nodes_is_a_clear_error(tmp_path):
     from dask.distributed import Client, LocalCluster
 
-    from pipeline.orchestration.node import AGENTS
+    from pipeline.orchestration.agent import AGENTS
     from pipeline.run import ConfigError, _node_agents
 
     with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
@@ -495,7 +495,7 @@ def test_a_lost_node_loses_its_dask_workers_and_returns_with_a_new_agent_that_an
 
     from dask.distributed import Client, LocalCluster, Worker
 
-    from pipeline.orchestration.node import AGENTS, NodeAgents
+    from pipeline.orchestration.agent import AGENTS, NodeAgents
 
     async def worker_of(address, node):
         return await Worker(address, nthreads=1, resources={f"node-{node}": 1})
@@ -574,7 +574,7 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
     import socket
 
     from pipeline.orchestration.link import broke_the_link
-    from pipeline.orchestration.node import HostLost, _Agent, _proxy_type
+    from pipeline.orchestration.agent import HostLost, _Agent, _proxy_type
 
     class Agent(_Agent):
         pass
@@ -654,7 +654,7 @@ def test_the_driver_agent_link_is_tls_with_the_clusters_certificates(encrypted, 
     """With the cluster's Dask certificates, what the driver and an agent say crosses the network encrypted
     (without them it crosses in clear: the check can fail); a message of many TLS records arrives whole; and a
     driver whose certificate another CA signed is refused in one line that names both ends' settings."""
-    from pipeline.orchestration.node import _Agent, _connect, _proxy_type
+    from pipeline.orchestration.agent import _Agent, _connect, _proxy_type
     from tests.conftest import throwaway_tls
 
     class Agent(_Agent):

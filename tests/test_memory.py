@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from pipeline.orchestration.devices import SlotError
-from pipeline.orchestration.grouping import (ModelSize, check_group_memory, group_bytes, measure_sizes,
+from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, group_bytes, measure_sizes,
                                              with_measured_peaks)
 from pipeline.training import memory
 from pipeline.training.group import GroupSpec

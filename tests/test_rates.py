@@ -175,7 +175,7 @@ def test_only_missing_slot_counts_are_measured_and_names_do_not_matter(measured,
 
 
 class FarHost:
-    """A RateHost standing in for a node agent's host (pipeline/orchestration/node.py: AgentRates):
+    """A RateHost standing in for a node agent's host (pipeline/orchestration/agent.py: AgentRates):
     other hardware, another process. Records what it was asked to measure."""
 
     def __init__(self, gpus: int = 0):

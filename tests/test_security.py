@@ -15,7 +15,7 @@ from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
 from pipeline.runtime.lifetime import SHM_DIR, remove_shm
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import StreamLayout
-from pipeline.orchestration.node import AGENT_KEY_ENV, agent_key
+from pipeline.orchestration.agent import AGENT_KEY_ENV, agent_key
 from pipeline.runtime.errors import UserError
 from tests.conftest import compose_config, resnet_override
 

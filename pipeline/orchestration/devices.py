@@ -10,7 +10,7 @@ from pipeline.runtime.errors import UserError
 
 # The memory estimate counts what autograd keeps; peaks measured 1.2-2.8x
 # higher (workspaces, allocator slack), so a group must fit with this margin
-# (pipeline/orchestration/grouping.py checks it).
+# (pipeline/orchestration/group_plan.py checks it).
 MEMORY_HEADROOM = 1.5
 # A trainer process's CUDA context and the kernels its libraries load, outside torch's allocator: what each
 # process sharing a GPU costs it beside its slot's tensors. Measured on an H100 (torch 2.11.0+cu130,

@@ -35,7 +35,7 @@ from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import Tracker
 from pipeline.scheduler.halving import Halving
 from pipeline.orchestration.flotilla import DeliverySetup, Flotilla, Member
-from pipeline.orchestration.node import HostLost, NodeAgents
+from pipeline.orchestration.agent import HostLost, NodeAgents
 from pipeline.runtime.lifetime import StopSignals
 from pipeline.orchestration.watch import SplitWatch
 from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlotilla, GroupConverged, Join, NodeLost,

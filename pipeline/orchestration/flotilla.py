@@ -2,7 +2,7 @@
 (pipeline/delivery/hub.py, one per stream and node, as the topology plans
 them) and the shared-memory rings between the two, on every node it spans.
 
-Each node's share lives in a NodeProcesses (pipeline/orchestration/node.py), in this
+Each node's share lives in a NodeProcesses (pipeline/orchestration/agent.py), in this
 process or in the agent of a real host; this class lays the flotilla out
 over them and merges what they report. Processes are started on entry and
 always stopped, shared memory always unlinked, on exit, whatever happened in
@@ -24,7 +24,7 @@ from pipeline.delivery.stream import StreamLayout
 from pipeline.delivery.plan import DeliveryPlan, HubPlan, Topology
 from pipeline.runtime.hang import HangError, Patience, shared_out
 from pipeline.runtime.lifetime import how_it_ended
-from pipeline.orchestration.node import Laggard, node_processes
+from pipeline.orchestration.agent import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
 from pipeline.training.group import GroupSpec
 from pipeline.training.trainer import TrainerSpec, TrainingSetup

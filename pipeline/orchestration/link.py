@@ -1,4 +1,4 @@
-"""The connections between the driver and the node agents (node.py).
+"""The connections between the driver and the node agents (agent.py).
 
 They are multiprocessing's connections, carrying its manager protocol: pickled
 messages, and an HMAC challenge with the agents' secret on every connection.

@@ -7,7 +7,7 @@ A driver sends events (`RatesMeasured`, `PrepCostMeasured`, `EpochFinished`,
 `AssignSlots`, `Start`, `Join`, `Checkpoint`, `Stop`); the simulator drives the same code. See docs/scheduler.md.
 
 What it places are groups: the models that share a trainer per slot
-(pipeline/training/group.py; groups.py says who shares). A model alone is a
+(pipeline/training/group.py; slot_groups.py says who shares). A model alone is a
 group of one, as every model of the simulator is.
 
 May import: `pipeline.runtime.errors` (for `UserError`) and nothing else of the project;

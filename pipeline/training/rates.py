@@ -17,7 +17,7 @@ collective's first use.
 
 Where the ranks run is the measurement's `RateHost` (`Measurement.where`):
 by default this process, on its own devices; on real hosts the driver passes
-a node agent's (pipeline/orchestration/node.py), so the ranks are that
+a node agent's (pipeline/orchestration/agent.py), so the ranks are that
 agent's children on the host that will train, and the driver gets the rates
 back as a typed answer (`Measured`, naming the host and process that
 measured).
@@ -117,7 +117,7 @@ class HostHardware:
 
 class RateHost(Protocol):
     """Where rates are measured: `Here` (this process's devices), or a node agent's host
-    (pipeline/orchestration/node.py). Both calls run on that host; `how.where` is not sent."""
+    (pipeline/orchestration/agent.py). Both calls run on that host; `how.where` is not sent."""
 
     def hardware(self, how: Measurement) -> HostHardware: ...
 

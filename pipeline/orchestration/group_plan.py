@@ -1,7 +1,7 @@
 """The run's slot groups: which models train together in one trainer process,
 packed or fused, and whether they fit a slot's memory.
 
-The scheduler's rule (pipeline/scheduler/groups.py) decides who shares a slot
+The scheduler's rule (pipeline/scheduler/slot_groups.py) decides who shares a slot
 from each model's cost: its measured seconds per image when rates were
 measured, else an estimate from its multiply-adds. Whether a group's family
 fuses is `trainer.grouping`: `fuse`, `pack`, or with `auto` the faster of the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline.orchestration.devices import MEMORY_HEADROOM, SlotError
 from pipeline.scheduler.cluster import RateTable
-from pipeline.scheduler.groups import Candidate, Grouping, form_groups, group_name
+from pipeline.scheduler.slot_groups import Candidate, Grouping, form_groups, group_name
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec
 from pipeline.training.rates import Measurement, measure_rate_table
