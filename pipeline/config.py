@@ -130,8 +130,8 @@ class ClusterConf:
 
 @dataclass
 class DeliveryConf:
-    ring_depth: int = 4  # batches a stream's shared-memory ring holds; a slower trainer holds the producer beyond
-    broadcast_groups: int = 2  # multi_broadcast: groups of models, each fed by its own producer at its own pace
+    ring_depth: int = 4  # batches each shared-memory ring (one per sink) holds; a slow trainer holds back the producer
+    broadcast_streams: int = 2  # multi_broadcast: streams of models of like speed, each fed by its own producer
 
 
 @dataclass
@@ -275,7 +275,7 @@ def check(cfg: DictConfig) -> None:
              "cluster.threads_per_worker": (1, "a worker runs at least one batch task"),
              "cluster.nodes": (1, "a run has at least one node"),
              "delivery.ring_depth": (2, "one batch is being read while the next is written"),
-             "delivery.broadcast_groups": (1, "multi_broadcast feeds at least one group"),
+             "delivery.broadcast_streams": (1, "multi_broadcast feeds at least one stream"),
              "trainer.epochs": (1, "a model trains at least one epoch"),
              "scheduler.checkpoint_every": (1, "a model is checkpointed at least every epoch count given"),
              "scheduler.max_failures": (0, "it cannot be negative"),

@@ -297,7 +297,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         probed = _probe_seconds_per_image(client, graph, cfg) if policy.needs_rates or (auto and nodes > 1) else None
         cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
         scheduler = Scheduler([g.name for g in plan.groups], cluster, policy, cfg.seed, s.checkpoint_every,
-                              s.max_failures, cfg.topology, cfg.delivery.broadcast_groups)
+                              s.max_failures, cfg.topology, cfg.delivery.broadcast_streams)
         first = []  # a resumed run's come from driver.resume() below
         if not cfg.resume:
             first = scheduler.start(0.0) if plan.table is None else [
@@ -353,7 +353,7 @@ def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:
 
 
 def _sizes(models: list[ModelSpec], graph: StageGraph, batch_size: int) -> dict:
-    """Each model's weight (grouping.ModelSize) at the graph's classes and its input's image size."""
+    """Each model's weight (group_plan.ModelSize) at the graph's classes and its input's image size."""
     return measure_sizes(models, len(graph.source.class_names), graph.image_sizes, batch_size)
 
 

@@ -16,7 +16,7 @@ which the project does not ship (fused by vmap, pipeline/training/stacked.py).
   graph and replayed (trainer.cuda_graphs). Plain "separate" (eager) is the
   yardstick: k users' own training scripts sharing the GPU;
 * auto: what `trainer.grouping=auto` picks, packed or fused, as the run picks
-  it (orchestration/grouping.choose_fusion: both measured by the rate
+  it (orchestration/group_plan.choose_fusion: both measured by the rate
   measurement, with graphs on CUDA as trainers step by default), then timed
   like the others; the row names the pick.
 

@@ -39,7 +39,7 @@ from PIL import Image
 
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.data.synthetic import generate_imagefolder
-from pipeline.delivery.stream import MessageKind, StreamLayout
+from pipeline.delivery.stream import MessageKind, MessageLayout
 from pipeline.delivery.ring import Ring
 from pipeline.runtime.child import Child
 from stages.base import Batch, BatchContext, Split
@@ -127,15 +127,14 @@ class Ours:
     Dask; with `cached`, the cache holds every decoded image after the first (untimed) epoch."""
 
     def __init__(self, client, root: Path, size: int, cached: bool = False):
-        from pipeline.data.executor import Executor, cache_kept
+        from pipeline.data.executor import Executor, cache_kept, in_flight_window
 
         self.size, self.name = size, "ours cached" if cached else "ours"
         graph = make_graph(root, size, CACHE_GB if cached else 0)
         self.kept = ExitStack()  # the cache's stores go when the contender closes
         self.kept.enter_context(cache_kept(client, graph))
-        # As pipeline/run.py sizes it: two batch tasks in flight per worker thread.
-        self.executor = Executor(client, graph, seed=0, on_error="fail",
-                                 in_flight=2 * sum(client.nthreads().values()))
+        self.executor = Executor(client, graph, seed=0, on_error="fail",  # in flight: as a run's default
+                                 in_flight=in_flight_window("auto", sum(client.nthreads().values())))
         self.epochs = 0
         self.stage_cpu_s: dict[str, float] = {}  # of the last epoch, summed over its batch tasks
 
@@ -453,7 +452,7 @@ def consume_stream(reader, *, to_parent, from_parent) -> None:
 
 
 @contextmanager
-def streams_with_consumers(streams: int, readers_per_stream: int, layout: StreamLayout):
+def streams_with_consumers(streams: int, readers_per_stream: int, layout: MessageLayout):
     """`streams` shared-memory streams, each read by its own consumer processes;
     yields the writers and the consumers' pids, stops everything on exit."""
     context = mp.get_context("spawn")
@@ -505,10 +504,10 @@ def measure_sharing(client, root: Path, size: int, models: int, repeats: int) ->
     """CPU-seconds (Dask workers and nannies + the driver, which holds the
     scheduler and publishes; consumers excluded) of one epoch for: one model,
     `models` models on one shared pipeline, `models` duplicated pipelines."""
-    from pipeline.data.executor import Executor
+    from pipeline.data.executor import Executor, in_flight_window
 
-    in_flight = 2 * sum(client.nthreads().values())
-    layout = StreamLayout(BATCH_SIZE, (size, size, 3))
+    in_flight = in_flight_window("auto", sum(client.nthreads().values()))
+    layout = MessageLayout(BATCH_SIZE, (size, size, 3))
     setups = {"shared-1": (1, 1), f"shared-{models}": (1, models), f"duplicated-{models}": (models, 1)}
     with ExitStack() as stack:
         deliveries = []

@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from pipeline.runtime.files import written_whole
 from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage, StageError
 
 SHM_DIR = "/dev/shm"
@@ -39,8 +40,6 @@ PAGE = mmap.PAGESIZE  # tmpfs holds whole pages: what the ledger counts
 HEADER = struct.Struct("<4sIII")  # magic, height, width, channels; then the image's bytes
 MAGIC = b"EIC1"
 GB = 1024**3
-# New files only, never through a link: /dev/shm is shared by every user of the host.
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -164,24 +163,14 @@ class Store:
         if pages >= self.refused or not self._take(pages):
             self.refused = min(self.refused, pages)
             return False
-        path = self._path(key)
-        partial = f"{path}.partial-{secrets.token_hex(4)}"
         try:
-            fd = os.open(partial, _CREATE, 0o600)
-        except OSError:
-            self._take(-pages)
-            return False
-        try:
-            with os.fdopen(fd, "wb") as file:
+            with written_whole(self._path(key), 0o600, replace=False) as file:  # published whole, or not at all
                 file.write(HEADER.pack(MAGIC, *image.shape))
                 file.write(image.data)
-            os.link(partial, path)  # published whole, or not at all
             return True
         except OSError:  # another worker stored it first (FileExistsError), or /dev/shm is full
             self._take(-pages)
             return False
-        finally:
-            os.unlink(partial)
 
     def _take(self, pages: int) -> bool:
         """Count `pages` bytes more (fewer, if negative) in the ledger, if they fit the budget."""

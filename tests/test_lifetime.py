@@ -254,18 +254,19 @@ def test_semaphores_no_live_process_holds_are_removed_and_held_ones_kept():
     live process holds."""
     import multiprocessing as mp
 
-    make = ("import multiprocessing as mp, sys; from multiprocessing import resource_tracker; "
-            "lock = mp.get_context('forkserver').Lock(); "
-            "print(lock._semlock.name, resource_tracker._resource_tracker._pid, flush=True); sys.stdin.read()")
+    make = ("import multiprocessing as mp, sys; lock = mp.get_context('forkserver').Lock(); "
+            "print(lock._semlock.name, flush=True); sys.stdin.read()")
     maker = subprocess.Popen([sys.executable, "-c", make], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    name, tracker = maker.stdout.readline().split()
+    name = maker.stdout.readline().strip()
+    (tracker,) = [child.pid for child in psutil.Process(maker.pid).children()
+                  if "resource_tracker" in " ".join(child.cmdline())]
     stale = Path("/dev/shm", "sem." + name.lstrip("/"))
     held = mp.get_context("forkserver").Lock()  # this process holds it
     live = Path("/dev/shm", "sem." + held._semlock.name.lstrip("/"))
     try:
         assert stale.exists() and live.exists()
         assert stale.name not in remove_stale_semaphores() and stale.exists()  # its maker holds it
-        os.kill(int(tracker), signal.SIGKILL)  # first: else it unlinks what its dead client leaked
+        os.kill(tracker, signal.SIGKILL)  # first: else it unlinks what its dead client leaked
         maker.kill()
         maker.wait()
         assert stale.exists()

@@ -8,10 +8,10 @@ import zlib
 import numpy as np
 import pytest
 
-from pipeline.delivery.stream import MessageKind, StreamLayout
+from pipeline.delivery.stream import MessageKind, MessageLayout
 from pipeline.delivery.ring import Ring
 
-LAYOUT = StreamLayout(batch_capacity=4, item_shape=(8, 8, 3))
+LAYOUT = MessageLayout(batch_capacity=4, item_shape=(8, 8, 3))
 CTX = mp.get_context("spawn")
 
 

@@ -14,7 +14,7 @@ import pytest
 from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
 from pipeline.runtime.lifetime import SHM_DIR, remove_shm
 from pipeline.delivery.ring import Ring
-from pipeline.delivery.stream import StreamLayout
+from pipeline.delivery.stream import MessageLayout
 from pipeline.orchestration.agent import AGENT_KEY_ENV, agent_key
 from pipeline.runtime.errors import UserError
 from tests.conftest import compose_config, resnet_override
@@ -67,7 +67,7 @@ def test_a_planted_link_is_neither_followed_nor_overwritten(tmp_path, monkeypatc
 
 
 def test_ring_segments_are_private_and_named_by_their_owner():
-    ring = Ring("h0-main", StreamLayout(4, (8, 8, 3)), readers=1, depth=2, context=mp.get_context("spawn"))
+    ring = Ring("h0-main", MessageLayout(4, (8, 8, 3)), readers=1, depth=2, context=mp.get_context("spawn"))
     try:
         assert re.fullmatch(rf"ensemble-{os.getpid()}-[0-9a-f]{{8}}-h0-main", ring.segment)
         assert mode(os.path.join(SHM_DIR, ring.segment)) == 0o600

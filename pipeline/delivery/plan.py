@@ -13,7 +13,7 @@ stream's own process group:
   its node's Dask workers and broadcasts them to the other hubs.
 * all_shared: one stream; every hub has one share of each batch made by its
   node's workers; an all-gather gives every hub the whole batch.
-* multi_broadcast: `broadcast_groups` streams of members of similar speed,
+* multi_broadcast: `broadcast_streams` streams of members of similar speed,
   each a single broadcast of its own, each at its own pace.
 * duplicated: one stream per member (the baseline: every model its own pipeline).
 """

@@ -23,7 +23,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
-from pipeline.delivery.stream import Message, MessageKind, StreamLayout, StreamReader, StreamWriter
+from pipeline.delivery.stream import Message, MessageKind, MessageLayout, StreamReader, StreamWriter
 from pipeline.runtime.lifetime import SHM_DIR
 
 HEADER_FIELDS = 5  # kind, split, epoch, index, count
@@ -32,13 +32,13 @@ DETACH_POLL_S = 1.0  # how often a writer waiting on a reader checks that it is 
 IDLE_POLL_S = 0.05  # how often a reader waiting for a message does its `idle` work
 
 
-def _buffer_bytes(layout: StreamLayout) -> int:
+def _buffer_bytes(layout: MessageLayout) -> int:
     labels = 8 * layout.batch_capacity
     images = layout.item_bytes * layout.batch_capacity
     return -(-(HEADER_BYTES + labels + images) // 64) * 64
 
 
-def _buffer_views(buf, layout: StreamLayout, buffer: int, writable: bool):
+def _buffer_views(buf, layout: MessageLayout, buffer: int, writable: bool):
     base = buffer * _buffer_bytes(layout)
     header = np.ndarray((HEADER_FIELDS,), np.int64, buf, base)
     labels = np.ndarray((layout.batch_capacity,), np.int64, buf, base + HEADER_BYTES)
@@ -61,7 +61,7 @@ class Ring:
     """One sink's ring of a stream on one node, for `readers` readers from the start and `spare` more that may
     attach later. Picklable: the driver owns it (and unlinks it on close); hub and trainers get copies."""
 
-    def __init__(self, name: str, layout: StreamLayout, readers: int, depth: int, context, spare: int = 0):
+    def __init__(self, name: str, layout: MessageLayout, readers: int, depth: int, context, spare: int = 0):
         consumers = readers + spare
         self.name, self.layout, self.consumers, self.depth = name, layout, consumers, depth
         self.size = depth * _buffer_bytes(layout)
@@ -111,7 +111,7 @@ class Ring:
 
 
 class ShmReader(StreamReader):
-    def __init__(self, segment: str, layout: StreamLayout, depth: int, filled, free, first, consumer: int):
+    def __init__(self, segment: str, layout: MessageLayout, depth: int, filled, free, first, consumer: int):
         self.segment, self.layout, self.depth = segment, layout, depth
         self.filled, self.free, self.first, self.consumer = filled, free, first, consumer
 

@@ -22,7 +22,7 @@ class MessageKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
-class StreamLayout:
+class MessageLayout:
     """Fixed message geometry, declared before any data flows."""
 
     batch_capacity: int  # most images in one message
@@ -49,7 +49,7 @@ class StreamReader(ABC):
 
     @abstractmethod
     def messages(self, idle: Callable[[], None] | None = None) -> Iterator[Message]:
-        """Every message of the stream in order; stops after STOP. While it waits for one, `idle` is
+        """Every message of its sink of the stream, in order; stops after STOP. While it waits for one, `idle` is
         called every few milliseconds (a trainer obeys the driver's commands between epochs)."""
 
 

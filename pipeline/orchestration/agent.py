@@ -54,7 +54,7 @@ from pipeline.runtime.lifetime import (children_context, remove_shm, remove_shm_
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
-from pipeline.delivery.stream import StreamLayout
+from pipeline.delivery.stream import MessageLayout
 from pipeline.delivery.ring import Ring
 from pipeline.runtime.errors import UserError
 from stages.cache import cache_prefix
@@ -125,7 +125,7 @@ class NodeProcesses:
         loopback), else at this host's address."""
         return self.local.next() if nodes == {self.node} or self.host == LOOPBACK else rendezvous_at(self.host)
 
-    def make_ring(self, hub: int, sink: str, layout: StreamLayout, readers: int, depth: int, spare: int) -> None:
+    def make_ring(self, hub: int, sink: str, layout: MessageLayout, readers: int, depth: int, spare: int) -> None:
         self.rings[hub, sink] = Ring(f"h{hub}-{sink}", layout, readers, depth, self.context, spare)
 
     def spare_readers(self, hub: int, sink: str) -> int:

@@ -20,7 +20,7 @@ from pipeline.data.graph import StageGraph
 from pipeline.delivery.hub import HubSpec
 from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
                                         SplitDone, StopStreams)
-from pipeline.delivery.stream import StreamLayout
+from pipeline.delivery.stream import MessageLayout
 from pipeline.delivery.plan import DeliveryPlan, HubPlan, Topology
 from pipeline.runtime.hang import HangError, Patience, shared_out
 from pipeline.runtime.lifetime import how_it_ended
@@ -96,7 +96,7 @@ class Flotilla:
                 for sink in member.group.inputs:
                     readers[self._hub(member, rank).rank, sink] += 1
         for (hub, sink), count in sorted(readers.items()):
-            layout = StreamLayout(graph.source.batch_size, graph.sinks[sink].item_shape)
+            layout = MessageLayout(graph.source.batch_size, graph.sinks[sink].item_shape)
             self.nodes[self.plan.hubs[hub].node].make_ring(hub, sink, layout, count, depth, spare)
 
     def _start_hubs(self, graph: StageGraph, setup: TrainingSetup, delivery: DeliverySetup) -> None:

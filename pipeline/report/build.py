@@ -12,6 +12,7 @@ from pathlib import Path
 from pipeline.report import plots
 from pipeline.report.analysis import Analysis, analyse
 from pipeline.report.measurements import OPTIONAL, occupancy_stats, recorded, stall_split, trace_events
+from pipeline.runtime.files import write_whole
 
 SCHEMA_VERSION = 3  # 3: "streams" -> "hubs"; 2: "transport" -> "streams", actions name delivery.ring_depth
 DASK_REPORT = "dask-report.html"  # Dask's performance report, when the run wrote one into its folder
@@ -45,12 +46,12 @@ def write_report(results: dict, output_dir: Path) -> ReportPaths:
     output_dir = Path(output_dir)
     json_path, html_path = output_dir / "report.json", output_dir / "report.html"
     dask_report = DASK_REPORT if (output_dir / DASK_REPORT).is_file() else None  # relative: the folder may move
-    json_path.write_text(json.dumps(report_dict(results, analysis, dask_report), indent=2))
-    html_path.write_text(render_html(results, analysis, dask_report))
+    write_whole(json_path, json.dumps(report_dict(results, analysis, dask_report), indent=2))
+    write_whole(html_path, render_html(results, analysis, dask_report))
     trace_path = None
     if results.get("timeline"):
         trace_path = output_dir / "trace.json"
-        trace_path.write_text(json.dumps(trace_events(results["timeline"])))
+        write_whole(trace_path, json.dumps(trace_events(results["timeline"])))
     return ReportPaths(json_path, html_path, trace_path, terminal_summary(results, analysis, html_path, dask_report))
 
 

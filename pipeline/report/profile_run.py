@@ -43,7 +43,7 @@ from pipeline.measure.recorder import RunRecorder
 from pipeline.orchestration.devices import DeviceKind, resolve_device
 from pipeline.report.build import DASK_REPORT
 from pipeline.training.reports import TrainReport
-from pipeline.training.group import MIN_ROWS, GroupSpec, GroupStep
+from pipeline.training.group import GroupSpec, GroupStep, least_batch
 from pipeline.training.members import ModelSpec, grouped
 from stages.base import Batch, BatchContext, DataKind, Role, Split, Stage
 from stages.read import ImageFolder
@@ -306,7 +306,7 @@ class _Trainee:
             waited = time.perf_counter()
             for number, output in enumerate(feed):
                 batch = output.batches[sink]
-                if len(batch.labels) < MIN_ROWS:  # trainers skip such a batch too
+                if len(batch.labels) < least_batch(1):  # trainers skip such a batch too
                     continue
                 started, wall_started = time.perf_counter(), time.time()
                 loss = self._step(batch.data, batch.labels)

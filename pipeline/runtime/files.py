@@ -13,11 +13,12 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_
 
 
 @contextmanager
-def written_whole(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
+def written_whole(path: str | Path, mode: int = 0o644, *, replace: bool = True) -> Iterator[BinaryIO]:
     """A binary file to write `path`'s content into: it becomes `path` only once the block ends without
     an error, so a process killed while writing leaves the previous file (or none), never half of one.
     The partial file's name is unguessable (nobody can plant a file or link there first) and it is
-    removed if the block fails."""
+    removed whatever happens. With `replace=False` the first writer wins: the file is published by a
+    link, and a `path` already there raises FileExistsError (entries of a store that processes share)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.partial-{secrets.token_hex(8)}")
@@ -25,10 +26,9 @@ def written_whole(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
     try:
         with os.fdopen(created, "wb") as file:
             yield file
-        os.replace(partial, path)
-    except BaseException:
+        (os.replace if replace else os.link)(partial, path)
+    finally:
         partial.unlink(missing_ok=True)
-        raise
 
 
 def write_whole(path: str | Path, text: str) -> None:

@@ -63,11 +63,11 @@ class Scheduler:
 
     def __init__(self, groups: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
                  checkpoint_every: int = 1, max_failures: int = 2, topology: Topology = Topology.auto,
-                 broadcast_groups: int = 2):
+                 broadcast_streams: int = 2):
         if len(set(groups)) != len(groups) or not groups:
             raise ValueError(f"groups must be a non-empty list of distinct names, got {groups}")
         self.cluster, self.policy = cluster, policy
-        self.topology, self.broadcast_groups = topology, broadcast_groups  # config: fixed, or auto per flotilla
+        self.topology, self.broadcast_streams = topology, broadcast_streams  # config: fixed, or auto per flotilla
         self.checkpoint_every, self.max_failures = checkpoint_every, max_failures
         self.table = RateTable()
         self.groups = {m: GroupState() for m in groups}
@@ -341,7 +341,7 @@ class Scheduler:
         topology, why = choose_topology(nodes, self.table, self.cluster, self.topology)
         measured = all(m in self.table.rates for m in members)
         rates = {m: self.table.rate(m, len(slots)) for m, slots in members.items()} if measured else {}
-        streams = split_streams(topology, list(members), rates, self.broadcast_groups)
+        streams = split_streams(topology, list(members), rates, self.broadcast_streams)
         rate = min(stream_rate(stream, nodes, topology, self.table, self.cluster)
                    for stream in streams) if measured else float("nan")
         return FormFlotilla(flotilla_id, {m: len(slots) for m, slots in members.items()}, rate, topology,

@@ -43,14 +43,14 @@ Streams = tuple[tuple[str, ...], ...]  # a flotilla's members, split into stream
 
 
 def split_streams(topology: Topology, members: list[str], rates: dict[str, float],
-                  broadcast_groups: int) -> Streams:
+                  broadcast_streams: int) -> Streams:
     """The streams of a flotilla of `members` (in plan order) under `topology`; multi_broadcast
-    makes `broadcast_groups` streams of members of like speed (`rates`), larger ones first."""
+    makes `broadcast_streams` streams of members of like speed (`rates`), larger ones first."""
     if topology == Topology.duplicated:
         return tuple((m,) for m in members)
     if topology == Topology.multi_broadcast:
         by_speed = sorted(members, key=lambda m: -rates.get(m, 0.0))  # stable: plan order on ties
-        count = min(broadcast_groups, len(members))
+        count = min(broadcast_streams, len(members))
         bounds = [-(-len(members) * i // count) for i in range(count + 1)]
         return tuple(tuple(by_speed[bounds[i]:bounds[i + 1]]) for i in range(count))
     return (tuple(members),)

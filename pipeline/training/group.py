@@ -32,6 +32,12 @@ STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 MIN_ROWS = 2  # of a batch, each rank trains on at least: batch norm needs two values per channel
 
 
+def least_batch(world: int) -> int:
+    """The smallest batch that gives each of `world` data-parallel ranks its MIN_ROWS rows: a smaller one is
+    skipped by every rank alike (as a DataLoader's drop_last remainder), and refused as a configured size."""
+    return MIN_ROWS * world
+
+
 def rank_rows(rank: int, world: int) -> slice:
     """The rows of every batch that data-parallel rank `rank` of `world` trains on: rank, rank + world, ...
     (every rank sees every batch)."""

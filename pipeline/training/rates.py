@@ -51,7 +51,7 @@ from pipeline.runtime.lifetime import child_started, children_context, how_it_en
 from pipeline.scheduler.cluster import RateTable
 from pipeline.runtime.errors import UserError
 from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
-                                     rank_rows)
+                                     least_batch, rank_rows)
 from pipeline.training.members import array_fusion, canonical
 
 
@@ -265,9 +265,9 @@ def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement, d
     for name, value, least in [("steps", how.steps, 1), ("warmup", how.warmup, 0), ("threads", how.threads, 1)]:
         if not isinstance(value, int) or value < least:
             raise RateError(f"{name} must be an integer >= {least}, got {value!r}")
-    if not isinstance(how.batch_size, int) or how.batch_size < MIN_ROWS * max(slot_counts):
+    if not isinstance(how.batch_size, int) or how.batch_size < least_batch(max(slot_counts)):
         raise RateError(f"batch_size={how.batch_size!r} is too small for {max(slot_counts)} slots: each slot "
-                        f"needs at least {MIN_ROWS} images; use batch_size >= {MIN_ROWS * max(slot_counts)}")
+                        f"needs at least {MIN_ROWS} images; use batch_size >= {least_batch(max(slot_counts))}")
 
 
 def _check_gpus(devices: list[str]) -> None:

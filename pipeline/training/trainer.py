@@ -30,7 +30,7 @@ from pipeline.delivery.stream import MessageKind
 from pipeline.runtime.child import tell_parent
 from pipeline.runtime.files import write_whole, written_whole
 from pipeline.runtime.lifetime import child_started
-from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, StepInHand, join_process_group,
+from pipeline.training.group import (GroupSpec, GroupStep, Precision, StepInHand, join_process_group, least_batch,
                                      rank_rows)
 from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
 
@@ -313,9 +313,7 @@ class Trainer:
 
     def _train_step(self, batch: dict) -> None:
         count = len(next(iter(batch.values())).labels)
-        # A batch too small to give each rank its rows is skipped by all ranks
-        # alike, like a DataLoader's drop_last remainder.
-        if count < MIN_ROWS * self.world:
+        if count < least_batch(self.world):
             for m in batch.values():
                 m.release()
             return
