@@ -96,14 +96,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     left = remove_stale_shm()
     if left:
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
-    models = expand_ensemble(cfg.ensemble, cfg.seed)
-    check_objective(cfg.objective, models)
-    d = cfg.dataset
-    dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
-                              d.synthetic_difficulty, cfg.seed)
-    graph = _graph(cfg, models)
-    models = check_members(models, len(graph.source.class_names), graph.image_sizes)
-    inputs = RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
+    inputs = prepare_inputs(cfg)
     if cfg.mode == Mode.profile:
         if inputs.cache_line:
             console.print(inputs.cache_line)
@@ -113,7 +106,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
         o = cfg.objective
         results["objective"] = {"of": o.of, "metric": o.metric, "direction": o.metric.direction,
                                 "value": objective_value(results, o.of, o.metric)}
-    results.update({"dataset": inputs.dataset_summary(d.name), "wall_s": time.perf_counter() - started,
+    results.update({"dataset": inputs.dataset_summary(cfg.dataset.name), "wall_s": time.perf_counter() - started,
                     "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
     write_json(output_dir / "results.json", results)
     print_summary(console, results)
@@ -210,6 +203,19 @@ class TrainingPlan:
     measured: dict  # what planning measured or decided, for results.json (rates, fusion, GPU memory peaks)
 
 
+def prepare_inputs(cfg: DictConfig) -> RunInputs:
+    """What every mode starts from: the ensemble's members, checked; the dataset (made, when synthetic);
+    the stage graph, and what its cache will hold."""
+    models = expand_ensemble(cfg.ensemble, cfg.seed)
+    check_objective(cfg.objective, models)
+    d = cfg.dataset
+    dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
+                              d.synthetic_difficulty, cfg.seed)
+    graph = _graph(cfg, models)
+    models = check_members(models, len(graph.source.class_names), graph.image_sizes)
+    return RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
+
+
 def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> TrainingPlan:
     """mode=train's plan, from the config: the run's first lines say it, and a new run's state folder
     keeps it for resume= (a resumed run reads its groups back: measuring again might form others)."""
@@ -296,15 +302,16 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         # probed here and then refreshed from the run's own stage timings after every epoch.
         probed = _probe_seconds_per_image(client, graph, cfg) if policy.needs_rates or (auto and nodes > 1) else None
         cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
-        scheduler = Scheduler([g.name for g in plan.groups], cluster, policy, cfg.seed, s.checkpoint_every,
-                              s.max_failures, cfg.topology, cfg.delivery.broadcast_streams)
+        scheduler = Scheduler([g.name for g in plan.groups], cluster, policy, seed=cfg.seed,
+                              checkpoint_every=s.checkpoint_every, max_failures=s.max_failures, topology=cfg.topology,
+                              broadcast_streams=cfg.delivery.broadcast_streams)
         first = []  # a resumed run's come from driver.resume() below
         if not cfg.resume:
             first = scheduler.start(0.0) if plan.table is None else [
                 decision for name, rates in plan.table.rates.items()
                 for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
-        context = RunContext(graph, plan.setup, delivery, recorder, tracker, progress, t.report_s, t.stop_s,
-                             output_dir / STATE_DIR)
+        context = RunContext(graph=graph, setup=plan.setup, delivery=delivery, recorder=recorder, tracker=tracker,
+                             progress=progress, report_s=t.report_s, stop_s=t.stop_s, state_dir=output_dir / STATE_DIR)
         driver = Driver(scheduler, {g.name: g for g in plan.groups}, slots, plan.convergence, context, console,
                         NodeAgents(client, agents))
         if cfg.resume:

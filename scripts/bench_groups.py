@@ -96,8 +96,8 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
     steps and peak memory."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
-    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, Precision(precision), threads=threads,
-                     cuda_graphs=graphs)
+    step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, precision=Precision(precision),
+                     threads=threads, cuda_graphs=graphs)
     warmup += step.steps_before_replay  # the replays are timed, not the capture
     random = np.random.default_rng(0)
     images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)

@@ -178,7 +178,8 @@ def test_torchvision_resnet18_members_fuse_by_vmap_and_train_as_they_do_packed()
                                      optimizer={"_target_": "torch.optim.AdamW", "lr": lr})
                              for i, lr in enumerate((1e-3, 3e-4, 3e-3))], 10, {"main": 64})
     assert all(m.unfusable is None and m.fusion == "vmap" for m in members), [m.unfusable for m in members]
-    steps = {size: GroupStep(GroupSpec("g", tuple(members), size), 10, {"main": 64}, "cuda", 10, Precision.bf16)
+    steps = {size: GroupStep(GroupSpec("g", tuple(members), size), 10, {"main": 64}, "cuda", 10,
+                             precision=Precision.bf16)
              for size in (3, 1)}
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):

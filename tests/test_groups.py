@@ -1,15 +1,15 @@
 """Slot groups: who shares a slot (pure), and the placement of the shipped ensembles on 1-8 GPUs of a
 given memory, as a run plans it (no GPU needed: the plan is made before any device is touched)."""
+import os
+from contextlib import nullcontext
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from pipeline.config import expand_ensemble
-from pipeline.orchestration.devices import DeviceKind, SlotError, slot_devices
+from pipeline import run
+from pipeline.orchestration.devices import SlotError
 from pipeline.orchestration.group_plan import ModelSize, group_bytes
-from pipeline.run import _devices, _graph, _group, _policy, _sizes
 from pipeline.scheduler import Cluster, FormFlotilla, RatesMeasured, Scheduler, Start
 from pipeline.scheduler.cluster import PlacementError
 from pipeline.scheduler.slot_groups import Candidate, Grouping, form_groups
@@ -17,6 +17,7 @@ from pipeline.training.group import GroupSpec
 from tests.conftest import compose_config, member
 
 H100_BYTES = 80 * 2**30
+PREPARED: dict[tuple, run.RunInputs] = {}  # each ensemble's checked members and graph, prepared once (seconds)
 
 
 def candidate(name, family="r", cost=1.0, slots=1):
@@ -90,32 +91,48 @@ class NodeHost:
         raise AssertionError("no rate is measured for these plans")
 
 
-def place(dataset, overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES):
-    """The run's plan on `gpus` GPUs of `gpu_bytes` (as a node agent reports its host's), made by run.py's
-    own steps before any device is used: slots, groups, the memory check, and the policy's first flotilla.
-    Returns the groups and the slots each was started on."""
-    cfg = compose_config([*overrides, f"dataset.root={dataset}"])
-    models = expand_ensemble(cfg.ensemble, cfg.seed)
-    graph = _graph(cfg, models)
-    device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": gpus, "gpu_memory": gpu_bytes}})
-    sizes = _sizes(models, graph, cfg.pipeline.batch_size)
-    results = {}
-    groups, _ = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes, False, Path(), Console(), results,
-                       where=NodeHost())
-    assert not results  # nothing measured: the shared policy needs no rates, fuse and pack none, and the
-    # memory of an agent's GPUs is estimated
-    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(slots)), _policy(cfg, groups))
-    starts = [d for d in scheduler.start(0.0) if isinstance(d, Start)]
-    assert {d.group for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}
-    placed = {name: scheduler.flotillas[0].members[name] for name in scheduler.flotillas[0].members}
-    return groups, placed
+@pytest.fixture
+def plan(monkeypatch, tmp_path, tiny_dataset):
+    """The run's own plan (run.plan_training) of a run on one host of `gpus` GPUs of `gpu_bytes`, as that
+    host's node agent reports them (`where` measures rates there), made before any device is used; with
+    `gpus=None`, of a run on this machine's own devices."""
+    def planned(overrides: list[str], gpus: int | None, gpu_bytes: int = H100_BYTES,
+                where=NodeHost()) -> run.TrainingPlan:
+        if gpus is not None:
+            agent = {"gpus": gpus, "gpu_memory": gpu_bytes, "pid": os.getpid()}
+            monkeypatch.setattr(run, "_node_agents", lambda cfg, tls: {0: agent})
+            monkeypatch.setattr(run, "agent_key", lambda *args: None)
+            monkeypatch.setattr(run, "agent_rates", lambda *args: nullcontext(where))
+        cfg = compose_config([*overrides, f"dataset.root={tiny_dataset}", "dataset.synthetic=never",  # as it is
+                              f"rates.cache={tmp_path / 'rates.json'}"])
+        key = tuple(o for o in overrides if not o.startswith(("trainer.", "scheduler=")))  # what inputs depend on
+        if key not in PREPARED:
+            PREPARED[key] = run.prepare_inputs(cfg)
+        return run.plan_training(cfg, PREPARED[key], tmp_path, Console())
+    return planned
+
+
+@pytest.fixture
+def place(plan):
+    """The run's plan, then the scheduler's first flotilla: the groups and the slots each was started on."""
+    def placed(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES):
+        planned = plan(overrides, gpus, gpu_bytes)
+        assert not planned.measured  # the shared policy needs no rates, fuse and pack none, and the memory of
+        # an agent's GPUs is estimated
+        groups = planned.groups
+        scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(planned.slots)),
+                              planned.policy)
+        starts = [d for d in scheduler.start(0.0) if isinstance(d, Start)]
+        assert {d.group for d in starts} == {g.name for g in groups} and {d.flotilla for d in starts} == {0}
+        return groups, dict(scheduler.flotillas[0].members)
+    return placed
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
-def test_the_default_command_is_placed_on_1_to_8_gpus(tiny_dataset, gpus):
+def test_the_default_command_is_placed_on_1_to_8_gpus(place, gpus):
     """One group per GPU up to 4 (the models' count), each started on its own. Models sharing a GPU
     while another is idle, a group given two GPUs, or a model left out, fails."""
-    groups, placed = place(tiny_dataset, ["+ensemble=caltech256"], gpus)
+    groups, placed = place(["+ensemble=caltech256"], gpus)
     members = sorted(m.name for g in groups for m in g.members)
     assert members == ["densenet40_k12", "densenet40_k8", "resnet10_w16", "resnet10_w24"]
     assert len(groups) == min(4, gpus)
@@ -123,29 +140,28 @@ def test_the_default_command_is_placed_on_1_to_8_gpus(tiny_dataset, gpus):
     assert len(used) == len(set(used)) == len(groups)  # one group per GPU, none shared
 
 
-def test_one_gpu_split_into_4_sub_slots_trains_each_default_model_in_a_process_of_its_own(tiny_dataset):
+def test_one_gpu_split_into_4_sub_slots_trains_each_default_model_in_a_process_of_its_own(plan, place):
     """trainer.slots_per_gpu=4 on one GPU: the default command's 4 models are 4 groups of one, each on a
     slot of its own, all on cuda:0 (as 4 separate processes would share it). Packing them as on one
     slot, or a slot on a GPU the host lacks, fails."""
     overrides = ["+ensemble=caltech256", "trainer.slots_per_gpu=4"]
-    groups, placed = place(tiny_dataset, overrides, 1)
+    groups, placed = place(overrides, 1)
     assert sorted(len(g.members) for g in groups) == [1, 1, 1, 1]
     used = [slot for slots in placed.values() for slot in slots]
     assert len(used) == len(set(used)) == 4
-    cfg = compose_config([*overrides, f"dataset.root={tiny_dataset}"])
-    _, slots, _ = _devices(cfg, expand_ensemble(cfg.ensemble, cfg.seed), {0: {"gpus": 1, "gpu_memory": H100_BYTES}})
+    slots = plan(overrides, 1).slots
     assert set(slots.values()) == {"cuda:0"} and len(slots) == 4
 
 
-def test_a_sub_slot_holds_its_share_of_the_gpu(tiny_dataset):
+def test_a_sub_slot_holds_its_share_of_the_gpu(place):
     """The paper ensemble's largest model needs 24.5 GiB with headroom: it fits a whole H100, not a
     quarter of one less its CUDA context (19.25 GiB), and the error says the slot's size."""
-    place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.grouping=pack"], 8)
+    place(["+ensemble=caltech256_paper", "trainer.grouping=pack"], 8)
     with pytest.raises(SlotError, match=r"needs about 2\d.\d\d GiB per slot .* but a slot has 19.25 GiB"):
-        place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.slots_per_gpu=4"], 8)
+        place(["+ensemble=caltech256_paper", "trainer.slots_per_gpu=4"], 8)
 
 
-def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(tiny_dataset, tmp_path):
+def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(plan):
     """scheduler=fleet_g on 2 GPUs of 2 sub-slots: every model's rate is asked for 1 slot only (a sub-slot
     holds one rank: a model grown data-parallel over two sub-slots of one GPU would fail in NCCL), and on
     the 2 GPUs each once. Rates asked for 2 slots, or a GPU listed twice, fail."""
@@ -161,20 +177,15 @@ def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(tiny_dataset, tm
             asked.append((group.name, tuple(slot_counts), tuple(how.devices)))
             return Measured({k: 100.0 for k in slot_counts}, MeasuredBy("agent", 1))
 
-    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "scheduler=fleet_g",
-                          "trainer.slots_per_gpu=2", f"rates.cache={tmp_path / 'rates.json'}"])
-    models = expand_ensemble(cfg.ensemble, cfg.seed)
-    graph = _graph(cfg, models)
-    device_kind, slots, slot_bytes = _devices(cfg, models, {0: {"gpus": 2, "gpu_memory": H100_BYTES}})
-    assert len(slots) == 4
-    _group(cfg, models, graph, _sizes(models, graph, cfg.pipeline.batch_size), device_kind, slots, slot_bytes,
-           True, tmp_path, Console(), {}, where=RecordingHost())
-    assert sorted(asked) == [(m.name, (1,), ("cuda:0", "cuda:1")) for m in sorted(models, key=lambda m: m.name)]
+    planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.slots_per_gpu=2"], 2, where=RecordingHost())
+    assert len(planned.slots) == 4
+    names = sorted(m.name for g in planned.groups for m in g.members)
+    assert sorted(asked) == [(name, (1,), ("cuda:0", "cuda:1")) for name in names]
 
 
 @pytest.mark.parametrize("grouping", [Grouping.fuse, Grouping.pack])
-def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(tiny_dataset, grouping):
-    groups, placed = place(tiny_dataset, ["+ensemble=caltech256_paper", f"trainer.grouping={grouping.value}"], 8)
+def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(place, grouping):
+    groups, placed = place(["+ensemble=caltech256_paper", f"trainer.grouping={grouping.value}"], 8)
     assert sum(len(g.members) for g in groups) == 100 and len(groups) == len(placed) == 8
     if grouping == Grouping.fuse:  # sweeps fuse: most models train in arrays
         fused = sum(len(unit) for g in groups for unit in g.units() if len(unit) > 1)
@@ -183,14 +194,14 @@ def test_the_paper_ensemble_is_placed_on_8_gpus_without_editing_its_config(tiny_
         assert all(g.mode == "packed" for g in groups)
 
 
-def test_a_group_too_large_for_a_gpu_is_a_clear_error(tiny_dataset):
+def test_a_group_too_large_for_a_gpu_is_a_clear_error(place):
     """On one GPU of 32 GiB each paper model fits alone (24.5 GiB at most, headroom included) but the 100
     packed together do not (42 GiB): a plan that skips the group's memory check fails."""
     with pytest.raises(SlotError, match=r"group group0 \(100 models.*trainer.slots"):
-        place(tiny_dataset, ["+ensemble=caltech256_paper", "trainer.grouping=pack"], 1, 32 * 2**30)
+        place(["+ensemble=caltech256_paper", "trainer.grouping=pack"], 1, 32 * 2**30)
 
 
-def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monkeypatch):
+def test_fleet_plans_groups_at_their_measured_rates(plan, monkeypatch):
     """scheduler=fleet_g with trainer.grouping=pack on 2 slots: every model is measured alone (its cost
     decides who shares), then each group of several on one slot; the planner's members are the groups."""
     from pipeline.training import rates as rate_measurement
@@ -202,19 +213,14 @@ def test_fleet_plans_groups_at_their_measured_rates(tiny_dataset, tmp_path, monk
         return {k: 100.0 * k / len(group.members) for k in slot_counts}
 
     monkeypatch.setattr(rate_measurement, "measure_rates", fake_measure)
-    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "scheduler=fleet_g",
-                          "trainer.slots=2", "trainer.grouping=pack", f"rates.cache={tmp_path / 'rates.json'}",
-                          "pipeline.image_size=32", "pipeline.alt_image_size=24"])
-    models = expand_ensemble(cfg.ensemble, cfg.seed)
-    graph = _graph(cfg, models)
-    slots = slot_devices(DeviceKind.cpu, 0, 2, models)
-    sizes = _sizes(models, graph, cfg.pipeline.batch_size)
-    groups, table = _group(cfg, models, graph, sizes, DeviceKind.cpu, slots, 2**34, True, tmp_path, Console(), {})
+    planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.device=cpu", "trainer.slots=2",
+                    "trainer.grouping=pack", "pipeline.image_size=32", "pipeline.alt_image_size=24"], None)
+    groups, table = planned.groups, planned.table
     assert len(groups) == 2 and all(len(g.members) == 2 and g.mode == "packed" for g in groups)
-    assert measured[:4] == [((m.name,), [1, 2]) for m in models]
+    assert sorted(measured[:4]) == sorted(((m.name,), [1, 2]) for g in groups for m in g.members)
     assert sorted(measured[4:]) == sorted((tuple(m.name for m in g.members), [1]) for g in groups)
     assert table.rates == {g.name: (50.0,) for g in groups}
-    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=2), _policy(cfg, groups))
+    scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=2), planned.policy)
     decisions = [d for name, rates in table.rates.items() for d in scheduler.handle(RatesMeasured(0.0, name, rates))]
     formed = [d for d in decisions if isinstance(d, FormFlotilla)]
     assert formed and set(formed[0].members) == {g.name for g in groups}

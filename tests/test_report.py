@@ -16,6 +16,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pipeline.report import analyse, write_report
+from pipeline.report.analysis import BUSY_THRESHOLD_PCT, STALL_THRESHOLD_PCT
 from pipeline.report.build import report_dict
 from pipeline.report.measurements import OPTIONAL, occupancy_stats
 from pipeline.measure.tracking import CSV_FILE, FOLDER
@@ -373,7 +374,7 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
     # then how busy the worker threads were.
     (pace,) = [m for m in report["models"] if m["sets_pace"]]
     stall, busy = pace["data_stall_pct"], report["workers"]["busy_pct"]
-    expected = "compute" if stall <= 10 else "input" if busy >= 70 else "transport"
+    expected = "compute" if stall <= STALL_THRESHOLD_PCT else "input" if busy >= BUSY_THRESHOLD_PCT else "transport"
     assert (report["verdict"]["bound"], report["verdict"]["model"]) == (expected, pace["name"]), (stall, busy)
     assert {s["name"] for s in report["stages"]} == {"read", "decode", "cache", "crop_main", "crop_alt", "main",
                                                      "alt"}
@@ -384,8 +385,11 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
     # One node, one hub (single_broadcast): its ring, and its prefetch queue of batch tasks.
     assert set(report["occupancy"]) == {"flotilla 0 hub 0 ring", "flotilla 0 hub 0 prefetch"}
     assert "<h2>Delivery</h2>" in paths.html.read_text()
-    lanes = {event.get("tid") for event in json.loads(paths.trace.read_text())["traceEvents"]}
-    assert len(lanes) >= 2  # batch tasks of the workers and steps of the trainers
+    # Its trace: a lane for each trainer rank's steps and for each worker that ran batch tasks (a trainer's
+    # steps missing, or steps and tasks in one lane, fail).
+    lanes = {e["args"]["name"] for e in json.loads(paths.trace.read_text())["traceEvents"] if e["ph"] == "M"}
+    trainers = {f"trainer {m['group']}/{rank}" for m in results["models"] for rank in range(m["slots"])}
+    assert trainers <= lanes and set() < lanes - trainers <= {"worker n0-w0", "worker n0-w1"}, lanes
 
 
 # Set by the page once loaded: how many images it has and how many decoded with a width.

@@ -155,6 +155,11 @@ def _resume_then_kill_a_worker_then_a_trainer(pausing: threading.Event, delivere
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through_faults(topology, tiny_dataset,
                                                                                          tmp_path, monkeypatch):
+    """Every topology through a Dask worker killed mid-epoch and a trainer killed and resumed: every trainer
+    receives every batch of an epoch once, in order, bit-identical to the graph's own output, and memory
+    stays bounded while no trainer takes a batch. A lost or repeated batch, another order, other bytes, or
+    a producer whose window is unbounded (it makes most of a split's batches while the trainers pause),
+    fails."""
     from pipeline.orchestration.flotilla import Flotilla
     from pipeline.run import run
     from pipeline.training.reports import CheckpointSaved

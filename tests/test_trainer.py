@@ -206,7 +206,7 @@ def test_a_training_step_never_waits_for_the_device(monkeypatch, precision, arra
     optimiser that takes the scaler's flag on the device, as torch's fused ones do, would not need it).
     A loss read, or a scaler shared by the units, fails."""
     group = GroupSpec("g", (model("a"), model("b", lr=0.02), model("w", width=4)), array_size)
-    step = GroupStep(group, 3, {"main": 32}, torch.device("cpu"), 10, precision, threads=threads)
+    step = GroupStep(group, 3, {"main": 32}, torch.device("cpu"), 10, precision=precision, threads=threads)
     assert (step.pool is not None) == (threads > 1)
     images, labels = batch()
     inputs = {"main": (step.normalise(images), torch.from_numpy(labels))}

@@ -73,7 +73,7 @@ class Convergence:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # many fields, two adjacent timeouts: called by name
 class RunContext:
     """What the flotilla threads share."""
 

@@ -61,7 +61,7 @@ class Scheduler:
     A lost node's slots are out of its plans until the node returns.
     """
 
-    def __init__(self, groups: list[str], cluster: Cluster, policy: Policy, seed: int = 0,
+    def __init__(self, groups: list[str], cluster: Cluster, policy: Policy, *, seed: int = 0,
                  checkpoint_every: int = 1, max_failures: int = 2, topology: Topology = Topology.auto,
                  broadcast_streams: int = 2):
         if len(set(groups)) != len(groups) or not groups:

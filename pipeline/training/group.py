@@ -357,7 +357,7 @@ class GroupStep:
     on the host).
     """
 
-    def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int,
+    def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int, *,
                  precision: Precision = Precision.fp32, world: int = 1, threads: int = 1,
                  memory_format=None, in_hand: StepInHand | None = None, cuda_graphs: bool = False):
         import torch

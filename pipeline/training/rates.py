@@ -346,8 +346,9 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             torch.cuda.set_device(device)
         if world > 1:
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
-        step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps, how.precision,
-                         world, how.threads, in_hand=in_hand, cuda_graphs=how.cuda_graphs)
+        step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps,
+                         precision=how.precision, world=world, threads=how.threads, in_hand=in_hand,
+                         cuda_graphs=how.cuda_graphs)
         warmup = how.warmup + step.steps_before_replay  # a trainer captures its graphs once a run
         random, rows = np.random.default_rng(rank), rank_rows(rank, world)  # its share, as a trainer takes it
         batches = {}

@@ -215,7 +215,8 @@ class Trainer:
                                                   spec.setup.collective_s, spec.group.name)
         setup = spec.setup
         self.step = GroupStep(spec.group, setup.num_classes, spec.image_sizes, self.device,
-                              setup.epochs * setup.steps_per_epoch, setup.precision, self.world, setup.threads,
+                              setup.epochs * setup.steps_per_epoch, precision=setup.precision, world=self.world,
+                              threads=setup.threads,
                               in_hand=in_hand,  # where its steps are, for the driver if it hangs
                               cuda_graphs=setup.cuda_graphs)
         self.models = {m.name: m for m in spec.group.members}
