@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from html import escape
 from pathlib import Path
 
 import numpy as np
@@ -384,7 +385,14 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
     assert paths.html.read_text().count("data:image/png;base64,") == 7
     # One node, one hub (single_broadcast): its ring, and its prefetch queue of batch tasks.
     assert set(report["occupancy"]) == {"flotilla 0 hub 0 ring", "flotilla 0 hub 0 prefetch"}
-    assert "<h2>Delivery</h2>" in paths.html.read_text()
+    html = paths.html.read_text()
+    assert "<h2>Delivery</h2>" in html
+    # The decision log, each decision beside its cause (a log without causes fails).
+    decisions = results["scheduler"]["decisions"]
+    assert f"Scheduler decisions ({len(decisions)})" in html
+    for d in decisions:
+        cells = "".join(f"<td>{escape(cell)}</td>" for cell in (d["decision"], d["flotilla"], d.get("group", "")))
+        assert cells in html and f"<td>{escape(d['cause'])}</td>" in html, d
     # Its trace: a lane for each trainer rank's steps and for each worker that ran batch tasks (a trainer's
     # steps missing, or steps and tasks in one lane, fail).
     lanes = {e["args"]["name"] for e in json.loads(paths.trace.read_text())["traceEvents"] if e["ph"] == "M"}

@@ -244,7 +244,19 @@ def _flotillas_section(results: dict) -> str:
               "waits for batches included. On CPU slots the members share the cores with each other and with "
               "the pipeline, which the rate table (each model measured alone) does not see.</p>"
             + (_img(plots.gantt_chart(results["scheduler"]), "slots over time")
-               if results["scheduler"].get("gantt") else ""))
+               if results["scheduler"].get("gantt") else "")
+            + _decisions(results["scheduler"].get("decisions", [])))
+
+
+def _decisions(log: list[dict]) -> str:
+    """The scheduler's decisions as the driver carried them out, each with the event that caused it."""
+    if not log:
+        return ""
+    shown = ("t", "decision", "flotilla", "group", "cause")
+    rows = [[f"{d['t']:.1f}", d["decision"], d.get("flotilla", ""), d.get("group", ""),
+             ", ".join(f"{k}={v}" for k, v in d.items() if k not in shown), d.get("cause", "")] for d in log]
+    return (f"<details><summary>Scheduler decisions ({len(log)})</summary>"
+            + _table(["t (s)", "decision", "flotilla", "group", "what", "cause"], rows) + "</details>")
 
 
 def _groups_section(results: dict) -> str:
