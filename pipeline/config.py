@@ -31,7 +31,7 @@ from pipeline.scheduler.topology import Topology
 from pipeline.orchestration.devices import DeviceKind
 from pipeline.scheduler.slot_groups import Grouping
 from pipeline.scheduler.policies import PolicyName
-from pipeline.training.group import MIN_ROWS, Precision
+from pipeline.training.group import Precision, least_batch
 from pipeline.training.members import ModelSpec, member_seed
 from stages.base import OnError
 from stages.decode import DecodeBackend
@@ -271,7 +271,8 @@ def check(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value != AUTO and not (isinstance(value, int) and value >= 1):
             raise ConfigError(f"{key}={value!r}: give a positive integer or 'auto'")
-    least = {"pipeline.batch_size": (MIN_ROWS, f"a training step needs at least {MIN_ROWS} images (batch norm)"),
+    one_rank = least_batch(1)
+    least = {"pipeline.batch_size": (one_rank, f"a training step needs at least {one_rank} images (batch norm)"),
              "cluster.threads_per_worker": (1, "a worker runs at least one batch task"),
              "cluster.nodes": (1, "a run has at least one node"),
              "delivery.ring_depth": (2, "one batch is being read while the next is written"),
