@@ -176,6 +176,8 @@ class TrainerConf:
     # separate (never share: fails when models outnumber slots)
     precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; fp16 with a gradient scaler)
     cuda_graphs: bool = True  # on a GPU, each step captured once as a CUDA graph and replayed (not fp16, DDP)
+    compile: bool = False  # each member's forward compiled by torch.compile (inductor) on its first steps:
+    # their seconds are measured with the rates and reported by the trainers
     threads: int = 1  # torch threads per CPU trainer process
     slot_memory_gb: Optional[float] = None  # memory one slot may use; null: the GPU's, or RAM / slots on CPU
     record_checksums: bool = False  # trainers report a CRC of every message received (delivery tests)

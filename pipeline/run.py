@@ -254,7 +254,7 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
                           steps_per_epoch=graph.source.num_batches(Split.TRAIN), threads=cfg.trainer.threads,
                           precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
-                          checkpoint_dir=output_dir / "checkpoints",
+                          compile=cfg.trainer.compile, checkpoint_dir=output_dir / "checkpoints",
                           record_checksums=cfg.trainer.record_checksums, consume_only=cfg.trainer.consume_only,
                           collective_s=cfg.timeouts.collective_s)
     return TrainingPlan(agents=agents, agent_key=key, tls=tls, device_kind=device_kind, slots=slots, workers=workers,
@@ -309,7 +309,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         if not cfg.resume:
             first = scheduler.start(0.0) if plan.table is None else [
                 decision for name, rates in plan.table.rates.items()
-                for decision in scheduler.handle(RatesMeasured(0.0, name, rates))]
+                for decision in scheduler.handle(RatesMeasured(0.0, name, rates, plan.table.start(name)))]
         context = RunContext(graph=graph, setup=plan.setup, delivery=delivery, recorder=recorder, tracker=tracker,
                              progress=progress, report_s=t.report_s, stop_s=t.stop_s, state_dir=output_dir / STATE_DIR)
         driver = Driver(scheduler, {g.name: g for g in plan.groups}, slots, plan.convergence, context, console,
@@ -397,7 +397,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     how = Measurement(num_classes=classes, image_sizes=image_sizes, batch_size=batch, device_kind=device_kind,
                       devices=devices, steps=r.steps, warmup=r.warmup, threads=cfg.trainer.threads,
                       precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
-                      report_s=cfg.timeouts.report_s, where=where)
+                      compile=cfg.trainer.compile, report_s=cfg.timeouts.report_s, where=where)
     cache = Path(to_absolute_path(r.cache))
     if device_kind == DeviceKind.cuda and where is None:  # the device says what a step holds: a trial's peak
         peaks = measure_peaks(models, how, cache)
@@ -427,8 +427,13 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
                       + ", ".join(m.name for m in g.members))
     table = None
     if needs_rates:
-        table = RateTable({g.name: single_rates.rates[g.name] for g in groups if len(g.members) == 1})
-        table.rates.update(measure_rate_table(shared, max_slots, how, cache, measured_by).rates)
+        table = RateTable()
+        for g in groups:
+            if len(g.members) == 1:
+                table.add(g.name, single_rates.rates[g.name], single_rates.start(g.name))
+        shared_rates = measure_rate_table(shared, max_slots, how, cache, measured_by)
+        for name, rates in shared_rates.rates.items():
+            table.add(name, rates, shared_rates.start(name))
         save_table(table, output_dir / "rates.json")
         results["rates_measured_by"] = {name: measured_by[name] for name in table.rates}
     return groups, table

@@ -20,6 +20,10 @@ which the project does not ship (fused by vmap, pipeline/training/stacked.py).
   measurement, with graphs on CUDA as trainers step by default), then timed
   like the others; the row names the pick.
 
+With --compile each mode is followed by "<mode>+compile", the same with its
+members compiled by torch.compile (trainer.compile), side by side in the
+same run; the compiling falls in the untimed warm-up steps.
+
 Every mode trains with the trainer's own step (pipeline/training/group.py) on
 synthetic uint8 batches already in memory, so it times training, not input.
 Reported per mode: images/s per model and in total, the ratio to separate,
@@ -91,13 +95,13 @@ class MobileNet(nn.Module):
 
 
 def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: int, steps: int, warmup: int,
-           precision: str, graphs: bool, start, *, to_parent, from_parent) -> None:
+           precision: str, graphs: bool, compile: bool, start, *, to_parent, from_parent) -> None:
     """Process entry point (runtime.child.Child): warmup + steps of `group`; reports seconds of the timed
     steps and peak memory."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
     step = GroupStep(group, 10, {"main": image_size}, dev, warmup + steps, precision=Precision(precision),
-                     threads=threads, cuda_graphs=graphs)
+                     threads=threads, cuda_graphs=graphs, compile=compile)
     warmup += step.steps_before_replay  # the replays are timed, not the capture
     random = np.random.default_rng(0)
     images = random.integers(0, 256, (batch, image_size, image_size, 3), dtype=np.uint8)
@@ -119,6 +123,8 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 
 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
+    name, compile = mode, mode.endswith("+compile")
+    mode = mode.removesuffix("+compile")
     graphs = mode.endswith("+graphs") or (mode == AUTO and args.device != "cpu")  # auto: the trainers' default
     # MobileNet is this script's own: spawned processes import it from their __main__, this script
     where = "__main__" if args.arch == "mobilenet" else "pipeline.training.models"
@@ -142,7 +148,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
             how = Measurement(num_classes=10, image_sizes={"main": image_size}, batch_size=args.batch,
                               device_kind=device.split(":")[0], devices=[device], steps=args.steps,
                               warmup=args.warmup, threads=args.cores, precision=Precision(args.precision),
-                              cuda_graphs=graphs)
+                              cuda_graphs=graphs, compile=compile)
             with tempfile.TemporaryDirectory() as cache:  # measured afresh, as a first run would
                 [group], _ = choose_fusion([group], Grouping.auto, sizes, math.inf, lanes, how,
                                            Path(cache) / "rates.json")
@@ -151,7 +157,8 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
     context = mp.get_context("spawn")
     start = context.Barrier(len(groups))
     children = [Child(_train, (g, image_size, args.batch, args.device, threads, args.steps, args.warmup,
-                               args.precision, graphs, start), f"bench-{g.name}", context) for g in groups]
+                               args.precision, graphs, compile, start), f"bench-{g.name}", context)
+                for g in groups]
     try:
         reports = [child.receive(args.timeout) for child in children]
     finally:
@@ -159,7 +166,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
             child.stop(5)  # it exits once it reported; one that does not, or an error here, is killed
     # Each model trains batch x steps images; a separate process's own time counts for its model.
     per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
-    return {"mode": mode, "k": k, "pick": groups[0].mode if mode == AUTO else None, "image_size": image_size,
+    return {"mode": name, "k": k, "pick": groups[0].mode if mode == AUTO else None, "image_size": image_size,
             "threads_per_process": threads, "array_size": groups[0].array_size,
             "images_per_s_per_model": float(np.mean(per_model)), "images_per_s_total": float(np.sum(per_model)),
             "peak_rss_bytes": int(sum(rss for _, rss, _ in reports)),
@@ -182,15 +189,18 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads in all")
     parser.add_argument("--modes", nargs="+", choices=MODES + GRAPH_MODES + (AUTO,),
                         help="default: all four and auto, and on CUDA separate, packed and fused with +graphs too")
+    parser.add_argument("--compile", action="store_true", help="each mode again with its members compiled")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("bench_results/groups"))
     args = parser.parse_args()
     modes = args.modes or (MODES + GRAPH_MODES if args.device != "cpu" else MODES) + (AUTO,)
     if args.arch == "mobilenet":  # its fused is vmap's already, whose steps are not captured as graphs
         modes = [mode for mode in modes if mode not in ("fused-vmap", "fused+graphs")]
+    if args.compile:
+        modes = [variant for mode in modes for variant in (mode, f"{mode}+compile")]
     rows = []
     print(f"{args.arch}{args.depth} w{args.width}, batch {args.batch}, {args.device}, {args.cores} core(s)")
-    print(f"{'px':>4} {'k':>3} {'mode':>15} {'img/s/model':>12} {'img/s total':>12} {'vs separate':>12} "
+    print(f"{'px':>4} {'k':>3} {'mode':>24} {'img/s/model':>12} {'img/s total':>12} {'vs separate':>12} "
           f"{'peak RSS GiB':>13} {'RSS vs 1 model':>15}" + (" alloc GiB" if args.device != "cpu" else ""))
     for image_size in args.image_sizes:
         one = None  # one model alone: the memory yardstick
@@ -202,7 +212,7 @@ def main() -> None:
                 baseline = baseline or row
                 one = one or row
                 shown = f"{mode}: {row['pick']}" if row["pick"] else mode
-                print(f"{image_size:>4} {k:>3} {shown:>15} {row['images_per_s_per_model']:>12.1f} "
+                print(f"{image_size:>4} {k:>3} {shown:>24} {row['images_per_s_per_model']:>12.1f} "
                       f"{row['images_per_s_total']:>12.1f} "
                       f"{row['images_per_s_total'] / baseline['images_per_s_total']:>11.2f}x "
                       f"{row['peak_rss_bytes'] / 2**30:>13.2f} {row['peak_rss_bytes'] / one['peak_rss_bytes']:>14.2f}x"

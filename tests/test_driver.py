@@ -2,6 +2,7 @@
 in which order; and the scheduler's state it saves, which a resumed run continues from."""
 import io
 import queue
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -243,3 +244,29 @@ def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_th
         driver._handle(ThreadEnded(thread, {}))
     assert {group: {slot.node for slot in slots} for group, slots in driver.assigned.items()} == {"a": {1}, "b": {1}}
     assert all(scheduler.groups[m].status == "running" for m in "ab") and not driver.broken
+
+
+def test_a_hub_held_back_by_a_compiling_trainer_waits_as_long_as_it_compiles_then_as_any_other():
+    """SplitWatch (the flotilla's watchdog) on a stand-in flotilla and clock: a trainer that holds every
+    buffer of its ring in a step that compiles (trainer.compile) keeps its hub from failing however long
+    it takes, and is named once; once it is done compiling, the same wait fails timeouts.stall_s after
+    it was last seen compiling, naming the trainer. A compile counted as a hang, or a compile that excuses the wait for ever, fails."""
+    from pipeline.orchestration.agent import Laggard
+    from pipeline.orchestration.watch import SplitWatch
+    from pipeline.runtime.hang import HangError, Patience
+
+    now, compiling, said = [0.0], [True], []
+    flotilla = SimpleNamespace(id=0, waiting={}, plan=SimpleNamespace(hubs=[SimpleNamespace(rank=0, node=0)]),
+                               laggards=lambda: [Laggard(0, "main", "trainer-g-0", 42, "running", 4,
+                                                         "at step 1 of 16 of epoch 1", compiling[0])])
+    watch = SplitWatch(flotilla, Patience(warn_s=60, stall_s=600), said.append)
+    watch.stalls[0].clock = lambda: now[0]
+    watch.stalls[0].moved()
+    for now[0] in range(0, 3000, 30):
+        watch.check()
+    assert said == ["[yellow]waiting[/] hub 0 (node 0): trainer trainer-g-0 compiling (trainer.compile)"]
+    compiling[0] = False
+    with pytest.raises(HangError, match=r"trainer trainer-g-0 .* holds all 4 buffers .*timeouts.stall_s=600"):
+        for now[0] in range(3000, 3700, 30):
+            watch.check()
+    assert now[0] == 2940 + 600  # stall_s after the last look that saw it compiling

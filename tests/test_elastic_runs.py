@@ -8,6 +8,7 @@ import pytest
 from pipeline.orchestration.driver import Driver, EpochBoundary
 from pipeline.run import run
 from pipeline.scheduler import Join
+from pipeline.training.rates import Pace
 from tests.conftest import compose_config, resnet_override
 from tests.test_run import small
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 def fixed_rates(monkeypatch, rates):
     """The rate table the scheduler plans with, instead of measuring: the plan is then known."""
     monkeypatch.setattr("pipeline.training.rates.measure_rates", lambda group, slot_counts, how, abandon=None:
-                        {g: rates[group.name][g - 1] for g in slot_counts})
+                        {g: Pace(rates[group.name][g - 1], 0.0) for g in slot_counts})
 
 
 # Two models: slow is a ResNet made wide, so it takes longer than fast; with two slots each starts on

@@ -165,7 +165,7 @@ def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(plan):
     """scheduler=fleet_g on 2 GPUs of 2 sub-slots: every model's rate is asked for 1 slot only (a sub-slot
     holds one rank: a model grown data-parallel over two sub-slots of one GPU would fail in NCCL), and on
     the 2 GPUs each once. Rates asked for 2 slots, or a GPU listed twice, fail."""
-    from pipeline.training.rates import HostHardware, Measured, MeasuredBy
+    from pipeline.training.rates import HostHardware, Measured, MeasuredBy, Pace
 
     asked = []
 
@@ -175,7 +175,7 @@ def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(plan):
 
         def measure(self, group, slot_counts, how):
             asked.append((group.name, tuple(slot_counts), tuple(how.devices)))
-            return Measured({k: 100.0 for k in slot_counts}, MeasuredBy("agent", 1))
+            return Measured({k: Pace(100.0, 0.0) for k in slot_counts}, MeasuredBy("agent", 1))
 
     planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.slots_per_gpu=2"], 2, where=RecordingHost())
     assert len(planned.slots) == 4
@@ -205,12 +205,13 @@ def test_fleet_plans_groups_at_their_measured_rates(plan, monkeypatch):
     """scheduler=fleet_g with trainer.grouping=pack on 2 slots: every model is measured alone (its cost
     decides who shares), then each group of several on one slot; the planner's members are the groups."""
     from pipeline.training import rates as rate_measurement
+    from pipeline.training.rates import Pace
 
     measured = []
 
     def fake_measure(group, slot_counts, how, abandon=None):  # the real runs' stand-in: a group is slower per image
         measured.append((tuple(m.name for m in group.members), slot_counts))
-        return {k: 100.0 * k / len(group.members) for k in slot_counts}
+        return {k: Pace(100.0 * k / len(group.members), 0.0) for k in slot_counts}
 
     monkeypatch.setattr(rate_measurement, "measure_rates", fake_measure)
     planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.device=cpu", "trainer.slots=2",

@@ -13,8 +13,8 @@ from pipeline.runtime.lifetime import children_context
 from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.group import GroupSpec, StepInHand
-from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, RateError, StepTimes,
-                                     format_table, measure_rate_table, measure_rates, save_table)
+from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, Pace, RateError, StepTimes,
+                                     format_table, measure_rate_table, measure_rates, pace, save_table)
 from tests.conftest import member
 
 TINY = member("tiny")
@@ -35,11 +35,15 @@ def measure_tiny(group=alone(TINY), slot_counts=(1, 2), **changes):
     return measure_rates(group, list(slot_counts), how(**changes))
 
 
-def test_a_rate_is_the_whole_batch_over_the_median_step_of_the_slowest_rank():
+def test_a_rate_is_the_whole_batch_over_the_median_step_of_the_slowest_rank_and_a_start_the_warmups_excess():
     """Two ranks' timed steps: the steps take 0.25, 0.5 and 0.2 s (the slower rank's), median 0.25 s, so
     16 images make 64 images/s. Rank 0's steps alone (128), the mean step (50.5), the median of all
-    durations or of the slower rank's (80), images per ms, or a rank's share of the batch (32) fail."""
-    assert rate_measurement._images_per_s(16, [[0.1, 0.5, 0.125], [0.25, 0.2, 0.2]]) == 64
+    durations or of the slower rank's (80), images per ms, or a rank's share of the batch (32) fail.
+    Their two warm-up steps take 10 and 0.3 s (the slower rank's): 9.8 s beyond two steps at the rate's
+    pace. Rank 0's alone (8.8), the whole warm-up (10.3) or one step's excess (9.75) fail."""
+    reports = [StepTimes(0, [9.0, 0.3], [0.1, 0.5, 0.125]), StepTimes(1, [10.0, 0.2], [0.25, 0.2, 0.2])]
+    assert pace(16, reports) == Pace(64, pytest.approx(9.8))
+    assert pace(16, [StepTimes(0, [0.1], [0.25, 0.25])]).start_s == 0  # a warm-up as fast as the pace
 
 
 class Clock:
@@ -56,9 +60,10 @@ class Clock:
 def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch, before_replay):
     """A rank run in this process, with steps of known cost: 1000 s pass between steps, the warmup step
     trains for 100 s, the timed ones for 1, 2 and 3 s, and normalising a batch (part of a step, as in the
-    trainer) takes 0.5 s. It reports 1.5, 2.5 and 3.5 s. A group whose steps become replayed CUDA graphs
-    only after `steps_before_replay` steps (the eager ones and the capture, 50 s each) has that many more
-    untimed steps. A timed warmup step, a timed capture, or a clock running between steps, fails."""
+    trainer) takes 0.5 s. It reports 1.5, 2.5 and 3.5 s, and 100.5 s untimed. A group whose steps become
+    replayed CUDA graphs only after `steps_before_replay` steps (the eager ones and the capture, 50 s
+    each) has that many more untimed steps. A timed warmup step, a timed capture, or a clock running
+    between steps, fails."""
     import torch
 
     clock, training = Clock(), iter([100] + [50] * before_replay + [1, 2, 3])
@@ -86,7 +91,7 @@ def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch, before_repl
     rate_measurement._train_steps(alone(TINY), 0, ["cpu"], "", how(devices=["cpu"], steps=3, warmup=1,
                                                                    threads=torch.get_num_threads()),
                                   InHand(), to_parent=SimpleNamespace(send=reports.append), from_parent=None)
-    assert reports == [StepTimes(0, [1.5, 2.5, 3.5])]
+    assert reports == [StepTimes(0, [100.5] + [50.5] * before_replay, [1.5, 2.5, 3.5])]
 
 
 def measure_and_record(monkeypatch, slot_counts, **changes):
@@ -107,8 +112,9 @@ def test_rates_are_images_per_second_of_the_timed_steps_on_one_and_two_cpu_slots
     whole batch over them (the rule: test_a_rate_is_the_whole_batch_over_the_median_step_of_the_slowest_rank).
     A timed warmup step, or a rank's share of the batch, fails."""
     rates, reported = measure_and_record(monkeypatch, [1, 2], steps=4)
-    assert {slots: [len(steps) for steps in ranks] for slots, ranks in reported.items()} == {1: [4], 2: [4, 4]}
-    assert rates == {slots: rate_measurement._images_per_s(16, ranks) for slots, ranks in reported.items()}
+    assert {slots: [(len(r.warmup), len(r.seconds)) for r in ranks] for slots, ranks in reported.items()} == \
+        {1: [(1, 4)], 2: [(1, 4), (1, 4)]}
+    assert rates == {slots: pace(16, ranks) for slots, ranks in reported.items()}
 
 
 @pytest.mark.gpu
@@ -121,9 +127,9 @@ def test_rates_on_gpus_with_nccl(monkeypatch):
     slot_counts = list(range(1, min(torch.cuda.device_count(), 2) + 1))
     rates, reported = measure_and_record(monkeypatch, slot_counts, device_kind="cuda",
                                          devices=[f"cuda:{i}" for i in range(len(slot_counts))])
-    assert {slots: [len(steps) for steps in ranks] for slots, ranks in reported.items()} == \
+    assert {slots: [len(r.seconds) for r in ranks] for slots, ranks in reported.items()} == \
         {slots: [2] * slots for slots in slot_counts}
-    assert rates == {slots: rate_measurement._images_per_s(16, ranks) for slots, ranks in reported.items()}
+    assert rates == {slots: pace(16, ranks) for slots, ranks in reported.items()}
 
 
 @pytest.fixture
@@ -134,7 +140,7 @@ def measured(monkeypatch) -> list[tuple[str, list[int]]]:
 
     def fake_measure(group, slot_counts, how, abandon=None):
         calls.append((group.name, slot_counts))
-        return {k: 100.0 * k for k in slot_counts}
+        return {k: Pace(100.0 * k, 0.0) for k in slot_counts}
 
     monkeypatch.setattr(rate_measurement, "measure_rates", fake_measure)
     return calls
@@ -188,7 +194,7 @@ class FarHost:
 
     def measure(self, group, slot_counts, how):
         self.calls.append((group.name, slot_counts, how.devices))
-        return Measured({k: 10.0 * k for k in slot_counts}, MeasuredBy("far", 4242))
+        return Measured({k: Pace(10.0 * k, 0.0) for k in slot_counts}, MeasuredBy("far", 4242))
 
 
 def test_rates_measured_elsewhere_are_keyed_on_that_hosts_hardware_and_name_who_measured(measured, tmp_path):
@@ -230,14 +236,16 @@ def test_gpus_of_a_host_measuring_elsewhere_are_not_checked_here(measured, tmp_p
 
 def test_table_lists_every_model_and_slot_count_with_speedups(tmp_path):
     table = RateTable()
-    table.add("resnet10", [100, 190, 270])
+    table.add("resnet10", [100, 190, 270], 23.5)
     table.add("densenet40", [40, 75])
     text = format_table(table)
-    for expected in ["resnet10", "densenet40", "1 slot", "2 slots", "3 slots", "190.0 (1.90x)", "75.0 (1.88x)"]:
+    for expected in ["resnet10", "densenet40", "1 slot", "2 slots", "3 slots", "190.0 (1.90x)", "75.0 (1.88x)",
+                     "start s", "23.5"]:
         assert expected in text
     save_table(table, tmp_path / "out" / "rates.json")
     saved = json.loads((tmp_path / "out" / "rates.json").read_text())
-    assert saved == {"resnet10": {"1": 100, "2": 190, "3": 270}, "densenet40": {"1": 40, "2": 75}}
+    assert saved == {"resnet10": {"1": 100, "2": 190, "3": 270, "start_s": 23.5},
+                     "densenet40": {"1": 40, "2": 75, "start_s": 0.0}}
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -55,7 +55,7 @@ def test_every_decision_names_the_event_that_caused_it():
     scheduler = Scheduler(["a", "b"], Cluster(1, 2), FleetG(lookahead=0))
     assert scheduler.handle(RatesMeasured(0.0, "a", (10, 15))) == []  # b's rates still to come
     decisions = scheduler.handle(RatesMeasured(0.5, "b", (20, 30)))
-    assert decisions and {d.cause for d in decisions} == {"RatesMeasured(group=b, rates=(20, 30)) at 0.500 s"}
+    assert decisions and {d.cause for d in decisions} == {"RatesMeasured(group=b, rates=(20, 30), start_s=0.0) at 0.500 s"}
     stops = scheduler.handle(GroupConverged(2.25, "b"))  # b runs on both slots (a waits)
     assert of(Stop, stops) and {d.cause for d in stops} == {"GroupConverged(group=b) at 2.250 s"}
     fresh = Scheduler(["a"], Cluster(1, 1), Shared({"a": 1}))  # plans without rates
@@ -334,6 +334,25 @@ def test_exact_solver_is_a_lower_bound_of_fleet_g_and_matches_the_simulator():
     alone = Instance(table, {"m": 3}, Cluster(1, 2), images_per_epoch=300, checkpoint_seconds=1.0)
     assert optimal_time(alone) == pytest.approx(3 * 300 / 150 + 1.0)
     assert simulate(alone, FleetG()).end_time == pytest.approx(optimal_time(alone))
+
+
+def test_a_flotilla_flows_once_its_slowest_member_has_started_in_the_plan_the_simulator_and_the_optimum():
+    """A group's start (compiling: RateTable.start) delays its flotilla's stream by its longest member's,
+    once per flotilla: two models of 2 and 3 epochs of 300 images at 100 images/s on one flotilla of
+    FLEET-G (it stops when the first leaves, the other's last epoch runs in a second flotilla, starting
+    again): 3 epochs + the slower one's start twice (20 s each; the other's 5 s passes within it). The
+    optimum, which counts starts the same way, runs them one after the other: 20 + 9 s, then 5 + 6 s.
+    The decision carries the planned start. A start paid once, or the members' starts added up, fails."""
+    table = RateTable()
+    table.add("quick", (100.0,), 5.0)
+    table.add("compiled", (100.0,), 20.0)
+    instance = Instance(table, {"quick": 2, "compiled": 3}, Cluster(1, 2), images_per_epoch=300)
+    scheduler = Scheduler(["quick", "compiled"], instance.cluster, FleetG())
+    scheduler.handle(RatesMeasured(0.0, "quick", (100.0,), 5.0))
+    [formed] = of(FormFlotilla, scheduler.handle(RatesMeasured(0.0, "compiled", (100.0,), 20.0)))
+    assert formed.start_s == 20.0
+    assert simulate(instance, FleetG()).end_time == pytest.approx(3 * 3 + 20 + 20)
+    assert optimal_time(instance) == pytest.approx(20 + 9 + 5 + 6)
 
 
 def test_round_model_stops_below_min_active_fraction():

@@ -18,16 +18,17 @@ from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
                                        TrainingSetup, saved_epochs)
 from tests.conftest import member
+from tests.test_members import declared
 
 
 def model(name, width=8, lr=0.1):
     return member(name, width=width, lr=lr)
 
 
-def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32):
+def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32, compile=False):
     setup = TrainingSetup(num_classes=3, epochs=4, steps_per_epoch=10, threads=1, precision=precision,
-                          cuda_graphs=False, checkpoint_dir=tmp_path, record_checksums=False, consume_only=False,
-                          collective_s=60)
+                          cuda_graphs=False, compile=compile, checkpoint_dir=tmp_path, record_checksums=False,
+                          consume_only=False, collective_s=60)
     return TrainerSpec(setup=setup, group=group, image_sizes={"main": 32}, start_epoch=start, rank=0,
                        rendezvous="", device="cpu")
 
@@ -141,6 +142,45 @@ def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
         assert torch.allclose(left[name], never[name], atol=1e-5), name
 
 
+@pytest.mark.slow
+def test_a_compiled_group_trains_as_the_eager_one_and_reports_the_seconds_it_compiled(tmp_path):
+    """trainer.compile on CPU (inductor): every kind of unit (an HFTA array, a vmap array, a model alone)
+    compiled, trains and validates to the eager group's weights and softmax over 3 steps, and checkpoints
+    as a plain module (no compiled wrapper's names). The first step of each batch shape and split is what
+    it reports as compiling; an eager group reports none. Compiling ignored, or a wrapper's names in the
+    state, fails. (One batch shape: each more costs CI 45 s of compiling.)"""
+    from torch._dynamo.utils import counters
+
+    adamw = {"_target_": "torch.optim.AdamW", "lr": 0.01, "weight_decay": 0.01}
+    vmapped = [declared(name, optimizer=adamw, seed=seed) for seed, name in enumerate("de")]
+    alone = declared("c", model={"_target_": "tests.test_members.SmallNet", "channels": 8})
+    members = (model("a", width=4), model("b", width=4, lr=0.05), alone, *vmapped)
+    group = GroupSpec("g", members, array_size=2)
+    trainers = {compiled: Trainer(trainer_spec(group, tmp_path, compile=compiled), Reports())
+                for compiled in (False, True)}
+    assert [type(unit).__name__ for unit in trainers[True].step.units] == ["_Array", "_Solo", "_Stacked"]
+    graphs = counters["stats"]["unique_graphs"]
+    for trainer in trainers.values():
+        for seed in range(3):
+            images, labels = batch(seed)
+            trainer.step.train({"main": (trainer.step.normalise(images), torch.from_numpy(labels))})
+        trainer.seen = 24  # its images, as _train_step counts them
+        trainer._report_train()
+    assert counters["stats"]["unique_graphs"] - graphs >= 3  # a training graph of each unit at least
+    x = {"main": trainers[False].step.normalise(batch(3)[0])}
+    eager, compiled = (trainers[c].step.predict(x) for c in (False, True))
+    for spec in members:
+        mine, theirs = trainers[True].step.state(spec.name), trainers[False].step.state(spec.name)
+        assert mine["model"].keys() == theirs["model"].keys()
+        for key, tensor in theirs["model"].items():
+            torch.testing.assert_close(mine["model"][key], tensor, rtol=1e-3, atol=1e-4, msg=f"{spec.name} {key}")
+        torch.testing.assert_close(compiled[spec.name], eager[spec.name], rtol=1e-3, atol=1e-4)
+    reported = {c: [r.compile_s for r in trainers[c].reports] for c in (False, True)}
+    assert reported[False] == [0.0] * 5 and len(set(reported[True])) == 1 and reported[True][0] > 0
+    assert trainers[True].step.compiled == {("train", (("main", (8, 3, 32, 32)),)),
+                                            ("validate", (("main", (8, 3, 32, 32)),))}
+
+
 def test_a_trainer_shows_its_parent_its_step_and_the_members_inside_theirs(tmp_path):
     """What the driver names when a trainer hangs (StepInHand, read from shared memory): the epoch and
     step it has begun and which members are inside their step, a fused array's all at once. Planted
@@ -233,6 +273,7 @@ NARROW_STEPS = """
 import numpy as np, torch
 from pipeline.training.group import GroupSpec, GroupStep
 from tests.conftest import member
+from tests.test_members import declared
 members = tuple(member(f"w{w}", width=w) for w in (2, 4))
 step = GroupStep(GroupSpec("narrow", members), 3, {"main": 16}, "cpu", 200)
 images = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)

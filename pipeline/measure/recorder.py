@@ -47,6 +47,7 @@ class ModelRecord:
     images: int = 0
     step_s: float = 0.0  # rank 0, summed over epochs
     wait_s: float = 0.0
+    compile_s: float = 0.0  # of step_s, its group's steps that compiled (trainer.compile)
 
     def as_dict(self) -> dict:
         m = self.model
@@ -67,6 +68,7 @@ class ModelRecord:
             "images": self.images,  # trained on, all slots and epochs
             "images_per_s": self.images / self.step_s if self.step_s else None,
             "data_stall_pct": 100 * self.wait_s / (self.wait_s + self.step_s) if self.step_s else None,
+            "compile_s": self.compile_s,
         }
 
 
@@ -208,12 +210,13 @@ class RunRecorder:
                     "group_members": [m.name for m in group.members], "group_mode": group.mode,
                     "images": 0, "train_s": 0.0})  # trained on in this stint, and the time it took
 
-    def planned(self, flotilla: int, images_per_s: float, prep_seconds_per_image: float) -> None:
-        """The scheduler formed `flotilla` to run at `images_per_s` (NaN: planned without rates), with
-        preprocessing at `prep_seconds_per_image` core-seconds an image."""
+    def planned(self, flotilla: int, images_per_s: float, start_s: float, prep_seconds_per_image: float) -> None:
+        """The scheduler formed `flotilla` to run at `images_per_s` (NaN: planned without rates) after
+        `start_s` seconds of its trainers' start, with preprocessing at `prep_seconds_per_image`
+        core-seconds an image."""
         with self.lock:
             self.plans[flotilla] = {"planned_images_per_s": None if math.isnan(images_per_s) else images_per_s,
-                                    "prep_seconds_per_image": prep_seconds_per_image}
+                                    "planned_start_s": start_s, "prep_seconds_per_image": prep_seconds_per_image}
 
     def epochs_before(self, flotilla: int, model: str, start_epoch: int) -> int:
         """Epochs `flotilla` ran before `model`, just joined after `start_epoch` epochs, joined it again (a
@@ -298,6 +301,7 @@ class RunRecorder:
                 record.images += images
                 record.step_s += report.step_s
                 record.wait_s += report.wait_s
+                record.compile_s += report.compile_s
                 stint["images"] = stint.get("images", 0) + images  # (absent from older runs' state)
                 stint["train_s"] = stint.get("train_s", 0.0) + report.step_s + report.wait_s
 
@@ -315,7 +319,8 @@ class RunRecorder:
                 "models": {name: {"val_accuracy": r.val_accuracy, "val_loss": r.val_loss, "train_loss": r.train_loss,
                                   "stints": r.stints, "converged": r.converged, "culled": r.culled,
                                   "failures": r.failures, "images": r.images,
-                                  "step_s": r.step_s, "wait_s": r.wait_s, "recent": sorted(r.recent_probs),
+                                  "step_s": r.step_s, "wait_s": r.wait_s, "compile_s": r.compile_s,
+                                  "recent": sorted(r.recent_probs),
                                   "best_checkpoint": r.best_checkpoint}
                            for name, r in self.models.items()},
                 "epoch_models": {epoch: sorted(models) for epoch, (_, models) in self.epoch_probs.items()},
@@ -353,6 +358,7 @@ class RunRecorder:
                 record.culled = saved.get("culled", False)  # (absent from older runs' state)
                 record.failures = saved["failures"]
                 record.images, record.step_s, record.wait_s = saved["images"], saved["step_s"], saved["wait_s"]
+                record.compile_s = saved["compile_s"]
                 record.last_probs = array(f"last-{name}")
                 best = saved.get("best_checkpoint")  # (absent from older runs' state)
                 record.best_checkpoint, record.best_probs = (tuple(best), array(f"best-{name}")) if best else (None, None)

@@ -76,6 +76,7 @@ class Laggard:
     state: str  # as the OS sees it: running, sleeping, stopped (SIGSTOP, a debugger), ...
     depth: int  # buffers of the ring, all held
     where: str  # its step and the members inside theirs (StepInHand.describe)
+    compiling: bool  # that step compiles (trainer.compile): it takes as long as compiling does
 
 
 @dataclass
@@ -205,7 +206,7 @@ class NodeProcesses:
                 if ring.free[reader].get_value() == 0 and not ring.detached[reader]:
                     pid = trainer.child.pid
                     found.append(Laggard(hub, sink, trainer.child.name, pid, _state(pid), ring.depth,
-                                         trainer.in_hand.describe()))
+                                         trainer.in_hand.describe(), trainer.in_hand.is_compiling))
         return found
 
     def remove(self, group: str) -> None:
@@ -283,7 +284,7 @@ class HostRates:
         answer = self._answer(lambda: self.here.measure(group, slot_counts, how))
         log.info("node %d: %s: %s", self.node, group.name, f"failed: {answer.error.partition(chr(10))[0]}" if
                  isinstance(answer, RatesFailed) else
-                 ", ".join(f"{rate:.1f} images/s on {k}" for k, rate in answer.images_per_s.items()))
+                 ", ".join(f"{p.images_per_s:.1f} images/s on {k}" for k, p in answer.paces.items()))
         return answer
 
     @staticmethod

@@ -352,6 +352,10 @@ class EpochBoundary:
                 self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
             else:
                 self.run_ctx.recorder.add_report(report)
+                if report.compile_s and report.rank == 0 and report.spans:  # once a group: its first member's
+                    self.run_ctx.progress.console.print(
+                        f"flotilla {self.flotilla_id}: compiling took {report.compile_s:.1f} s of the steps of "
+                        f"{report.model}'s group (trainer.compile)")
         return validation
 
     def apply(self, flotilla: Flotilla, epoch: int) -> None:
@@ -724,9 +728,10 @@ class Driver:
             self.gantt.saw(decision, self.now())
             if isinstance(decision, FormFlotilla):
                 forming[decision.flotilla] = (decision, [])
-                self.run_ctx.recorder.planned(decision.flotilla, decision.rate,
+                self.run_ctx.recorder.planned(decision.flotilla, decision.rate, decision.start_s,
                                               self.scheduler.cluster.prep_seconds_per_image)
                 planned = f"; planned {decision.rate:.0f} img/s" if not math.isnan(decision.rate) else ""
+                planned += f" after a {decision.start_s:.1f} s start (compiling)" if decision.start_s >= 1 else ""
                 self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
                     f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()) + planned)
             elif isinstance(decision, AssignSlots):

@@ -3,7 +3,8 @@
 The flotilla thread feeds it every hub event and asks it each round. A hub
 that has published nothing for `timeouts.warn_s` is described once (the
 trainer whose full ring holds it back, or what the hub said it waits for);
-after `timeouts.stall_s` the run fails with HangError naming it.
+after `timeouts.stall_s` the run fails with HangError naming it. A hub held
+back by trainers that compile (trainer.compile) waits as long as they do.
 """
 from __future__ import annotations
 
@@ -35,7 +36,18 @@ class SplitWatch:
                 self.told[hub] = what
                 self.say(f"[yellow]waiting[/] hub {hub} (node {self.flotilla.plan.hubs[hub].node}): {escape(what)}")
         for hub, stall in self.stalls.items():
-            stall.check(lambda: self._explain(hub), lambda line: self.say(f"[yellow]{escape(line)}[/]"))
+            stall.check(lambda: self._explain(hub), lambda line: self.say(f"[yellow]{escape(line)}[/]"),
+                        lambda: self._compiling(hub))
+
+    def _compiling(self, hub: int) -> bool:
+        """Whether trainers hold `hub` back in a step that compiles (their first of a batch shape, which
+        takes as long as compiling does); which ones is said once."""
+        compiling = sorted(lag.process for lag in self.flotilla.laggards() if lag.hub == hub and lag.compiling)
+        what = f"trainer {', '.join(compiling)} compiling (trainer.compile)"
+        if compiling and self.told.get(hub) != what:
+            self.told[hub] = what
+            self.say(f"[yellow]waiting[/] hub {hub} (node {self.flotilla.plan.hubs[hub].node}): {escape(what)}")
+        return bool(compiling)
 
     def _explain(self, hub: int) -> str:
         where = f"flotilla {self.flotilla.id}: hub {hub} (node {self.flotilla.plan.hubs[hub].node})"

@@ -39,10 +39,15 @@ class Stall:
     def moved(self) -> None:
         self.since, self.warned = self.clock(), False
 
-    def check(self, what: Callable[[], str], say: Callable[[str], None]) -> None:
+    def check(self, what: Callable[[], str], say: Callable[[str], None],
+              busy: Callable[[], bool] = lambda: False) -> None:
         """`what()` (what is awaited, and the likely fix) is said once after warn_s, raised as HangError
-        after stall_s."""
+        after stall_s. `busy()`, asked after warn_s, says whether the wait is for work known to take
+        long (compiling): while it is, the wait counts as progress."""
         idle = self.clock() - self.since
+        if idle >= self.patience.warn_s and busy():
+            self.moved()
+            return
         if idle >= self.patience.stall_s:
             raise HangError(f"{what()} (nothing moved for {idle:.0f} s: timeouts.stall_s="
                             f"{self.patience.stall_s:g}; raise it if this wait is legitimately that long)")

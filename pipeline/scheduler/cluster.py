@@ -68,7 +68,8 @@ class Cluster:
 
 @dataclass
 class RateTable:
-    """Training rate (images/s) of each group on 1, 2, ..., k slots.
+    """Training rate (images/s) of each group on 1, 2, ..., k slots, and its start: the seconds its
+    trainers take before they step at that rate (compiling, graph capture), paid whenever it starts.
 
     A rate of 0 marks a slot count the group cannot run on (e.g. it does not
     fit in one slot's memory). Rates beyond the slots of one node are ignored:
@@ -76,14 +77,21 @@ class RateTable:
     """
 
     rates: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    starts: dict[str, float] = field(default_factory=dict)  # seconds; a group absent starts at once
 
-    def add(self, group: str, rates: tuple[float, ...] | list[float]) -> None:
+    def add(self, group: str, rates: tuple[float, ...] | list[float], start_s: float = 0.0) -> None:
         rates = tuple(float(r) for r in rates)
         if not rates or any(r < 0 for r in rates) or max(rates) == 0:
             raise ValueError(
                 f"rate table entry of group {group!r} must list its images/s on 1, 2, ... slots with at least "
                 f"one positive rate, got {rates}")
+        if not start_s >= 0:
+            raise ValueError(f"group {group!r}'s start must be seconds >= 0, got {start_s}")
         self.rates[group] = rates
+        self.starts[group] = float(start_s)
+
+    def start(self, group: str) -> float:
+        return self.starts.get(group, 0.0)
 
     def rate(self, group: str, slots: int) -> float:
         table = self.rates[group]

@@ -19,11 +19,13 @@ from pipeline.scheduler.topology import Streams, Topology
 
 @dataclass(frozen=True)
 class RatesMeasured:
-    """Images/s of `group` on 1, 2, ... slots. Planning starts once every group has one."""
+    """Images/s of `group` on 1, 2, ... slots, and the seconds it takes to start (RateTable). Planning
+    starts once every group has one."""
 
     time: float
     group: str
     rates: tuple[float, ...]
+    start_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ class FormFlotilla(Caused):
     and duplicated), and `why` says why this topology; `rate` is the planned
     images/s of its slowest stream: that stream's slowest member's measured
     rate, capped by the preprocessing and network the topology gives it
-    (`topology.stream_rate`), nan before rates are measured.
+    (`topology.stream_rate`), nan before rates are measured; `start_s` the
+    planned seconds before it flows, its members' longest start (RateTable).
     """
 
     flotilla: int
@@ -122,6 +125,7 @@ class FormFlotilla(Caused):
     topology: Topology
     streams: Streams
     why: str = ""
+    start_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 What "optimum" means here: the schedule is a sequence of rounds. Each round
 starts on an idle cluster with one flotilla (any subset of the unconverged
 groups, each on any slot count it can run on, placeable with every group
-inside one node), runs it under the shared execution rules (lockstep at the
+inside one node), flowing once its members have started (the longest
+`RateTable.start`), runs it under the shared execution rules (lockstep at the
 slowest active member's rate capped by the CPUs, converged members leave,
 stop once fewer than `min_active_fraction` of its slots are active, then
 `checkpoint_seconds` until the slots are back) and ends; the next round
@@ -32,7 +33,7 @@ def run_round(members: dict[str, int], epochs_left: dict[str, int], instance: In
     """Duration of one round of flotilla `members`, and the epochs left after it."""
     left = dict(epochs_left)
     active = dict(members)
-    total_slots, elapsed = sum(members.values()), 0.0
+    total_slots, elapsed = sum(members.values()), max(instance.table.start(m) for m in members)
     prep = instance.cluster.prep_rate_per_slot
     while True:
         rate = flotilla_rate(active, instance.table, prep)

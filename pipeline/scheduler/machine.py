@@ -115,6 +115,7 @@ class Scheduler:
                 "slots": {f"{slot.node}/{slot.index}": state for slot, state in self.slots.items()},
                 "next_flotilla": self.next_flotilla, "now": self.now, "rng": self.rng.getstate(),
                 "rates": {name: list(rates) for name, rates in self.table.rates.items()},
+                "starts": self.table.starts,
                 "prep_seconds_per_image": self.cluster.prep_seconds_per_image}
 
     def restore(self, saved: dict) -> list[Decision]:
@@ -133,7 +134,7 @@ class Scheduler:
         version, internal, gauss = saved["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         for name, rates in saved["rates"].items():
-            self.table.add(name, tuple(rates))
+            self.table.add(name, tuple(rates), saved["starts"][name])
         self.cluster = replace(self.cluster, prep_seconds_per_image=saved.get("prep_seconds_per_image", 0.0))
         decisions: list[Decision] = []
         for fid, flotilla in sorted(self.flotillas.items()):
@@ -181,7 +182,7 @@ class Scheduler:
 
     def _rates_measured(self, event: RatesMeasured) -> list[Decision]:
         self._group(event.group)
-        self.table.add(event.group, event.rates)
+        self.table.add(event.group, event.rates, event.start_s)
         self.table.check_fits(self.cluster)
         return []
 
@@ -336,7 +337,8 @@ class Scheduler:
 
     def _form(self, flotilla_id: int, members: dict[str, tuple[Slot, ...]]) -> FormFlotilla:
         """The decision that forms a flotilla of `members` (group -> its slots, in plan order): its
-        topology and streams chosen from the cluster model, and its planned rate (its slowest stream's)."""
+        topology and streams chosen from the cluster model, its planned rate (its slowest stream's) and
+        start (its slowest member's)."""
         nodes = {m: tuple(slot.node for slot in slots) for m, slots in members.items()}
         topology, why = choose_topology(nodes, self.table, self.cluster, self.topology)
         measured = all(m in self.table.rates for m in members)
@@ -345,7 +347,7 @@ class Scheduler:
         rate = min(stream_rate(stream, nodes, topology, self.table, self.cluster)
                    for stream in streams) if measured else float("nan")
         return FormFlotilla(flotilla_id, {m: len(slots) for m, slots in members.items()}, rate, topology,
-                            streams, why)
+                            streams, why, max(self.table.start(m) for m in members))
 
     def _plan(self) -> list[Decision]:
         """Form flotillas on the free slots when the policy wants them: never

@@ -154,7 +154,7 @@ class FleetE:
         """`table` with every group on its plateau limited to its smallest runnable slot count."""
         if not self.phase_threshold:
             return table
-        limited = RateTable(dict(table.rates))
+        limited = RateTable(dict(table.rates), dict(table.starts))
         for group, drop in loss_drops.items():
             if drop is not None and drop < self.phase_threshold and group in table.rates:
                 rates = table.rates[group]

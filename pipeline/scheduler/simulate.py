@@ -7,6 +7,9 @@ of one stream, without joins):
   for multi_broadcast and duplicated), each in lockstep at its rate: its
   slowest active member's measured rate, capped by the preprocessing and the
   network its topology gives it (`topology.stream_rate`);
+* a stream flows once its members have started: the longest start
+  (`RateTable.start`: compiling, graph capture) of its members after the
+  flotilla forms, their slots held meanwhile;
 * a model converges at the end of its `epochs[model]`-th epoch, or, with a
   `time_limit_seconds` (the FLEET paper's 240 minutes per model), at the end
   of the epoch in which its training time reaches the limit;
@@ -67,7 +70,7 @@ class _Stream:
     joining: dict[str, tuple[Slot, ...]] = field(default_factory=dict)  # from its next epoch boundary
     progress: float = 0.0  # images of the current epoch already consumed
     rate: float = 0.0
-    since: float = 0.0  # when progress was last brought up to date
+    since: float = 0.0  # when progress was last brought up to date, or (later than now) when it starts to flow
     version: int = 0  # bumps on every rate change; older epoch-end events are stale
 
 
@@ -87,7 +90,7 @@ class _Simulation:
 
     def run(self) -> SimResult:
         for model, rates in self.instance.table.rates.items():
-            self.send(RatesMeasured(0.0, model, rates))
+            self.send(RatesMeasured(0.0, model, rates, self.instance.table.start(model)))
         while self.queue:
             self.now, _, kind, payload = heapq.heappop(self.queue)
             if kind == "free":
@@ -115,7 +118,8 @@ class _Simulation:
         """Carry out one decision; return the stream whose rate may change."""
         if isinstance(decision, FormFlotilla):
             for index, names in enumerate(decision.streams):
-                self.streams[decision.flotilla, index] = _Stream(decision.topology, since=self.now)
+                starts = max(self.instance.table.start(name) for name in names)
+                self.streams[decision.flotilla, index] = _Stream(decision.topology, since=self.now + starts)
                 self.stream_of.update({name: (decision.flotilla, index) for name in names})
         elif isinstance(decision, Start):
             self.streams[self.stream_of[decision.group]].members[decision.group] = self.gantt.assigned[decision.group]
@@ -144,8 +148,8 @@ class _Simulation:
         return None  # Checkpoint: its cost is modelled by the delay before slots come back
 
     def settle(self, stream: _Stream) -> None:
-        stream.progress += stream.rate * (self.now - stream.since)
-        stream.since = self.now
+        stream.progress += stream.rate * max(0.0, self.now - stream.since)
+        stream.since = max(stream.since, self.now)
 
     def reschedule(self, key: tuple[int, int]) -> None:
         stream = self.streams.get(key)
@@ -157,7 +161,7 @@ class _Simulation:
                                   self.instance.cluster)
         stream.version += 1
         left = max(self.instance.images_per_epoch - stream.progress, 0.0)
-        self.push(self.now + left / stream.rate, "epoch", (key, stream.version))
+        self.push(stream.since + left / stream.rate, "epoch", (key, stream.version))
 
     def end_epoch(self, key: tuple[int, int], version: int) -> None:
         stream = self.streams.get(key)

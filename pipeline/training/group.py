@@ -9,13 +9,16 @@ HFTA's operator fusion for the built-in families it covers
 (pipeline/training/stacked.py). Every member keeps its own
 hyper-parameters, schedule, checkpoint and convergence, and can leave the
 group alone. Trainers, rate measurement, profile mode and the benchmark all
-step groups through `GroupStep`, so what is measured is what trains.
+step groups through `GroupStep`, so what is measured is what trains. With
+trainer.compile each unit's forward (and so its backward) is compiled by
+torch.compile (inductor) on its first step of each batch shape and mode.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
 import functools
+import time
 import warnings
 from dataclasses import dataclass, replace
 
@@ -109,14 +112,16 @@ class GroupSpec:
 
 class StepInHand:
     """Where a training process is, in memory its parent reads while it runs: the step it has begun (of
-    which epoch, for a trainer) and which members are inside theirs. A child that hangs, in a native
-    kernel or a collective, cannot say where it is; its parent can, from this."""
+    which epoch, for a trainer), which members are inside theirs, and whether that step compiles them
+    (trainer.compile: it takes as long as compiling does). A child that hangs, in a native kernel or a
+    collective, cannot say where it is; its parent can, from this."""
 
     def __init__(self, context, group: GroupSpec, steps: int):
         self.steps = steps  # of an epoch (a trainer), or of the whole run (a measuring rank)
         self.index = {m.name: i for i, m in enumerate(group.members)}
         self._epoch_step = context.Array("q", [-1, -1], lock=False)  # (epoch, step in it); -1: none
         self._in_step = context.Array("b", len(self.index), lock=False)  # per member: inside its step
+        self._compiling = context.Value("b", 0, lock=False)
 
     def begin(self, step: int, epoch: int = -1) -> None:
         self._epoch_step[:] = [epoch, step]
@@ -132,14 +137,28 @@ class StepInHand:
             for name in names:
                 self._in_step[self.index[name]] = 0
 
+    @contextlib.contextmanager
+    def compiling(self):
+        """Marks the block as a step that compiles."""
+        self._compiling.value = 1
+        try:
+            yield
+        finally:
+            self._compiling.value = 0
+
+    @property
+    def is_compiling(self) -> bool:
+        return bool(self._compiling.value)
+
     def describe(self) -> str:
-        """E.g. "at step 5 of 40 of epoch 2, in the step of a, b"."""
+        """E.g. "at step 5 of 40 of epoch 2, in the step of a, b" (", compiling" added while it does)."""
         epoch, step = self._epoch_step[:]
         if step < 0:
             return "before its first step"
         where = f"at step {step + 1} of {self.steps}" + (f" of epoch {epoch + 1}" if epoch >= 0 else "")
         inside = [name for name, i in self.index.items() if self._in_step[i]]
-        return where + (f", in the step of {', '.join(inside)}" if inside else ", between members' steps")
+        where += f", in the step of {', '.join(inside)}" if inside else ", between members' steps"
+        return where + (", compiling (trainer.compile)" if self.is_compiling else "")
 
 
 def training_memory_format(device):
@@ -160,6 +179,19 @@ def _statistics(device):
     import torch
 
     return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
+
+
+def compile_options(device) -> dict:
+    """torch.compile's settings for a unit's forward on `device`: one graph per batch shape (a stream has
+    at most two, an epoch's last batch being the other), never a dynamic one. On CPU inductor keeps the
+    layout it is given: its own choice, channels-last convolutions, meets oneDNN's channels-last
+    convolution backward (see `training_memory_format`), which corrupted the heap in a compiled
+    resnet(depth=10, width=8) at 32 px on batches of 3, 5, 7 and 9 images with 2 threads (torch 2.13 on an
+    AVX-512 Xeon; with oneDNN held to AVX2 it ran)."""
+    import torch
+
+    options = {} if torch.device(device).type == "cuda" else {"layout_optimization": False}
+    return {"dynamic": False, "options": options}
 
 
 def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s: float, name: str):
@@ -203,6 +235,9 @@ class _Solo(_OneOptimizer):
                 group["lr"] = torch.tensor(float(group["lr"]), device=device)
         self.schedule = build_schedule(model, self.optimizer, total_steps)
         self.loss = _loss_on(model, device)
+
+    def compile(self, options: dict) -> None:
+        self.module.compile(**options)  # in place: DDP, its state dict and checkpoints see the same module
 
     def losses(self, x, y):
         self.net.train()
@@ -271,6 +306,11 @@ class _Array(_OneOptimizer):
         self.module = self.net = self.array.module
         self.optimizer = self.array.optimizer
         self.schedule = build_schedule(models[0], self.optimizer, total_steps)  # on the array's rate scale
+        self.compiled_with = None  # torch.compile's options, once compiled: a new module is compiled too
+
+    def compile(self, options: dict) -> None:
+        self.compiled_with = options
+        self.module.compile(**options)
 
     def losses(self, x, y):
         self.net.train()
@@ -305,6 +345,8 @@ class _Array(_OneOptimizer):
         self.array.drop(index)
         self.module = self.net = self.array.module
         self.names = self.names[:index] + self.names[index + 1:]
+        if self.compiled_with is not None:
+            self.module.compile(**self.compiled_with)
 
 
 class _Stacked:
@@ -320,6 +362,9 @@ class _Stacked:
         self.array = StackedArray(nets, _loss_on(models[0], device))  # one family: one loss
         self.optimizers = [build_optimizer(m, net.parameters()) for m, net in zip(models, nets)]
         self.schedules = [build_schedule(m, optimizer, total_steps) for m, optimizer in zip(models, self.optimizers)]
+
+    def compile(self, options: dict) -> None:
+        self.array.compile(options)
 
     def losses(self, x, y):
         return self.array.losses(x, y)
@@ -354,12 +399,15 @@ class GroupStep:
     `in_hand`, where given, is told which members are inside their step. With `cuda_graphs`, each unit's
     step and validation forward on a GPU are captured once per batch shape and replayed
     (pipeline/training/graphs.py), except under DDP and fp16 (the gradient scaler reads its overflow check
-    on the host).
+    on the host). With `compile`, each unit's forward is compiled (`compile_options`) where it first
+    runs on a batch shape, in training or validation; `compile_s` adds up the seconds of those first
+    steps (compiling, a step's own time besides: on a GPU, its launches).
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int, *,
                  precision: Precision = Precision.fp32, world: int = 1, threads: int = 1,
-                 memory_format=None, in_hand: StepInHand | None = None, cuda_graphs: bool = False):
+                 memory_format=None, in_hand: StepInHand | None = None, cuda_graphs: bool = False,
+                 compile: bool = False):
         import torch
 
         self.torch, self.group, self.device, self.threads = torch, group, torch.device(device), threads
@@ -379,6 +427,17 @@ class GroupStep:
                 self.units.append(_Stacked(unit, nets, self.device, total_steps))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
+        self.compiles, self.compile_s = compile, 0.0
+        self.compiled: set[tuple] = set()  # (split, batch shapes) its units have compiled for
+        if compile:
+            import torch._dynamo
+
+            # Members of one class share their forward's code, and dynamo compiles that code once per
+            # architecture, batch shape and mode (train, eval) before it falls back to eager: room for all.
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, 4 * len(group.members))
+            for unit in self.units:
+                unit.compile(compile_options(self.device))
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
         self.static_inputs = StaticInputs() if self.graphs else None  # the training steps'
         self.val_inputs = StaticInputs() if self.graphs else None  # validation's
@@ -442,10 +501,25 @@ class GroupStep:
 
     def train(self, batches: dict[str, tuple]) -> dict[str, object]:
         """One step of every member on its sink's (x, y); each member's loss, a 0-d tensor on the device."""
-        staged = stage(self.static_inputs, batches)
-        step = lambda unit: self._train_unit(unit, *staged[unit.input])
-        stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
-        return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
+        with self._compiling("train", batches):
+            staged = stage(self.static_inputs, batches)
+            step = lambda unit: self._train_unit(unit, *staged[unit.input])
+            stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
+            return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
+
+    @contextlib.contextmanager
+    def _compiling(self, split: str, batches: dict[str, tuple]):
+        """Times the block into `compile_s` when it is this group's first `split` step on these batch
+        shapes, which compiles them."""
+        kind = (split, tuple((sink, tuple(batch[0].shape)) for sink, batch in sorted(batches.items())))
+        if not self.compiles or kind in self.compiled:
+            yield
+            return
+        started = time.perf_counter()
+        with self.in_hand.compiling() if self.in_hand else contextlib.nullcontext():
+            yield
+        self.compile_s += time.perf_counter() - started
+        self.compiled.add(kind)
 
     def _train_unit(self, unit, x, y, static: bool) -> tuple:
         with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():
@@ -468,13 +542,15 @@ class GroupStep:
 
     def predict(self, inputs: dict[str, object]) -> dict[str, object]:
         """Each member's softmax on its sink's x, [N, classes] on the device."""
-        staged = stage(self.val_inputs, {sink: (x,) for sink, x in inputs.items()})
-        probs = {}
-        for unit in self.units:
-            x, static = staged[unit.input]
-            unit_probs = unit.val_graph(x) if static and unit.val_graph else self._probabilities(unit, x)
-            probs.update(zip(unit.names, unit_probs))
-        return probs
+        batches = {sink: (x,) for sink, x in inputs.items()}
+        with self._compiling("validate", batches):
+            staged = stage(self.val_inputs, batches)
+            probs = {}
+            for unit in self.units:
+                x, static = staged[unit.input]
+                unit_probs = unit.val_graph(x) if static and unit.val_graph else self._probabilities(unit, x)
+                probs.update(zip(unit.names, unit_probs))
+            return probs
 
     def _probabilities(self, unit, x):
         """The unit's eager forward (what a validation graph captures): its members' softmax on x."""
@@ -513,7 +589,8 @@ class GroupStep:
             self.units.remove(unit)
             self._plan_lanes()
         else:
-            unit.drop(index)
+            unit.drop(index)  # (a compiled unit compiles anew: its shapes change)
             self._new_graph(unit)  # a new module
+            self.compiled.clear()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()  # its memory back to the device, for whoever needs it

@@ -100,7 +100,7 @@ def _try(m: ModelSpec, how: Measurement, *, to_parent, from_parent) -> None:
         device = torch.device(how.devices[0])
         torch.cuda.set_device(device)
         step = GroupStep(GroupSpec(m.name, (m,)), how.num_classes, how.image_sizes, device, 100,
-                         precision=how.precision, cuda_graphs=how.cuda_graphs)
+                         precision=how.precision, cuda_graphs=how.cuda_graphs, compile=how.compile)
         side = how.image_sizes[m.input]
         random = np.random.default_rng(0)
         images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)

@@ -13,7 +13,10 @@ step. The batches are synthetic and already in memory, so a measurement
 times training, never input. Rate = images per batch / median step time,
 where a step's time is that of its slowest rank (the allreduce makes every
 rank wait for it); the median ignores the odd step stalled by the OS or a
-collective's first use.
+collective's first use. What the warm-up steps took beyond that pace is the
+group's start: the seconds its trainers spend compiling (trainer.compile)
+and capturing graphs before they step at their rate, which plans count once
+per flotilla a group starts in.
 
 Where the ranks run is the measurement's `RateHost` (`Measurement.where`):
 by default this process, on its own devices; on real hosts the driver passes
@@ -24,7 +27,7 @@ measured).
 
 The cache is a JSON file of entries keyed by what decides the rate: the
 members' modules (their model configs) and optimisers, whether they fuse, the
-classes, image sizes, batch size, precision and the hardware of the host
+classes, image sizes, batch size, precision, CUDA graphs, compilation and the hardware of the host
 that measures (device kind and name, cores, threads per trainer, torch
 version: described there). Learning rates, seeds and names do not change the speed
 and are left out, so a sweep is measured once. Each entry also records who
@@ -57,10 +60,11 @@ from pipeline.training.members import array_fusion, canonical
 
 @dataclass(frozen=True)
 class StepTimes:
-    """A measuring rank's report: its timed steps' durations."""
+    """A measuring rank's report: its steps' durations."""
 
     rank: int
-    seconds: list[float]
+    warmup: list[float]  # untimed ones (compiling, graph capture: the group's start)
+    seconds: list[float]  # timed ones
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Measurement:
     threads: int  # torch threads per trainer process
     precision: Precision = Precision.fp32
     cuda_graphs: bool = False  # as the trainers will step (trainer.cuda_graphs)
+    compile: bool = False  # ... and trainer.compile
     report_s: float = 600.0  # a rank silent this long is taken as hung (timeouts.report_s)
     where: RateHost | None = None  # the host whose devices are measured (None: this process's); never sent on
 
@@ -100,10 +105,19 @@ class MeasuredBy:
 
 
 @dataclass(frozen=True)
-class Measured:
-    """A host's answer to a measurement: images/s of the group on each slot count asked."""
+class Pace:
+    """A group's measured training on some slots: its rate, and its start (what its warm-up steps took
+    beyond that rate: compiling, graph capture)."""
 
-    images_per_s: dict[int, float]
+    images_per_s: float
+    start_s: float
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A host's answer to a measurement: the group's pace on each slot count asked."""
+
+    paces: dict[int, Pace]
     by: MeasuredBy
 
 
@@ -143,18 +157,21 @@ class Here:
 
 
 def measure_rates(group: GroupSpec, slot_counts: list[int], how: Measurement,
-                  abandon: threading.Event | None = None) -> dict[int, float]:
-    """Images/s of `group` trained on each of `slot_counts` slots, on this process's devices. When
+                  abandon: threading.Event | None = None) -> dict[int, Pace]:
+    """The pace of `group` trained on each of `slot_counts` slots, on this process's devices. When
     `abandon` is set (an agent's driver is gone), a measurement under way stops and its ranks are killed."""
     _check_request(group, slot_counts, how)
-    return {slots: _images_per_s(how.batch_size, _step_seconds(group, how.devices[:slots], how, abandon))
+    return {slots: pace(how.batch_size, _step_seconds(group, how.devices[:slots], how, abandon))
             for slots in slot_counts}
 
 
-def _images_per_s(batch_size: int, step_seconds: list[list[float]]) -> float:
-    """A run's rate from its ranks' timed steps (`step_seconds[rank][step]`, seconds): the whole batch over
-    the median step, a step taking as long as its slowest rank."""
-    return batch_size / statistics.median(max(ranks) for ranks in zip(*step_seconds))
+def pace(batch_size: int, reports: list[StepTimes]) -> Pace:
+    """A run's pace from its ranks' reports, a step taking as long as its slowest rank: the whole batch over
+    the median timed step, and the warm-up's seconds beyond as many steps at that median (none below 0)."""
+    slowest = lambda steps: [max(ranks) for ranks in zip(*steps)]
+    median = statistics.median(slowest([r.seconds for r in reports]))
+    warmup = slowest([r.warmup for r in reports])
+    return Pace(batch_size / median, max(0.0, sum(warmup) - len(warmup) * median))
 
 
 def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement, cache_path: Path,
@@ -176,10 +193,12 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
         missing = [k for k in counts if str(k) not in entry["images_per_s"]]
         if missing:
             measured = where.measure(group, missing, how)
-            entry["images_per_s"].update({str(k): rate for k, rate in measured.images_per_s.items()})
+            entry["images_per_s"].update({str(k): p.images_per_s for k, p in measured.paces.items()})
+            entry.setdefault("start_s", {}).update({str(k): p.start_s for k, p in measured.paces.items()})
             entry.setdefault("measured_by", {}).update({str(k): asdict(measured.by) for k in missing})
             write_cache(Path(cache_path), cache)  # after each group: an interrupted measurement keeps its work
-        table.add(group.name, [entry["images_per_s"][str(k)] for k in counts])
+        # its start on the most slots it was measured on: it starts on fewer, if anything, as fast
+        table.add(group.name, [entry["images_per_s"][str(k)] for k in counts], entry["start_s"][str(counts[-1])])
         if measured_by is not None:
             by = entry.get("measured_by", {})
             measured_by[group.name] = {str(k): by[str(k)] for k in counts if str(k) in by}
@@ -200,7 +219,7 @@ def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
     arrays = sorted([len(unit), array_fusion(unit)] for unit in group.units() if len(unit) > 1)
     return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
             "batch_size": how.batch_size, "precision": str(how.precision),
-            "cuda_graphs": how.cuda_graphs, **hardware}
+            "cuda_graphs": how.cuda_graphs, "compile": how.compile, **hardware}
 
 
 def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dict:
@@ -216,9 +235,9 @@ def describe_hardware(device_kind: str, devices: list[str], threads: int) -> dic
 
 
 def format_table(table: RateTable) -> str:
-    """Group x slots: images/s, and the speedup over 1 slot."""
+    """Group x slots: images/s, and the speedup over 1 slot; then each group's start (seconds)."""
     most_slots = max((len(rates) for rates in table.rates.values()), default=0)
-    header = ["group"] + [f"{k} slot{'s' if k > 1 else ''}" for k in range(1, most_slots + 1)]
+    header = ["group"] + [f"{k} slot{'s' if k > 1 else ''}" for k in range(1, most_slots + 1)] + ["start s"]
     rows = [header]
     for model in table.rates:
         one_slot = table.rate(model, 1)
@@ -231,15 +250,17 @@ def format_table(table: RateTable) -> str:
                 cells.append(f"{rate:.1f}")
             else:
                 cells.append(f"{rate:.1f} ({rate / one_slot:.2f}x)")
-        rows.append(cells)
+        rows.append([*cells, f"{table.start(model):.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
-    return "\n".join(["training images/s on k slots (speedup vs 1 slot)", *lines])
+    return "\n".join(["training images/s on k slots (speedup vs 1 slot), and seconds before the first step at that "
+                      "rate (compiling, graph capture)", *lines])
 
 
 def save_table(table: RateTable, path: Path) -> None:
-    write_whole(Path(path), json.dumps({model: {str(k): rate for k, rate in enumerate(rates, 1)}
+    write_whole(Path(path), json.dumps({model: {**{str(k): rate for k, rate in enumerate(rates, 1)},
+                                                 "start_s": table.start(model)}
                                         for model, rates in table.rates.items()}, indent=1))
 
 
@@ -283,8 +304,8 @@ def _check_gpus(devices: list[str]) -> None:
 
 
 def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
-                  abandon: threading.Event | None) -> list[list[float]]:
-    """Each rank's timed steps' durations (seconds), in the order the ranks report."""
+                  abandon: threading.Event | None) -> list[StepTimes]:
+    """Each rank's steps' durations (seconds), in the order the ranks report."""
     rendezvous = LocalRendezvous()
     init_method = rendezvous.next()  # one group: every rank meets through the same file
     context = children_context()
@@ -303,9 +324,9 @@ def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
 
 
 def _rank_reports(ranks: list[Child], in_hand: list[StepInHand], group: GroupSpec, how: Measurement,
-                  abandon: threading.Event | None) -> list[list[float]]:
-    """Each rank's reported step durations, in the order they come; a rank that fails, dies or hangs
-    fails the measurement, named."""
+                  abandon: threading.Event | None) -> list[StepTimes]:
+    """Each rank's report, in the order they come; a rank that fails, dies or hangs fails the
+    measurement, named."""
     slots, deadline, reported = len(ranks), time.monotonic() + how.report_s, []
     while True:
         # Looked at before reading: a rank that has ended has said all it will.
@@ -315,7 +336,7 @@ def _rank_reports(ranks: list[Child], in_hand: list[StepInHand], group: GroupSpe
             if isinstance(report, RankFailed):
                 raise RuntimeError(f"measuring {group.name} on {slots} slot(s) failed in rank {report.rank}:\n"
                                    f"{report.traceback}")
-            reported.append(report.seconds)
+            reported.append(report)
         if len(reported) == slots:
             return reported
         if abandon is not None and abandon.is_set():
@@ -348,7 +369,7 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
         step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps,
                          precision=how.precision, world=world, threads=how.threads, in_hand=in_hand,
-                         cuda_graphs=how.cuda_graphs)
+                         cuda_graphs=how.cuda_graphs, compile=how.compile)
         warmup = how.warmup + step.steps_before_replay  # a trainer captures its graphs once a run
         random, rows = np.random.default_rng(rank), rank_rows(rank, world)  # its share, as a trainer takes it
         batches = {}
@@ -357,18 +378,17 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)[rows]
             labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rows].copy())
             batches[sink] = (images, labels)
-        step_seconds = []
+        step_seconds = []  # warm-up's, then the timed ones
         for number in range(warmup + how.steps):
             in_hand.begin(number)
             _synchronize(torch, device)
             started = time.perf_counter()
             step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
             _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
-            if number >= warmup:
-                step_seconds.append(time.perf_counter() - started)
+            step_seconds.append(time.perf_counter() - started)
         # Report first: tearing down a gloo group can hang once the peer has
         # exited, and the parent kills what has not ended soon after the reports.
-        to_parent.send(StepTimes(rank, step_seconds))
+        to_parent.send(StepTimes(rank, step_seconds[:warmup], step_seconds[warmup:]))
         if world > 1:
             dist.destroy_process_group()
     except BaseException:

@@ -23,6 +23,7 @@ class TrainReport:
     spans: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of the group's steps,
     # time.time(); sent with the first member's report only
     lr: float | None = None  # its learning rate as the epoch ended (its optimiser's first param group)
+    compile_s: float = 0.0  # of step_s, the group's steps that compiled (trainer.compile): since the last report
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,12 @@ class StackedArray:
         self._base.eval()
         return self._member_logits(self.params, self.buffers, x)
 
+    def compile(self, options: dict) -> None:
+        """The vmapped forward and loss compiled by torch.compile with `options` (a member leaving changes
+        the stacked tensors' shapes, and so compiles them anew on the next step)."""
+        self._member_losses = torch.compile(self._member_losses, **options)
+        self._member_logits = torch.compile(self._member_logits, **options)
+
     def drop(self, i: int) -> None:
         """Member i leaves: the others are stacked anew (their weights and statistics unchanged, their
         parameters the same objects, so their optimisers carry on), and nothing holds member i's memory."""

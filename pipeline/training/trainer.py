@@ -50,6 +50,7 @@ class TrainingSetup:
     threads: int
     precision: Precision
     cuda_graphs: bool  # each step a replayed CUDA graph, where GroupStep can
+    compile: bool  # each unit's forward compiled by torch.compile (trainer.compile)
     checkpoint_dir: Path
     record_checksums: bool
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
@@ -218,7 +219,7 @@ class Trainer:
                               setup.epochs * setup.steps_per_epoch, precision=setup.precision, world=self.world,
                               threads=setup.threads,
                               in_hand=in_hand,  # where its steps are, for the driver if it hangs
-                              cuda_graphs=setup.cuda_graphs)
+                              cuda_graphs=setup.cuda_graphs, compile=setup.compile)
         self.models = {m.name: m for m in spec.group.members}
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
@@ -256,6 +257,7 @@ class Trainer:
         """Training counters, reported and cleared at the end of each epoch's training split."""
         self.loss_sums = {name: self.torch.zeros((), device=self.device) for name in self.members}
         self.seen, self.steps_begun, self.step_time, self.wait_time = 0, 0, 0.0, 0.0
+        self.step.compile_s = 0.0  # reported with each epoch's training, validation's in the next
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
 
     def _obey(self) -> None:
@@ -352,7 +354,8 @@ class Trainer:
             loss = float(self.loss_sums[name]) / max(self.seen, 1)
             self.reports.send(TrainReport(name, self.spec.rank, self.epoch, loss, self.seen, self.step_time,
                                           self.wait_time, self.spans if number == 0 else [],
-                                          lr=self.step.rate(name) if self.spec.rank == 0 else None))
+                                          lr=self.step.rate(name) if self.spec.rank == 0 else None,
+                                          compile_s=self.step.compile_s))
         self._reset_epoch()
 
     def _finish_validation(self) -> None:
