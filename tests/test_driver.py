@@ -249,7 +249,7 @@ def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_th
 def test_a_hub_held_back_by_a_compiling_trainer_waits_as_long_as_it_compiles_then_as_any_other():
     """SplitWatch (the flotilla's watchdog) on a stand-in flotilla and clock: a trainer that holds every
     buffer of its ring in a step that compiles (trainer.compile) keeps its hub from failing however long
-    it takes, and is named once; once it is done compiling, the same wait fails timeouts.stall_s after
+    it takes, and is named once (whatever rings it holds); once it is done compiling, the same wait fails timeouts.stall_s after
     it was last seen compiling, naming the trainer. A compile counted as a hang, or a compile that excuses the wait for ever, fails."""
     from pipeline.orchestration.agent import Laggard
     from pipeline.orchestration.watch import SplitWatch
@@ -257,8 +257,9 @@ def test_a_hub_held_back_by_a_compiling_trainer_waits_as_long_as_it_compiles_the
 
     now, compiling, said = [0.0], [True], []
     flotilla = SimpleNamespace(id=0, waiting={}, plan=SimpleNamespace(hubs=[SimpleNamespace(rank=0, node=0)]),
-                               laggards=lambda: [Laggard(0, "main", "trainer-g-0", 42, "running", 4,
-                                                         "at step 1 of 16 of epoch 1", compiling[0])])
+                               laggards=lambda: [Laggard(0, sink, "trainer-g-0", 42, "running", 4,  # a ring each
+                                                         "at step 1 of 16 of epoch 1", compiling[0])
+                                                 for sink in ("main", "alt")])
     watch = SplitWatch(flotilla, Patience(warn_s=60, stall_s=600), said.append)
     watch.stalls[0].clock = lambda: now[0]
     watch.stalls[0].moved()

@@ -42,7 +42,7 @@ class SplitWatch:
     def _compiling(self, hub: int) -> bool:
         """Whether trainers hold `hub` back in a step that compiles (their first of a batch shape, which
         takes as long as compiling does); which ones is said once."""
-        compiling = sorted(lag.process for lag in self.flotilla.laggards() if lag.hub == hub and lag.compiling)
+        compiling = sorted({lag.process for lag in self.flotilla.laggards() if lag.hub == hub and lag.compiling})
         what = f"trainer {', '.join(compiling)} compiling (trainer.compile)"
         if compiling and self.told.get(hub) != what:
             self.told[hub] = what
