@@ -304,7 +304,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         cluster = Cluster(nodes, len(slots) // nodes, min(threads_of_node.values()), probed or 0.0)
         scheduler = Scheduler([g.name for g in plan.groups], cluster, policy, seed=cfg.seed,
                               checkpoint_every=s.checkpoint_every, max_failures=s.max_failures, topology=cfg.topology,
-                              broadcast_streams=cfg.delivery.broadcast_streams)
+                              broadcast_streams=cfg.delivery.broadcast_streams, epochs=cfg.trainer.epochs,
+                              images_per_epoch=graph.source.num_items(Split.TRAIN))
         first = []  # a resumed run's come from driver.resume() below
         if not cfg.resume:
             first = scheduler.start(0.0) if plan.table is None else [

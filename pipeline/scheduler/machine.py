@@ -59,16 +59,20 @@ class Scheduler:
     need one). A group whose trainers
     fail more than `max_failures` times is given up (status "failed").
     A lost node's slots are out of its plans until the node returns.
+    `epochs` and `images_per_epoch`, where given, bound what a group has left
+    to train (it may converge sooner): an elastic policy weighs a restart's
+    gain on that against the group's start.
     """
 
     def __init__(self, groups: list[str], cluster: Cluster, policy: Policy, *, seed: int = 0,
                  checkpoint_every: int = 1, max_failures: int = 2, topology: Topology = Topology.auto,
-                 broadcast_streams: int = 2):
+                 broadcast_streams: int = 2, epochs: int | None = None, images_per_epoch: int | None = None):
         if len(set(groups)) != len(groups) or not groups:
             raise ValueError(f"groups must be a non-empty list of distinct names, got {groups}")
         self.cluster, self.policy = cluster, policy
         self.topology, self.broadcast_streams = topology, broadcast_streams  # config: fixed, or auto per flotilla
         self.checkpoint_every, self.max_failures = checkpoint_every, max_failures
+        self.epochs, self.images_per_epoch = epochs, images_per_epoch
         self.table = RateTable()
         self.groups = {m: GroupState() for m in groups}
         self.slots = {s: FREE for s in cluster.slots}
@@ -213,8 +217,11 @@ class Scheduler:
             return None
         free = [s for s, state in self.slots.items() if state == FREE]
         running = {m: slots for f in self.flotillas.values() for m, slots in f.members.items() if m in f.active}
-        slots = self.flotillas[self.groups[group].flotilla].members[group]
-        return self.policy.resize(group, slots, self._planning_table(), self.cluster, free, running)
+        state = self.groups[group]
+        slots = self.flotillas[state.flotilla].members[group]
+        left = None if self.epochs is None or self.images_per_epoch is None else \
+            max(self.epochs - state.epochs_done, 0) * self.images_per_epoch
+        return self.policy.resize(group, slots, self._planning_table(), self.cluster, free, running, left)
 
     def _planning_table(self) -> RateTable:
         """The rate table as the policy plans with it: an elastic policy may hold back the slot counts of

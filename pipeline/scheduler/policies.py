@@ -117,7 +117,9 @@ class FleetE:
     * A flotilla runs on as members leave (their slots are refilled); once no
       group waits, a running group that would train faster on the idle slots
       is restarted there from the checkpoint of the epoch it just finished
-      (`resize`), so the tail of the run uses the whole cluster.
+      (`resize`), so the tail of the run uses the whole cluster, if the time
+      it would save on the images it has left (at most) outweighs starting
+      again (its start: compiling, graph capture).
     * Training phases (Wei and Shudo), with `phase_threshold` > 0: a group
       whose training loss fell by less than that fraction in its last epoch
       is on its plateau. It is planned on its smallest slot count
@@ -163,12 +165,14 @@ class FleetE:
         return limited
 
     def resize(self, group: str, slots: tuple[Slot, ...], table: RateTable, cluster: Cluster,
-               free_slots: list[Slot], running: dict[str, tuple[Slot, ...]]) -> str | None:
+               free_slots: list[Slot], running: dict[str, tuple[Slot, ...]],
+               images_left: float | None = None) -> str | None:
         """Why `group`, running on `slots` while no group waits, should restart now, or None (`table` is
         the planning table, `by_phase`): "plateau", on fewer slots, if it holds more than `table` allows
         and another `running` group on its node could use them; "resized", on more, if its rate on the
         most slots it could get (the idle ones and its own, within one node) beats its rate now by
-        `min_gain`."""
+        `min_gain` and, where `images_left` (the most it has left to train) is known, the time that saves
+        on them is more than its start."""
         now, k, node = len(slots), cluster.slots_per_node, slots[0].node
         room = free_by_node(free_slots)
         if now not in table.slot_counts(group, k):
@@ -177,12 +181,17 @@ class FleetE:
                         for other, held in running.items() if other != group and held[0].node == node)
             return "plateau" if gains else None
         room[node] = room.get(node, 0) + now
-        return "resized" if self._gains(group, now, max(room.values()), table, k) else None
+        return "resized" if self._gains(group, now, max(room.values()), table, k, images_left) else None
 
-    def _gains(self, group: str, now: int, most: int, table: RateTable, slots_per_node: int) -> bool:
-        """Whether `group` on up to `most` slots beats its rate on `now` by `min_gain`."""
+    def _gains(self, group: str, now: int, most: int, table: RateTable, slots_per_node: int,
+               images_left: float | None = None) -> bool:
+        """Whether `group` on up to `most` slots beats its rate on `now` by `min_gain`, and saves more
+        than its start on `images_left` (if given)."""
         best = max((table.rate(group, g) for g in table.slot_counts(group, min(most, slots_per_node))), default=0.0)
-        return best > (1 + self.min_gain) * table.rate(group, now)
+        rate = table.rate(group, now)
+        if best <= (1 + self.min_gain) * rate:
+            return False
+        return images_left is None or images_left / rate - images_left / best > table.start(group)
 
 
 @dataclass

@@ -77,7 +77,9 @@ class _Stream:
 class _Simulation:
     def __init__(self, instance: Instance, policy: Policy, seed: int):
         self.instance = instance
-        self.scheduler = Scheduler(list(instance.epochs), instance.cluster, policy, seed=seed)
+        # It knows what a real run's does: the most epochs a model trains (not when each converges)
+        self.scheduler = Scheduler(list(instance.epochs), instance.cluster, policy, seed=seed,
+                                   epochs=max(instance.epochs.values()), images_per_epoch=instance.images_per_epoch)
         self.streams: dict[tuple[int, int], _Stream] = {}  # (flotilla, index) -> stream
         self.stream_of: dict[str, tuple[int, int]] = {}
         self.epochs_done: dict[str, int] = {}
