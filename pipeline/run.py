@@ -244,6 +244,7 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     if table is not None:
         console.print(format_table(table))
         measured["rates"] = {name: list(rates) for name, rates in table.rates.items()}
+        measured["rate_starts_s"] = table.starts
     if not cfg.resume:
         state_dir.mkdir(exist_ok=True)
         write_json(state_dir / "run.json", {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),

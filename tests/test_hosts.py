@@ -176,12 +176,15 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
     assert set(measured_by) == {"A", "B", "C"} and all(set(by) == {"1", "2"} for by in measured_by.values())
     assert {by["pid"] for rates in measured_by.values() for by in rates.values()} == {agents[0].pid}, measured_by
     saved = json.loads((folder / "rates.json").read_text())
+    starts = {name: rates.pop("start_s") for name, rates in saved.items()}
     assert set(saved) == {"A", "B", "C"} and all(rate > 0 for rates in saved.values() for rate in rates.values())
-    # ...and they are the agent's measurements, as its cache entries hold them (C has A's shape: A's entry)
-    cached = {rate for entry in json.loads((tmp_path / "rate_cache.json").read_text())
-              if {by["pid"] for by in entry["measured_by"].values()} == {agents[0].pid}
-              for rate in entry["images_per_s"].values()}
-    assert {rate for rates in saved.values() for rate in rates.values()} == cached
+    # ...and they are the agent's measurements, as its cache entries hold them (C has A's shape: A's entry),
+    # each group's start that of its most slots
+    entries = [entry for entry in json.loads((tmp_path / "rate_cache.json").read_text())
+               if {by["pid"] for by in entry["measured_by"].values()} == {agents[0].pid}]
+    assert {rate for rates in saved.values() for rate in rates.values()} == \
+        {rate for entry in entries for rate in entry["images_per_s"].values()}
+    assert set(starts.values()) == {entry["start_s"]["2"] for entry in entries}
     # What the killed driver had started at the agents goes with it.
     started = [c for agent in agents for c in psutil.Process(agent.pid).children(recursive=True)
                if c.name() in ("hub", "trainer", "rates")]
@@ -451,8 +454,8 @@ def _models_of_the_lost_node_resumed(log_path, folder, address, why, epochs) -> 
     """What the run in `folder` said and recorded when node 1 (its agent at `address`) was lost after every
     model's first epoch: one line naming node, address and `why`; the models there failed once, stopped, and
     resumed from their checkpoints; every model's `epochs` counted once. Returns the nodes they resumed on."""
-    out = log_path.read_text()
-    (line,) = [line for line in out.splitlines() if "node 1 lost" in line and "does not answer" in line]
+    out = " ".join(log_path.read_text().split())  # the console wraps at 80 columns, where the digits put it
+    (line,) = re.findall(r"node 1 lost: .*? does not answer.*?resume from their last checkpoints", out)
     assert address in line and why in line, line
     results = json.loads((folder / "results.json").read_text())
     placed = [(d["group"], int(re.search(r"node=(\d+)", d["slots"])[1]))
