@@ -160,6 +160,44 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
         torch.testing.assert_close(after[True][name], after[False][name], rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_and_graphed_steps_train_to_the_eager_weights():
+    """trainer.compile with CUDA graphs (each compiled step captured and replayed) against the eager group,
+    on the same batches: a fused array of two and a model alone, an epoch's odd-sized last batch twice, a
+    member leaving the array (compiled and captured again), then validation: the eager group's losses,
+    weights and probabilities within inductor's rounding. Written without a GPU at hand (2026-11-27): its
+    first run is the next device session's."""
+    import torch
+
+    from pipeline.training.group import GroupSpec, GroupStep
+    from tests.conftest import member
+
+    members = (member("a", lr=0.2), member("b", lr=0.05), member("c", width=16))
+    group = GroupSpec("g", members, array_size=2)
+    steps = {compiled: GroupStep(group, 4, {"main": 32}, "cuda", 20, cuda_graphs=compiled, compile=compiled)
+             for compiled in (False, True)}
+    random = torch.Generator().manual_seed(0)
+    for number in range(12):
+        rows = 10 if number in (5, 9) else 16
+        images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
+        labels = torch.randint(0, 4, (rows,), generator=random)
+        losses = {}
+        for compiled, step in steps.items():
+            if number == 7:
+                step.release("b")
+            losses[compiled] = step.train({"main": (step.normalise(images), labels.cuda())})
+        for name in losses[False]:
+            torch.testing.assert_close(losses[True][name], losses[False][name], rtol=1e-3, atol=1e-4)
+    assert steps[True].compile_s > 0
+    for name in ("a", "c"):
+        eager, compiled = steps[False].state(name), steps[True].state(name)
+        for key, tensor in eager["model"].items():
+            torch.testing.assert_close(compiled["model"][key], tensor, rtol=1e-3, atol=1e-4, msg=f"{name}.{key}")
+    images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=random)
+    probs = {compiled: step.predict({"main": step.normalise(images)}) for compiled, step in steps.items()}
+    for name in probs[False]:
+        torch.testing.assert_close(probs[True][name], probs[False][name], rtol=1e-3, atol=1e-4)
+
+
 def test_torchvision_resnet18_members_fuse_by_vmap_and_train_as_they_do_packed():
     """torchvision.models.resnet18 (a module nobody here wrote), three AdamW members with their own lrs, on the
     GPU in bf16: check_members finds it fusable, and a fused array of the three (vmap) and the three packed
