@@ -428,14 +428,8 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         console.print(f"[bold]{g.name}[/]: {len(g.members)} models {g.mode} on one slot: "
                       + ", ".join(m.name for m in g.members))
     table = None
-    if needs_rates:
-        table = RateTable()
-        for g in groups:
-            if len(g.members) == 1:
-                table.add(g.name, single_rates.rates[g.name], single_rates.start(g.name))
-        shared_rates = measure_rate_table(shared, max_slots, how, cache, measured_by)
-        for name, rates in shared_rates.rates.items():
-            table.add(name, rates, shared_rates.start(name))
+    if needs_rates:  # the groups of one are in the cache already: only the shared ones are measured now
+        table = measure_rate_table(groups, max_slots, how, cache, measured_by)
         save_table(table, output_dir / "rates.json")
         results["rates_measured_by"] = {name: measured_by[name] for name in table.rates}
     return groups, table

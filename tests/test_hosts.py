@@ -176,7 +176,8 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
     assert set(measured_by) == {"A", "B", "C"} and all(set(by) == {"1", "2"} for by in measured_by.values())
     assert {by["pid"] for rates in measured_by.values() for by in rates.values()} == {agents[0].pid}, measured_by
     saved = json.loads((folder / "rates.json").read_text())
-    starts = {name: rates.pop("start_s") for name, rates in saved.items()}
+    starts = {name: entry["start_s"] for name, entry in saved.items()}
+    saved = {name: entry["images_per_s"] for name, entry in saved.items()}
     assert set(saved) == {"A", "B", "C"} and all(rate > 0 for rates in saved.values() for rate in rates.values())
     # ...and they are the agent's measurements, as its cache entries hold them (C has A's shape: A's entry),
     # each group's start that of its most slots

@@ -244,8 +244,8 @@ def test_table_lists_every_model_and_slot_count_with_speedups(tmp_path):
         assert expected in text
     save_table(table, tmp_path / "out" / "rates.json")
     saved = json.loads((tmp_path / "out" / "rates.json").read_text())
-    assert saved == {"resnet10": {"1": 100, "2": 190, "3": 270, "start_s": 23.5},
-                     "densenet40": {"1": 40, "2": 75, "start_s": 0.0}}
+    assert saved == {"resnet10": {"images_per_s": {"1": 100, "2": 190, "3": 270}, "start_s": 23.5},
+                     "densenet40": {"images_per_s": {"1": 40, "2": 75}, "start_s": 0.0}}
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -731,7 +731,8 @@ class Driver:
                 self.run_ctx.recorder.planned(decision.flotilla, decision.rate, decision.start_s,
                                               self.scheduler.cluster.prep_seconds_per_image)
                 planned = f"; planned {decision.rate:.0f} img/s" if not math.isnan(decision.rate) else ""
-                planned += f" after a {decision.start_s:.1f} s start (compiling)" if decision.start_s >= 1 else ""
+                planned += f" after a {decision.start_s:.1f} s start (compiling, graph capture)" \
+                    if decision.start_s >= 1 else ""
                 self.console.print(f"[bold]flotilla {decision.flotilla}[/] formed: " + ", ".join(
                     f"{m} on {n} slot{'s' * (n > 1)}" for m, n in decision.members.items()) + planned)
             elif isinstance(decision, AssignSlots):

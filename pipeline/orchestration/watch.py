@@ -32,9 +32,7 @@ class SplitWatch:
     def check(self) -> None:
         """Says what is awaited, or raises HangError, for each hub without progress for too long."""
         for hub, what in self.flotilla.waiting.items():  # a hub's own words come as soon as it has them
-            if self.told.get(hub) != what:
-                self.told[hub] = what
-                self.say(f"[yellow]waiting[/] hub {hub} (node {self.flotilla.plan.hubs[hub].node}): {escape(what)}")
+            self._tell(hub, what)
         for hub, stall in self.stalls.items():
             stall.check(lambda: self._explain(hub), lambda line: self.say(f"[yellow]{escape(line)}[/]"),
                         lambda: self._compiling(hub))
@@ -43,11 +41,15 @@ class SplitWatch:
         """Whether trainers hold `hub` back in a step that compiles (their first of a batch shape, which
         takes as long as compiling does); which ones is said once."""
         compiling = sorted({lag.process for lag in self.flotilla.laggards() if lag.hub == hub and lag.compiling})
-        what = f"trainer {', '.join(compiling)} compiling (trainer.compile)"
-        if compiling and self.told.get(hub) != what:
+        if compiling:
+            self._tell(hub, f"trainer {', '.join(compiling)} compiling (trainer.compile)")
+        return bool(compiling)
+
+    def _tell(self, hub: int, what: str) -> None:
+        """Says what `hub` waits for, unless that is what it last said."""
+        if self.told.get(hub) != what:
             self.told[hub] = what
             self.say(f"[yellow]waiting[/] hub {hub} (node {self.flotilla.plan.hubs[hub].node}): {escape(what)}")
-        return bool(compiling)
 
     def _explain(self, hub: int) -> str:
         where = f"flotilla {self.flotilla.id}: hub {hub} (node {self.flotilla.plan.hubs[hub].node})"

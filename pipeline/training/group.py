@@ -507,19 +507,26 @@ class GroupStep:
             stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
             return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
 
-    @contextlib.contextmanager
     def _compiling(self, split: str, batches: dict[str, tuple]):
-        """Times the block into `compile_s` when it is this group's first `split` step on these batch
-        shapes, which compiles them."""
+        """What a step runs in: a timer into `compile_s` when it is this group's first `split` step on
+        these batch shapes, which compiles them; else nothing (every step without trainer.compile)."""
+        if not self.compiles:
+            return contextlib.nullcontext()
         kind = (split, tuple((sink, tuple(batch[0].shape)) for sink, batch in sorted(batches.items())))
-        if not self.compiles or kind in self.compiled:
-            yield
-            return
+        return contextlib.nullcontext() if kind in self.compiled else self._timed_compile(kind)
+
+    @contextlib.contextmanager
+    def _timed_compile(self, kind: tuple):
         started = time.perf_counter()
         with self.in_hand.compiling() if self.in_hand else contextlib.nullcontext():
             yield
         self.compile_s += time.perf_counter() - started
         self.compiled.add(kind)
+
+    def take_compile_s(self) -> float:
+        """The seconds its compiling steps took since the last call."""
+        taken, self.compile_s = self.compile_s, 0.0
+        return taken
 
     def _train_unit(self, unit, x, y, static: bool) -> tuple:
         with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():

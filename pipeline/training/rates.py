@@ -259,9 +259,10 @@ def format_table(table: RateTable) -> str:
 
 
 def save_table(table: RateTable, path: Path) -> None:
-    write_whole(Path(path), json.dumps({model: {**{str(k): rate for k, rate in enumerate(rates, 1)},
-                                                 "start_s": table.start(model)}
-                                        for model, rates in table.rates.items()}, indent=1))
+    """Per group, as a cache entry has them: images/s on each slot count, and its start."""
+    write_whole(Path(path), json.dumps({group: {"images_per_s": {str(k): rate for k, rate in enumerate(rates, 1)},
+                                                "start_s": table.start(group)}
+                                        for group, rates in table.rates.items()}, indent=1))
 
 
 def _check_request(group: GroupSpec, slot_counts: list[int], how: Measurement, devices_here: bool = True) -> None:

@@ -257,7 +257,6 @@ class Trainer:
         """Training counters, reported and cleared at the end of each epoch's training split."""
         self.loss_sums = {name: self.torch.zeros((), device=self.device) for name in self.members}
         self.seen, self.steps_begun, self.step_time, self.wait_time = 0, 0, 0.0, 0.0
-        self.step.compile_s = 0.0  # reported with each epoch's training, validation's in the next
         self.spans: list[tuple[float, float]] = []  # (start, end) of steps, time.time(), for the timeline
 
     def _obey(self) -> None:
@@ -350,12 +349,13 @@ class Trainer:
             self.val_probs[name].append(p)
 
     def _report_train(self) -> None:
+        compile_s = self.step.take_compile_s()  # this split's and the last validation's
         for number, name in enumerate(self.members):  # the group's step and wait times are every member's
             loss = float(self.loss_sums[name]) / max(self.seen, 1)
             self.reports.send(TrainReport(name, self.spec.rank, self.epoch, loss, self.seen, self.step_time,
                                           self.wait_time, self.spans if number == 0 else [],
                                           lr=self.step.rate(name) if self.spec.rank == 0 else None,
-                                          compile_s=self.step.compile_s))
+                                          compile_s=compile_s))
         self._reset_epoch()
 
     def _finish_validation(self) -> None:
