@@ -14,7 +14,8 @@ from pipeline.scheduler import RateTable
 from pipeline.training import rates as rate_measurement
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import (HostHardware, Measured, MeasuredBy, Measurement, Pace, RateError, StepTimes,
-                                     format_table, measure_rate_table, measure_rates, pace, save_table)
+                                     format_table, measure_rate_table, measure_rates, measure_side_by_side, pace,
+                                     save_table)
 from tests.conftest import member
 
 TINY = member("tiny")
@@ -90,8 +91,74 @@ def test_a_rank_reports_the_time_inside_each_timed_step(monkeypatch, before_repl
     # threads: this process's own count, which the rank sets
     rate_measurement._train_steps(alone(TINY), 0, ["cpu"], "", how(devices=["cpu"], steps=3, warmup=1,
                                                                    threads=torch.get_num_threads()),
-                                  InHand(), to_parent=SimpleNamespace(send=reports.append), from_parent=None)
+                                  InHand(), False, to_parent=SimpleNamespace(send=reports.append), from_parent=None)
     assert reports == [StepTimes(0, [100.5] + [50.5] * before_replay, [1.5, 2.5, 3.5])]
+
+
+class Parent:
+    """A measured process's end of its parent's pipe: it says stop after `polls` looks, and records them."""
+
+    def __init__(self, polls):
+        self.polls, self.looks = polls, []
+
+    def poll(self, timeout=0.0):
+        self.looks.append(timeout)
+        return timeout is None or len(self.looks) > self.polls
+
+
+@pytest.mark.parametrize("stop_after, steps_after_report", [(3, 3), (10_000, 4 * rate_measurement.BUSY_STEPS_FACTOR - 4)])
+def test_a_process_measured_side_by_side_reports_then_steps_on_until_told(monkeypatch, stop_after, steps_after_report):
+    """Side by side, a process reports its timed steps, then keeps training (its device stays shared for the
+    others still timing) until its parent says stop: 3 steps when told after 3 looks. Told never, it steps
+    at most BUSY_STEPS_FACTOR times its own steps, then waits for the word (poll without a timeout) rather
+    than end. Ending at its report, stepping before it, or stepping forever, fails."""
+    events = []
+
+    class Step:
+        steps_before_replay = 0
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def normalise(self, images):
+            return images
+
+        def train(self, batches):
+            events.append("step")
+
+    monkeypatch.setattr(rate_measurement, "GroupStep", Step)
+    monkeypatch.setattr(rate_measurement, "child_started", lambda role: None)
+    parent = Parent(stop_after)
+    rate_measurement._train_steps(alone(TINY), 0, ["cpu"], "", how(devices=["cpu"], steps=3, warmup=1), StepInHand(
+        children_context(), alone(TINY), 4), True, to_parent=SimpleNamespace(send=lambda r: events.append("report")),
+        from_parent=parent)
+    assert events == ["step"] * 4 + ["report"] + ["step"] * steps_after_report
+    assert parent.looks[-1] is None and all(t == 0.0 for t in parent.looks[:-1])
+
+
+@pytest.mark.slow
+def test_groups_side_by_side_are_measured_at_once_at_the_slowest_ones_rate_and_cached(monkeypatch, tmp_path):
+    """Two models in two processes on one CPU slot (sub-slots): each reports its own steps; the pace is the
+    slower one's rate and the longer start (a flotilla steps at its slowest member's pace). The cache entry
+    names both members whatever the order and the names, so a second call, the groups swapped and renamed,
+    starts no process. The faster one's rate, or an entry per order, fails."""
+    reported, side_by_side = [], rate_measurement._side_by_side_steps
+
+    def record(groups, how):
+        reported.append(side_by_side(groups, how))
+        return reported[-1]
+
+    monkeypatch.setattr(rate_measurement, "_side_by_side_steps", record)
+    cache, settings = tmp_path / "rates.json", how(devices=["cpu"], steps=3)
+    measured = measure_side_by_side([alone(TINY), alone(DENSE)], settings, cache)
+    [reports] = reported
+    assert sorted((len(r.warmup), len(r.seconds)) for r in reports) == [(1, 3), (1, 3)]
+    paces = [pace(16, [r]) for r in reports]
+    assert measured == Pace(min(p.images_per_s for p in paces), max(p.start_s for p in paces))
+    swapped = [alone(replace(DENSE, name="d2")), alone(replace(TINY, name="t2"))]
+    assert measure_side_by_side(swapped, settings, cache) == measured and len(reported) == 1
+    [entry] = json.loads(cache.read_text())
+    assert len(entry["key"]["side_by_side"]) == 2 and entry["images_per_s"] == {"2": measured.images_per_s}
 
 
 def measure_and_record(monkeypatch, slot_counts, **changes):
@@ -293,7 +360,7 @@ def test_a_model_without_image_size_or_a_corrupt_cache_is_a_clear_error(measured
 @pytest.mark.slow
 def test_a_failing_trainer_process_is_reported_with_its_traceback():
     bad_depth = replace(TINY, name="resnet11", model=TINY.model | {"depth": 11})
-    with pytest.raises(RuntimeError, match="(?s)measuring resnet11 on 1 slot.*resnet depth must be one of"):
+    with pytest.raises(RuntimeError, match=r"(?s)measuring resnet11 \(.*\) on 1 slot.*resnet depth must be one of"):
         measure_tiny(alone(bad_depth), slot_counts=[1])
 
 
@@ -314,7 +381,8 @@ def test_a_rank_that_dies_is_named_with_how_it_died_and_what_it_trained(signum, 
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet\(depth=10, width=8\)\)\) on 1 slot\(s\): "
                                            f"rates-tiny-0 {says}"):
         in_hand = StepInHand(children_context(), alone(TINY), how().steps)
-        rate_measurement._rank_reports([rank], [in_hand], alone(TINY), how(), None)
+        rate_measurement._rank_reports([rank], [in_hand], f"tiny ({alone(TINY).describe()}) on 1 slot(s)", how(),
+                                       None)
 
 
 @pytest.mark.slow

@@ -58,6 +58,11 @@ from pipeline.training.group import (MIN_ROWS, GroupSpec, GroupStep, Precision, 
 from pipeline.training.members import array_fusion, canonical
 
 
+# A process measured side by side steps on for the others at most this many times its timed steps
+# (then it waits, idle, for StopStepping): were the others slower still, they would be timed partly alone.
+BUSY_STEPS_FACTOR = 100
+
+
 @dataclass(frozen=True)
 class StepTimes:
     """A measuring rank's report: its steps' durations."""
@@ -65,6 +70,12 @@ class StepTimes:
     rank: int
     warmup: list[float]  # untimed ones (compiling, graph capture: the group's start)
     seconds: list[float]  # timed ones
+
+
+@dataclass(frozen=True)
+class StopStepping:
+    """To a process measured side by side, once every one has reported: it has kept the device busy
+    for the others until then, and now ends."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,29 @@ def measure_rate_table(groups: list[GroupSpec], max_slots: int, how: Measurement
     return table
 
 
+def measure_side_by_side(groups: list[GroupSpec], how: Measurement, cache_path: Path) -> Pace:
+    """The pace of `groups` trained side by side on one device (`how.devices[0]`), each in a process of its
+    own with `how.threads` threads: a device's sub-slots (trainer.slots_per_device). Each process steps on
+    until all have reported, so every timed step shares the device as a flotilla's would. The pace is the
+    slowest process's rate (a flotilla's members train on every image of its stream) and the longest start.
+    Cached as rates are, under every group's key; measured here, on this process's devices."""
+    hardware = describe_hardware(how.device_kind, how.devices[:1], how.threads)
+    for group in groups:
+        _check_request(group, [1], how)
+    cache = read_cache(Path(cache_path))
+    keys = sorted((cache_key(g, how, hardware) for g in groups), key=canonical)
+    entry = cache_entry(cache, {"side_by_side": [{k: key[k] for k in ("members", "fused_arrays")} for key in keys],
+                                **{k: v for k, v in keys[0].items() if k not in ("members", "fused_arrays")}})
+    processes = str(len(groups))
+    if processes not in entry["images_per_s"]:
+        paces = [pace(how.batch_size, [report]) for report in _side_by_side_steps(groups, how)]
+        entry["images_per_s"][processes] = min(p.images_per_s for p in paces)
+        entry.setdefault("start_s", {})[processes] = max(p.start_s for p in paces)
+        entry.setdefault("measured_by", {})[processes] = asdict(measured_by_me())
+        write_cache(Path(cache_path), cache)
+    return Pace(entry["images_per_s"][processes], entry["start_s"][processes])
+
+
 def cache_entry(cache: list[dict], key: dict) -> dict:
     """The cache's entry for `key`, added empty if it has none."""
     entry = next((e for e in cache if e["key"] == key), None)
@@ -315,47 +349,64 @@ def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     ranks: list[Child] = []
     try:
         for rank in range(len(devices)):
-            ranks.append(Child(_train_steps, (group, rank, devices, init_method, how, in_hand[rank]),
+            ranks.append(Child(_train_steps, (group, rank, devices, init_method, how, in_hand[rank], False),
                                f"rates-{group.name}-{rank}", context))
-        return _rank_reports(ranks, in_hand, group, how, abandon)
+        return _rank_reports(ranks, in_hand, f"{group.name} ({group.describe()}) on {len(devices)} slot(s)", how,
+                             abandon)
     finally:
         for child in ranks:  # they exit once they reported; one that does not is killed
             child.stop(5)
         rendezvous.close()
 
 
-def _rank_reports(ranks: list[Child], in_hand: list[StepInHand], group: GroupSpec, how: Measurement,
+def _side_by_side_steps(groups: list[GroupSpec], how: Measurement) -> list[StepTimes]:
+    """Each group's steps' durations, every group in a process of its own (world 1) on `how.devices[0]`,
+    all at once; each keeps stepping after its report until all have reported (StopStepping)."""
+    context = children_context()
+    in_hand = [StepInHand(context, g, how.warmup + how.steps) for g in groups]
+    processes: list[Child] = []
+    try:
+        for g, hand in zip(groups, in_hand):
+            processes.append(Child(_train_steps, (g, 0, how.devices[:1], "", how, hand, True),
+                                   f"rates-{g.name}-side-by-side", context))
+        what = f"{', '.join(g.name for g in groups)} side by side on {how.devices[0]}"
+        return _rank_reports(processes, in_hand, what, how, None)
+    finally:
+        for child in processes:
+            child.send(StopStepping())
+        for child in processes:
+            child.stop(5)
+
+
+def _rank_reports(ranks: list[Child], in_hand: list[StepInHand], what: str, how: Measurement,
                   abandon: threading.Event | None) -> list[StepTimes]:
     """Each rank's report, in the order they come; a rank that fails, dies or hangs fails the
-    measurement, named."""
-    slots, deadline, reported = len(ranks), time.monotonic() + how.report_s, []
+    measurement of `what`, named."""
+    deadline, reported = time.monotonic() + how.report_s, []
     while True:
         # Looked at before reading: a rank that has ended has said all it will.
         dead = [f"{rank.name} {how_it_ended(rank.exitcode)}" for rank in ranks if rank.exitcode not in (None, 0)]
         over = time.monotonic() > deadline or all(rank.exitcode is not None for rank in ranks)
         for report in messages(ranks, 0 if dead or over else 1.0):
             if isinstance(report, RankFailed):
-                raise RuntimeError(f"measuring {group.name} on {slots} slot(s) failed in rank {report.rank}:\n"
-                                   f"{report.traceback}")
+                raise RuntimeError(f"measuring {what} failed in rank {report.rank}:\n{report.traceback}")
             reported.append(report)
-        if len(reported) == slots:
+        if len(reported) == len(ranks):
             return reported
         if abandon is not None and abandon.is_set():
-            raise RuntimeError(f"measuring {group.name} on {slots} slot(s): abandoned, the driver that "
-                               "asked for it is gone")
+            raise RuntimeError(f"measuring {what}: abandoned, the driver that asked for it is gone")
         if dead:
-            raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): {'; '.join(dead)}")
+            raise RuntimeError(f"measuring {what}: {'; '.join(dead)}")
         if over:
             where = "; ".join(f"{rank.name} {hand.describe()}" for rank, hand in zip(ranks, in_hand))
-            raise RuntimeError(f"measuring {group.name} ({group.describe()}) on {slots} slot(s): no report "
-                               f"in {how.report_s:g} s (timeouts.report_s): {where}; lower rates.steps or "
-                               "check the devices")
+            raise RuntimeError(f"measuring {what}: no report in {how.report_s:g} s (timeouts.report_s): {where}; "
+                               "lower rates.steps or check the devices")
 
 
 def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: str, how: Measurement,
-                 in_hand: StepInHand, *, to_parent, from_parent) -> None:
+                 in_hand: StepInHand, busy_until_stopped: bool, *, to_parent, from_parent) -> None:
     """Process entry point (runtime.child.Child): `warmup` + `steps` training steps; reports the timed
-    ones' durations. It takes no commands (`from_parent`)."""
+    ones' durations. `busy_until_stopped`: then steps on until its parent says StopStepping."""
     child_started("rates")
     try:
         import numpy as np
@@ -368,7 +419,9 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             torch.cuda.set_device(device)
         if world > 1:
             join_process_group(rendezvous, rank, world, device, how.report_s, group.name)  # as long as a report
-        step = GroupStep(group, how.num_classes, how.image_sizes, device, how.warmup + how.steps,
+        # stepping on for the others, it may step far more often than it times (its schedule spans them all)
+        most_steps = (how.warmup + how.steps) * (BUSY_STEPS_FACTOR if busy_until_stopped else 1)
+        step = GroupStep(group, how.num_classes, how.image_sizes, device, most_steps,
                          precision=how.precision, world=world, threads=how.threads, in_hand=in_hand,
                          cuda_graphs=how.cuda_graphs, compile=how.compile)
         warmup = how.warmup + step.steps_before_replay  # a trainer captures its graphs once a run
@@ -379,17 +432,27 @@ def _train_steps(group: GroupSpec, rank: int, devices: list[str], rendezvous: st
             images = random.integers(0, 256, (how.batch_size, side, side, 3), dtype=np.uint8)[rows]
             labels = torch.from_numpy(random.integers(0, how.num_classes, how.batch_size)[rows].copy())
             batches[sink] = (images, labels)
+
+        def train() -> None:
+            step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
+            _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
+
         step_seconds = []  # warm-up's, then the timed ones
         for number in range(warmup + how.steps):
             in_hand.begin(number)
             _synchronize(torch, device)
             started = time.perf_counter()
-            step.train({s: (step.normalise(x), y.to(device, non_blocking=True)) for s, (x, y) in batches.items()})
-            _synchronize(torch, device)  # CUDA runs asynchronously: the clock must wait for the step
+            train()
             step_seconds.append(time.perf_counter() - started)
         # Report first: tearing down a gloo group can hang once the peer has
         # exited, and the parent kills what has not ended soon after the reports.
         to_parent.send(StepTimes(rank, step_seconds[:warmup], step_seconds[warmup:]))
+        if busy_until_stopped:
+            for _ in range(most_steps - len(step_seconds)):
+                if from_parent.poll():
+                    break
+                train()
+            from_parent.poll(None)  # ending first would leave the others the device to themselves
         if world > 1:
             dist.destroy_process_group()
     except BaseException:
