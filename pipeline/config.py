@@ -169,8 +169,9 @@ class TrainerConf:
     epochs: int = 4  # the most epochs a model trains (it may converge earlier: scheduler.*)
     device: DeviceKind = DeviceKind.auto  # auto (CUDA if present) | cuda | cpu
     slots: Union[int, str] = AUTO  # device slots: auto = every GPU, or on CPU one slot per model slot requested
-    slots_per_gpu: int = 1  # trainer processes sharing each GPU, each a slot of its own (a GPU's sub-slots);
-    # above 1, a model trains on one slot (no data-parallel) and a slot has 1/slots_per_gpu of the GPU's memory
+    slots_per_device: int = 1  # trainer processes sharing each device, each a slot of its own (sub-slots): a
+    # GPU, or on CPU a slot of trainer.threads threads that they split; above 1, a model trains on one slot
+    # (no data-parallel) and a slot has its share of the device's memory. grouping=auto may choose more
     grouping: Grouping = Grouping.auto  # models outnumbering the slots share them: auto (fuse where measured
     # faster, else pack) | pack (step in turn) | fuse (one family's members as one fused array) |
     # separate (never share: fails when models outnumber slots)
@@ -283,7 +284,7 @@ def check(cfg: DictConfig) -> None:
              "scheduler.checkpoint_every": (1, "a model is checkpointed at least every epoch count given"),
              "scheduler.max_failures": (0, "it cannot be negative"),
              "trainer.threads": (1, "a trainer has at least one thread"),
-             "trainer.slots_per_gpu": (1, "a GPU holds at least one slot"),
+             "trainer.slots_per_device": (1, "a device holds at least one slot"),
              "rates.max_slots": (1, "rates are measured on at least one slot"),
              "rates.steps": (1, "a measurement times at least one step"), "rates.warmup": (0, "it cannot be negative"),
              "profile.batches": (1, "the pass moves at least one batch"),

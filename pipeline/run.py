@@ -14,6 +14,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import psutil
 from hydra.utils import to_absolute_path
@@ -31,9 +32,10 @@ from pipeline.runtime.hang import Patience
 from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import MlflowRuns, Tracker
-from pipeline.orchestration.devices import DeviceKind, resolve_device, slot_devices, slot_memory_bytes
-from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, choose_fusion, measure_sizes,
-                                             plan_groups, with_measured_peaks)
+from pipeline.orchestration.devices import (DeviceKind, most_sub_slots, resolve_device, slot_devices,
+                                           slot_memory_bytes, trainer_threads)
+from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, choose_fusion, choose_sub_slots,
+                                             measure_sizes, plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
@@ -225,7 +227,7 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     if graph.cache:  # a host's store belongs to a process of that host: its agent
         graph.cache.node_owners = {node: agent["pid"] for node, agent in agents.items()}
     key = agent_key(cfg.cluster.agent_key_file, "cluster.agent_key_file") if agents else None
-    device_kind, slots, slot_bytes = _devices(cfg, models, agents)
+    device_kind, slots, _ = _devices(cfg, models, agents)
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, inputs, device_kind, len(slots), workers)
     state_dir = output_dir / STATE_DIR
@@ -236,11 +238,18 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
         groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
                   for g in saved["groups"]]
         measured.update(saved["results"])
-        table = None
+        table = None  # states saved before sub-slots were chosen had none chosen
+        per_device = saved.get("slots_per_device", cfg.trainer.slots_per_device)
     else:
+        def slot_bytes_of(n: int) -> int:  # a slot's memory with n processes on a device
+            return _devices(cfg, models, agents, n, len(slots) * n // cfg.trainer.slots_per_device)[2]
+
         with agent_rates(agents, key, Link(cfg.timeouts.host_s, tls)) as where:  # node 0's agent measures, if any
-            groups, table = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes,
-                                   POLICIES[cfg.scheduler.policy].needs_rates, output_dir, console, measured, where)
+            groups, table, per_device = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes_of,
+                                               POLICIES[cfg.scheduler.policy].needs_rates, output_dir, console,
+                                               measured, where)
+    if per_device != cfg.trainer.slots_per_device:  # grouping=auto measured more processes on a device faster
+        device_kind, slots, _ = _devices(cfg, models, agents, per_device, len(slots) * per_device)
     if table is not None:
         console.print(format_table(table))
         measured["rates"] = {name: list(rates) for name, rates in table.rates.items()}
@@ -248,12 +257,14 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     if not cfg.resume:
         state_dir.mkdir(exist_ok=True)
         write_json(state_dir / "run.json", {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-                                            "groups": [asdict(g) for g in groups], "results": dict(measured)})
+                                            "groups": [asdict(g) for g in groups], "slots_per_device": per_device,
+                                            "results": dict(measured)})
     s, metric = cfg.scheduler, cfg.objective.metric
     halving = Halving(s.halving.eta, s.halving.min_epochs, metric, metric.direction == "maximize") \
         if s.halving.eta else None
     setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
-                          steps_per_epoch=graph.source.num_batches(Split.TRAIN), threads=cfg.trainer.threads,
+                          steps_per_epoch=graph.source.num_batches(Split.TRAIN),
+                          threads=trainer_threads(device_kind, cfg.trainer.threads, per_device),
                           precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
                           compile=cfg.trainer.compile, checkpoint_dir=output_dir / "checkpoints",
                           record_checksums=cfg.trainer.record_checksums, consume_only=cfg.trainer.consume_only,
@@ -374,16 +385,21 @@ def _policy(cfg: DictConfig, groups: list[GroupSpec]) -> Policy:
 
 
 def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: dict, device_kind: DeviceKind,
-           slots: dict, slot_bytes: int, needs_rates: bool, output_dir: Path, console: Console, results: dict,
-           where: RateHost | None = None):
-    """The slot groups (trainer.grouping), checked against a slot's memory, and, for the policies that
-    need one, their rate table (each model measured alone first: its cost decides who shares a slot).
+           slots: dict, slot_bytes_of: Callable[[int], int], needs_rates: bool, output_dir: Path, console: Console,
+           results: dict, where: RateHost | None = None) -> tuple[list[GroupSpec], RateTable | None, int]:
+    """The slot groups (trainer.grouping), checked against a slot's memory (`slot_bytes_of(n)`: with n
+    processes on each device), for the policies that need one their rate table (each model measured alone
+    first: its cost decides who shares a slot), and the processes on each device (trainer.slots_per_device,
+    or more where grouping=auto measured them faster: the slots are then `slots` times that).
     `where`: the host that measures (a node agent's: on one node's devices), else this process."""
     classes = len(graph.source.class_names)
     image_sizes = graph.image_sizes
     batch = cfg.pipeline.batch_size
+    exchange = 0
     if device_kind == DeviceKind.cuda and cfg.cluster.nodes > 1:  # a hub on the GPU lends it its exchange buffers
-        slot_bytes -= exchange_bytes({n: s.item_shape for n, s in graph.sinks.items()}, batch, cfg.cluster.nodes)
+        exchange = exchange_bytes({n: s.item_shape for n, s in graph.sinks.items()}, batch, cfg.cluster.nodes)
+    per_device = cfg.trainer.slots_per_device
+    slot_bytes = slot_bytes_of(per_device) - exchange
     alone = [GroupSpec(m.name, (m,)) for m in models]
     # Each model must fit alone on the fewest slots it may get: 1 when the scheduler chooses.
     fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
@@ -392,12 +408,13 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     # An agent measures on its own host's devices: those of one node's slots (the nodes are alike).
     per_slot = [device for slot, device in slots.items() if slot.node == 0] if where \
         else list(slots.values())
-    # A GPU split into sub-slots (trainer.slots_per_gpu) is one device to measure on, and holds one rank of
+    # A GPU split into sub-slots (trainer.slots_per_device) is one device to measure on, and holds one rank of
     # a model: no model grows data-parallel there (devices.slot_devices).
     devices = list(dict.fromkeys(per_slot)) if device_kind == DeviceKind.cuda else per_slot
     sub_slots = len(devices) < len(per_slot)
     how = Measurement(num_classes=classes, image_sizes=image_sizes, batch_size=batch, device_kind=device_kind,
-                      devices=devices, steps=r.steps, warmup=r.warmup, threads=cfg.trainer.threads,
+                      devices=devices, steps=r.steps, warmup=r.warmup,
+                      threads=trainer_threads(device_kind, cfg.trainer.threads, per_device),
                       precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,
                       compile=cfg.trainer.compile, report_s=cfg.timeouts.report_s, where=where)
     cache = Path(to_absolute_path(r.cache))
@@ -418,11 +435,24 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     if grouping in (Grouping.auto, Grouping.fuse):
         _say_unfused(models, console)
     groups = plan_groups(models, sizes, len(slots), grouping, single_rates)
-    lanes = cfg.trainer.threads if device_kind == DeviceKind.cpu else 1  # units a CPU trainer steps at once
+    lanes = how.threads if device_kind == DeviceKind.cpu else 1  # units a CPU trainer steps at once
     groups, measured = choose_fusion(groups, grouping, sizes, slot_bytes, lanes, how, cache)
     if measured:
         results["grouping"] = measured
     check_group_memory(groups, sizes, slot_bytes, lanes)
+    if grouping == Grouping.auto and per_device == 1 and where is None and all(m.slots == 1 for m in models) \
+            and (device_kind == DeviceKind.cpu or cfg.trainer.slots == "auto"):
+        def split(n: int) -> tuple[Measurement, int]:
+            return replace(how, threads=trainer_threads(device_kind, cfg.trainer.threads, n)), \
+                slot_bytes_of(n) - exchange
+
+        most = most_sub_slots(device_kind, cfg.trainer.threads, len(devices))
+        per_device, groups, paces = choose_sub_slots(models, groups, sizes, len(devices), most, split, cache)
+        if len(paces) > 1:
+            results["sub_slots"] = {"images_per_s": paces, "chosen": per_device}
+            console.print("[bold]sub-slots[/] measured, images/s of a device's models in n processes side by side: "
+                          + ", ".join(f"n={n} {pace:,.1f}" for n, pace in paces.items())
+                          + f"; {per_device} process(es) per device (trainer.grouping=auto)")
     shared = [g for g in groups if len(g.members) > 1]
     for g in shared:
         console.print(f"[bold]{g.name}[/]: {len(g.members)} models {g.mode} on one slot: "
@@ -432,7 +462,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         table = measure_rate_table(groups, max_slots, how, cache, measured_by)
         save_table(table, output_dir / "rates.json")
         results["rates_measured_by"] = {name: measured_by[name] for name in table.rates}
-    return groups, table
+    return groups, table, per_device
 
 
 def _say_unfused(models: list[ModelSpec], console: Console) -> None:
@@ -476,9 +506,11 @@ def _node_agents(cfg: DictConfig, tls: TlsFiles | None) -> dict[int, dict]:
     return agents
 
 
-def _devices(cfg: DictConfig, models: list[ModelSpec], agents: dict[int, dict]):
-    """Device slots (slot -> device) and the memory of each. With node agents, the GPUs are those of
-    their hosts."""
+def _devices(cfg: DictConfig, models: list[ModelSpec], agents: dict[int, dict], per_device: int | None = None,
+             slots: int | str | None = None):
+    """Device slots (slot -> device) and the memory of each, with `per_device` processes on each device
+    and `slots` slots (default: trainer.slots_per_device and trainer.slots). With node agents, the GPUs are
+    those of their hosts."""
     import torch
 
     if agents:
@@ -488,10 +520,11 @@ def _devices(cfg: DictConfig, models: list[ModelSpec], agents: dict[int, dict]):
         gpus = torch.cuda.device_count()
         gpu_memory = torch.cuda.get_device_properties(0).total_memory if gpus else None
     device_kind = resolve_device(cfg.trainer.device, gpus > 0)
-    per_gpu = cfg.trainer.slots_per_gpu
-    slots = slot_devices(device_kind, gpus, cfg.trainer.slots, models, cfg.cluster.nodes, bool(agents), per_gpu)
-    return device_kind, slots, slot_memory_bytes(device_kind, len(slots), cfg.trainer.slot_memory_gb, gpu_memory,
-                                                 per_gpu)
+    per_device = per_device or cfg.trainer.slots_per_device
+    chosen = slot_devices(device_kind, gpus, slots or cfg.trainer.slots, models, cfg.cluster.nodes, bool(agents),
+                          per_device)
+    return device_kind, chosen, slot_memory_bytes(device_kind, len(chosen), cfg.trainer.slot_memory_gb, gpu_memory,
+                                                  per_device)
 
 
 def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_kind: DeviceKind, slots: int,
@@ -513,9 +546,12 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
                   "(100 models, 224/299 px, GPUs): +ensemble=caltech256_paper scheduler=fleet_g")
     where = f"Dask scheduler {cfg.cluster.address}" if cfg.cluster.address else \
         f"Dask LocalCluster {workers} workers x {cfg.cluster.threads_per_worker} thread"
-    per_gpu = cfg.trainer.slots_per_gpu
-    what = ("no CUDA device in use" if device_kind != DeviceKind.cuda else
-            "GPUs" if per_gpu == 1 else f"{per_gpu} trainer processes per GPU, trainer.slots_per_gpu")
+    per_device = cfg.trainer.slots_per_device
+    if device_kind == DeviceKind.cuda:
+        what = "GPUs" if per_device == 1 else f"{per_device} trainer processes per GPU, trainer.slots_per_device"
+    else:
+        what = "no CUDA device in use" + ("" if per_device == 1 else f"; {per_device} trainer processes share "
+                                          f"trainer.threads={cfg.trainer.threads}, trainer.slots_per_device")
     console.print(f"[bold]devices[/]  {slots} {device_kind.upper()} slot(s) ({what}); preprocessing on "
                   f"{where}. Change with trainer.device=cuda|cpu, trainer.slots=N, cluster.workers=N, "
                   "cluster.address=tcp://host:8786")

@@ -15,10 +15,12 @@ which the project does not ship (fused by vmap, pipeline/training/stacked.py).
 * on CUDA, each again with "+graphs": every unit's step captured once as a CUDA
   graph and replayed (trainer.cuda_graphs). Plain "separate" (eager) is the
   yardstick: k users' own training scripts sharing the GPU;
-* auto: what `trainer.grouping=auto` picks, packed or fused, as the run picks
-  it (orchestration/group_plan.choose_fusion: both measured by the rate
-  measurement, with graphs on CUDA as trainers step by default), then timed
-  like the others; the row names the pick.
+* auto: what `trainer.grouping=auto` picks as the run picks it
+  (orchestration/group_plan): packed or fused (choose_fusion: both measured by
+  the rate measurement, with graphs on CUDA as trainers step by default), then
+  n processes side by side, each with its share of the models (choose_sub_slots:
+  sub-slots, measured up to one process per model), then timed like the others;
+  the row names the pick.
 
 With --compile each mode is followed by "<mode>+compile", the same with its
 members compiled by torch.compile (trainer.compile), side by side in the
@@ -45,13 +47,15 @@ import platform
 import resource
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from pipeline.orchestration.group_plan import choose_fusion, fused, measure_sizes
+from pipeline.orchestration.devices import most_sub_slots, trainer_threads
+from pipeline.orchestration.group_plan import choose_fusion, choose_sub_slots, fused, measure_sizes
 from pipeline.runtime.child import Child
 from pipeline.scheduler.slot_groups import Grouping
 from pipeline.training.group import GroupSpec, GroupStep, Precision
@@ -134,6 +138,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         model["growth_rate"] = args.growth_rate
     spelled_out = {"dampening": 0.0} if mode == "fused-vmap" else {}
     models = [with_defaults(f"m{i}", model, lr=0.1 / (i + 1), **spelled_out) for i in range(k)]
+    pick = None
     if mode.startswith("separate"):
         groups = [GroupSpec(m.name, (m,)) for m in models]
         threads = max(1, args.cores // k)
@@ -149,11 +154,19 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
                               device_kind=device.split(":")[0], devices=[device], steps=args.steps,
                               warmup=args.warmup, threads=args.cores, precision=Precision(args.precision),
                               cuda_graphs=graphs, compile=compile)
+            kind = how.device_kind
+
+            def split(n: int) -> tuple[Measurement, float]:
+                return replace(how, threads=trainer_threads(kind, args.cores, n)), math.inf
+
             with tempfile.TemporaryDirectory() as cache:  # measured afresh, as a first run would
-                [group], _ = choose_fusion([group], Grouping.auto, sizes, math.inf, lanes, how,
-                                           Path(cache) / "rates.json")
-        groups = [group]
-        threads = args.cores
+                cache = Path(cache) / "rates.json"
+                [group], _ = choose_fusion([group], Grouping.auto, sizes, math.inf, lanes, how, cache)
+                processes, layout, _ = choose_sub_slots(models, [group], sizes, 1, most_sub_slots(kind, args.cores, 1),
+                                                        split, cache)
+            pick = " + ".join(sorted({g.mode for g in layout})) + (f" x{processes} sub-slots" if processes > 1 else "")
+        groups = layout if mode == AUTO else [group]
+        threads = trainer_threads(args.device.split(":")[0], args.cores, len(groups))
     context = mp.get_context("spawn")
     start = context.Barrier(len(groups))
     children = [Child(_train, (g, image_size, args.batch, args.device, threads, args.steps, args.warmup,
@@ -165,8 +178,8 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         for child in children:
             child.stop(5)  # it exits once it reported; one that does not, or an error here, is killed
     # Each model trains batch x steps images; a separate process's own time counts for its model.
-    per_model = [args.batch * args.steps / seconds for seconds, _, _ in reports for _ in range(k // len(groups))]
-    return {"mode": name, "k": k, "pick": groups[0].mode if mode == AUTO else None, "image_size": image_size,
+    per_model = [args.batch * args.steps / seconds for (seconds, _, _), g in zip(reports, groups) for _ in g.members]
+    return {"mode": name, "k": k, "pick": pick, "image_size": image_size,
             "threads_per_process": threads, "array_size": groups[0].array_size,
             "images_per_s_per_model": float(np.mean(per_model)), "images_per_s_total": float(np.sum(per_model)),
             "peak_rss_bytes": int(sum(rss for _, rss, _ in reports)),

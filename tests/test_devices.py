@@ -25,15 +25,15 @@ def test_more_slots_than_the_hosts_gpus_is_refused():
 
 
 def test_a_gpu_split_into_sub_slots_gives_each_slot_its_share():
-    """trainer.slots_per_gpu=3 on 2 GPUs: 6 slots taking the GPUs in turn (3 models spread over both, not
+    """trainer.slots_per_device=3 on 2 GPUs: 6 slots taking the GPUs in turn (3 models spread over both, not
     3 on one), each with a third of its GPU less a CUDA context. On real hosts each numbers its own GPUs.
     On CPU the setting means nothing. Slots numbered by GPU first, or a share that forgets the context,
     fails."""
-    slots = slot_devices("cuda", 2, "auto", [MODEL], per_gpu=3)
+    slots = slot_devices("cuda", 2, "auto", [MODEL], per_device=3)
     assert list(slots.values()) == ["cuda:0", "cuda:1"] * 3
-    hosts = slot_devices("cuda", 1, "auto", [MODEL], nodes=2, hosts=True, per_gpu=2)
+    hosts = slot_devices("cuda", 1, "auto", [MODEL], nodes=2, hosts=True, per_device=2)
     assert [(s.node, d) for s, d in hosts.items()] == [(0, "cuda:0"), (0, "cuda:0"), (1, "cuda:0"), (1, "cuda:0")]
-    assert list(slot_devices("cpu", 0, 2, [MODEL], per_gpu=3).values()) == ["cpu", "cpu"]
+    assert list(slot_devices("cpu", 0, 2, [MODEL], per_device=3).values()) == ["cpu", "cpu"]
     assert slot_memory_bytes("cuda", 6, None, 24 * 2**30, 3) == 8 * 2**30 - CUDA_CONTEXT_BYTES
     assert slot_memory_bytes("cuda", 2, None, 24 * 2**30, 1) == 24 * 2**30
 
@@ -42,8 +42,8 @@ def test_sub_slots_refuse_more_slots_than_they_have_and_data_parallel_models():
     """A sub-slot holds one rank (NCCL takes one per GPU): a model asking for 2 slots is refused, naming it
     and both fixes; so are more slots than the GPUs' sub-slots."""
     with pytest.raises(SlotError, match=r"trainer.slots=5 but this machine has 2 GPU\(s\) of 2 slots "
-                                        r"\(trainer.slots_per_gpu\); lower trainer.slots"):
-        slot_devices("cuda", 2, 5, [MODEL], per_gpu=2)
+                                        r"\(trainer.slots_per_device\); lower trainer.slots"):
+        slot_devices("cuda", 2, 5, [MODEL], per_device=2)
     with pytest.raises(SlotError, match=r"ensemble.models\[1\].slots=2 \(wide\): a model trains data-parallel on "
-                                        r"whole GPUs .* set its slots to 1 or trainer.slots_per_gpu=1"):
-        slot_devices("cuda", 2, "auto", [MODEL, member("wide", slots=2)], per_gpu=2)
+                                        r"whole devices .* set its slots to 1 or trainer.slots_per_device=1"):
+        slot_devices("cuda", 2, "auto", [MODEL, member("wide", slots=2)], per_device=2)

@@ -33,11 +33,11 @@ def test_ensemble_trains_on_gpus_with_nccl_for_models_and_hubs(tiny_dataset, tmp
 
 
 def test_sub_slots_train_the_default_models_side_by_side_on_one_gpu(tiny_dataset, tmp_path):
-    """trainer.slots_per_gpu=4 on GPU 0: the 4 default models in 4 trainer processes sharing it, each
+    """trainer.slots_per_device=4 on GPU 0: the 4 default models in 4 trainer processes sharing it, each
     trained its epoch on cuda:0 and nothing packed."""
     overrides = ["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
                  "pipeline.batch_size=16", "trainer.epochs=1", "trainer.device=cuda", "trainer.slots=4",
-                 "trainer.slots_per_gpu=4", "cluster.workers=2"]
+                 "trainer.slots_per_device=4", "cluster.workers=2"]
     results = run(compose_config(overrides), tmp_path)
     assert sorted(tuple(m["devices"]) for m in results["models"]) == [("cuda:0",)] * 4
     assert all(m["epochs"] == 1 and m["group_mode"] == "alone" for m in results["models"]), results["models"]

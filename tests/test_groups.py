@@ -141,10 +141,10 @@ def test_the_default_command_is_placed_on_1_to_8_gpus(place, gpus):
 
 
 def test_one_gpu_split_into_4_sub_slots_trains_each_default_model_in_a_process_of_its_own(plan, place):
-    """trainer.slots_per_gpu=4 on one GPU: the default command's 4 models are 4 groups of one, each on a
+    """trainer.slots_per_device=4 on one GPU: the default command's 4 models are 4 groups of one, each on a
     slot of its own, all on cuda:0 (as 4 separate processes would share it). Packing them as on one
     slot, or a slot on a GPU the host lacks, fails."""
-    overrides = ["+ensemble=caltech256", "trainer.slots_per_gpu=4"]
+    overrides = ["+ensemble=caltech256", "trainer.slots_per_device=4"]
     groups, placed = place(overrides, 1)
     assert sorted(len(g.members) for g in groups) == [1, 1, 1, 1]
     used = [slot for slots in placed.values() for slot in slots]
@@ -158,7 +158,7 @@ def test_a_sub_slot_holds_its_share_of_the_gpu(place):
     quarter of one less its CUDA context (19.25 GiB), and the error says the slot's size."""
     place(["+ensemble=caltech256_paper", "trainer.grouping=pack"], 8)
     with pytest.raises(SlotError, match=r"needs about 2\d.\d\d GiB per slot .* but a slot has 19.25 GiB"):
-        place(["+ensemble=caltech256_paper", "trainer.slots_per_gpu=4"], 8)
+        place(["+ensemble=caltech256_paper", "trainer.slots_per_device=4"], 8)
 
 
 def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(plan):
@@ -177,7 +177,7 @@ def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(plan):
             asked.append((group.name, tuple(slot_counts), tuple(how.devices)))
             return Measured({k: Pace(100.0, 0.0) for k in slot_counts}, MeasuredBy("agent", 1))
 
-    planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.slots_per_gpu=2"], 2, where=RecordingHost())
+    planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.slots_per_device=2"], 2, where=RecordingHost())
     assert len(planned.slots) == 4
     names = sorted(m.name for g in planned.groups for m in g.members)
     assert sorted(asked) == [(name, (1,), ("cuda:0", "cuda:1")) for name in names]
@@ -225,3 +225,67 @@ def test_fleet_plans_groups_at_their_measured_rates(plan, monkeypatch):
     decisions = [d for name, rates in table.rates.items() for d in scheduler.handle(RatesMeasured(0.0, name, rates))]
     formed = [d for d in decisions if isinstance(d, FormFlotilla)]
     assert formed and set(formed[0].members) == {g.name for g in groups}
+
+
+@pytest.fixture
+def timed_side_by_side(monkeypatch):
+    """Stand-ins for the measurements grouping=auto makes of a layout (pipeline.orchestration.group_plan):
+    one process's group at 100 images/s, n processes side by side at `paces[n]`. Records who was measured
+    side by side, and with how many threads each."""
+    from pipeline.orchestration import group_plan
+    from pipeline.scheduler import RateTable
+    from pipeline.training.rates import Pace
+
+    asked, paces = [], {}
+
+    def one_process(groups, max_slots, how, cache):
+        table = RateTable()
+        for g in groups:
+            table.add(g.name, [100.0])
+        return table
+
+    def side_by_side(groups, how, cache):
+        asked.append(([len(g.members) for g in groups], how.threads))
+        return Pace(paces[len(groups)], 0.0)
+
+    monkeypatch.setattr(group_plan, "measure_rate_table", one_process)
+    monkeypatch.setattr(group_plan, "measure_side_by_side", side_by_side)
+    return asked, paces
+
+
+CPU_SLOT = ["+ensemble=caltech256", "trainer.device=cpu", "trainer.slots=1", "pipeline.image_size=32",
+            "pipeline.alt_image_size=24"]
+
+
+@pytest.mark.parametrize("threads, paces, chosen", [(2, {2: 150.0}, 2), (2, {2: 90.0}, 1), (4, {2: 150.0, 4: 180.0}, 4),
+                                                    (4, {2: 150.0, 4: 120.0}, 2)])
+def test_auto_grouping_splits_a_cpu_slot_into_the_sub_slots_measured_fastest(plan, timed_side_by_side, threads,
+                                                                             paces, chosen):
+    """The default ensemble on one CPU slot of `threads` threads, trainer.grouping=auto: one process packing
+    the 4 models (100 images/s) against 2 processes of 2 models, and with 4 threads 4 processes of one, side
+    by side, each process with its share of the threads. The fastest layout is the plan: its slots, groups,
+    the trainers' threads and the state resume= reads. A layout of more processes than threads, a pace not
+    taken from the measurements, or a plan that keeps one slot after choosing more, fails."""
+    asked, measured = timed_side_by_side
+    measured.update(paces)
+    planned = plan([*CPU_SLOT, f"trainer.threads={threads}"], None)
+    assert asked == [([2, 2], threads // 2)] + ([([1, 1, 1, 1], 1)] if threads == 4 else [])
+    assert planned.measured["sub_slots"] == {"images_per_s": {"1": 100.0} | {str(n): p for n, p in paces.items()},
+                                             "chosen": chosen}
+    assert len(planned.slots) == chosen and len(planned.groups) == chosen
+    assert sorted(len(g.members) for g in planned.groups) == [4 // chosen] * chosen
+    assert planned.setup.threads == threads // chosen
+    import json
+    state = json.loads((planned.setup.checkpoint_dir.parent / run.STATE_DIR / "run.json").read_text())
+    assert state["slots_per_device"] == chosen
+
+
+def test_auto_grouping_keeps_one_process_on_a_slot_of_one_thread_and_where_asked(plan, timed_side_by_side):
+    """A CPU slot of one thread cannot be split (a process has at least one), nor is a slot whose processes
+    trainer.slots_per_device fixes, nor one of trainer.grouping=pack: nothing is measured side by side."""
+    asked, _ = timed_side_by_side
+    for overrides in (["trainer.threads=1"], ["trainer.threads=2", "trainer.grouping=pack"],
+                      ["trainer.threads=2", "trainer.slots=2", "trainer.slots_per_device=2"]):
+        planned = plan([*CPU_SLOT, *overrides], None)
+        assert "sub_slots" not in planned.measured and asked == []
+    assert planned.setup.threads == 1 and len(planned.slots) == 2  # 2 processes sharing a slot's 2 threads

@@ -101,14 +101,14 @@ def test_compute_bound_prediction_is_capped_by_the_next_slowest_model():
     assert "next slowest model" in action.text
 
 
-@pytest.mark.parametrize("kind, expected", [("cpu", "trainer.slots=3"), ("cuda", "trainer.slots_per_gpu=5")])
+@pytest.mark.parametrize("kind, expected", [("cpu", "trainer.slots=3"), ("cuda", "trainer.slots_per_device=5")])
 def test_a_packed_pace_setter_is_told_to_spread_its_group_over_more_slots(kind, expected):
     """A pace-setter packed with others: more slots. On GPUs, whose slots are every GPU already, that is
     one more trainer process per GPU (trainer.slots=5 on 1 GPU of 4 sub-slots was advised before, which
     the run then refuses)."""
     results = make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 120, 60.0)])
     results["devices"] = {"kind": kind, "slots": 2 if kind == "cpu" else 4}
-    results["config"]["trainer"] = {"slots_per_gpu": 4}
+    results["config"]["trainer"] = {"slots_per_device": 4}
     results["groups"] = {"group0": {"members": ["slow", "fast"], "mode": "packed"}}
     for model in results["models"]:
         model.update(group="group0", group_mode="packed")

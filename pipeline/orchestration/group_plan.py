@@ -6,20 +6,24 @@ from each model's cost: its measured seconds per image when rates were
 measured, else an estimate from its multiply-adds. Whether a group's family
 fuses is `trainer.grouping`: `fuse`, `pack`, or with `auto` the faster of the
 two as measured (and cached) on one slot: fusion pays on GPUs and may lose
-on CPUs.
+on CPUs. `auto` then measures whether a device's models train faster in
+several processes side by side on it (sub-slots, `choose_sub_slots`): on a
+GPU, one process steps its models one after another from one thread and is
+bound by kernel launches.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from pipeline.orchestration.devices import MEMORY_HEADROOM, SlotError
 from pipeline.scheduler.cluster import RateTable
 from pipeline.scheduler.slot_groups import Candidate, Grouping, form_groups, group_name
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec
-from pipeline.training.rates import Measurement, measure_rate_table
+from pipeline.training.rates import Measurement, measure_rate_table, measure_side_by_side
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,33 @@ def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, 
         measured[group.name] = {"packed": rates[0], "fused": rates[1], "array_size": variant.array_size}
         chosen.append(variant if rates[1] > rates[0] else group)
     return chosen, measured
+
+
+def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: dict[str, ModelSize], devices: int,
+                     most: int, split: Callable[[int], tuple[Measurement, int]],
+                     cache: Path) -> tuple[int, list[GroupSpec], dict[str, float]]:
+    """grouping=auto's last choice: whether the models of each of `devices` devices train faster in one
+    trainer process (`groups`, packed or fused as measured) or in n side by side (trainer.slots_per_device=n),
+    grouped again over n times the slots. `split(n)`: how a process of n on a device is measured (its share
+    of a CPU slot's threads) and its slot's memory. Tried for n = 2, 4, ... up to the largest group (each
+    model its own process), at most `most`, while the groups fit their slots. A layout is timed on one
+    device: its first n groups side by side (groups balance their cost), the slowest setting the pace as it
+    sets a flotilla's. Returns the fastest n, its groups, and each layout's images/s by n."""
+    largest = max(len(g.members) for g in groups)
+    how, _ = split(1)
+    if largest == 1 or most < 2:
+        return 1, groups, {}
+    paces, layouts = {1: measure_rate_table(groups[:1], 1, how, cache).rate(groups[0].name, 1)}, {1: groups}
+    for n in sorted({*(2 ** i for i in range(1, largest.bit_length())), largest}):
+        how, slot_bytes = split(n)
+        lanes = how.threads if how.device_kind == "cpu" else 1
+        layout = plan_groups(models, sizes, devices * n, Grouping.auto, None)
+        layout, _ = choose_fusion(layout, Grouping.auto, sizes, slot_bytes, lanes, how, cache)
+        if n > most or any(group_bytes(g, sizes, lanes) * MEMORY_HEADROOM > slot_bytes for g in layout):
+            break  # more processes have less memory each, and fewer cores
+        paces[n], layouts[n] = measure_side_by_side(layout[:n], how, cache).images_per_s, layout
+    best = max(paces, key=paces.get)
+    return best, layouts[best], {str(n): pace for n, pace in paces.items()}
 
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:

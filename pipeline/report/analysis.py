@@ -223,8 +223,9 @@ def _compute_bound(results: dict, limiter: ModelRow, models: list[ModelRow],
         group = results.get("groups", {}).get(limiter.group, {})
         devices = results.get("devices", {})
         if devices.get("kind") == "cuda":  # its slots are every GPU already: more processes on each
-            per_gpu = results.get("config", {}).get("trainer", {}).get("slots_per_gpu", 1)
-            change, more = f"trainer.slots_per_gpu={per_gpu + 1}", "more trainer processes on each GPU"
+            per_device = results.get("sub_slots", {}).get("chosen") or \
+                results.get("config", {}).get("trainer", {}).get("slots_per_device", 1)
+            change, more = f"trainer.slots_per_device={per_device + 1}", "more trainer processes on each GPU"
         else:
             change, more = f"trainer.slots={devices.get('slots', 1) + 1}", "more slots"
         text = (f"{change}: {limiter.name} trains in {limiter.group} ({len(group.get('members', []))} models "
