@@ -1,7 +1,10 @@
 """Device slots: simulated nodes share this machine's GPUs; real hosts (node agents) have their own."""
+import os
+
 import pytest
 
-from pipeline.orchestration.devices import CUDA_CONTEXT_BYTES, SlotError, slot_devices, slot_memory_bytes
+from pipeline.orchestration.devices import (CUDA_CONTEXT_BYTES, SlotError, most_sub_slots, slot_devices,
+                                           slot_memory_bytes, trainer_threads)
 from tests.conftest import member
 
 MODEL = member("m")
@@ -27,7 +30,7 @@ def test_more_slots_than_the_hosts_gpus_is_refused():
 def test_a_gpu_split_into_sub_slots_gives_each_slot_its_share():
     """trainer.slots_per_device=3 on 2 GPUs: 6 slots taking the GPUs in turn (3 models spread over both, not
     3 on one), each with a third of its GPU less a CUDA context. On real hosts each numbers its own GPUs.
-    On CPU the setting means nothing. Slots numbered by GPU first, or a share that forgets the context,
+    On CPU it leaves the slots as asked (it splits their threads). Slots numbered by GPU first, or a share that forgets the context,
     fails."""
     slots = slot_devices("cuda", 2, "auto", [MODEL], per_device=3)
     assert list(slots.values()) == ["cuda:0", "cuda:1"] * 3
@@ -47,3 +50,14 @@ def test_sub_slots_refuse_more_slots_than_they_have_and_data_parallel_models():
     with pytest.raises(SlotError, match=r"ensemble.models\[1\].slots=2 \(wide\): a model trains data-parallel on "
                                         r"whole devices .* set its slots to 1 or trainer.slots_per_device=1"):
         slot_devices("cuda", 2, "auto", [MODEL, member("wide", slots=2)], per_device=2)
+
+
+def test_a_cpu_slots_sub_slots_split_its_threads():
+    """On CPU every slot is a process already: trainer.slots_per_device=n leaves the slots as asked and splits
+    trainer.threads among n (one each at least); a GPU's sub-slots keep theirs. grouping=auto tries at most
+    one process per thread of a CPU slot, and on a GPU one per two of the host's cores."""
+    assert list(slot_devices("cpu", 0, 4, [MODEL], per_device=2).values()) == ["cpu"] * 4
+    assert [trainer_threads("cpu", 4, n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
+    assert trainer_threads("cuda", 4, 4) == 4
+    assert most_sub_slots("cpu", 3, 1) == 3
+    assert most_sub_slots("cuda", 1, 2) == (os.cpu_count() or 1) // 4

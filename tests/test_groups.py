@@ -265,7 +265,8 @@ def test_auto_grouping_splits_a_cpu_slot_into_the_sub_slots_measured_fastest(pla
     the 4 models (100 images/s) against 2 processes of 2 models, and with 4 threads 4 processes of one, side
     by side, each process with its share of the threads. The fastest layout is the plan: its slots, groups,
     the trainers' threads and the state resume= reads. A layout of more processes than threads, a pace not
-    taken from the measurements, or a plan that keeps one slot after choosing more, fails."""
+    taken from the measurements, or a plan that keeps one slot after choosing more, fails; so does a resumed
+    run (its state) that measures again or forgets the layout."""
     asked, measured = timed_side_by_side
     measured.update(paces)
     planned = plan([*CPU_SLOT, f"trainer.threads={threads}"], None)
@@ -275,9 +276,10 @@ def test_auto_grouping_splits_a_cpu_slot_into_the_sub_slots_measured_fastest(pla
     assert len(planned.slots) == chosen and len(planned.groups) == chosen
     assert sorted(len(g.members) for g in planned.groups) == [4 // chosen] * chosen
     assert planned.setup.threads == threads // chosen
-    import json
-    state = json.loads((planned.setup.checkpoint_dir.parent / run.STATE_DIR / "run.json").read_text())
-    assert state["slots_per_device"] == chosen
+    folder = planned.setup.checkpoint_dir.parent
+    resumed = plan([*CPU_SLOT, f"trainer.threads={threads}", f"resume={folder}"], None)  # measures nothing again
+    assert len(asked) == (2 if threads == 4 else 1) and len(resumed.slots) == chosen
+    assert resumed.groups == planned.groups and resumed.setup.threads == planned.setup.threads
 
 
 def test_auto_grouping_keeps_one_process_on_a_slot_of_one_thread_and_where_asked(plan, timed_side_by_side):
