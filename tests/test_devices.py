@@ -30,8 +30,8 @@ def test_more_slots_than_the_hosts_gpus_is_refused():
 def test_a_gpu_split_into_sub_slots_gives_each_slot_its_share():
     """trainer.slots_per_device=3 on 2 GPUs: 6 slots taking the GPUs in turn (3 models spread over both, not
     3 on one), each with a third of its GPU less a CUDA context. On real hosts each numbers its own GPUs.
-    On CPU it leaves the slots as asked (it splits their threads). Slots numbered by GPU first, or a share that forgets the context,
-    fails."""
+    On CPU it leaves the slots as asked (it splits their threads). Slots numbered by GPU first, or a share
+    that forgets the context, fails."""
     slots = slot_devices("cuda", 2, "auto", [MODEL], per_device=3)
     assert list(slots.values()) == ["cuda:0", "cuda:1"] * 3
     hosts = slot_devices("cuda", 1, "auto", [MODEL], nodes=2, hosts=True, per_device=2)
