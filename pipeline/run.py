@@ -165,6 +165,11 @@ def _gb(size: float) -> str:
     return f"{size / GB:.2f} GB" if size >= GB / 10 else f"{size / 2**20:.0f} MB"
 
 
+def planned(folder: Path) -> bool:
+    """Whether the run in `folder` got as far as its plan (its state is written before anything trains)."""
+    return (Path(folder) / STATE_DIR / "run.json").is_file()
+
+
 def _resumed_folder(cfg: DictConfig) -> Path:
     """The folder `resume=` names, checked: it holds a stopped run's state, and that run's config is this one."""
     folder = Path(to_absolute_path(cfg.resume))

@@ -11,7 +11,9 @@ separate shared runs, one after another; jobs that halve, profile or resume run 
 Each job then gets what Hydra promises it, in its own folder: its results.json (its members, its
 ensemble's accuracy and loss computed over its members alone, its objective), report, checkpoints and
 tracking, taken from the shared run's folder (files hard-linked), and its return value. A job whose
-member was given up (with its slot group) fails; the others complete.
+member was given up (with its slot group) fails; the others complete. A shared run that fails before
+its plan is made (a declaration it refuses, a crash or hang measuring a member) leaves its jobs to run
+alone (the launcher, hydra_plugins/pipeline_launcher), so that again only the jobs at fault fail.
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 of that run. The launcher itself, a real multirun: tests/test_sweeps.py."""
 from pathlib import Path
 
+import pytest
 from omegaconf import open_dict
 
 from pipeline.config import expand_ensemble
@@ -89,3 +90,36 @@ def test_a_jobs_results_name_its_members_as_it_does_and_leave_the_other_jobs_out
                                                "densenet40_k12": 4 * 2**20, "densenet40_k8": 5 * 2**20}
     assert results["objective"]["value"] == 0.6 and results["ensemble"]["kept"]["epochs"] == {
         name: 1 for name in run.members[1]}
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_shared_run_that_fails_before_its_plan_leaves_each_job_to_run_alone(monkeypatch, tmp_path, planned):
+    """A shared run that crashes before its plan is made (a member's rate measurement crashed, say: its
+    state is not written yet) might be any one job's fault: each job then runs alone, as its own run, so
+    only the jobs at fault fail. Once planned, the crash is the run's, and every job fails with it (as
+    the real multirun test's trained failures do, by member). Failing every job of a batch for one
+    member's crash before training, or running a batch again after it trained, fails."""
+    from hydra_plugins.pipeline_launcher import shared_launcher
+    from pipeline.config import ExitCode, JobFailed
+    from pipeline.run import STATE_DIR
+
+    def crashed(shared, folder):
+        if planned:
+            (folder / STATE_DIR).mkdir(parents=True)
+            (folder / STATE_DIR / "run.json").write_text("{}")
+        return JobFailed(ExitCode.crashed, "the shared run crashed")
+
+    # Composed first: Hydra's first compose scans its plugins, which runs the launcher's module again
+    jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05))})
+    launcher = shared_launcher.SharedLauncher()
+    launcher.task_function = "the job's own run"
+    ran = []
+    monkeypatch.setattr(shared_launcher, "_train", crashed)
+    monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append((cfg.hydra.job.num, task)) or cfg)
+    launcher._share([0, 1], jobs, tmp_path)
+    assert [number for number, _ in ran] == [0, 1]
+    if planned:
+        assert all(task.func is shared_launcher._job and task.args[1].why == "the shared run crashed"
+                   for _, task in ran)
+    else:
+        assert all(task == "the job's own run" for _, task in ran)

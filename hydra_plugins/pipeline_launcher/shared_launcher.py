@@ -58,9 +58,12 @@ class SharedLauncher(Launcher):
     def _share(self, batch: list, jobs: dict, sweep_dir: Path) -> dict:
         """The batch's jobs trained as one run, each job's folder and return split from it. A job with a
         member whose declaration the run's check refuses runs alone (so fails, saying why in its own names)
-        and the others share again; any other user error before training each job meets alone."""
+        and the others share again; any other user error, and any failure before the run's plan was made
+        (a crash or hang measuring a member's rate, say), each job meets alone: only the jobs whose members
+        cause it fail."""
         from pipeline import sharing
         from pipeline.config import ExitCode, JobFailed
+        from pipeline.run import planned
         from pipeline.training.members import MemberError
 
         returns = {}
@@ -73,9 +76,10 @@ class SharedLauncher(Launcher):
             if isinstance(outcome, MemberError):
                 alone = shared.jobs_holding(outcome.member) or batch  # (a member of no job: never loop)
                 log.warning(f"jobs {', '.join(map(str, alone))} run alone: the shared run refused {outcome}")
-            elif isinstance(outcome, JobFailed) and outcome.code == ExitCode.user_error:
+            elif isinstance(outcome, JobFailed) and (outcome.code == ExitCode.user_error or not planned(folder)):
                 alone = batch
-                log.warning(f"each job runs alone: the shared run refused ({outcome.why})")
+                how = "refused" if outcome.code == ExitCode.user_error else "failed before its plan was made"
+                log.warning(f"each job runs alone: the shared run {how} ({outcome.why})")
             else:
                 for number in batch:
                     returns[number] = self._run_job(jobs[number], functools.partial(_job, shared, outcome, number,
