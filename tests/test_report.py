@@ -117,6 +117,16 @@ def test_a_packed_pace_setter_is_told_to_spread_its_group_over_more_slots(kind, 
     assert "slow trains in group0 (2 models packed on one slot)" in action.text
 
 
+def test_the_report_shows_the_processes_per_device_auto_measured(tmp_path):
+    """results.json's sub_slots (trainer.grouping=auto): each layout's images/s and the one chosen, under
+    the slot groups, even when every group holds one model."""
+    results = make_results(50, STAGES, [("a", 50, 2.0), ("b", 60, 2.0)])
+    results["sub_slots"] = {"images_per_s": {"1": 189.9, "2": 219.4}, "chosen": 2}
+    html = write_report(results, tmp_path).html.read_text()
+    assert "<h3>Slot groups</h3><p>Processes per device, measured side by side (images/s of a device's " \
+           "models): 1: 189.9, 2: 219.4; chosen: 2 (trainer.grouping=auto).</p>" in html
+
+
 def test_idle_workers_and_waiting_trainers_is_transport_bound():
     results = make_results(40, STAGES, [("resnet", 400, 60.0)])
     analysis = analyse(results)

@@ -260,16 +260,24 @@ def _decisions(log: list[dict]) -> str:
 
 
 def _groups_section(results: dict) -> str:
-    """Each slot group that trained several models: who, how (packed or fused), where."""
+    """Each slot group that trained several models: who, how (packed or fused), where; and the processes
+    per device trainer.grouping=auto measured (sub-slots)."""
     shared = {name: g for name, g in results.get("groups", {}).items() if len(g["members"]) > 1}
-    if not shared:
+    sub_slots = results.get("sub_slots")
+    if not shared and not sub_slots:
         return ""
     measured = results.get("grouping", {})
     rows = [[name, g["mode"], str(len(g["members"])), ", ".join(g["devices"]),
              (f"{measured[name]['packed']:,.1f} / {measured[name]['fused']:,.1f}" if name in measured else "-"),
              ", ".join(g["members"])] for name, g in shared.items()]
-    return ("<h3>Slot groups</h3>"
-            + _table(["group", "mode", "models", "devices", "img/s packed / fused (measured)", "members"], rows))
+    section = "<h3>Slot groups</h3>" + (
+        _table(["group", "mode", "models", "devices", "img/s packed / fused (measured)", "members"], rows)
+        if rows else "")
+    if sub_slots:
+        paces = ", ".join(f"{n}: {pace:,.1f}" for n, pace in sub_slots["images_per_s"].items())
+        section += (f"<p>Processes per device, measured side by side (images/s of a device's models): {paces}; "
+                    f"chosen: {sub_slots['chosen']} (trainer.grouping=auto).</p>")
+    return section
 
 
 def _optional_sections(results: dict) -> str:
