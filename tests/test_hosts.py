@@ -200,7 +200,7 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
         how = Measurement(num_classes=4, image_sizes={"main": 32}, batch_size=16, device_kind="cpu", devices=["cpu"],
                           steps=1, warmup=0, threads=1, where=where)
         with pytest.raises(RuntimeError, match=rf"(?s)node 0's agent at {registered[0]['address']} \(host .+, pid "
-                                               rf"{agents[0].pid}\) failed: measuring resnet11 on 1 slot.*"
+                                               rf"{agents[0].pid}\) failed: measuring resnet11 \(.*\) on 1 slot.*"
                                                "resnet depth must be one of"):
             measure_rate_table([GroupSpec("resnet11", (resnet11,))], 1, how, tmp_path / "bad_cache.json")
 
