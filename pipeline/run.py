@@ -243,7 +243,8 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
         groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
                   for g in saved["groups"]]
         measured.update(saved["results"])
-        table = None  # states saved before sub-slots were chosen had none chosen
+        table = None
+        # states saved before grouping=auto chose sub-slots have none: the configured count
         per_device = saved.get("slots_per_device", cfg.trainer.slots_per_device)
     else:
         def slot_bytes_of(n: int) -> int:  # a slot's memory with n processes on a device
@@ -403,8 +404,12 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     exchange = 0
     if device_kind == DeviceKind.cuda and cfg.cluster.nodes > 1:  # a hub on the GPU lends it its exchange buffers
         exchange = exchange_bytes({n: s.item_shape for n, s in graph.sinks.items()}, batch, cfg.cluster.nodes)
+
+    def room(n: int) -> int:  # what a slot's group may use with n processes on a device
+        return slot_bytes_of(n) - exchange
+
     per_device = cfg.trainer.slots_per_device
-    slot_bytes = slot_bytes_of(per_device) - exchange
+    slot_bytes = room(per_device)
     alone = [GroupSpec(m.name, (m,)) for m in models]
     # Each model must fit alone on the fewest slots it may get: 1 when the scheduler chooses.
     fewest = [GroupSpec(m.name, (replace(m, slots=1),)) for m in models] if needs_rates else alone
@@ -448,8 +453,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
     if grouping == Grouping.auto and per_device == 1 and where is None and all(m.slots == 1 for m in models) \
             and (device_kind == DeviceKind.cpu or cfg.trainer.slots == "auto"):
         def split(n: int) -> tuple[Measurement, int]:
-            return replace(how, threads=trainer_threads(device_kind, cfg.trainer.threads, n)), \
-                slot_bytes_of(n) - exchange
+            return replace(how, threads=trainer_threads(device_kind, cfg.trainer.threads, n)), room(n)
 
         most = most_sub_slots(device_kind, cfg.trainer.threads, len(devices))
         per_device, groups, paces = choose_sub_slots(models, groups, sizes, len(devices), most, split, cache)

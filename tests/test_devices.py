@@ -52,12 +52,14 @@ def test_sub_slots_refuse_more_slots_than_they_have_and_data_parallel_models():
         slot_devices("cuda", 2, "auto", [MODEL, member("wide", slots=2)], per_device=2)
 
 
-def test_a_cpu_slots_sub_slots_split_its_threads():
+def test_a_cpu_slots_sub_slots_split_its_threads(monkeypatch):
     """On CPU every slot is a process already: trainer.slots_per_device=n leaves the slots as asked and splits
     trainer.threads among n (one each at least); a GPU's sub-slots keep theirs. grouping=auto tries at most
-    one process per thread of a CPU slot, and on a GPU one per two of the host's cores."""
+    one process per thread of a CPU slot, and on a host of 16 cores with 2 GPUs 4 per GPU (one per two cores,
+    the others preprocess)."""
     assert list(slot_devices("cpu", 0, 4, [MODEL], per_device=2).values()) == ["cpu"] * 4
     assert [trainer_threads("cpu", 4, n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
     assert trainer_threads("cuda", 4, 4) == 4
     assert most_sub_slots("cpu", 3, 1) == 3
-    assert most_sub_slots("cuda", 1, 2) == (os.cpu_count() or 1) // 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert most_sub_slots("cuda", 1, 2) == 4

@@ -87,8 +87,9 @@ def trainer_threads(device_kind: DeviceKind, threads: int, per_device: int) -> i
 
 def most_sub_slots(device_kind: DeviceKind, threads: int, devices: int) -> int:
     """The most trainer processes trainer.grouping=auto tries on a device: on CPU, one per thread of its
-    slot (a process has one at least); on a GPU, one per two of the host's cores (the others preprocess)."""
-    return threads if device_kind == "cpu" else (os.cpu_count() or 1) // 2 // devices
+    slot (a process has one at least); on a GPU, one per two of the cores this process may use (the others
+    preprocess), shared out over the `devices` GPUs."""
+    return threads if device_kind == "cpu" else len(os.sched_getaffinity(0)) // 2 // devices
 
 
 def slot_memory_bytes(device_kind: str, slots: int, configured_gb: float | None, gpu_memory: int | None,

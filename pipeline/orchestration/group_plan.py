@@ -130,12 +130,14 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
         return 1, groups, {}
     paces, layouts = {1: measure_rate_table(groups[:1], 1, how, cache).rate(groups[0].name, 1)}, {1: groups}
     for n in sorted({*(2 ** i for i in range(1, largest.bit_length())), largest}):
+        if n > most:
+            break
         how, slot_bytes = split(n)
         lanes = how.threads if how.device_kind == "cpu" else 1
         layout = plan_groups(models, sizes, devices * n, Grouping.auto, None)
         layout, _ = choose_fusion(layout, Grouping.auto, sizes, slot_bytes, lanes, how, cache)
-        if n > most or any(group_bytes(g, sizes, lanes) * MEMORY_HEADROOM > slot_bytes for g in layout):
-            break  # more processes have less memory each, and fewer cores
+        if any(group_bytes(g, sizes, lanes) * MEMORY_HEADROOM > slot_bytes for g in layout):
+            break  # more processes have less memory each
         paces[n], layouts[n] = measure_side_by_side(layout[:n], how, cache).images_per_s, layout
     best = max(paces, key=paces.get)
     return best, layouts[best], {str(n): pace for n, pace in paces.items()}

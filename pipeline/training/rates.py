@@ -226,9 +226,8 @@ def measure_side_by_side(groups: list[GroupSpec], how: Measurement, cache_path: 
     for group in groups:
         _check_request(group, [1], how)
     cache = read_cache(Path(cache_path))
-    keys = sorted((cache_key(g, how, hardware) for g in groups), key=canonical)
-    entry = cache_entry(cache, {"side_by_side": [{k: key[k] for k in ("members", "fused_arrays")} for key in keys],
-                                **{k: v for k, v in keys[0].items() if k not in ("members", "fused_arrays")}})
+    entry = cache_entry(cache, {"side_by_side": sorted((_group_key(g, how) for g in groups), key=canonical),
+                                **_settings_key(how, hardware)})
     processes = str(len(groups))
     if processes not in entry["images_per_s"]:
         paces = [pace(how.batch_size, [report]) for report in _side_by_side_steps(groups, how)]
@@ -249,10 +248,20 @@ def cache_entry(cache: list[dict], key: dict) -> dict:
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
+    return {**_group_key(group, how), **_settings_key(how, hardware)}
+
+
+def _group_key(group: GroupSpec, how: Measurement) -> dict:
+    """What of a group decides its rate: its members' modules, optimisers and image sizes, its fused arrays."""
     members = sorted([canonical(m.model), m.optimizer_kind, how.image_sizes[m.input]] for m in group.members)
     arrays = sorted([len(unit), array_fusion(unit)] for unit in group.units() if len(unit) > 1)
-    return {"members": members, "fused_arrays": arrays, "num_classes": how.num_classes,
-            "batch_size": how.batch_size, "precision": str(how.precision),
+    return {"members": members, "fused_arrays": arrays}
+
+
+def _settings_key(how: Measurement, hardware: dict) -> dict:
+    """What of a measurement decides a rate beside the group: the batch, precision, graphs, compilation and
+    the hardware that measures."""
+    return {"num_classes": how.num_classes, "batch_size": how.batch_size, "precision": str(how.precision),
             "cuda_graphs": how.cuda_graphs, "compile": how.compile, **hardware}
 
 
