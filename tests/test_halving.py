@@ -60,6 +60,18 @@ def test_the_driver_saves_and_releases_the_culled_members_and_the_others_train_o
     assert records["a"].converged.startswith("culled at epoch 1: val_accuracy 0.4 ranks 3 of 4")
 
 
+def test_a_member_alone_in_its_group_leaves_culled_not_converged(tmp_path, monkeypatch):
+    """Culled members that are whole groups leave through the scheduler, as converged ones do, and the run says
+    why (a's leaving stops the flotilla under FleetG's 80% rule: c was stopped with it before its cull). Fails
+    if the scheduler's Stop calls a culled member converged."""
+    driver = driver_of([GroupSpec(name, (spec(name),)) for name in "abcd"], tmp_path, monkeypatch)
+    driver.convergence = Convergence(5, None, 0, 0.005, ACCURACY)
+    driver._handle(EpochDone(driver.threads[0], [val("a", 0, 0.4), val("b", 0, 0.9), val("c", 0, 0.2),
+                                                 val("d", 0, 0.7)], []))
+    said = driver.console.file.getvalue()
+    assert "a leaves (culled)" in said and "converged" not in said
+
+
 @pytest.mark.slow
 def test_a_real_run_culls_at_each_rung_and_culled_members_train_no_further_epoch(tiny_dataset, tmp_path):
     """The default ensemble's 4 models, eta 2 from epoch 1, 3 epochs at most: 2 culled after epoch 1, 1 after

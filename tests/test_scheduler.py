@@ -57,7 +57,7 @@ def test_every_decision_names_the_event_that_caused_it():
     decisions = scheduler.handle(RatesMeasured(0.5, "b", (20, 30)))
     assert decisions and {d.cause for d in decisions} == {"RatesMeasured(group=b, rates=(20, 30), start_s=0.0) at 0.500 s"}
     stops = scheduler.handle(GroupConverged(2.25, "b"))  # b runs on both slots (a waits)
-    assert of(Stop, stops) and {d.cause for d in stops} == {"GroupConverged(group=b) at 2.250 s"}
+    assert of(Stop, stops) and {d.cause for d in stops} == {"GroupConverged(group=b, reason=converged) at 2.250 s"}
     fresh = Scheduler(["a"], Cluster(1, 1), Shared({"a": 1}))  # plans without rates
     assert {d.cause for d in fresh.start(1.0)} == {"start at 1.000 s"}
 

@@ -692,8 +692,11 @@ class Driver:
             self.run_ctx.recorder.converged(model, reason)
             self.converged.add(model)
         for group in sorted({self.group_of[model] for model, _ in converging}):
-            if all(m.name in self.converged for m in self.groups[group].members):
-                decisions += self.scheduler.handle(GroupConverged(self.now(), group))
+            members = self.groups[group].members
+            if all(m.name in self.converged for m in members):
+                culled = all(self.run_ctx.recorder.models[m.name].culled for m in members)
+                decisions += self.scheduler.handle(GroupConverged(self.now(), group,
+                                                                  "culled" if culled else "converged"))
                 continue
             for model, reason in converging:  # the rest of its group trains on
                 if self.group_of[model] == group and not self.stopping:

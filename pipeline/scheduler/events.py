@@ -40,10 +40,12 @@ class EpochFinished:
 
 @dataclass(frozen=True)
 class GroupConverged:
-    """The driver's convergence test (e.g. early stopping on `metrics`) fired for `group`."""
+    """The driver's convergence test (e.g. early stopping on `metrics`) fired for `group`, or successive
+    halving culled it (`reason` "culled"): either way it leaves and its slots are freed."""
 
     time: float
     group: str
+    reason: str = "converged"
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ class Checkpoint(Caused):
 class Stop(Caused):
     """Stop the trainers of `group` and release its slots (send `SlotFreed` for each).
 
-    `reason` is "converged", "flotilla stopped", "failed" or "node <i> lost". `flotilla_ends`
+    `reason` is "converged", "culled", "flotilla stopped", "failed" or "node <i> lost". `flotilla_ends`
     is set on the last member: the flotilla's pipeline can be torn down.
     """
 

@@ -238,7 +238,7 @@ class Scheduler:
             return []
         state.status, state.checkpoint_epoch = CONVERGED, state.epochs_done
         checkpoint = Checkpoint(state.flotilla, event.group, state.epochs_done, final=True)
-        return [checkpoint, *self._leave(event.group, "converged")]
+        return [checkpoint, *self._leave(event.group, event.reason)]
 
     def _failed(self, event: TrainerFailed) -> list[Decision]:
         state = self._group(event.group)
