@@ -95,6 +95,8 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
         output_dir = _resumed_folder(cfg)
     check_output_dir(output_dir)
     check(cfg)
+    if cfg.mode == Mode.train and not cfg.cluster.address:  # this host starts the run's children: their fork
+        children_context()  # server imports torch on another core while this process checks and plans
     left = remove_stale_shm()
     if left:
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
@@ -294,8 +296,6 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     image_sizes = {m.name: graph.image_sizes[m.input] for m in models}
     recorder = RunRecorder(models, {name: size.params for name, size in plan.sizes.items()}, image_sizes, parts)
     training_started = time.perf_counter()
-    if not agents:  # this host starts the flotillas' children: their fork server imports while the cluster starts
-        children_context()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes, tls,
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \
