@@ -290,6 +290,33 @@ def test_member_state_is_a_plain_models_checkpoint_that_trains_on_alone(config, 
     assert_member_is(array, 1, model, optimizer)
 
 
+@EVERY_MODEL
+def test_a_host_copy_of_the_states_gives_each_members_checkpoint_as_it_was_then(config):
+    """What a trainer keeps at an epoch's end: one copy per fused tensor, each member's checkpoint built from it
+    later, after more steps. Fails if the copy shares the live tensors, or builds another checkpoint than the
+    array's own (weights, momentum, each member's rates under a schedule)."""
+    array = FusedArray(plain_models(config, 16), **HYPER)
+    schedule = torch.optim.lr_scheduler.LambdaLR(array.optimizer, lambda step: 0.5**step)
+    data = batches(16, steps=3)
+    train_fused(array, data[:2], schedule)
+    copied = array.states("cpu")
+    expected = [array.member_state(i) for i in range(3)]
+    train_fused(array, data[2:], schedule)
+    for i in range(3):
+        state = copied.member(i)
+        assert state["model"].keys() == expected[i]["model"].keys()
+        assert all(torch.equal(state["model"][name], t) for name, t in expected[i]["model"].items())
+        for tensor in state["model"].values():  # the member's own slices
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        momentum = lambda s: {index: buffers["momentum_buffer"] for index, buffers in s["optimizer"]["state"].items()}
+        assert momentum(state).keys() == momentum(expected[i]).keys() != set()
+        assert all(torch.equal(momentum(state)[j], t) for j, t in momentum(expected[i]).items())
+        assert state["optimizer"]["param_groups"] == expected[i]["optimizer"]["param_groups"]
+        assert state["optimizer"]["param_groups"][0]["lr"] == HYPER["lrs"][i] * 0.25
+    now = array.member_state(0)["model"]  # the array trained on meanwhile
+    assert not all(torch.equal(now[name], t) for name, t in expected[0]["model"].items())
+
+
 @pytest.mark.usefixtures("float64")
 @pytest.mark.parametrize("array_steps, alone_steps", [(0, 2), (2, 2), (2, 0)])
 def test_a_member_resumes_from_a_model_trained_alone(array_steps, alone_steps):

@@ -75,8 +75,7 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     images, labels = batch()
     train = lambda: first.step.train({"main": (first.step.normalise(images), torch.from_numpy(labels))})
     train()
-    for name in first.members:
-        first._keep_state(name, accuracy=0.5)  # the end of epoch 1
+    first._keep_states({name: 0.5 for name in first.members})  # the end of epoch 1
     x = first.step.normalise(batch(1)[0])
     before = first.step.predict({"main": x})
     lrs = lambda trainer: [[float(g["lr"]) for g in unit.optimizer.param_groups] for unit in trainer.step.units]
@@ -112,7 +111,7 @@ def test_pruning_keeps_the_newest_checkpoints_and_the_best(tmp_path):
     trainer = Trainer(trainer_spec(GroupSpec("g", (model("a"),), 1), tmp_path), Reports(), pipe)
     for epochs, accuracy in enumerate([0.5, 0.9, 0.6, 0.9, 0.7], start=1):
         trainer.epoch = epochs - 1  # the end of that epoch
-        trainer._keep_state("a", accuracy)
+        trainer._keep_states({"a": accuracy})
         pipe.sent.append(SaveCheckpoint(("a",), epochs))
         trainer._obey()
     assert saved_epochs(tmp_path, "a") == [2, 4, 5]  # the best (the first of equals) and the newest two

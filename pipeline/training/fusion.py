@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,37 @@ class FusedSGD(torch.optim.Optimizer):
             group[key] = group[key][index]
 
 
+@dataclass(frozen=True)
+class ArrayStates:
+    """A fused array's tensors and hyper-parameters at one moment (FusedArray.states), from which each member's
+    plain checkpoint is built when it is wanted (`member`)."""
+
+    plain: nn.Module  # the architecture, on the meta device
+    shapes: dict[str, torch.Size]  # a member's tensor of each state-dict name
+    model: dict[str, torch.Tensor]  # the fused module's state dict
+    buffers: dict[int, tuple[str, torch.Tensor]]  # plain parameter index -> (its name, its fused momentum buffer)
+    scale: float  # the param group's "lr": the schedule's factor on each member's rate
+    initial: float | None  # its "initial_lr", set by an LR scheduler: the rate the schedule's factors multiply
+    lrs: list[float]
+    momenta: list[float]
+    weight_decays: list[float]
+
+    def member(self, i: int) -> dict:
+        """Member i as a plain model's checkpoint: {"model": its state dict, "optimizer": torch.optim.SGD's
+        state dict for it}; both load without the array."""
+        lr = self.lrs[i]
+        plain_optimizer = torch.optim.SGD(self.plain.parameters(), lr=self.scale * lr, momentum=self.momenta[i],
+                                          weight_decay=self.weight_decays[i], nesterov=True).state_dict()
+        if self.initial is not None:
+            plain_optimizer["param_groups"][0]["initial_lr"] = self.initial * lr
+        for index, (name, buffer) in self.buffers.items():
+            plain_optimizer["state"][index] = {"momentum_buffer": _member_view(buffer, self.shapes[name], i).clone()}
+        # Clones: a view would keep (and torch.save would write) every member's storage.
+        model = {name: (t if t.dim() == 0 else _member_view(t, self.shapes[name], i)).clone()
+                 for name, t in self.model.items()}
+        return {"model": model, "optimizer": plain_optimizer}
+
+
 class FusedArray:
     """k models of one architecture trained as one horizontally fused module,
     each with its own SGD hyper-parameters.
@@ -142,23 +174,22 @@ class FusedArray:
         return per_image.view(self.members, -1).mean(1)
 
     def member_state(self, i: int) -> dict:
-        """Member i as a plain model's checkpoint: {"model": its state dict, "optimizer":
-        torch.optim.SGD's state dict for it}; both load without the array."""
+        """Member i as a plain model's checkpoint (ArrayStates.member), from the array's live tensors."""
+        return self.states().member(i)
+
+    def states(self, device=None) -> ArrayStates:
+        """The array's tensors and hyper-parameters now, every member's checkpoint in them; with `device`,
+        copied there, one copy per fused tensor (the host's copy at an epoch's end: a few thousand copies
+        for 100 members, not one per member's tensor)."""
+        take = (lambda t: t.detach().to(device, copy=True)) if device else (lambda t: t)
         group = self.optimizer.param_groups[0]
-        lr = group["lrs"][i].item()
-        plain_optimizer = torch.optim.SGD(
-            self._plain.parameters(), lr=float(group["lr"]) * lr, momentum=group["momenta"][i].item(),
-            weight_decay=group["weight_decays"][i].item(), nesterov=True).state_dict()
-        if "initial_lr" in group:  # set by an LR scheduler: the rate its factors multiply
-            plain_optimizer["param_groups"][0]["initial_lr"] = float(group["initial_lr"]) * lr
-        for index, (name, p) in enumerate(self._named_parameters()):
-            if "momentum_buffer" in self.optimizer.state.get(p, {}):
-                buffer = self._member_view(self.optimizer.state[p]["momentum_buffer"], name, i)
-                plain_optimizer["state"][index] = {"momentum_buffer": buffer.clone()}
-        # Clones: a view would keep (and torch.save would write) every member's storage.
-        model = {name: (t if t.dim() == 0 else self._member_view(t, name, i)).clone()
-                 for name, t in self.module.state_dict().items()}
-        return {"model": model, "optimizer": plain_optimizer}
+        buffers = {index: (name, take(self.optimizer.state[p]["momentum_buffer"]))
+                   for index, (name, p) in enumerate(self._named_parameters())
+                   if "momentum_buffer" in self.optimizer.state.get(p, {})}
+        model = {name: take(t) for name, t in self.module.state_dict().items()}
+        return ArrayStates(self._plain, self._plain_shapes, model, buffers, float(group["lr"]),
+                           float(group["initial_lr"]) if "initial_lr" in group else None,
+                           group["lrs"].tolist(), group["momenta"].tolist(), group["weight_decays"].tolist())
 
     def load_member_state(self, i: int, state: dict) -> None:
         """Member i resumes from `state` (a `member_state`, or a plain model's and its
@@ -219,7 +250,7 @@ class FusedArray:
         return [(name, params[name]) for name, _ in self._plain.named_parameters()]
 
     def _member_view(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
-        return t.view(self.members, *self._plain_shapes[name])[i]
+        return _member_view(t, self._plain_shapes[name], i)
 
     def _write_member(self, i: int, plain_state: dict) -> None:
         for name, t in self.module.state_dict().items():
@@ -229,6 +260,11 @@ class FusedArray:
     def _check_plain_state(self, state: dict) -> None:
         if {name: t.shape for name, t in state.items()} != self._plain_shapes:
             raise ValueError("a model's state does not match the fused array's architecture (names or shapes differ)")
+
+
+def _member_view(t: torch.Tensor, shape: torch.Size, i: int) -> torch.Tensor:
+    """Member i's tensor of the plain `shape` in the fused tensor `t` (member-major: the module's docstring)."""
+    return t.view(-1, *shape)[i]
 
 
 def _fused_structure(plain: nn.Module, members: int) -> nn.Module:

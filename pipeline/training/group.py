@@ -250,12 +250,37 @@ class _Solo(_OneOptimizer):
     def member_state(self, index: int) -> dict:
         return _plain_checkpoint(self.module.state_dict(), self.optimizer, self.schedule)
 
+    def host_states(self) -> list:
+        return _copied_each(self)
+
     def member_rate(self, index: int) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         _load_plain_checkpoint(state, self.optimizer, self.schedule)
+
+
+def _copied_each(unit) -> list:
+    """`host_states` of a unit whose members' tensors are their own: each member's state copied now."""
+    return [functools.partial(_given, _to_host(unit.member_state(index))) for index in range(len(unit.names))]
+
+
+def _given(state: dict) -> dict:
+    return state
+
+
+def _to_host(value):
+    """`value` with every tensor copied to host memory (the live ones go on training)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(item) for item in value)
+    return value
 
 
 def _loss_on(m: ModelSpec, device):
@@ -321,12 +346,13 @@ class _Array(_OneOptimizer):
         return self.net(x)
 
     def member_state(self, index: int) -> dict:
-        """Member `index` as a plain model's checkpoint, its schedule's state a plain one's (its own rates)."""
-        state = self.array.member_state(index)
-        (group,) = state["optimizer"]["param_groups"]
-        schedule = self.schedule.state_dict()
-        schedule.update(base_lrs=[group.get("initial_lr", group["lr"])], _last_lr=[group["lr"]])
-        return {**state, "lr_scheduler": schedule}
+        return _array_member(self.array.states(), self.schedule.state_dict(), index)
+
+    def host_states(self) -> list:
+        """The array's tensors copied to the host once (one copy per fused tensor); each member's state is
+        built from them when it is called."""
+        states, schedule = self.array.states("cpu"), self.schedule.state_dict()
+        return [functools.partial(_array_member, states, schedule, index) for index in range(len(self.names))]
 
     def member_rate(self, index: int) -> float:
         (group,) = self.optimizer.param_groups
@@ -347,6 +373,15 @@ class _Array(_OneOptimizer):
         self.names = self.names[:index] + self.names[index + 1:]
         if self.compiled_with is not None:
             self.module.compile(**self.compiled_with)
+
+
+def _array_member(states, schedule: dict, index: int) -> dict:
+    """Member `index` of a fused array as a plain model's checkpoint, its schedule's state a plain one's (its own
+    rates)."""
+    state = states.member(index)
+    (group,) = state["optimizer"]["param_groups"]
+    rates = {"base_lrs": [group.get("initial_lr", group["lr"])], "_last_lr": [group["lr"]]}
+    return {**state, "lr_scheduler": {**schedule, **rates}}
 
 
 class _Stacked:
@@ -376,6 +411,9 @@ class _Stacked:
         # Clones: a view would keep (and torch.save would write) every member's rows.
         model = {name: t.clone() for name, t in self.array.nets[index].state_dict().items()}
         return _plain_checkpoint(model, self.optimizers[index], self.schedules[index])
+
+    def host_states(self) -> list:
+        return _copied_each(self)
 
     def member_rate(self, index: int) -> float:
         return float(self.optimizers[index].param_groups[0]["lr"])
@@ -577,6 +615,11 @@ class GroupStep:
         optimiser's and schedule's state dicts, as a plain member's would be."""
         unit, index = self._find(name)
         return unit.member_state(index)
+
+    def host_states(self) -> dict:
+        """Every member's state now, copied to host memory: name -> a call that returns its checkpoint (as
+        `state`). Built as it is called, from one copy of each fused tensor for a fused array's members."""
+        return {name: build for unit in self.units for name, build in zip(unit.names, unit.host_states())}
 
     def rate(self, name: str) -> float:
         """A member's learning rate now (a host sync on a GPU: once an epoch, not a step)."""

@@ -224,9 +224,10 @@ class Trainer:
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
         self.epoch = self._resume() if spec.start_epoch else 0  # the group's own count, in any flotilla
-        # rank 0: model -> epochs -> host copy of its state then, for the two last finished epochs (on a stop,
-        # the driver asks for the last one it heard of; the trainer may have finished the next meanwhile)
-        self.finished: dict[str, dict[int, dict]] = {}
+        # rank 0: model -> epochs -> (its state then, copied to the host: a call that builds its checkpoint; its
+        # accuracy), for the two last finished epochs (on a stop, the driver asks for the last one it heard of;
+        # the trainer may have finished the next meanwhile)
+        self.finished: dict[str, dict[int, tuple]] = {}
         self.val_probs: dict[str, list] = {name: [] for name in self.members}  # rank 0's, batch by batch
         self.val_labels: dict[str, list] = {sink: [] for sink in spec.group.inputs}
         self._reset_epoch()
@@ -364,34 +365,39 @@ class Trainer:
         torch = self.torch
         labels = {sink: torch.cat(ys).cpu().numpy() if ys else np.zeros(0, np.int64)
                   for sink, ys in self.val_labels.items()}
+        reports = []
         for name in self.members:
             chunks = self.val_probs[name]
             probs = (torch.cat(chunks).cpu().numpy() if chunks
                      else np.zeros((0, self.spec.setup.num_classes), np.float32))
             truth = labels[self.models[name].input]
             accuracy = float((probs.argmax(1) == truth).mean()) if len(truth) else float("nan")
-            self._keep_state(name, accuracy)  # before the report: the driver may ask for its checkpoint at once
-            self.reports.send(ValReport(name, self.epoch, accuracy, probs, truth))
+            reports.append(ValReport(name, self.epoch, accuracy, probs, truth))
             self.val_probs[name] = []
         self.val_labels = {sink: [] for sink in self.val_labels}
+        self._keep_states({report.model: report.accuracy for report in reports})
+        for report in reports:  # after the states: the driver may ask for a checkpoint at once
+            self.reports.send(report)
 
-    def _keep_state(self, name: str, accuracy: float) -> None:
-        """A host copy of `name`'s state after this epoch: the checkpoint the driver may ask for, while
-        the model trains on (a stop mid-epoch saves the last finished epoch, not half of the next)."""
+    def _keep_states(self, accuracies: dict[str, float]) -> None:
+        """A host copy of every member's state after this epoch: the checkpoints the driver may ask for,
+        while the models train on (a stop mid-epoch saves the last finished epoch, not half of the next)."""
         epochs = self.epoch + 1
-        state = _to_host({**self.step.state(name), "epochs_done": epochs, "val_accuracy": accuracy,
-                          "member": asdict(self.models[name])})
-        kept = self.finished.setdefault(name, {})
-        kept[epochs] = state
-        kept.pop(epochs - 2, None)
+        for name, state in self.step.host_states().items():
+            kept = self.finished.setdefault(name, {})
+            kept[epochs] = (state, accuracies[name])
+            kept.pop(epochs - 2, None)
 
     def _save(self, models: tuple[str, ...], epochs: int) -> None:
         """checkpoints/<model>/epoch<k>.pt after k epochs: a plain model's state (it loads without the group)."""
         for name in models:
-            state = self.finished.get(name, {}).get(epochs)
-            if state is None:
+            kept = self.finished.get(name, {}).get(epochs)
+            if kept is None:
                 raise RuntimeError(f"the driver asked for {name}'s checkpoint after {epochs} epochs, but this "
                                    f"trainer keeps its state after {sorted(self.finished.get(name, {}))}")
+            state_of, accuracy = kept
+            state = {**state_of(), "epochs_done": epochs, "val_accuracy": accuracy,
+                     "member": asdict(self.models[name])}
             with written_whole(checkpoint_path(self.spec.setup.checkpoint_dir, name, epochs)) as file:
                 self.torch.save(state, file)  # never a half-written checkpoint
             best = note_best(self.spec.setup.checkpoint_dir, name, epochs, state["val_accuracy"])
@@ -399,16 +405,3 @@ class Trainer:
                 if older != best:
                     checkpoint_path(self.spec.setup.checkpoint_dir, name, older).unlink(missing_ok=True)
             self.reports.send(CheckpointSaved(self.spec.group.name, name, epochs))
-
-
-def _to_host(value):
-    """`value` with every tensor copied to host memory (the live ones go on training)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(item) for item in value)
-    return value

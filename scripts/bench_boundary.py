@@ -1,0 +1,112 @@
+"""Benchmark of a trainer's epoch boundary on the paper ensemble's families (docs/benchmarks.md, "The
+epoch boundary's host copy"): the 5 architectures of `+ensemble=caltech256_paper`, --members of each
+(different learning rates), one group, fused by family, as `trainer.grouping=fuse` lays them out; each
+member's state is copied to host memory as the trainer keeps it at an epoch's end, timed two ways side by
+side, alternating, one after the other on one group:
+
+* each-member: every member's state built on the device and copied to the host on its own
+  (`GroupStep.state` and a copy of each tensor): how the trainer kept states before;
+* host-states: `GroupStep.host_states()`, one copy of each fused tensor, as the trainer keeps them now
+  (the "kept" column); then every member's checkpoint built from it ("built"), which a checkpoint every
+  epoch (the default) does when it is written.
+
+Widths are the paper's divided by --narrow (1: the paper's own; on CPU 100 members at full width need
+about 20 GB for the weights, the momentum and the copies).
+
+    python scripts/bench_boundary.py --members 20 --narrow 8
+    python scripts/bench_boundary.py --device cuda --members 20 --narrow 1 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+import torch
+
+from pipeline.training.group import GroupSpec, GroupStep, Precision
+from pipeline.training.members import with_defaults
+
+RESNET, DENSENET = "pipeline.training.models.resnet", "pipeline.training.models.densenet"
+
+
+def families(narrow: int) -> dict[str, dict]:
+    """The paper ensemble's architectures (conf/ensemble/caltech256_paper.yaml), widths divided by `narrow`."""
+    return {"resnet10_w32": {"_target_": RESNET, "depth": 10, "width": 32 // narrow},
+            "resnet18": {"_target_": RESNET, "depth": 18, "width": 64 // narrow},
+            "resnet34": {"_target_": RESNET, "depth": 34, "width": 64 // narrow},
+            "densenet121": {"_target_": DENSENET, "depth": 121, "growth_rate": 32 // narrow, "width": 64 // narrow},
+            "densenet169": {"_target_": DENSENET, "depth": 169, "growth_rate": 32 // narrow, "width": 64 // narrow}}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copied(value):
+    """`value` with every tensor copied to host memory, one tensor at a time."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: copied(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(item) for item in value)
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--members", type=int, default=20, help="members of each of the 5 families")
+    parser.add_argument("--narrow", type=int, default=8, help="the paper's widths divided by this")
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    models = [with_defaults(f"{family}_lr{i}", model, lr=0.1 / (i + 1))
+              for family, model in families(args.narrow).items() for i in range(args.members)]
+    step = GroupStep(GroupSpec("paper", tuple(models), array_size=args.members), 257,
+                     {"main": args.image_size}, device, 100, precision=Precision.fp32)
+    random = np.random.default_rng(0)
+    images = random.integers(0, 256, (args.batch, args.image_size, args.image_size, 3), dtype=np.uint8)
+    labels = torch.from_numpy(random.integers(0, 257, args.batch)).to(device)
+    step.train({"main": (step.normalise(images), labels)})  # momentum buffers, as after an epoch
+    tensors = sum(len(state["model"]) + len(state["optimizer"]["state"])
+                  for state in (step.state(name) for name in step.names))
+    print(f"{platform.processor() or platform.machine()}, {args.device}, {len(models)} members in "
+          f"{len(step.units)} fused arrays, widths / {args.narrow}; {tensors} tensors in their states")
+
+    def each_member() -> dict:
+        started = time.perf_counter()
+        states = {name: copied(step.state(name)) for name in step.names}
+        synchronize(device)
+        return {"kept": time.perf_counter() - started, "built": 0.0, "states": states}
+
+    def host_states() -> dict:
+        started = time.perf_counter()
+        builds = step.host_states()
+        synchronize(device)
+        kept = time.perf_counter() - started
+        started = time.perf_counter()
+        states = {name: build() for name, build in builds.items()}
+        return {"kept": kept, "built": time.perf_counter() - started, "states": states}
+
+    ways = {"each-member": each_member, "host-states": host_states}
+    for round_ in range(1, args.rounds + 1):
+        order = list(ways) if round_ % 2 else list(ways)[::-1]
+        timed = {way: ways[way]() for way in order}
+        baseline = timed["each-member"]["kept"]
+        for way in ways:
+            t = timed[way]
+            print(f"round {round_} {way:12s} kept {t['kept']:7.3f} s ({t['kept'] / baseline:.2f}x)   "
+                  f"built {t['built']:7.3f} s   kept and built {(t['kept'] + t['built']) / baseline:.2f}x")
+        one, other = (timed[way]["states"] for way in ways)
+        assert all(torch.equal(one[name]["model"][key], t) for name in one
+                   for key, t in other[name]["model"].items()), "the two ways copied different states"
+
+
+if __name__ == "__main__":
+    main()
