@@ -10,6 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
     key_file = tmp_path / "agent.key"
     key_file.write_text(AGENT_KEY)
     key_file.chmod(0o600)
-    env = {**os.environ, AGENT_KEY_ENV: AGENT_KEY}
+    env = {**os.environ, AGENT_KEY_ENV: AGENT_KEY, "PYTHONUNBUFFERED": "1"}  # prints and logging in their order
     with Hosts(HOSTS) as hosts, dask_scheduler(hosts, tmp_path, tls_files) as address, \
             Client(address, security=security, timeout="30s") as client:
         logs = [open(tmp_path / f"agent{node}.log", "w+") for node in (0, 1)]
@@ -205,6 +206,21 @@ def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, t
             measure_rate_table([GroupSpec("resnet11", (resnet11,))], 1, how, tmp_path / "bad_cache.json")
 
 
+def stacks(processes: list) -> dict:
+    """Every thread's stack in each of `processes` (pids or psutil processes), by py-spy: what a check that
+    failed on a process still running shows about it."""
+    found = {}
+    for process in processes:
+        pid = getattr(process, "pid", process)
+        try:
+            dumped = subprocess.run([Path(sys.executable).with_name("py-spy"), "dump", "--pid", str(pid)],
+                                    capture_output=True, text=True, timeout=30)
+            found[pid] = dumped.stdout + dumped.stderr
+        except (OSError, subprocess.TimeoutExpired) as err:
+            found[pid] = f"no stack: {err}"
+    return found
+
+
 def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path):
     """While a flotilla trains (its first epoch validated: the hubs' process group spans the hosts), every
     socket listening on an agent's host is on its address or loopback (not on every interface: the agents'
@@ -246,7 +262,8 @@ def _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overri
         assert own in found <= {own, LOOPBACK}, found
     assert at_driver == set()
     _, alive = psutil.wait_procs(running, timeout=10)
-    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert not alive, ([(p.pid, p.name()) for p in alive], stacks([agent.pid for agent in agents] + alive),
+                       [(tmp_path / f"agent{n}.log").read_text()[-3000:] for n in (0, 1)])
     assert all(agent.poll() is None for agent in agents)
     # ...and then removes the run's cache there.
     stores = lambda: [name for name in os.listdir("/dev/shm")
