@@ -2,6 +2,7 @@
 in which order; and the scheduler's state it saves, which a resumed run continues from."""
 import io
 import queue
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -271,3 +272,41 @@ def test_a_hub_held_back_by_a_compiling_trainer_waits_as_long_as_it_compiles_the
         for now[0] in range(3000, 3700, 30):
             watch.check()
     assert now[0] == 2940 + 600  # stall_s after the last look that saw it compiling
+
+
+def test_checkpoints_of_groups_that_stay_are_not_awaited_and_none_is_asked_for_twice():
+    """EpochBoundary.save on a stand-in flotilla whose trainers write a checkpoint only when told to: a leaving
+    group's checkpoint is awaited; one of a group that trains on is asked for and left to come later; asked
+    for again (a stop, a new layout), it is awaited, not asked for twice. Fails if a staying group's
+    checkpoint holds the boundary (the first call would wait past its deadline and raise), or if one is
+    written twice."""
+    from pipeline.orchestration.driver import EpochBoundary
+    from pipeline.training.reports import CheckpointSaved
+
+    class Trainers:  # of the flotilla: they write what `written` says they wrote, each reported once
+        def __init__(self):
+            self.asked, self.written = [], []
+
+        def save(self, group, models, epochs):
+            self.asked.append((group, models, epochs))
+
+        def failed_members(self):
+            return {}
+
+        def poll(self, timeout=None):
+            reports, self.written = [CheckpointSaved(*saved) for saved in self.written], []
+            return reports
+
+    flotilla = Trainers()
+    asked = flotilla.asked
+    thread = SimpleNamespace(run_ctx=SimpleNamespace(report_s=1.0), flotilla_id=0, members=[],
+                             check_stop=lambda: None)
+    boundary = EpochBoundary(thread)
+    flotilla.written.append(("leaving", "b", 1))
+    assert boundary.save(flotilla, {("staying", "a"): 1, ("leaving", "b"): 1}, time.monotonic() + 1.0,
+                         awaited={"leaving"}) == {"leaving"}
+    assert asked == [("staying", ("a",), 1), ("leaving", ("b",), 1)]
+    assert boundary.saved == {"b": 1}  # a's is still being written
+    flotilla.written.append(("staying", "a", 1))
+    assert boundary.save(flotilla, {("staying", "a"): 1}, time.monotonic() + 1.0) == {"staying"}
+    assert asked == [("staying", ("a",), 1), ("leaving", ("b",), 1)] and boundary.saved == {"b": 1, "a": 1}

@@ -82,7 +82,8 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     lrs_then = lrs(first)
     train()  # epoch 2 goes on before the driver's command comes
     pipe.sent.append(SaveCheckpoint(("a", "b", "c"), 1))
-    first._obey()
+    first._obey()  # the writer thread writes them
+    first.written(wait=True)
     assert drain(reports) == [CheckpointSaved("g", name, 1) for name in "abc"]
     resumed = Trainer(trainer_spec(group, tmp_path, start=1), Reports())
     assert resumed.epoch == 1
@@ -114,6 +115,7 @@ def test_pruning_keeps_the_newest_checkpoints_and_the_best(tmp_path):
         trainer._keep_states({"a": accuracy})
         pipe.sent.append(SaveCheckpoint(("a",), epochs))
         trainer._obey()
+        trainer.written(wait=True)
     assert saved_epochs(tmp_path, "a") == [2, 4, 5]  # the best (the first of equals) and the newest two
     assert json.loads((tmp_path / "a" / "best.json").read_text()) == {"epochs": 2, "val_accuracy": 0.9}
 

@@ -336,6 +336,7 @@ class EpochBoundary:
         # model -> epochs of its newest checkpoint (where it started, or written since)
         self.saved: dict[str, int] = {m.name: member.start_epoch for member in thread.members
                                       for m in member.group.members}
+        self.asked: dict[str, int] = {}  # model -> epochs of the newest checkpoint its trainer was asked for
         self.saved_on_stop: dict[str, int] = {}  # group -> epochs
         self.taken_in: list[Member] = []  # their trainers started: attached to the running hub at the next boundary
         self.joining: list[Member] = []  # to lay the flotilla out again with, at the next epoch boundary
@@ -370,12 +371,14 @@ class EpochBoundary:
                 training = {m.name for m in flotilla.members[command.group].group.members}
                 wanted.update({(command.group, model): command.epochs for model in command.models
                                if model in training and self.saved.get(model) != command.epochs})
-        self.save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s)
+        leaving = [command.group for command in commands if isinstance(command, StopMember)]
+        # Checkpoints of the groups that stay are written while they train on; a leaving group's trainers
+        # are stopped, so its own are awaited first.
+        self.save(flotilla, wanted, time.monotonic() + self.run_ctx.report_s, awaited=set(leaving))
         for command in commands:
             if isinstance(command, ReleaseModel) and command.group in flotilla.members:
                 flotilla.release(command.group, command.model)  # before the next batch is published
         self.take_in(flotilla)
-        leaving = [command.group for command in commands if isinstance(command, StopMember)]
         stopped_early = [m for m in self.joining + self.taken_in if m.group.name in leaving]  # before they joined
         for member in stopped_early:
             flotilla.remove(member.group.name)
@@ -431,16 +434,21 @@ class EpochBoundary:
             f"flotilla {self.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
 
     def save(self, flotilla: Flotilla, wanted: dict[tuple[str, str], int], deadline: float,
-             stopping: bool = False) -> set[str]:
-        """The trainers write the `wanted` checkpoints; returns the groups whose every wanted one is written.
-        A group that fails meanwhile is left to the next round; past `deadline` a stop goes on without
-        the rest, a run fails (the trainer is hung)."""
+             stopping: bool = False, awaited: set[str] | None = None) -> set[str]:
+        """The trainers write the `wanted` checkpoints (those not asked for already). It waits for those of
+        the `awaited` groups (None: every group), and returns the awaited groups whose every wanted one is
+        written; the others' CheckpointSaved come as they train on. A group that fails meanwhile is left to the next
+        round; past `deadline` a stop goes on without the rest, a run fails (the trainer is hung)."""
         by_group: dict[tuple[str, int], list[str]] = {}
         for (group, model), epochs in wanted.items():
-            by_group.setdefault((group, epochs), []).append(model)
+            if self.asked.get(model) != epochs:
+                by_group.setdefault((group, epochs), []).append(model)
+                self.asked[model] = epochs
         for (group, epochs), models in by_group.items():
             flotilla.save(group, tuple(models), epochs)
-        waiting = dict(wanted)
+        waiting = {(group, model): epochs for (group, model), epochs in wanted.items()
+                   if awaited is None or group in awaited}
+        awaited_groups = {group for group, _ in waiting}
         while waiting:
             if not stopping:
                 self.thread.check_stop()  # a stop request does not wait for a trainer that may be hung
@@ -455,7 +463,7 @@ class EpochBoundary:
                 raise HangError(f"flotilla {self.flotilla_id}: checkpoints of {sorted(m for _, m in waiting)} "
                                 f"not written in {self.run_ctx.report_s:g} s (timeouts.report_s)")
             self.forward(flotilla.poll(timeout=0.2))
-        return {group for group, _ in wanted} - {group for group, _ in waiting}
+        return awaited_groups - {group for group, _ in waiting}
 
     def save_on_stop(self, flotilla: Flotilla) -> None:
         """The run stops: every member's last finished epoch (that the main thread knows of) is checkpointed."""

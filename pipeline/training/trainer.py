@@ -15,8 +15,10 @@ host copy of every member's state, and writes it when the driver says so.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import threading
 import time
 import traceback
 import zlib
@@ -116,10 +118,11 @@ def trainer_main(spec: TrainerSpec, readers: dict, in_hand: StepInHand, *, to_pa
     """Process entry point (runtime.child.Child): train until the rings say STOP, reporting to the
     driver and taking its commands between batches."""
     child_started("trainer")
+    reports = _OneAtATime(to_parent)  # the training loop's, the checkpoint writer's and a failure's
     try:
-        Trainer(spec, to_parent, from_parent, in_hand).consume(readers)
+        Trainer(spec, reports, from_parent, in_hand).consume(readers)
     except BaseException:  # the driver names the group and shows the traceback, once
-        tell_parent(to_parent, TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
+        tell_parent(reports, TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
@@ -196,8 +199,9 @@ class DeviceFeed:
 
 class Trainer:
     def __init__(self, spec: TrainerSpec, reports, commands=None, in_hand: StepInHand | None = None):
-        """`reports`: where it sends its reports (the driver's pipe); `commands`: the pipe it reads the
-        driver's commands from (None: no driver)."""
+        """`reports`: where it sends its reports (the driver's pipe), from the training loop and from the
+        thread that writes checkpoints; `commands`: the pipe it reads the driver's commands from (None: no
+        driver)."""
         import torch
 
         self.torch, self.spec, self.reports, self.commands = torch, spec, reports, commands
@@ -228,6 +232,9 @@ class Trainer:
         # accuracy), for the two last finished epochs (on a stop, the driver asks for the last one it heard of;
         # the trainer may have finished the next meanwhile)
         self.finished: dict[str, dict[int, tuple]] = {}
+        # rank 0's checkpoints are written on a thread of their own while the group trains on
+        self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoints")
+        self.writing: list[concurrent.futures.Future] = []
         self.val_probs: dict[str, list] = {name: [] for name in self.members}  # rank 0's, batch by batch
         self.val_labels: dict[str, list] = {sink: [] for sink in spec.group.inputs}
         self._reset_epoch()
@@ -262,6 +269,7 @@ class Trainer:
 
     def _obey(self) -> None:
         """The driver's commands so far (sent before the batches they apply to)."""
+        self.written()
         while self.commands is not None and self.commands.poll():
             command = self.commands.recv()
             if isinstance(command, SaveCheckpoint):
@@ -307,6 +315,8 @@ class Trainer:
                     self._finish_validation()
                     self.epoch += 1
             waited = time.perf_counter()
+        self.written(wait=True)
+        self.writer.shutdown()
         self.reports.send(TrainerDone(self.spec.group.name, self.spec.rank, self.checksums))
 
     def _on_device(self, batch: dict, rows=slice(None)) -> dict[str, tuple]:
@@ -389,19 +399,49 @@ class Trainer:
             kept.pop(epochs - 2, None)
 
     def _save(self, models: tuple[str, ...], epochs: int) -> None:
-        """checkpoints/<model>/epoch<k>.pt after k epochs: a plain model's state (it loads without the group)."""
+        """checkpoints/<model>/epoch<k>.pt after k epochs, a plain model's state (it loads without the group),
+        written on the writer thread while the group trains on; CheckpointSaved follows each. The writes asked
+        for before finish first: the host copies they hold are what bounds this process's memory."""
+        written = []
         for name in models:
             kept = self.finished.get(name, {}).get(epochs)
             if kept is None:
                 raise RuntimeError(f"the driver asked for {name}'s checkpoint after {epochs} epochs, but this "
                                    f"trainer keeps its state after {sorted(self.finished.get(name, {}))}")
-            state_of, accuracy = kept
+            written.append((name, *kept))
+        self.written(wait=True)
+        self.writing.append(self.writer.submit(self._write, written, epochs))
+
+    def _write(self, written: list[tuple], epochs: int) -> None:
+        """On the writer thread: each (model, a call that builds its state, its accuracy) to its checkpoint."""
+        for name, state_of, accuracy in written:
             state = {**state_of(), "epochs_done": epochs, "val_accuracy": accuracy,
                      "member": asdict(self.models[name])}
             with written_whole(checkpoint_path(self.spec.setup.checkpoint_dir, name, epochs)) as file:
                 self.torch.save(state, file)  # never a half-written checkpoint
-            best = note_best(self.spec.setup.checkpoint_dir, name, epochs, state["val_accuracy"])
+            best = note_best(self.spec.setup.checkpoint_dir, name, epochs, accuracy)
             for older in saved_epochs(self.spec.setup.checkpoint_dir, name)[:-CHECKPOINTS_KEPT]:
                 if older != best:
                     checkpoint_path(self.spec.setup.checkpoint_dir, name, older).unlink(missing_ok=True)
             self.reports.send(CheckpointSaved(self.spec.group.name, name, epochs))
+
+    def written(self, wait: bool = False) -> None:
+        """Raises here what failed on the writer thread; with `wait`, once every write asked for is done."""
+        if wait:
+            concurrent.futures.wait(self.writing)
+        done = [future for future in self.writing if future.done()]
+        self.writing = [future for future in self.writing if not future.done()]
+        for future in done:
+            future.result()
+
+
+class _OneAtATime:
+    """The driver's pipe, shared by the training loop and the checkpoint writer's thread: a message is sent
+    whole before the next."""
+
+    def __init__(self, pipe):
+        self.pipe, self.lock = pipe, threading.Lock()
+
+    def send(self, message) -> None:
+        with self.lock:
+            self.pipe.send(message)
