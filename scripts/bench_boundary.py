@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from pipeline.training.group import GroupSpec, GroupStep, Precision
+from pipeline.training.group import GroupSpec, GroupStep, Precision, to_host
 from pipeline.training.members import with_defaults
 
 RESNET, DENSENET = "pipeline.training.models.resnet", "pipeline.training.models.densenet"
@@ -43,17 +43,6 @@ def families(narrow: int) -> dict[str, dict]:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copied(value):
-    """`value` with every tensor copied to host memory, one tensor at a time."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: copied(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(copied(item) for item in value)
-    return value
 
 
 def main() -> None:
@@ -81,7 +70,7 @@ def main() -> None:
 
     def each_member() -> dict:
         started = time.perf_counter()
-        states = {name: copied(step.state(name)) for name in step.names}
+        states = {name: to_host(step.state(name)) for name in step.names}
         synchronize(device)
         return {"kept": time.perf_counter() - started, "built": 0.0, "states": states}
 

@@ -278,14 +278,16 @@ def test_checkpoints_of_groups_that_stay_are_not_awaited_and_none_is_asked_for_t
     """EpochBoundary.save on a stand-in flotilla whose trainers write a checkpoint only when told to: a leaving
     group's checkpoint is awaited; one of a group that trains on is asked for and left to come later; asked
     for again (a stop, a new layout), it is awaited, not asked for twice. Fails if a staying group's
-    checkpoint holds the boundary (the first call would wait past its deadline and raise), or if one is
-    written twice."""
+    checkpoint holds the boundary (the first call would wait past its deadline and raise), if one is
+    written twice, or if a stop does not wait for one asked for earlier."""
     from pipeline.orchestration.driver import EpochBoundary
+    from pipeline.runtime.hang import HangError
     from pipeline.training.reports import CheckpointSaved
 
     class Trainers:  # of the flotilla: they write what `written` says they wrote, each reported once
         def __init__(self):
             self.asked, self.written = [], []
+            self.members = {"staying": None, "leaving": None}
 
         def save(self, group, models, epochs):
             self.asked.append((group, models, epochs))
@@ -307,6 +309,14 @@ def test_checkpoints_of_groups_that_stay_are_not_awaited_and_none_is_asked_for_t
                          awaited={"leaving"}) == {"leaving"}
     assert asked == [("staying", ("a",), 1), ("leaving", ("b",), 1)]
     assert boundary.saved == {"b": 1}  # a's is still being written
+    del flotilla.members["leaving"]  # as the boundary then removes it
     flotilla.written.append(("staying", "a", 1))
     assert boundary.save(flotilla, {("staying", "a"): 1}, time.monotonic() + 1.0) == {"staying"}
     assert asked == [("staying", ("a",), 1), ("leaving", ("b",), 1)] and boundary.saved == {"b": 1, "a": 1}
+    # A stop waits for what was asked of a group that trains on, though it is not wanted again (a member
+    # released from it, whose final checkpoint is being written)
+    boundary.save(flotilla, {("staying", "c"): 2}, time.monotonic() + 1.0, awaited={"leaving"})
+    with pytest.raises(HangError, match=r"checkpoints of \['c'\] not written"):
+        boundary.save(flotilla, {}, time.monotonic() + 0.5)
+    flotilla.written.append(("staying", "c", 2))
+    assert boundary.save(flotilla, {}, time.monotonic() + 1.0) == {"staying"}

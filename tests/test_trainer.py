@@ -1,5 +1,6 @@
 """The trainer process's parts, in this process: checkpoints and resume of every member of a group, the
 device feed's hand-back of ring buffers, and steps that never wait for the device."""
+import concurrent.futures
 import contextlib
 import json
 import multiprocessing as mp
@@ -118,6 +119,24 @@ def test_pruning_keeps_the_newest_checkpoints_and_the_best(tmp_path):
         trainer.written(wait=True)
     assert saved_epochs(tmp_path, "a") == [2, 4, 5]  # the best (the first of equals) and the newest two
     assert json.loads((tmp_path / "a" / "best.json").read_text()) == {"epochs": 2, "val_accuracy": 0.9}
+
+
+def test_a_checkpoint_that_fails_to_be_written_fails_the_trainer_at_its_next_command(tmp_path, monkeypatch):
+    """The writer thread's error is raised in the training loop, where a trainer's failures are reported;
+    the loop went on meanwhile. Fails if the writer's error is lost."""
+    def full_disk(state, file):
+        raise OSError(28, "No space left on device")
+
+    pipe = Pipe()
+    trainer = Trainer(trainer_spec(GroupSpec("g", (model("a"),), 1), tmp_path), Reports(), pipe)
+    trainer._keep_states({"a": 0.5})
+    monkeypatch.setattr(torch, "save", full_disk)
+    pipe.sent.append(SaveCheckpoint(("a",), 1))
+    trainer._obey()  # queued: the loop goes on
+    concurrent.futures.wait(trainer.writing)
+    with pytest.raises(OSError, match="No space left on device"):
+        trainer._obey()
+    assert not (tmp_path / "a" / "epoch1.pt").exists()
 
 
 def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):

@@ -336,7 +336,8 @@ class EpochBoundary:
         # model -> epochs of its newest checkpoint (where it started, or written since)
         self.saved: dict[str, int] = {m.name: member.start_epoch for member in thread.members
                                       for m in member.group.members}
-        self.asked: dict[str, int] = {}  # model -> epochs of the newest checkpoint its trainer was asked for
+        # model -> (its group, epochs) of the newest checkpoint its trainer was asked for
+        self.asked: dict[str, tuple[str, int]] = {}
         self.saved_on_stop: dict[str, int] = {}  # group -> epochs
         self.taken_in: list[Member] = []  # their trainers started: attached to the running hub at the next boundary
         self.joining: list[Member] = []  # to lay the flotilla out again with, at the next epoch boundary
@@ -429,25 +430,29 @@ class EpochBoundary:
 
     def _joined(self, member: Member, epoch: int, how: str) -> None:
         self.saved.update({m.name: member.start_epoch for m in member.group.members})
+        for m in member.group.members:  # new trainers: nothing asked of them yet
+            self.asked.pop(m.name, None)
         self.run_ctx.recorder.joined(member.group, self.flotilla_id, member.devices, member.start_epoch, epoch, how)
         self.run_ctx.progress.console.print(
             f"flotilla {self.flotilla_id}: {member.group.name} joins its stream at epoch {epoch + 1} ({how})")
 
     def save(self, flotilla: Flotilla, wanted: dict[tuple[str, str], int], deadline: float,
              stopping: bool = False, awaited: set[str] | None = None) -> set[str]:
-        """The trainers write the `wanted` checkpoints (those not asked for already). It waits for those of
-        the `awaited` groups (None: every group), and returns the awaited groups whose every wanted one is
-        written; the others' CheckpointSaved come as they train on. A group that fails meanwhile is left to the next
-        round; past `deadline` a stop goes on without the rest, a run fails (the trainer is hung)."""
+        """The trainers write the `wanted` checkpoints (those not asked for already). It waits for every
+        checkpoint asked for and not yet written of the `awaited` groups in the flotilla (None: every group;
+        a member released from a group that trains on, too), and returns the awaited groups whose every
+        one is written; the others' CheckpointSaved come as they train on. A group that fails meanwhile is
+        left to the next round; past `deadline` a stop goes on without the rest, a run fails (the trainer is
+        hung)."""
         by_group: dict[tuple[str, int], list[str]] = {}
         for (group, model), epochs in wanted.items():
-            if self.asked.get(model) != epochs:
+            if self.asked.get(model) != (group, epochs):
                 by_group.setdefault((group, epochs), []).append(model)
-                self.asked[model] = epochs
+                self.asked[model] = (group, epochs)
         for (group, epochs), models in by_group.items():
             flotilla.save(group, tuple(models), epochs)
-        waiting = {(group, model): epochs for (group, model), epochs in wanted.items()
-                   if awaited is None or group in awaited}
+        waiting = {(group, model): epochs for model, (group, epochs) in self.asked.items()
+                   if (awaited is None or group in awaited) and group in flotilla.members}
         awaited_groups = {group for group, _ in waiting}
         while waiting:
             if not stopping:

@@ -109,9 +109,10 @@ def messages(children: list[Child], timeout: float | None) -> list:
     return [message for child in talking for message in child.messages()]
 
 
-def tell_parent(to_parent: connection.Connection, message) -> None:
-    """In a child, its last word (a failure): sent; or, the parent being gone (its end of the pipe closed
-    with it, which may be what failed), this process ends as its parent watch would end it."""
+def tell_parent(to_parent, message) -> None:
+    """In a child, its last word (a failure): sent up `to_parent` (its pipe, or what sends on it); or, the
+    parent being gone (its end of the pipe closed with it, which may be what failed), this process ends as
+    its parent watch would end it."""
     try:
         to_parent.send(message)
     except (BrokenPipeError, ConnectionResetError):

@@ -263,23 +263,23 @@ class _Solo(_OneOptimizer):
 
 def _copied_each(unit) -> list:
     """`host_states` of a unit whose members' tensors are their own: each member's state copied now."""
-    return [functools.partial(_given, _to_host(unit.member_state(index))) for index in range(len(unit.names))]
+    return [functools.partial(_given, to_host(unit.member_state(index))) for index in range(len(unit.names))]
 
 
 def _given(state: dict) -> dict:
     return state
 
 
-def _to_host(value):
+def to_host(value):
     """`value` with every tensor copied to host memory (the live ones go on training)."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
+        return {key: to_host(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_host(item) for item in value)
+        return type(value)(to_host(item) for item in value)
     return value
 
 

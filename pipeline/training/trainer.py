@@ -119,10 +119,15 @@ def trainer_main(spec: TrainerSpec, readers: dict, in_hand: StepInHand, *, to_pa
     driver and taking its commands between batches."""
     child_started("trainer")
     reports = _OneAtATime(to_parent)  # the training loop's, the checkpoint writer's and a failure's
+    trainer = None
     try:
-        Trainer(spec, reports, from_parent, in_hand).consume(readers)
+        trainer = Trainer(spec, reports, from_parent, in_hand)
+        trainer.consume(readers)
     except BaseException:  # the driver names the group and shows the traceback, once
-        tell_parent(reports, TrainerError(spec.group.name, spec.rank, traceback.format_exc()))
+        failure = TrainerError(spec.group.name, spec.rank, traceback.format_exc())
+        if trainer is not None:  # the checkpoints asked for come first: told of the failure, the driver stops it
+            concurrent.futures.wait(trainer.writing)
+        tell_parent(reports, failure)
         raise SystemExit(1) from None
 
 
