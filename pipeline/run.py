@@ -95,8 +95,11 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
         output_dir = _resumed_folder(cfg)
     check_output_dir(output_dir)
     check(cfg)
-    if cfg.mode == Mode.train and not cfg.cluster.address:  # this host starts the run's children: their fork
-        children_context()  # server imports torch on another core while this process checks and plans
+    # This host starts a local run's children: their fork server imports torch on another core while this
+    # process checks and plans. (With cluster.address, the agents, asked later, may start them: the first
+    # child this host starts then starts the server.)
+    if cfg.mode == Mode.train and not cfg.cluster.address:
+        children_context()
     left = remove_stale_shm()
     if left:
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
@@ -235,6 +238,10 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
         graph.cache.node_owners = {node: agent["pid"] for node, agent in agents.items()}
     key = agent_key(cfg.cluster.agent_key_file, "cluster.agent_key_file") if agents else None
     device_kind, slots, _ = _devices(cfg, models, agents)
+
+    def laid_out(n: int):  # the devices, slots and a slot's memory with n processes on each device
+        return _devices(cfg, models, agents, n, len(slots) * n // cfg.trainer.slots_per_device)
+
     workers = "remote" if cfg.cluster.address else worker_count(cfg.cluster.workers)
     _print_header(console, cfg, inputs, device_kind, len(slots), workers)
     state_dir = output_dir / STATE_DIR
@@ -249,15 +256,12 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
         # states saved before grouping=auto chose sub-slots have none: the configured count
         per_device = saved.get("slots_per_device", cfg.trainer.slots_per_device)
     else:
-        def slot_bytes_of(n: int) -> int:  # a slot's memory with n processes on a device
-            return _devices(cfg, models, agents, n, len(slots) * n // cfg.trainer.slots_per_device)[2]
-
         with agent_rates(agents, key, Link(cfg.timeouts.host_s, tls)) as where:  # node 0's agent measures, if any
-            groups, table, per_device = _group(cfg, models, graph, sizes, device_kind, slots, slot_bytes_of,
+            groups, table, per_device = _group(cfg, models, graph, sizes, device_kind, slots, lambda n: laid_out(n)[2],
                                                POLICIES[cfg.scheduler.policy].needs_rates, output_dir, console,
                                                measured, where)
     if per_device != cfg.trainer.slots_per_device:  # grouping=auto measured more processes on a device faster
-        device_kind, slots, _ = _devices(cfg, models, agents, per_device, len(slots) * per_device)
+        device_kind, slots, _ = laid_out(per_device)
     if table is not None:
         console.print(format_table(table))
         measured["rates"] = {name: list(rates) for name, rates in table.rates.items()}
