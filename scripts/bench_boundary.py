@@ -21,23 +21,23 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from pipeline.training.group import GroupSpec, GroupStep, Precision, to_host
 from pipeline.training.members import with_defaults
 
-RESNET, DENSENET = "pipeline.training.models.resnet", "pipeline.training.models.densenet"
+PAPER = Path(__file__).resolve().parents[1] / "conf" / "ensemble" / "caltech256_paper.yaml"
 
 
 def families(narrow: int) -> dict[str, dict]:
-    """The paper ensemble's architectures (conf/ensemble/caltech256_paper.yaml), widths divided by `narrow`."""
-    return {"resnet10_w32": {"_target_": RESNET, "depth": 10, "width": 32 // narrow},
-            "resnet18": {"_target_": RESNET, "depth": 18, "width": 64 // narrow},
-            "resnet34": {"_target_": RESNET, "depth": 34, "width": 64 // narrow},
-            "densenet121": {"_target_": DENSENET, "depth": 121, "growth_rate": 32 // narrow, "width": 64 // narrow},
-            "densenet169": {"_target_": DENSENET, "depth": 169, "growth_rate": 32 // narrow, "width": 64 // narrow}}
+    """The paper ensemble's architectures (its ensemble file's models), widths divided by `narrow`."""
+    models = OmegaConf.to_container(OmegaConf.load(PAPER))["ensemble"]["models"]
+    return {m["name"]: {key: value // narrow if key in ("width", "growth_rate") else value
+                        for key, value in m["model"].items()} for m in models}
 
 
 def synchronize(device: torch.device) -> None:
