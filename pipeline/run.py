@@ -34,7 +34,7 @@ from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import MlflowRuns, Tracker
 from pipeline.orchestration.devices import (DeviceKind, most_sub_slots, resolve_device, slot_devices,
                                            slot_memory_bytes, trainer_threads)
-from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, choose_fusion, choose_sub_slots,
+from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, choose_sharing, choose_sub_slots,
                                              measure_sizes, plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
@@ -249,8 +249,7 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     sizes = _sizes(models, graph, cfg.pipeline.batch_size)
     if cfg.resume:
         saved = json.loads((state_dir / "run.json").read_text())
-        groups = [GroupSpec(g["name"], tuple(ModelSpec(**m) for m in g["members"]), g["array_size"])
-                  for g in saved["groups"]]
+        groups = [GroupSpec(**{**g, "members": tuple(ModelSpec(**m) for m in g["members"])}) for g in saved["groups"]]
         measured.update(saved["results"])
         table = None
         # states saved before grouping=auto chose sub-slots have none: the configured count
@@ -450,7 +449,7 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
         _say_unfused(models, console)
     groups = plan_groups(models, sizes, len(slots), grouping, single_rates)
     lanes = how.threads if device_kind == DeviceKind.cpu else 1  # units a CPU trainer steps at once
-    groups, measured = choose_fusion(groups, grouping, sizes, slot_bytes, lanes, how, cache)
+    groups, measured = choose_sharing(groups, grouping, sizes, slot_bytes, lanes, how, cache)
     if measured:
         results["grouping"] = measured
     check_group_memory(groups, sizes, slot_bytes, lanes)

@@ -15,9 +15,12 @@ which the project does not ship (fused by vmap, pipeline/training/stacked.py).
 * on CUDA, each again with "+graphs": every unit's step captured once as a CUDA
   graph and replayed (trainer.cuda_graphs). Plain "separate" (eager) is the
   yardstick: k users' own training scripts sharing the GPU;
+* on CUDA, "packed+streams" and "packed+graphs+streams": packed, its members
+  on one CUDA stream each (at most MOST_STREAMS), side by side;
 * auto: what `trainer.grouping=auto` picks as the run picks it
-  (orchestration/group_plan): packed or fused (choose_fusion: both measured by
-  the rate measurement, with graphs on CUDA as trainers step by default), then
+  (orchestration/group_plan): packed or fused (choose_sharing: both measured by
+  the rate measurement, with graphs on CUDA as trainers step by default; on
+  CUDA then the pick's units on 1, 2, 4, ... streams), then
   n processes side by side, each with its share of the models (choose_sub_slots:
   sub-slots, measured up to one process per model), then timed like the others;
   the row names the pick.
@@ -55,7 +58,7 @@ import torch
 from torch import nn
 
 from pipeline.orchestration.devices import most_sub_slots, trainer_threads
-from pipeline.orchestration.group_plan import choose_fusion, choose_sub_slots, fused, measure_sizes
+from pipeline.orchestration.group_plan import MOST_STREAMS, choose_sharing, choose_sub_slots, fused, measure_sizes
 from pipeline.runtime.child import Child
 from pipeline.scheduler.slot_groups import Grouping
 from pipeline.training.group import GroupSpec, GroupStep, Precision
@@ -64,6 +67,7 @@ from pipeline.training.rates import Measurement
 
 MODES = ("separate", "packed", "fused", "fused-vmap")
 GRAPH_MODES = tuple(f"{mode}+graphs" for mode in MODES[:3])
+STREAM_MODES = ("packed+streams", "packed+graphs+streams")
 AUTO = "auto"
 
 
@@ -129,6 +133,8 @@ def _train(group: GroupSpec, image_size: int, batch: int, device: str, threads: 
 def measure(mode: str, k: int, args, image_size: int) -> dict:
     name, compile = mode, mode.endswith("+compile")
     mode = mode.removesuffix("+compile")
+    streams = mode.endswith("+streams")
+    mode = mode.removesuffix("+streams")
     graphs = mode.endswith("+graphs") or (mode == AUTO and args.device != "cpu")  # auto: the trainers' default
     # MobileNet is this script's own: spawned processes import it from their __main__, this script
     where = "__main__" if args.arch == "mobilenet" else "pipeline.training.models"
@@ -148,6 +154,8 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         sizes = measure_sizes(models, 10, {"main": image_size}, args.batch)  # thread, side by side)
         if mode.startswith("fused"):
             group = fused(group, sizes, math.inf, lanes)
+        if streams:
+            group = replace(group, cuda_streams=min(len(group.units()), MOST_STREAMS))
         elif mode == AUTO:
             device = args.device if args.device == "cpu" or ":" in args.device else f"{args.device}:0"
             how = Measurement(num_classes=10, image_sizes={"main": image_size}, batch_size=args.batch,
@@ -161,7 +169,7 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
 
             with tempfile.TemporaryDirectory() as cache:  # measured afresh, as a first run would
                 cache = Path(cache) / "rates.json"
-                [group], _ = choose_fusion([group], Grouping.auto, sizes, math.inf, lanes, how, cache)
+                [group], _ = choose_sharing([group], Grouping.auto, sizes, math.inf, lanes, how, cache)
                 processes, layout, _ = choose_sub_slots(models, [group], sizes, 1, most_sub_slots(kind, args.cores, 1),
                                                         split, cache)
             pick = " + ".join(sorted({g.mode for g in layout})) + (f" x{processes} sub-slots" if processes > 1 else "")
@@ -200,13 +208,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default="fp32", choices=[p.value for p in Precision])
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads in all")
-    parser.add_argument("--modes", nargs="+", choices=MODES + GRAPH_MODES + (AUTO,),
-                        help="default: all four and auto, and on CUDA separate, packed and fused with +graphs too")
+    parser.add_argument("--modes", nargs="+", choices=MODES + GRAPH_MODES + STREAM_MODES + (AUTO,),
+                        help="default: all four and auto, and on CUDA separate, packed and fused with +graphs "
+                             "too, and packed on streams")
     parser.add_argument("--compile", action="store_true", help="each mode again with its members compiled")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("bench_results/groups"))
     args = parser.parse_args()
-    modes = args.modes or (MODES + GRAPH_MODES if args.device != "cpu" else MODES) + (AUTO,)
+    modes = args.modes or (MODES + GRAPH_MODES + STREAM_MODES if args.device != "cpu" else MODES) + (AUTO,)
+    if args.device == "cpu" and set(modes) & set(STREAM_MODES):
+        parser.error(f"{', '.join(STREAM_MODES)} need a GPU (--device cuda): CUDA streams")
     if args.arch == "mobilenet":  # its fused is vmap's already, whose steps are not captured as graphs
         modes = [mode for mode in modes if mode not in ("fused-vmap", "fused+graphs")]
     if args.compile:

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from pipeline import run
-from pipeline.orchestration.devices import SlotError
+from pipeline.orchestration.devices import MEMORY_HEADROOM, SlotError
 from pipeline.orchestration.group_plan import ModelSize, group_bytes
 from pipeline.scheduler import Cluster, FormFlotilla, RatesMeasured, Scheduler, Start
 from pipeline.scheduler.cluster import PlacementError
@@ -82,13 +82,22 @@ def test_a_fused_array_needs_its_members_activations_at_once_packed_members_one_
 
 
 class NodeHost:
-    """The node agent whose host has the GPUs (as run.py's agent_rates gives it): never asked here."""
+    """The node agent whose host has the GPUs (as run.py's agent_rates gives it). It answers every
+    measurement with one rate (`pace(group)`, images/s) and records what it was asked: (group, streams)."""
+
+    def __init__(self, pace=lambda group: 100.0):
+        self.pace, self.asked = pace, []
 
     def hardware(self, how):
-        raise AssertionError("no rate is measured for these plans")
+        from pipeline.training.rates import HostHardware, MeasuredBy
+
+        return HostHardware({"device_name": "H100"}, MeasuredBy("agent", 1))
 
     def measure(self, group, slot_counts, how):
-        raise AssertionError("no rate is measured for these plans")
+        from pipeline.training.rates import Measured, MeasuredBy, Pace
+
+        self.asked.append((group.name, group.cuda_streams))
+        return Measured({k: Pace(self.pace(group), 0.0) for k in slot_counts}, MeasuredBy("agent", 1))
 
 
 @pytest.fixture
@@ -97,7 +106,8 @@ def plan(monkeypatch, tmp_path, tiny_dataset):
     host's node agent reports them (`where` measures rates there), made before any device is used; with
     `gpus=None`, of a run on this machine's own devices."""
     def planned(overrides: list[str], gpus: int | None, gpu_bytes: int = H100_BYTES,
-                where=NodeHost()) -> run.TrainingPlan:
+                where=None) -> run.TrainingPlan:
+        where = where or NodeHost()
         if gpus is not None:
             agent = {"gpus": gpus, "gpu_memory": gpu_bytes, "pid": os.getpid()}
             monkeypatch.setattr(run, "_node_agents", lambda cfg, tls: {0: agent})
@@ -117,8 +127,11 @@ def place(plan):
     """The run's plan, then the scheduler's first flotilla: the groups and the slots each was started on."""
     def placed(overrides: list[str], gpus: int, gpu_bytes: int = H100_BYTES):
         planned = plan(overrides, gpus, gpu_bytes)
-        assert not planned.measured  # the shared policy needs no rates, fuse and pack none, and the memory of
-        # an agent's GPUs is estimated
+        # the shared policy needs no rates, fuse and pack none, and the memory of an agent's GPUs is estimated;
+        # auto measures a group's CUDA streams (all alike here: it keeps one)
+        assert set(planned.measured) <= {"grouping"}, planned.measured
+        assert all(set(m) == {"cuda_streams"} for m in planned.measured.get("grouping", {}).values())
+        assert all(g.cuda_streams == 1 for g in planned.groups)
         groups = planned.groups
         scheduler = Scheduler([g.name for g in groups], Cluster(nodes=1, slots_per_node=len(planned.slots)),
                               planned.policy)
@@ -151,6 +164,42 @@ def test_one_gpu_split_into_4_sub_slots_trains_each_default_model_in_a_process_o
     assert len(used) == len(set(used)) == 4
     slots = plan(overrides, 1).slots
     assert set(slots.values()) == {"cuda:0"} and len(slots) == 4
+
+
+def test_auto_trains_a_gpu_groups_units_on_the_streams_measured_fastest(plan):
+    """The default command on one GPU (4 models packed): grouping=auto measures the group on 1, 2 and 4 CUDA
+    streams, one per unit at most, and keeps the fastest (2 here); its units then step on 2 streams, and the
+    results hold each rate. The same run with grouping=pack measures nothing and steps in turn."""
+    paces = {1: 100.0, 2: 180.0, 4: 150.0}
+    host = NodeHost(lambda group: paces[group.cuda_streams])
+    planned = plan(["+ensemble=caltech256"], 1, where=host)
+    (group,) = planned.groups
+    assert sorted(host.asked) == [(group.name, 1), (group.name, 2), (group.name, 4)]
+    assert group.cuda_streams == 2 and group.mode == "packed on 2 streams"
+    assert planned.measured["grouping"][group.name]["cuda_streams"] == {"1": 100.0, "2": 180.0, "4": 150.0}
+    host = NodeHost(lambda group: paces[group.cuda_streams])
+    (packed,) = plan(["+ensemble=caltech256", "trainer.grouping=pack"], 1, where=host).groups
+    assert host.asked == [] and packed.cuda_streams == 1
+
+
+def test_streams_are_tried_only_while_their_units_activations_fit_the_slot(tmp_path):
+    """Each stream holds its own unit's activations: 4 units of 1,000 bytes of state and 1,000 of
+    activations fit a slot of 10,000 on 1 or 2 streams (x1.5 headroom: 7,500 and 9,000) but not on 4
+    (12,000), which is never measured; a group of one unit has nothing to overlap and is measured on no
+    stream at all."""
+    from pipeline.orchestration.group_plan import choose_streams
+    from pipeline.training.rates import Measurement
+
+    members = tuple(spec(f"m{i}", width=8 * (i + 1)) for i in range(4))  # no two fuse: 4 units
+    sizes = {m.name: ModelSize(params=1, state_bytes=1000, activation_bytes=1000, flops=1) for m in members}
+    host = NodeHost(lambda group: 100.0 * group.cuda_streams)
+    how = Measurement(num_classes=4, image_sizes={"main": 32}, batch_size=8, device_kind="cuda",
+                      devices=["cuda:0"], steps=1, warmup=0, threads=1, where=host)
+    group, rates = choose_streams(GroupSpec("g", members), sizes, 10_000, how, tmp_path / "rates.json")
+    assert group.cuda_streams == 2 and rates == {"1": 100.0, "2": 200.0}
+    assert group_bytes(replace(group, cuda_streams=4), sizes) * MEMORY_HEADROOM == 12_000
+    alone, rates = choose_streams(GroupSpec("a", members[:1]), sizes, 10_000, how, tmp_path / "rates.json")
+    assert alone.cuda_streams == 1 and rates == {} and host.asked == [("g", 1), ("g", 2)]
 
 
 def test_a_sub_slot_holds_its_share_of_the_gpu(place):

@@ -6,10 +6,11 @@ from each model's cost: its measured seconds per image when rates were
 measured, else an estimate from its multiply-adds. Whether a group's family
 fuses is `trainer.grouping`: `fuse`, `pack`, or with `auto` the faster of the
 two as measured (and cached) on one slot: fusion pays on GPUs and may lose
-on CPUs. `auto` then measures whether a device's models train faster in
-several processes side by side on it (sub-slots, `choose_sub_slots`): on a
-GPU, one process steps its models one after another from one thread and is
-bound by kernel launches.
+on CPUs. On a GPU `auto` also measures the group's units on several CUDA
+streams side by side (`choose_streams`). `auto` then measures whether a
+device's models train faster in several processes side by side on it
+(sub-slots, `choose_sub_slots`): on a GPU, one process steps its models one
+after another from one thread and is bound by kernel launches.
 """
 from __future__ import annotations
 
@@ -93,11 +94,12 @@ def fused(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int, lanes:
     return group
 
 
-def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, ModelSize], slot_bytes: int,
-                  lanes: int, how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
-    """Fusion as trainer.grouping says: `fuse` fuses every family that fits; `auto` measures each group
-    with a family to fuse packed and fused on one slot and keeps the faster. Returns the groups and,
-    per group measured, both rates (images/s)."""
+def choose_sharing(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, ModelSize], slot_bytes: int,
+                   lanes: int, how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
+    """How each group shares its slot, as trainer.grouping says: `fuse` fuses every family that fits; `auto`
+    measures each group with a family to fuse packed and fused on one slot and keeps the faster, and on a
+    GPU then its units on 2, 4, ... CUDA streams side by side (`choose_streams`). Returns the groups and,
+    per group measured, the rates (images/s): packed and fused, and by streams."""
     if grouping == Grouping.fuse:
         return [fused(g, sizes, slot_bytes, lanes) for g in groups], {}
     if grouping != Grouping.auto:
@@ -105,13 +107,35 @@ def choose_fusion(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, 
     chosen, measured = [], {}
     for group in groups:
         variant = fused(group, sizes, slot_bytes, lanes)
-        if variant.array_size == 1:
-            chosen.append(group)  # nothing to fuse, or no array fits
-            continue
-        rates = [measure_rate_table([v], 1, how, cache).rate(group.name, 1) for v in (group, variant)]
-        measured[group.name] = {"packed": rates[0], "fused": rates[1], "array_size": variant.array_size}
-        chosen.append(variant if rates[1] > rates[0] else group)
+        if variant.array_size > 1:
+            rates = [measure_rate_table([v], 1, how, cache).rate(group.name, 1) for v in (group, variant)]
+            measured[group.name] = {"packed": rates[0], "fused": rates[1], "array_size": variant.array_size}
+            group = variant if rates[1] > rates[0] else group
+        if how.device_kind == "cuda":
+            group, by_streams = choose_streams(group, sizes, slot_bytes, how, cache)
+            if by_streams:
+                measured.setdefault(group.name, {})["cuda_streams"] = by_streams
+        chosen.append(group)
     return chosen, measured
+
+
+MOST_STREAMS = 8  # a GPU's streams a group's units are tried on: enough to overlap small kernels
+
+
+def choose_streams(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int, how: Measurement,
+                   cache: Path) -> tuple[GroupSpec, dict[str, float]]:
+    """`group` on the number of CUDA streams its units train fastest on: 1 (in turn), 2, 4, ... up to one per
+    unit, at most MOST_STREAMS, while the units stepped at once fit the slot (each stream holds its own
+    step's activations). Returns the group and its images/s by streams ({} when it has one unit)."""
+    units = len(group.units())
+    tried = [n for n in sorted({1, *(2 ** i for i in range(1, units.bit_length())), units}) if n <= MOST_STREAMS]
+    fitting = [replace(group, cuda_streams=n) for n in tried
+               if group_bytes(replace(group, cuda_streams=n), sizes) * MEMORY_HEADROOM <= slot_bytes]
+    if len(fitting) < 2:
+        return group, {}
+    rates = {g.cuda_streams: measure_rate_table([g], 1, how, cache).rate(group.name, 1) for g in fitting}
+    best = max(rates, key=rates.get)
+    return replace(group, cuda_streams=best), {str(n): rate for n, rate in rates.items()}
 
 
 def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: dict[str, ModelSize], devices: int,
@@ -135,7 +159,7 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
         how, slot_bytes = split(n)
         lanes = how.threads if how.device_kind == "cpu" else 1
         layout = plan_groups(models, sizes, devices * n, Grouping.auto, None)
-        layout, _ = choose_fusion(layout, Grouping.auto, sizes, slot_bytes, lanes, how, cache)
+        layout, _ = choose_sharing(layout, Grouping.auto, sizes, slot_bytes, lanes, how, cache)
         if any(group_bytes(g, sizes, lanes) * MEMORY_HEADROOM > slot_bytes for g in layout):
             break  # more processes have less memory each
         paces[n], layouts[n] = measure_side_by_side(layout[:n], how, cache).images_per_s, layout
@@ -145,13 +169,13 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
     """A group's memory on one of its slots: every member's state, the activations of the units stepped at
-    once (the largest one, or on CPU the `lanes` largest side by side; a fused array holds all its members'
-    activations), and the largest member's workspace, once for the process. A data-parallel model holds its
-    1/g share of the batch's activations."""
+    once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU one per
+    stream of the group's; a fused array holds all its members' activations), and the largest member's
+    workspace, once for the process. A data-parallel model holds its 1/g share of the batch's activations."""
     state = sum(sizes[m.name].state_bytes for m in group.members)
     units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
     workspace = max(sizes[m.name].workspace_bytes for m in group.members)
-    return state + math.ceil(sum(units[:lanes]) / group.slots) + workspace
+    return state + math.ceil(sum(units[:max(lanes, group.cuda_streams)]) / group.slots) + workspace
 
 
 def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slot_bytes: int,

@@ -267,17 +267,25 @@ def _groups_section(results: dict) -> str:
     if not shared and not sub_slots:
         return ""
     measured = results.get("grouping", {})
-    rows = [[name, g["mode"], str(len(g["members"])), ", ".join(g["devices"]),
-             (f"{measured[name]['packed']:,.1f} / {measured[name]['fused']:,.1f}" if name in measured else "-"),
+    rows = [[name, g["mode"], str(len(g["members"])), ", ".join(g["devices"]), _sharing_measured(measured.get(name)),
              ", ".join(g["members"])] for name, g in shared.items()]
     section = "<h3>Slot groups</h3>" + (
-        _table(["group", "mode", "models", "devices", "img/s packed / fused (measured)", "members"], rows)
+        _table(["group", "mode", "models", "devices", "img/s measured (grouping=auto)", "members"], rows)
         if rows else "")
     if sub_slots:
         paces = ", ".join(f"{n}: {pace:,.1f}" for n, pace in sub_slots["images_per_s"].items())
         section += (f"<p>Processes per device, measured side by side (images/s of a device's models): {paces}; "
                     f"chosen: {sub_slots['chosen']} (trainer.grouping=auto).</p>")
     return section
+
+
+def _sharing_measured(measured: dict | None) -> str:
+    """What grouping=auto measured of a group: packed and fused, and on a GPU by CUDA streams."""
+    measured = measured or {}
+    parts = [f"packed {measured['packed']:,.1f} / fused {measured['fused']:,.1f}"] if "packed" in measured else []
+    if "cuda_streams" in measured:
+        parts.append("streams " + ", ".join(f"{n}: {rate:,.1f}" for n, rate in measured["cuda_streams"].items()))
+    return "; ".join(parts) or "-"
 
 
 def _optional_sections(results: dict) -> str:

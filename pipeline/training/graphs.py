@@ -14,10 +14,11 @@ momentum). A unit has a graph per batch shape, at most SHAPES of them: an epoch'
 stepped eagerly the first time it comes and replayed from the next epoch on (eager, it cost the paper
 ensemble 1.9-2.3 s an epoch, 100 models' kernels launched one by one).
 
-All units of a group capture into one memory pool. That is safe because their graphs replay one at a time
-on one stream and keep nothing in the pool from one replay to the next (weights, momentum, inputs and the
-losses handed out live outside it), and it keeps a packed group's memory at one member's activations at a
-time.
+The units of a group's lane (its one stream, or each of its CUDA streams: GroupSpec.cuda_streams) capture
+into one memory pool. That is safe because their graphs replay one at a time on that stream and keep
+nothing in the pool from one replay to the next (weights, momentum, inputs and the losses handed out live
+outside it), and it keeps a lane's memory at one member's activations at a time. Lanes that run at once
+have pools of their own.
 """
 from __future__ import annotations
 

@@ -60,6 +60,7 @@ class GroupSpec:
     name: str
     members: tuple[ModelSpec, ...]
     array_size: int = 1  # members of one family fuse into arrays of at most this many (1: packed, none fused)
+    cuda_streams: int = 1  # on a GPU, CUDA streams its units step on side by side (1: in turn); auto measures
 
     def __post_init__(self) -> None:
         if len(self.members) > 1 and any(m.slots > 1 for m in self.members):
@@ -79,9 +80,8 @@ class GroupSpec:
         if len(self.members) == 1:
             return "alone"
         units = self.units()
-        if all(len(u) == 1 for u in units):
-            return "packed"
-        return "fused" if len(units) == 1 else "fused+packed"
+        mode = "packed" if all(len(u) == 1 for u in units) else "fused" if len(units) == 1 else "fused+packed"
+        return mode + (f" on {self.cuda_streams} streams" if self.cuda_streams > 1 else "")
 
     def describe(self) -> str:
         """What the group trains, for messages: e.g. "a (resnet(depth=10, width=16)), b (densenet(...))"."""
@@ -100,7 +100,7 @@ class GroupSpec:
         return [tuple(f[i:i + size]) for f in ordered for i in range(0, len(f), size)]
 
     def without(self, names: set[str]) -> GroupSpec:
-        return GroupSpec(self.name, tuple(m for m in self.members if m.name not in names), self.array_size)
+        return replace(self, members=tuple(m for m in self.members if m.name not in names))
 
     def on_slots(self, slots: int) -> GroupSpec:
         """The group as it trains on `slots` slots, the count the scheduler gave it (a FLEET policy chooses
@@ -437,9 +437,11 @@ class GroupStep:
     `in_hand`, where given, is told which members are inside their step. With `cuda_graphs`, each unit's
     step and validation forward on a GPU are captured once per batch shape and replayed
     (pipeline/training/graphs.py), except under DDP and fp16 (the gradient scaler reads its overflow check
-    on the host). With `compile`, each unit's forward is compiled (`compile_options`) where it first
-    runs on a batch shape, in training or validation; `compile_s` adds up the seconds of those first
-    steps (compiling, a step's own time besides: on a GPU, its launches).
+    on the host). On a GPU with `group.cuda_streams` above 1, the units step on that many CUDA streams side
+    by side, launched from this thread (a replayed graph is one launch). With `compile`, each unit's forward
+    is compiled (`compile_options`) where it first runs on a batch shape, in training or validation;
+    `compile_s` adds up the seconds of those first steps (compiling, a step's own time besides: on a GPU,
+    its launches).
     """
 
     def __init__(self, group: GroupSpec, num_classes: int, image_sizes: dict[str, int], device, total_steps: int, *,
@@ -476,10 +478,16 @@ class GroupStep:
             torch._dynamo.config.recompile_limit = max(limit, 4 * len(group.members))
             for unit in self.units:
                 unit.compile(compile_options(self.device))
+        # On a GPU, units step on `group.cuda_streams` CUDA streams side by side, dealt out in turn: a unit
+        # keeps its lane, and a lane its graphs' memory pool (graphs that may run at once must not share one).
+        lanes = min(group.cuda_streams, len(self.units)) if self.device.type == "cuda" else 1
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(lanes)] if lanes > 1 else []
+        for index, unit in enumerate(self.units):
+            unit.lane = index % lanes
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
         self.static_inputs = StaticInputs() if self.graphs else None  # the training steps'
         self.val_inputs = StaticInputs() if self.graphs else None  # validation's
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self.graph_pools = [torch.cuda.graph_pool_handle() for _ in range(lanes)] if self.graphs else []
         for unit in self.units:
             self._new_graph(unit)
         self.pool = None
@@ -495,9 +503,9 @@ class GroupStep:
         """The unit's step graphs, training's and validation's, to be captured anew: at the start, and
         whenever its tensors change."""
         graphed = self.graphs and unit.capturable
-        unit.graph = StepGraph(functools.partial(self._step, unit), self.graph_pool, unit.names) if graphed else None
-        unit.val_graph = (StepGraph(functools.partial(self._probabilities, unit), self.graph_pool, unit.names)
-                          if graphed else None)
+        pool = self.graph_pools[unit.lane] if graphed else None
+        unit.graph = StepGraph(functools.partial(self._step, unit), pool, unit.names) if graphed else None
+        unit.val_graph = StepGraph(functools.partial(self._probabilities, unit), pool, unit.names) if graphed else None
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
@@ -541,9 +549,30 @@ class GroupStep:
         """One step of every member on its sink's (x, y); each member's loss, a 0-d tensor on the device."""
         with self._compiling("train", batches):
             staged = stage(self.static_inputs, batches)
-            step = lambda unit: self._train_unit(unit, *staged[unit.input])
-            stepped = self.pool.map(step, self.units) if self.pool else map(step, self.units)
+            stepped = self._each_unit(lambda unit: self._train_unit(unit, *staged[unit.input]))
             return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
+
+    def _each_unit(self, work) -> list:
+        """`work(unit)` for every unit, in the units' order: side by side on a CPU slot's threads or a GPU's
+        streams, else in turn."""
+        if self.pool:
+            return list(self.pool.map(work, self.units))
+        if not self.streams:
+            return [work(unit) for unit in self.units]
+        torch = self.torch
+        current = torch.cuda.current_stream(self.device)
+        # Fork and join: the lanes start after all the current stream has queued (the staged inputs, and the
+        # last step's readers of their losses), and all that follows waits for every lane. So memory that
+        # one stream frees is never reused by another before the first is done with it.
+        for stream in self.streams:
+            stream.wait_stream(current)
+        done = []
+        for unit in self.units:
+            with torch.cuda.stream(self.streams[unit.lane]):
+                done.append(work(unit))
+        for stream in self.streams:
+            current.wait_stream(stream)
+        return done
 
     def _compiling(self, split: str, batches: dict[str, tuple]):
         """What a step runs in: a timer into `compile_s` when it is this group's first `split` step on
@@ -590,12 +619,12 @@ class GroupStep:
         batches = {sink: (x,) for sink, x in inputs.items()}
         with self._compiling("validate", batches):
             staged = stage(self.val_inputs, batches)
-            probs = {}
-            for unit in self.units:
+
+            def forward(unit):
                 x, static = staged[unit.input]
-                unit_probs = unit.val_graph(x) if static and unit.val_graph else self._probabilities(unit, x)
-                probs.update(zip(unit.names, unit_probs))
-            return probs
+                return unit.names, unit.val_graph(x) if static and unit.val_graph else self._probabilities(unit, x)
+
+            return {name: p for names, unit_probs in self._each_unit(forward) for name, p in zip(names, unit_probs)}
 
     def _probabilities(self, unit, x):
         """The unit's eager forward (what a validation graph captures): its members' softmax on x."""
