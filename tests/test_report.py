@@ -127,6 +127,19 @@ def test_the_report_shows_the_processes_per_device_auto_measured(tmp_path):
            "models): 1: 189.9, 2: 219.4; chosen: 2 (trainer.grouping=auto).</p>" in html
 
 
+def test_the_report_shows_what_auto_measured_of_each_slot_group(tmp_path):
+    """results.json's grouping (trainer.grouping=auto): packed and fused where a family could fuse, and on a
+    GPU the rates by CUDA streams, each on its group's row; a group that measured nothing shows a dash."""
+    results = make_results(50, STAGES, [("a", 50, 2.0), ("b", 60, 2.0), ("c", 60, 2.0), ("d", 60, 2.0)])
+    results["groups"] = {"g0": {"members": ["a", "b"], "mode": "fused on 2 streams", "devices": ["cuda:0"]},
+                         "g1": {"members": ["c", "d"], "mode": "packed", "devices": ["cuda:1"]}}
+    results["grouping"] = {"g0": {"packed": 100.0, "fused": 150.5, "array_size": 2,
+                                  "cuda_streams": {"1": 150.5, "2": 180.3}}}
+    html = write_report(results, tmp_path).html.read_text()
+    assert "<td>packed 100.0 / fused 150.5; streams 1: 150.5, 2: 180.3</td>" in html
+    assert "<td>g1</td><td>packed</td><td>2</td><td>cuda:1</td><td>-</td>" in html
+
+
 def test_idle_workers_and_waiting_trainers_is_transport_bound():
     results = make_results(40, STAGES, [("resnet", 400, 60.0)])
     analysis = analyse(results)
