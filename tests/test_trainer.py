@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -137,6 +138,47 @@ def test_a_checkpoint_that_fails_to_be_written_fails_the_trainer_at_its_next_com
     with pytest.raises(OSError, match="No space left on device"):
         trainer._obey()
     assert not (tmp_path / "a" / "epoch1.pt").exists()
+
+
+def test_a_failing_trainer_writes_the_checkpoints_asked_for_before_it_reports_its_failure(tmp_path, monkeypatch):
+    """trainer_main, its loop failing while a checkpoint it was asked for is being written: the checkpoint is
+    written and CheckpointSaved sent before TrainerError (told of the failure, the driver stops the trainer).
+    The write waits until the failing trainer waits for it (10 s at most): a trainer that reported at once
+    would send TrainerError first, and this fails."""
+    from pipeline.training import trainer as trainer_module
+    from pipeline.training.reports import TrainerError
+
+    failing = []
+    waiting_for_writes = threading.Event()
+    real_wait, real_save = concurrent.futures.wait, torch.save
+
+    def wait(futures, *args, **kwargs):
+        if futures:  # (the loop's own wait before a write is queued has none)
+            waiting_for_writes.set()
+        return real_wait(futures, *args, **kwargs)
+
+    def save_once_the_trainer_waits(state, file):
+        waiting_for_writes.wait(timeout=10)
+        real_save(state, file)
+
+    def consume(self, readers):  # the loop: an epoch kept, its checkpoint asked for and queued, then a failure
+        failing.append(self)
+        self._keep_states({"a": 0.5})
+        self.commands.sent.append(SaveCheckpoint(("a",), 1))
+        self._obey()
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(concurrent.futures, "wait", wait)
+    monkeypatch.setattr(torch, "save", save_once_the_trainer_waits)
+    monkeypatch.setattr(trainer_module, "child_started", lambda role: None)  # (what a child process sets up)
+    monkeypatch.setattr(Trainer, "consume", consume)
+    reports = Reports()
+    with pytest.raises(SystemExit):
+        trainer_module.trainer_main(trainer_spec(GroupSpec("g", (model("a"),), 1), tmp_path), {}, None,
+                                    to_parent=reports, from_parent=Pipe())
+    real_wait(failing[0].writing)
+    assert [type(r) for r in reports] == [CheckpointSaved, TrainerError], reports
+    assert "the device fell over" in reports[1].traceback and saved_epochs(tmp_path, "a") == [1]
 
 
 def test_a_released_member_leaves_and_the_others_train_on_unchanged(tmp_path):
