@@ -20,7 +20,7 @@ which the project does not ship (fused by vmap, pipeline/training/stacked.py).
 * auto: what `trainer.grouping=auto` picks as the run picks it
   (orchestration/group_plan): packed or fused (choose_sharing: both measured by
   the rate measurement, with graphs on CUDA as trainers step by default; on
-  CUDA then the pick's units on 1, 2, 4, ... streams), then
+  CUDA each way on 1, 2, 4, ... streams), then
   n processes side by side, each with its share of the models (choose_sub_slots:
   sub-slots, measured up to one process per model), then timed like the others;
   the row names the pick.

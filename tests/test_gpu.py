@@ -163,11 +163,14 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
 def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
     """A packed group of 4 on 3 CUDA streams (units 0 and 3 share a stream and its graph pool), graphed,
     against the same group stepped in turn on one stream, on the same batches: an epoch's odd-sized last
-    batch twice, a member leaving (step 7), then validation. Both give the same losses, weights and
-    probabilities, and a step of replays on the streams never waits for the host. Mistakes it is meant to
-    catch: lanes sharing one graph pool (graphs running at once overwrite each other's activations), a lane
-    reading the staged batch before its copy is done, losses read before their lane is done. Written
-    without a GPU at hand (2026-11-27): its first run is the next device session's."""
+    batch twice, a member leaving (step 7: the lanes are dealt again, and the unit that moves captures anew
+    on its new stream), then validation. Both give the same losses, weights and probabilities (within
+    cuBLAS's rounding: its results are bit-stable on one stream only), and a step that captures nothing
+    never waits for the host. 257 classes: the heads' products are wide enough for cuBLAS to use its
+    workspace, which graphs replaying at once must not share. Mistakes it is meant to catch: lanes sharing a
+    graph pool or a capture stream, a lane reading the staged batch before its copy is done, losses read
+    before their lane is done. Written without a GPU at hand (2026-11-27): its first run is the next device
+    session's."""
     import torch
 
     from pipeline.training.group import GroupSpec, GroupStep
@@ -175,38 +178,40 @@ def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
 
     members = tuple(member(name, width=width, lr=lr) for name, width, lr in
                     [("a", 8, 0.2), ("b", 16, 0.1), ("c", 8, 0.05), ("d", 16, 0.02)])
-    torch.backends.cudnn.deterministic = True  # the same kernels in both groups, bit for bit
-    steps = {streams: GroupStep(GroupSpec("g", members, cuda_streams=streams), 4, {"main": 32}, "cuda", 20,
+    torch.backends.cudnn.deterministic = True
+    steps = {streams: GroupStep(GroupSpec("g", members, cuda_streams=streams), 257, {"main": 32}, "cuda", 20,
                                 cuda_graphs=True) for streams in (1, 3)}
     assert len(steps[3].streams) == 3 and len(steps[3].graph_pools) == 3 and not steps[1].streams
-    assert [unit.lane for unit in steps[3].units] == [0, 1, 2, 0]
+    assert [(unit.names, unit.lane) for unit in steps[3].units] == [(["a"], 0), (["c"], 1), (["b"], 2), (["d"], 0)]
     random = torch.Generator().manual_seed(0)
     for number in range(12):
         rows = 10 if number in (5, 9) else 16
         images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
-        labels = torch.randint(0, 4, (rows,), generator=random)
+        labels = torch.randint(0, 257, (rows,), generator=random)
         losses = {}
         for streams, step in steps.items():
             if number == 7:
                 step.release("b")
             batch = {"main": (step.normalise(images), labels.cuda())}
-            torch.cuda.set_sync_debug_mode("error" if streams > 1 and number in (4, 6, 7, 8, 10, 11) else "default")
+            # replays, and eager steps (d's first three on its new stream, from step 7); captures synchronise
+            torch.cuda.set_sync_debug_mode("error" if streams > 1 and number in (4, 6, 7, 8, 11) else "default")
             try:
                 losses[streams] = step.train(batch)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert losses[3].keys() == losses[1].keys()
         for name in losses[1]:
-            torch.testing.assert_close(losses[3][name], losses[1][name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(losses[3][name], losses[1][name], rtol=1e-4, atol=1e-5)
+    assert [(unit.names, unit.lane) for unit in steps[3].units] == [(["a"], 0), (["c"], 1), (["d"], 2)]
     for name in ("a", "c", "d"):
         in_turn, side_by_side = steps[1].state(name), steps[3].state(name)
         for key, tensor in in_turn["model"].items():
-            torch.testing.assert_close(side_by_side["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name}.{key}")
+            torch.testing.assert_close(side_by_side["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=f"{name}.{key}")
     for rows in (16, 16, 16, 16, 16, 10):
         images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
         probs = {streams: step.predict({"main": step.normalise(images)}) for streams, step in steps.items()}
         for name in probs[1]:
-            torch.testing.assert_close(probs[3][name], probs[1][name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(probs[3][name], probs[1][name], rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_and_graphed_steps_train_to_the_eager_weights():

@@ -176,30 +176,41 @@ def test_auto_trains_a_gpu_groups_units_on_the_streams_measured_fastest(plan):
     (group,) = planned.groups
     assert sorted(host.asked) == [(group.name, 1), (group.name, 2), (group.name, 4)]
     assert group.cuda_streams == 2 and group.mode == "packed on 2 streams"
-    assert planned.measured["grouping"][group.name]["cuda_streams"] == {"1": 100.0, "2": 180.0, "4": 150.0}
+    assert planned.measured["grouping"][group.name]["cuda_streams"] == {"packed": {"1": 100.0, "2": 180.0, "4": 150.0}}
     host = NodeHost(lambda group: paces[group.cuda_streams])
     (packed,) = plan(["+ensemble=caltech256", "trainer.grouping=pack"], 1, where=host).groups
     assert host.asked == [] and packed.cuda_streams == 1
 
 
-def test_streams_are_tried_only_while_their_units_activations_fit_the_slot(tmp_path):
-    """Each stream holds its own unit's activations: 4 units of 1,000 bytes of state and 1,000 of
-    activations fit a slot of 10,000 on 1 or 2 streams (x1.5 headroom: 7,500 and 9,000) but not on 4
-    (12,000), which is never measured; a group of one unit has nothing to overlap and is measured on no
-    stream at all."""
-    from pipeline.orchestration.group_plan import choose_streams
+def test_streams_are_tried_only_while_their_units_fit_the_slot_and_packed_on_streams_competes_with_fused(tmp_path):
+    """Each stream holds its own unit's activations and workspace. 4 packed units of 1,000 bytes of state,
+    1,000 of activations and 500 of workspace fit a slot of 14,000 on 1 or 2 streams (x1.5 headroom: 8,250
+    and 10,500) but not on 4 (15,000), which is never measured; the fused way (2 arrays of 2) is measured on
+    1 and 2 streams too, and the fastest of all trains: packed on 2 streams here. On CPU, or for a group
+    of one model, no stream is tried."""
+    from pipeline.orchestration.group_plan import choose_sharing
     from pipeline.training.rates import Measurement
 
-    members = tuple(spec(f"m{i}", width=8 * (i + 1)) for i in range(4))  # no two fuse: 4 units
-    sizes = {m.name: ModelSize(params=1, state_bytes=1000, activation_bytes=1000, flops=1) for m in members}
-    host = NodeHost(lambda group: 100.0 * group.cuda_streams)
+    members = tuple(spec(f"m{i}", width=8 * (1 + i // 2)) for i in range(4))  # 2 families of 2
+    sizes = {m.name: ModelSize(params=1, state_bytes=1000, activation_bytes=1000, flops=1, workspace_bytes=500)
+             for m in members}
+    packed_faster = {(1, 1): 100.0, (1, 2): 190.0, (2, 1): 150.0, (2, 2): 170.0}  # (array size, streams) -> img/s
+    host = NodeHost(lambda group: packed_faster[group.array_size, group.cuda_streams])
     how = Measurement(num_classes=4, image_sizes={"main": 32}, batch_size=8, device_kind="cuda",
                       devices=["cuda:0"], steps=1, warmup=0, threads=1, where=host)
-    group, rates = choose_streams(GroupSpec("g", members), sizes, 10_000, how, tmp_path / "rates.json")
-    assert group.cuda_streams == 2 and rates == {"1": 100.0, "2": 200.0}
-    assert group_bytes(replace(group, cuda_streams=4), sizes) * MEMORY_HEADROOM == 12_000
-    alone, rates = choose_streams(GroupSpec("a", members[:1]), sizes, 10_000, how, tmp_path / "rates.json")
-    assert alone.cuda_streams == 1 and rates == {} and host.asked == [("g", 1), ("g", 2)]
+    assert group_bytes(GroupSpec("g", members, cuda_streams=4), sizes) * MEMORY_HEADROOM == 15_000
+    [group], measured = choose_sharing([GroupSpec("g", members)], Grouping.auto, sizes, 14_000, 1, how,
+                                       tmp_path / "rates.json")
+    assert (group.array_size, group.cuda_streams, group.mode) == (1, 2, "packed on 2 streams")
+    assert sorted(host.asked) == [("g", 1), ("g", 1), ("g", 2), ("g", 2)]
+    assert measured == {"g": {"packed": 100.0, "fused": 150.0, "array_size": 2,
+                              "cuda_streams": {"packed": {"1": 100.0, "2": 190.0}, "fused": {"1": 150.0, "2": 170.0}}}}
+    alone = [GroupSpec("a", members[:1])]
+    assert choose_sharing(alone, Grouping.auto, sizes, 14_000, 1, how, tmp_path / "rates.json") == (alone, {})
+    on_cpu = replace(how, device_kind="cpu", devices=["cpu"])
+    [group], measured = choose_sharing([GroupSpec("g", members)], Grouping.auto, sizes, 14_000, 1, on_cpu,
+                                       tmp_path / "cpu_rates.json")
+    assert group.cuda_streams == 1 and "cuda_streams" not in measured["g"]
 
 
 def test_a_sub_slot_holds_its_share_of_the_gpu(place):

@@ -134,9 +134,11 @@ def test_the_report_shows_what_auto_measured_of_each_slot_group(tmp_path):
     results["groups"] = {"g0": {"members": ["a", "b"], "mode": "fused on 2 streams", "devices": ["cuda:0"]},
                          "g1": {"members": ["c", "d"], "mode": "packed", "devices": ["cuda:1"]}}
     results["grouping"] = {"g0": {"packed": 100.0, "fused": 150.5, "array_size": 2,
-                                  "cuda_streams": {"1": 150.5, "2": 180.3}}}
+                                  "cuda_streams": {"packed": {"1": 100.0, "2": 190.0},
+                                                   "fused": {"1": 150.5, "2": 180.3}}}}
     html = write_report(results, tmp_path).html.read_text()
-    assert "<td>packed 100.0 / fused 150.5; streams 1: 150.5, 2: 180.3</td>" in html
+    assert ("<td>packed 100.0 / fused 150.5; packed on streams 1: 100.0, 2: 190.0; fused on streams 1: 150.5, "
+            "2: 180.3</td>") in html
     assert "<td>g1</td><td>packed</td><td>2</td><td>cuda:1</td><td>-</td>" in html
 
 

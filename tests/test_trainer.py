@@ -399,9 +399,12 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
         def replay(self):
             events.append("replay")
 
+    captured_on = []
+
     @contextlib.contextmanager
-    def capturing(graph, pool):
+    def capturing(graph, pool, stream):
         events.append("capture")
+        captured_on.append(stream)
         yield
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
@@ -413,12 +416,13 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
         outputs.append(torch.tensor([float(len(x))]))
         return outputs[-1]
 
-    graph = StepGraph(step, pool=None, names=("a", "b"))
+    graph = StepGraph(step, pool=None, names=("a", "b"), stream="its lane's stream")
     full, last = (torch.zeros(4, 2), torch.zeros(4)), (torch.zeros(3, 2), torch.zeros(3))
     losses = [graph(*batch) for batch in [full] * (EAGER_STEPS + 1) + [last, full, last, last, full]]
     assert events == (["step"] * EAGER_STEPS + ["capture", "step", "replay"]  # the epoch's batches
                       + ["step", "replay", "capture", "step", "replay", "replay", "replay"])  # its last one
     assert graph.captured == [shape_of(*full), shape_of(*last)]
+    assert captured_on == ["its lane's stream"] * 2  # each capture on its lane's stream: cuBLAS's workspace
     assert [loss.item() for loss in losses] == [4.0] * (EAGER_STEPS + 1) + [3.0, 4.0, 3.0, 3.0, 4.0]  # its graph
     replayed = [losses[i] for i in (EAGER_STEPS, EAGER_STEPS + 2, EAGER_STEPS + 3, EAGER_STEPS + 4, EAGER_STEPS + 5)]
     assert all(loss is not output for loss in replayed for output in outputs)
@@ -440,7 +444,7 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     assert staged and staged_x is x and x.eq(1).all()
 
     @contextlib.contextmanager
-    def failing(graph, pool):
+    def failing(graph, pool, stream):
         yield
         raise RuntimeError("operation not permitted when stream is capturing")
 

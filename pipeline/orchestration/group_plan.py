@@ -6,8 +6,8 @@ from each model's cost: its measured seconds per image when rates were
 measured, else an estimate from its multiply-adds. Whether a group's family
 fuses is `trainer.grouping`: `fuse`, `pack`, or with `auto` the faster of the
 two as measured (and cached) on one slot: fusion pays on GPUs and may lose
-on CPUs. On a GPU `auto` also measures the group's units on several CUDA
-streams side by side (`choose_streams`). `auto` then measures whether a
+on CPUs. On a GPU `auto` also measures each way's units on several CUDA
+streams side by side (`stream_counts`). `auto` then measures whether a
 device's models train faster in several processes side by side on it
 (sub-slots, `choose_sub_slots`): on a GPU, one process steps its models one
 after another from one thread and is bound by kernel launches.
@@ -97,9 +97,9 @@ def fused(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int, lanes:
 def choose_sharing(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str, ModelSize], slot_bytes: int,
                    lanes: int, how: Measurement, cache: Path) -> tuple[list[GroupSpec], dict]:
     """How each group shares its slot, as trainer.grouping says: `fuse` fuses every family that fits; `auto`
-    measures each group with a family to fuse packed and fused on one slot and keeps the faster, and on a
-    GPU then its units on 2, 4, ... CUDA streams side by side (`choose_streams`). Returns the groups and,
-    per group measured, the rates (images/s): packed and fused, and by streams."""
+    measures each group with a family to fuse packed and fused on one slot, on a GPU each way on 1, 2, 4, ...
+    CUDA streams (`stream_counts`), and keeps the fastest. Returns the groups and, per group measured, the
+    rates (images/s): packed and fused on one stream, and on a GPU each way's by streams."""
     if grouping == Grouping.fuse:
         return [fused(g, sizes, slot_bytes, lanes) for g in groups], {}
     if grouping != Grouping.auto:
@@ -107,35 +107,35 @@ def choose_sharing(groups: list[GroupSpec], grouping: Grouping, sizes: dict[str,
     chosen, measured = [], {}
     for group in groups:
         variant = fused(group, sizes, slot_bytes, lanes)
+        ways = {"packed": group, "fused": variant} if variant.array_size > 1 else {"packed": group}
+        counts = {way: stream_counts(g, sizes, slot_bytes) if how.device_kind == "cuda" else [1]
+                  for way, g in ways.items()}
+        if sum(map(len, counts.values())) == 1:
+            chosen.append(group)  # nothing to fuse, and no streams to try (on CPU, or one unit)
+            continue
+        rates = {way: {n: measure_rate_table([replace(ways[way], cuda_streams=n)], 1, how, cache).rate(group.name, 1)
+                       for n in ns} for way, ns in counts.items()}
+        way, streams = max(((w, n) for w in rates for n in rates[w]), key=lambda pick: rates[pick[0]][pick[1]])
+        chosen.append(replace(ways[way], cuda_streams=streams))
+        record = measured[group.name] = {}
         if variant.array_size > 1:
-            rates = [measure_rate_table([v], 1, how, cache).rate(group.name, 1) for v in (group, variant)]
-            measured[group.name] = {"packed": rates[0], "fused": rates[1], "array_size": variant.array_size}
-            group = variant if rates[1] > rates[0] else group
-        if how.device_kind == "cuda":
-            group, by_streams = choose_streams(group, sizes, slot_bytes, how, cache)
-            if by_streams:
-                measured.setdefault(group.name, {})["cuda_streams"] = by_streams
-        chosen.append(group)
+            record.update(packed=rates["packed"][1], fused=rates["fused"][1], array_size=variant.array_size)
+        if any(len(ns) > 1 for ns in counts.values()):
+            record["cuda_streams"] = {w: {str(n): rate for n, rate in by.items()} for w, by in rates.items()}
     return chosen, measured
 
 
 MOST_STREAMS = 8  # a GPU's streams a group's units are tried on: enough to overlap small kernels
 
 
-def choose_streams(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int, how: Measurement,
-                   cache: Path) -> tuple[GroupSpec, dict[str, float]]:
-    """`group` on the number of CUDA streams its units train fastest on: 1 (in turn), 2, 4, ... up to one per
-    unit, at most MOST_STREAMS, while the units stepped at once fit the slot (each stream holds its own
-    step's activations). Returns the group and its images/s by streams ({} when it has one unit)."""
+def stream_counts(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int) -> list[int]:
+    """The CUDA streams `group`'s units may step on side by side: 1 (in turn), 2, 4, ... up to one per unit,
+    at most MOST_STREAMS, while the units stepped at once fit the slot (each stream holds its own step's
+    activations and workspace)."""
     units = len(group.units())
-    tried = [n for n in sorted({1, *(2 ** i for i in range(1, units.bit_length())), units}) if n <= MOST_STREAMS]
-    fitting = [replace(group, cuda_streams=n) for n in tried
-               if group_bytes(replace(group, cuda_streams=n), sizes) * MEMORY_HEADROOM <= slot_bytes]
-    if len(fitting) < 2:
-        return group, {}
-    rates = {g.cuda_streams: measure_rate_table([g], 1, how, cache).rate(group.name, 1) for g in fitting}
-    best = max(rates, key=rates.get)
-    return replace(group, cuda_streams=best), {str(n): rate for n, rate in rates.items()}
+    tried = sorted({1, *(2 ** i for i in range(1, units.bit_length())), units})
+    return [n for n in tried if n == 1 or n <= MOST_STREAMS
+            and group_bytes(replace(group, cuda_streams=n), sizes) * MEMORY_HEADROOM <= slot_bytes]
 
 
 def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: dict[str, ModelSize], devices: int,
@@ -170,12 +170,14 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
     """A group's memory on one of its slots: every member's state, the activations of the units stepped at
     once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU one per
-    stream of the group's; a fused array holds all its members' activations), and the largest member's
-    workspace, once for the process. A data-parallel model holds its 1/g share of the batch's activations."""
+    stream of the group's; a fused array holds all its members' activations), and as many of the largest
+    members' workspaces (once for a process that steps its units in turn; on a GPU each stream has its own
+    graph pool and cuBLAS workspace). A data-parallel model holds its 1/g share of the batch's activations."""
+    at_once = max(lanes, group.cuda_streams)
     state = sum(sizes[m.name].state_bytes for m in group.members)
     units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
-    workspace = max(sizes[m.name].workspace_bytes for m in group.members)
-    return state + math.ceil(sum(units[:max(lanes, group.cuda_streams)]) / group.slots) + workspace
+    workspaces = sorted((sizes[m.name].workspace_bytes for m in group.members), reverse=True)
+    return state + math.ceil(sum(units[:at_once]) / group.slots) + sum(workspaces[:at_once])
 
 
 def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slot_bytes: int,

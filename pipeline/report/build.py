@@ -283,8 +283,8 @@ def _sharing_measured(measured: dict | None) -> str:
     """What grouping=auto measured of a group: packed and fused, and on a GPU by CUDA streams."""
     measured = measured or {}
     parts = [f"packed {measured['packed']:,.1f} / fused {measured['fused']:,.1f}"] if "packed" in measured else []
-    if "cuda_streams" in measured:
-        parts.append("streams " + ", ".join(f"{n}: {rate:,.1f}" for n, rate in measured["cuda_streams"].items()))
+    for way, by_streams in measured.get("cuda_streams", {}).items():
+        parts.append(f"{way} on streams " + ", ".join(f"{n}: {rate:,.1f}" for n, rate in by_streams.items()))
     return "; ".join(parts) or "-"
 
 

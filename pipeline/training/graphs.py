@@ -66,10 +66,13 @@ class StepGraph:
     """A unit's step on static inputs of one or more shapes: eager for the unit's first EAGER_STEPS and
     for the first step of each later shape, then captured, a graph per shape, and replayed. `step(*inputs)`
     is the unit's eager step (its output on the device: losses, or validation's probabilities); `pool` is
-    shared by the group's graphs; `names` (the unit's members) name it in errors."""
+    shared by the graphs of the unit's lane; `stream`, where given, is the lane's, which captures (else
+    torch's one side stream): cuBLAS keeps a workspace per stream, and a graph replays the one its capture
+    used, so graphs that run at once must be captured on streams of their own; `names` (the unit's
+    members) name it in errors."""
 
-    def __init__(self, step, pool, names):
-        self._step, self._pool, self._names = step, pool, names
+    def __init__(self, step, pool, names, stream=None):
+        self._step, self._pool, self._names, self._stream = step, pool, names, stream
         self._eager_steps = 0
         self._stepped: set[tuple] = set()  # shapes stepped eagerly
         self._graphs: dict[tuple, tuple] = {}  # shape -> (graph, the captured step's output, rewritten by replays)
@@ -97,7 +100,7 @@ class StepGraph:
 
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
                 output = self._step(*inputs)  # recorded, not run: the replay that follows runs it
         except RuntimeError as error:  # e.g. a model that reads a value on the host, or changes shape
             raise RuntimeError(f"the step of {', '.join(self._names)} cannot be captured as a CUDA graph "

@@ -81,7 +81,8 @@ class GroupSpec:
             return "alone"
         units = self.units()
         mode = "packed" if all(len(u) == 1 for u in units) else "fused" if len(units) == 1 else "fused+packed"
-        return mode + (f" on {self.cuda_streams} streams" if self.cuda_streams > 1 else "")
+        streams = min(self.cuda_streams, len(units))
+        return mode + (f" on {streams} streams" if streams > 1 else "")
 
     def describe(self) -> str:
         """What the group trains, for messages: e.g. "a (resnet(depth=10, width=16)), b (densenet(...))"."""
@@ -467,6 +468,7 @@ class GroupStep:
                 self.units.append(_Stacked(unit, nets, self.device, total_steps))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
+            unit.lane = None  # dealt once the lanes are made
         self.compiles, self.compile_s = compile, 0.0
         self.compiled: set[tuple] = set()  # (split, batch shapes) its units have compiled for
         if compile:
@@ -478,18 +480,15 @@ class GroupStep:
             torch._dynamo.config.recompile_limit = max(limit, 4 * len(group.members))
             for unit in self.units:
                 unit.compile(compile_options(self.device))
-        # On a GPU, units step on `group.cuda_streams` CUDA streams side by side, dealt out in turn: a unit
-        # keeps its lane, and a lane its graphs' memory pool (graphs that may run at once must not share one).
+        # On a GPU, units step on `group.cuda_streams` CUDA streams side by side, each stream a lane with its
+        # own graphs' memory pool (graphs that may run at once must not share one).
         lanes = min(group.cuda_streams, len(self.units)) if self.device.type == "cuda" else 1
         self.streams = [torch.cuda.Stream(self.device) for _ in range(lanes)] if lanes > 1 else []
-        for index, unit in enumerate(self.units):
-            unit.lane = index % lanes
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
         self.static_inputs = StaticInputs() if self.graphs else None  # the training steps'
         self.val_inputs = StaticInputs() if self.graphs else None  # validation's
         self.graph_pools = [torch.cuda.graph_pool_handle() for _ in range(lanes)] if self.graphs else []
-        for unit in self.units:
-            self._new_graph(unit)
+        self._deal_lanes()
         self.pool = None
         self._plan_lanes()
 
@@ -499,13 +498,24 @@ class GroupStep:
         a measured pace starts after them. 0 without graphs."""
         return EAGER_STEPS + 1 if self.graphs else 0
 
+    def _deal_lanes(self) -> None:
+        """Deals the units out to the lanes in turn (at the start, and again as units leave, so that no lane
+        is left with more than its share); a unit on another lane than before has its graphs made anew."""
+        lanes = max(1, len(self.streams))
+        for index, unit in enumerate(self.units):
+            if unit.lane != index % lanes:
+                unit.lane = index % lanes
+                self._new_graph(unit)
+
     def _new_graph(self, unit) -> None:
-        """The unit's step graphs, training's and validation's, to be captured anew: at the start, and
-        whenever its tensors change."""
-        graphed = self.graphs and unit.capturable
-        pool = self.graph_pools[unit.lane] if graphed else None
-        unit.graph = StepGraph(functools.partial(self._step, unit), pool, unit.names) if graphed else None
-        unit.val_graph = StepGraph(functools.partial(self._probabilities, unit), pool, unit.names) if graphed else None
+        """The unit's step graphs, training's and validation's, to be captured anew, on its lane: at the
+        start, and whenever its tensors or its lane change."""
+        if not (self.graphs and unit.capturable):
+            unit.graph = unit.val_graph = None
+            return
+        pool, stream = self.graph_pools[unit.lane], self.streams[unit.lane] if self.streams else None
+        unit.graph = StepGraph(functools.partial(self._step, unit), pool, unit.names, stream)
+        unit.val_graph = StepGraph(functools.partial(self._probabilities, unit), pool, unit.names, stream)
 
     def _plan_lanes(self) -> None:
         """On CPU, with at least as many units as threads, units step side by side, one thread each:
@@ -567,11 +577,13 @@ class GroupStep:
         for stream in self.streams:
             stream.wait_stream(current)
         done = []
-        for unit in self.units:
-            with torch.cuda.stream(self.streams[unit.lane]):
-                done.append(work(unit))
-        for stream in self.streams:
-            current.wait_stream(stream)
+        try:
+            for unit in self.units:
+                with torch.cuda.stream(self.streams[unit.lane]):
+                    done.append(work(unit))
+        finally:
+            for stream in self.streams:
+                current.wait_stream(stream)
         return done
 
     def _compiling(self, split: str, batches: dict[str, tuple]):
@@ -667,6 +679,7 @@ class GroupStep:
         if len(unit.names) == 1:
             self.units.remove(unit)
             self._plan_lanes()
+            self._deal_lanes()
         else:
             unit.drop(index)  # (a compiled unit compiles anew: its shapes change)
             self._new_graph(unit)  # a new module
