@@ -454,3 +454,57 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
         broken(*full)
     with pytest.raises(RuntimeError, match=r"step of a, b cannot be captured .*trainer\.cuda_graphs=false"):
         broken(*full)
+
+
+def test_units_on_streams_fork_from_the_staging_stream_and_join_it_even_when_a_step_fails(monkeypatch):
+    """GroupStep's CUDA streams with torch's stream API faked (CI has no GPU; tests/test_gpu.py trains on
+    real ones): every lane waits for the current stream before any unit steps, each unit steps inside its
+    lane's stream (dealt in turn), and the current stream waits for every lane after, a failing step
+    included; a unit leaving deals the rest out again. Planted mistakes it catches: a lane that starts
+    before the staged batch is ready, losses read before their lane is done, a join skipped by an error."""
+    events, active = [], ["current"]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    @contextlib.contextmanager
+    def on(stream):
+        active.append(stream.name)
+        yield
+        active.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    members = tuple(model(name, width=4 * (i + 1)) for i, name in enumerate("abcd"))  # no two fuse: 4 units
+    step = GroupStep(GroupSpec("g", members, cuda_streams=2), 3, {"main": 16}, "cpu", 10)
+    step.streams = [Stream("s0"), Stream("s1")]  # what a GPU's group of cuda_streams=2 makes
+    step._deal_lanes()
+    stepping = step._train_unit
+
+    def train_unit(unit, *batch):
+        events.append(f"{unit.names[0]} on {active[-1]}")
+        if unit.names[0] == "c" and failing:
+            raise RuntimeError("the device fell over")
+        return stepping(unit, *batch)
+
+    monkeypatch.setattr(step, "_train_unit", train_unit)
+    images, labels = batch(side=16)
+    x, y = step.normalise(images), torch.from_numpy(labels)
+    failing = False
+    assert set(step.train({"main": (x, y)})) == set("abcd")
+    assert events == ["s0 waits for current", "s1 waits for current", "a on s0", "b on s1", "c on s0", "d on s1",
+                      "current waits for s0", "current waits for s1"]
+    events.clear()
+    failing = True
+    with pytest.raises(RuntimeError, match="the device fell over"):
+        step.train({"main": (x, y)})
+    assert events[-3:] == ["c on s0", "current waits for s0", "current waits for s1"]
+    events.clear()
+    failing = False
+    step.release("a")
+    step.train({"main": (x, y)})
+    assert events[2:5] == ["b on s0", "c on s1", "d on s0"]  # dealt again
