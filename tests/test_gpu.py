@@ -163,14 +163,13 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
 def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
     """A packed group of 4 on 3 CUDA streams (units 0 and 3 share a stream and its graph pool), graphed,
     against the same group stepped in turn on one stream, on the same batches: an epoch's odd-sized last
-    batch twice, a member leaving (step 7: the lanes are dealt again, and the unit that moves captures anew
-    on its new stream), then validation. Both give the same losses, weights and probabilities (within
-    cuBLAS's rounding: its results are bit-stable on one stream only), and a step that captures nothing
-    never waits for the host. 257 classes: the heads' products are wide enough for cuBLAS to use its
-    workspace, which graphs replaying at once must not share. Mistakes it is meant to catch: lanes sharing a
-    graph pool or a capture stream, a lane reading the staged batch before its copy is done, losses read
-    before their lane is done. Written without a GPU at hand (2026-11-27): its first run is the next device
-    session's."""
+    batch twice, a member leaving (step 7: its stream left empty, a unit moves there and captures anew),
+    then validation. Both give the same losses, weights and probabilities (within cuBLAS's rounding: its
+    results are bit-stable on one stream only), and a step that captures nothing never waits for the host.
+    257 classes: the heads' products are wide enough for cuBLAS to use its workspace, which graphs replaying
+    at once must not share. Mistakes it is meant to catch: streams sharing a graph pool or a capture stream,
+    a stream reading the staged batch before its copy is done, losses read before their stream is done.
+    Written without a GPU at hand (2026-11-27): its first run is the next device session's."""
     import torch
 
     from pipeline.training.group import GroupSpec, GroupStep
@@ -182,7 +181,7 @@ def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
     steps = {streams: GroupStep(GroupSpec("g", members, cuda_streams=streams), 257, {"main": 32}, "cuda", 20,
                                 cuda_graphs=True) for streams in (1, 3)}
     assert len(steps[3].streams) == 3 and len(steps[3].graph_pools) == 3 and not steps[1].streams
-    assert [(unit.names, unit.lane) for unit in steps[3].units] == [(["a"], 0), (["c"], 1), (["b"], 2), (["d"], 0)]
+    assert [(unit.names[0], unit.stream) for unit in steps[3].units] == [("a", 0), ("c", 1), ("b", 2), ("d", 0)]
     random = torch.Generator().manual_seed(0)
     for number in range(12):
         rows = 10 if number in (5, 9) else 16
@@ -193,8 +192,9 @@ def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
             if number == 7:
                 step.release("b")
             batch = {"main": (step.normalise(images), labels.cuda())}
-            # replays, and eager steps (d's first three on its new stream, from step 7); captures synchronise
-            torch.cuda.set_sync_debug_mode("error" if streams > 1 and number in (4, 6, 7, 8, 11) else "default")
+            # replays, and eager steps (the odd shape's first at 5; d's first three on its new stream, from step
+            # 7); captures (3, 9, 10) synchronise
+            torch.cuda.set_sync_debug_mode("error" if streams > 1 and number in (4, 5, 6, 7, 8, 11) else "default")
             try:
                 losses[streams] = step.train(batch)
             finally:
@@ -202,7 +202,10 @@ def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
         assert losses[3].keys() == losses[1].keys()
         for name in losses[1]:
             torch.testing.assert_close(losses[3][name], losses[1][name], rtol=1e-4, atol=1e-5)
-    assert [(unit.names, unit.lane) for unit in steps[3].units] == [(["a"], 0), (["c"], 1), (["d"], 2)]
+    # b's stream left empty: d, one of two on stream 0, moves there and captures anew (the full shape only)
+    assert [(unit.names[0], unit.stream) for unit in steps[3].units] == [("a", 0), ("c", 1), ("d", 2)]
+    assert all(unit.graph._stream is steps[3].streams[unit.stream] for unit in steps[3].units)
+    assert [len(unit.graph.captured) for unit in steps[3].units] == [2, 2, 1]
     for name in ("a", "c", "d"):
         in_turn, side_by_side = steps[1].state(name), steps[3].state(name)
         for key, tensor in in_turn["model"].items():

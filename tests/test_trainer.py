@@ -416,13 +416,13 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
         outputs.append(torch.tensor([float(len(x))]))
         return outputs[-1]
 
-    graph = StepGraph(step, pool=None, names=("a", "b"), stream="its lane's stream")
+    graph = StepGraph(step, pool=None, names=("a", "b"), stream="its unit's stream")
     full, last = (torch.zeros(4, 2), torch.zeros(4)), (torch.zeros(3, 2), torch.zeros(3))
     losses = [graph(*batch) for batch in [full] * (EAGER_STEPS + 1) + [last, full, last, last, full]]
     assert events == (["step"] * EAGER_STEPS + ["capture", "step", "replay"]  # the epoch's batches
                       + ["step", "replay", "capture", "step", "replay", "replay", "replay"])  # its last one
     assert graph.captured == [shape_of(*full), shape_of(*last)]
-    assert captured_on == ["its lane's stream"] * 2  # each capture on its lane's stream: cuBLAS's workspace
+    assert captured_on == ["its unit's stream"] * 2  # each capture on its unit's stream: cuBLAS's workspace
     assert [loss.item() for loss in losses] == [4.0] * (EAGER_STEPS + 1) + [3.0, 4.0, 3.0, 3.0, 4.0]  # its graph
     replayed = [losses[i] for i in (EAGER_STEPS, EAGER_STEPS + 2, EAGER_STEPS + 3, EAGER_STEPS + 4, EAGER_STEPS + 5)]
     assert all(loss is not output for loss in replayed for output in outputs)
@@ -458,10 +458,11 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
 
 def test_units_on_streams_fork_from_the_staging_stream_and_join_it_even_when_a_step_fails(monkeypatch):
     """GroupStep's CUDA streams with torch's stream API faked (CI has no GPU; tests/test_gpu.py trains on
-    real ones): every lane waits for the current stream before any unit steps, each unit steps inside its
-    lane's stream (dealt in turn), and the current stream waits for every lane after, a failing step
-    included; a unit leaving deals the rest out again. Planted mistakes it catches: a lane that starts
-    before the staged batch is ready, losses read before their lane is done, a join skipped by an error."""
+    real ones): every stream waits for the current one before any unit steps, each unit steps inside its
+    stream (dealt in turn), and the current stream waits for every stream after, a failing step included;
+    as units leave, one moves only when a stream has two more than another. Planted mistakes it catches: a
+    stream that starts before the staged batch is ready, losses read before their stream is done, a join
+    skipped by an error."""
     events, active = [], ["current"]
 
     class Stream:
@@ -474,15 +475,19 @@ def test_units_on_streams_fork_from_the_staging_stream_and_join_it_even_when_a_s
     @contextlib.contextmanager
     def on(stream):
         active.append(stream.name)
-        yield
-        active.pop()
+        try:
+            yield
+        finally:
+            active.pop()
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("current"))
     monkeypatch.setattr(torch.cuda, "stream", on)
     members = tuple(model(name, width=4 * (i + 1)) for i, name in enumerate("abcd"))  # no two fuse: 4 units
     step = GroupStep(GroupSpec("g", members, cuda_streams=2), 3, {"main": 16}, "cpu", 10)
-    step.streams = [Stream("s0"), Stream("s1")]  # what a GPU's group of cuda_streams=2 makes
-    step._deal_lanes()
+    step.streams = [Stream("s0"), Stream("s1")]  # what a GPU's group of cuda_streams=2 starts with
+    for unit in step.units:
+        unit.stream = None
+    step._deal_streams()
     stepping = step._train_unit
 
     def train_unit(unit, *batch):
@@ -505,6 +510,10 @@ def test_units_on_streams_fork_from_the_staging_stream_and_join_it_even_when_a_s
     assert events[-3:] == ["c on s0", "current waits for s0", "current waits for s1"]
     events.clear()
     failing = False
-    step.release("a")
+    step.release("a")  # streams of 1 and 2 units: none moves
     step.train({"main": (x, y)})
-    assert events[2:5] == ["b on s0", "c on s1", "d on s0"]  # dealt again
+    assert events[2:5] == ["b on s1", "c on s0", "d on s1"]
+    events.clear()
+    step.release("c")  # stream 0 empty, stream 1 with b and d: d moves
+    step.train({"main": (x, y)})
+    assert events[2:4] == ["b on s1", "d on s0"]

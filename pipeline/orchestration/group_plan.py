@@ -36,7 +36,8 @@ class ModelSize:
     activation_bytes: int  # saved for backward, per step on one slot (its whole batch)
     flops: float  # multiply-adds of one image's training step
     # A measured step's peak beyond its state and activations (cuBLAS's and cuDNN's workspaces, the graphs'
-    # pool, the backward pass's transients): a process holds it once, however many models it steps.
+    # pool, the backward pass's transients), measured on a GPU: a process that steps its models in turn
+    # holds it once, one on several CUDA streams once per stream (group_bytes).
     workspace_bytes: int = 0
 
 

@@ -14,11 +14,11 @@ momentum). A unit has a graph per batch shape, at most SHAPES of them: an epoch'
 stepped eagerly the first time it comes and replayed from the next epoch on (eager, it cost the paper
 ensemble 1.9-2.3 s an epoch, 100 models' kernels launched one by one).
 
-The units of a group's lane (its one stream, or each of its CUDA streams: GroupSpec.cuda_streams) capture
-into one memory pool. That is safe because their graphs replay one at a time on that stream and keep
-nothing in the pool from one replay to the next (weights, momentum, inputs and the losses handed out live
-outside it), and it keeps a lane's memory at one member's activations at a time. Lanes that run at once
-have pools of their own.
+The units that step on one CUDA stream (all of a group's, or each of its streams' share:
+GroupSpec.cuda_streams) capture into one memory pool. That is safe because their graphs replay one at a
+time on that stream and keep nothing in the pool from one replay to the next (weights, momentum, inputs
+and the losses handed out live outside it), and it keeps a stream's memory at one member's activations at
+a time. Streams that run at once have pools of their own.
 """
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ class StepGraph:
     """A unit's step on static inputs of one or more shapes: eager for the unit's first EAGER_STEPS and
     for the first step of each later shape, then captured, a graph per shape, and replayed. `step(*inputs)`
     is the unit's eager step (its output on the device: losses, or validation's probabilities); `pool` is
-    shared by the graphs of the unit's lane; `stream`, where given, is the lane's, which captures (else
-    torch's one side stream): cuBLAS keeps a workspace per stream, and a graph replays the one its capture
-    used, so graphs that run at once must be captured on streams of their own; `names` (the unit's
+    shared by the graphs of the units on the unit's stream; `stream`, where given, is that stream, which
+    captures (else torch's one side stream): cuBLAS keeps a workspace per stream, and a graph replays the
+    one its capture used, so graphs that run at once must be captured on streams of their own; `names` (the unit's
     members) name it in errors."""
 
     def __init__(self, step, pool, names, stream=None):

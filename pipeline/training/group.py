@@ -81,8 +81,12 @@ class GroupSpec:
             return "alone"
         units = self.units()
         mode = "packed" if all(len(u) == 1 for u in units) else "fused" if len(units) == 1 else "fused+packed"
-        streams = min(self.cuda_streams, len(units))
-        return mode + (f" on {streams} streams" if streams > 1 else "")
+        return mode + (f" on {self.side_by_side} streams" if self.side_by_side > 1 else "")
+
+    @property
+    def side_by_side(self) -> int:
+        """The units stepped at once on a GPU: `cuda_streams`, at most one per unit."""
+        return min(self.cuda_streams, len(self.units()))
 
     def describe(self) -> str:
         """What the group trains, for messages: e.g. "a (resnet(depth=10, width=16)), b (densenet(...))"."""
@@ -183,7 +187,7 @@ def _statistics(device):
 
 
 def compile_options(device) -> dict:
-    """torch.compile's settings for a unit's forward on `device`: one graph per batch shape (a stream has
+    """torch.compile's settings for a unit's forward on `device`: one graph per batch shape (a sink has
     at most two, an epoch's last batch being the other), never a dynamic one. On CPU inductor keeps the
     layout it is given: its own choice, channels-last convolutions, meets oneDNN's channels-last
     convolution backward (see `training_memory_format`), which corrupted the heap in a compiled
@@ -468,7 +472,7 @@ class GroupStep:
                 self.units.append(_Stacked(unit, nets, self.device, total_steps))
         for unit in self.units:  # a scaler per unit: a member's overflow skips only its own step
             unit.scaler = torch.amp.GradScaler(self.device.type, enabled=precision == Precision.fp16)
-            unit.lane = None  # dealt once the lanes are made
+            unit.stream = None  # its index in `streams`, dealt once they are made
         self.compiles, self.compile_s = compile, 0.0
         self.compiled: set[tuple] = set()  # (split, batch shapes) its units have compiled for
         if compile:
@@ -480,15 +484,15 @@ class GroupStep:
             torch._dynamo.config.recompile_limit = max(limit, 4 * len(group.members))
             for unit in self.units:
                 unit.compile(compile_options(self.device))
-        # On a GPU, units step on `group.cuda_streams` CUDA streams side by side, each stream a lane with its
-        # own graphs' memory pool (graphs that may run at once must not share one).
-        lanes = min(group.cuda_streams, len(self.units)) if self.device.type == "cuda" else 1
-        self.streams = [torch.cuda.Stream(self.device) for _ in range(lanes)] if lanes > 1 else []
+        # On a GPU, units step on `group.side_by_side` CUDA streams at once, each stream with its own graphs'
+        # memory pool (graphs that may run at once must not share one).
+        streams = group.side_by_side if self.device.type == "cuda" else 1
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)] if streams > 1 else []
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
         self.static_inputs = StaticInputs() if self.graphs else None  # the training steps'
         self.val_inputs = StaticInputs() if self.graphs else None  # validation's
-        self.graph_pools = [torch.cuda.graph_pool_handle() for _ in range(lanes)] if self.graphs else []
-        self._deal_lanes()
+        self.graph_pools = [torch.cuda.graph_pool_handle() for _ in range(streams)] if self.graphs else []
+        self._deal_streams()
         self.pool = None
         self._plan_lanes()
 
@@ -498,22 +502,33 @@ class GroupStep:
         a measured pace starts after them. 0 without graphs."""
         return EAGER_STEPS + 1 if self.graphs else 0
 
-    def _deal_lanes(self) -> None:
-        """Deals the units out to the lanes in turn (at the start, and again as units leave, so that no lane
-        is left with more than its share); a unit on another lane than before has its graphs made anew."""
-        lanes = max(1, len(self.streams))
-        for index, unit in enumerate(self.units):
-            if unit.lane != index % lanes:
-                unit.lane = index % lanes
-                self._new_graph(unit)
+    def _deal_streams(self) -> None:
+        """Deals the units out to the streams: in turn at the start; as units leave, the fewest moves that keep
+        each stream within one unit of the others (a moved unit captures anew: 3 eager steps, a sync). A unit
+        given a stream has its graphs made anew, on it."""
+        dealt = {index: [u for u in self.units if u.stream == index] for index in range(max(1, len(self.streams)))}
+        fewest = lambda: min(dealt, key=lambda index: len(dealt[index]))
+        most = lambda: max(dealt, key=lambda index: len(dealt[index]))
+        moved = [unit for unit in self.units if unit.stream is None]
+        for unit in moved:
+            dealt[fewest()].append(unit)
+        while len(dealt[most()]) - len(dealt[fewest()]) > 1:
+            unit = dealt[most()].pop()
+            dealt[fewest()].append(unit)
+            moved.append(unit)
+        for index, units in dealt.items():
+            for unit in units:
+                unit.stream = index
+        for unit in moved:
+            self._new_graph(unit)
 
     def _new_graph(self, unit) -> None:
-        """The unit's step graphs, training's and validation's, to be captured anew, on its lane: at the
-        start, and whenever its tensors or its lane change."""
+        """The unit's step graphs, training's and validation's, to be captured anew, on its stream: at the
+        start, and whenever its tensors or its stream change."""
         if not (self.graphs and unit.capturable):
             unit.graph = unit.val_graph = None
             return
-        pool, stream = self.graph_pools[unit.lane], self.streams[unit.lane] if self.streams else None
+        pool, stream = self.graph_pools[unit.stream], self.streams[unit.stream] if self.streams else None
         unit.graph = StepGraph(functools.partial(self._step, unit), pool, unit.names, stream)
         unit.val_graph = StepGraph(functools.partial(self._probabilities, unit), pool, unit.names, stream)
 
@@ -571,15 +586,15 @@ class GroupStep:
             return [work(unit) for unit in self.units]
         torch = self.torch
         current = torch.cuda.current_stream(self.device)
-        # Fork and join: the lanes start after all the current stream has queued (the staged inputs, and the
-        # last step's readers of their losses), and all that follows waits for every lane. So memory that
+        # Fork and join: the streams start after all the current stream has queued (the staged inputs, and the
+        # last step's readers of their losses), and all that follows waits for every stream. So memory that
         # one stream frees is never reused by another before the first is done with it.
         for stream in self.streams:
             stream.wait_stream(current)
         done = []
         try:
             for unit in self.units:
-                with torch.cuda.stream(self.streams[unit.lane]):
+                with torch.cuda.stream(self.streams[unit.stream]):
                     done.append(work(unit))
         finally:
             for stream in self.streams:
@@ -679,7 +694,7 @@ class GroupStep:
         if len(unit.names) == 1:
             self.units.remove(unit)
             self._plan_lanes()
-            self._deal_lanes()
+            self._deal_streams()
         else:
             unit.drop(index)  # (a compiled unit compiles anew: its shapes change)
             self._new_graph(unit)  # a new module

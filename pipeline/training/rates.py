@@ -253,10 +253,11 @@ def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
 
 def _group_key(group: GroupSpec, how: Measurement) -> dict:
     """What of a group decides its rate: its members' modules, optimisers and image sizes, its fused arrays,
-    its CUDA streams (named only above 1: the rates and memory peaks cached before streams keep their keys)."""
+    the CUDA streams it steps on (named only above 1: the rates and memory peaks cached before streams keep
+    their keys)."""
     members = sorted([canonical(m.model), m.optimizer_kind, how.image_sizes[m.input]] for m in group.members)
     arrays = sorted([len(unit), array_fusion(unit)] for unit in group.units() if len(unit) > 1)
-    streams = {"cuda_streams": group.cuda_streams} if group.cuda_streams > 1 else {}
+    streams = {"cuda_streams": group.side_by_side} if group.side_by_side > 1 else {}
     return {"members": members, "fused_arrays": arrays, **streams}
 
 
