@@ -160,6 +160,17 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
         torch.testing.assert_close(after[True][name], after[False][name], rtol=1e-4, atol=1e-5)
 
 
+def twelve_batches(random, classes: int):
+    """(step number, uint8 images, labels) of 12 training batches of 32 px images drawn from `random`, the
+    6th and the 10th an epoch's last, smaller batch (another shape: stepped eagerly, then captured)."""
+    import torch
+
+    for number in range(12):
+        rows = 10 if number in (5, 9) else 16
+        yield (number, torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random),
+               torch.randint(0, classes, (rows,), generator=random))
+
+
 def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
     """A packed group of 4 on 3 CUDA streams (units 0 and 3 share a stream and its graph pool), graphed,
     against the same group stepped in turn on one stream, on the same batches: an epoch's odd-sized last
@@ -183,10 +194,7 @@ def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
     assert len(steps[3].streams) == 3 and len(steps[3].graph_pools) == 3 and not steps[1].streams
     assert [(unit.names[0], unit.stream) for unit in steps[3].units] == [("a", 0), ("c", 1), ("b", 2), ("d", 0)]
     random = torch.Generator().manual_seed(0)
-    for number in range(12):
-        rows = 10 if number in (5, 9) else 16
-        images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
-        labels = torch.randint(0, 257, (rows,), generator=random)
+    for number, images, labels in twelve_batches(random, 257):
         losses = {}
         for streams, step in steps.items():
             if number == 7:
@@ -233,10 +241,7 @@ def test_compiled_and_graphed_steps_train_to_the_eager_weights():
     steps = {compiled: GroupStep(group, 4, {"main": 32}, "cuda", 20, cuda_graphs=compiled, compile=compiled)
              for compiled in (False, True)}
     random = torch.Generator().manual_seed(0)
-    for number in range(12):
-        rows = 10 if number in (5, 9) else 16
-        images = torch.randint(0, 256, (rows, 32, 32, 3), dtype=torch.uint8, generator=random)
-        labels = torch.randint(0, 4, (rows,), generator=random)
+    for number, images, labels in twelve_batches(random, 4):
         losses = {}
         for compiled, step in steps.items():
             if number == 7:
