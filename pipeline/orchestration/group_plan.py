@@ -133,10 +133,13 @@ def stream_counts(group: GroupSpec, sizes: dict[str, ModelSize], slot_bytes: int
     """The CUDA streams `group`'s units may step on side by side: 1 (in turn), 2, 4, ... up to one per unit,
     at most MOST_STREAMS, while the units stepped at once fit the slot (each stream holds its own step's
     activations and workspace)."""
-    units = len(group.units())
-    tried = sorted({1, *(2 ** i for i in range(1, units.bit_length())), units})
-    return [n for n in tried if n == 1 or n <= MOST_STREAMS
+    return [n for n in doublings(len(group.units())) if n == 1 or n <= MOST_STREAMS
             and group_bytes(replace(group, cuda_streams=n), sizes) * MEMORY_HEADROOM <= slot_bytes]
+
+
+def doublings(most: int) -> list[int]:
+    """1, 2, 4, ... and `most` itself: the counts grouping=auto tries of streams or processes."""
+    return sorted({*(2 ** i for i in range(most.bit_length())), most})
 
 
 def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: dict[str, ModelSize], devices: int,
@@ -154,7 +157,7 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
     if largest == 1 or most < 2:
         return 1, groups, {}
     paces, layouts = {1: measure_rate_table(groups[:1], 1, how, cache).rate(groups[0].name, 1)}, {1: groups}
-    for n in sorted({*(2 ** i for i in range(1, largest.bit_length())), largest}):
+    for n in doublings(largest)[1:]:
         if n > most:
             break
         how, slot_bytes = split(n)
@@ -174,7 +177,7 @@ def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -
     stream of the group's; a fused array holds all its members' activations), and as many of the largest
     members' workspaces (once for a process that steps its units in turn; on a GPU each stream has its own
     graph pool and cuBLAS workspace). A data-parallel model holds its 1/g share of the batch's activations."""
-    at_once = max(lanes, group.cuda_streams)
+    at_once = max(lanes, group.side_by_side)
     state = sum(sizes[m.name].state_bytes for m in group.members)
     units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
     workspaces = sorted((sizes[m.name].workspace_bytes for m in group.members), reverse=True)

@@ -212,7 +212,7 @@ class FusedArray:
                     continue
                 if "momentum_buffer" not in fused_state:
                     fused_state["momentum_buffer"] = torch.zeros_like(p)  # a zero buffer is no buffer yet
-                member_buffer = self._member_view(fused_state["momentum_buffer"], name, i)
+                member_buffer = _member_view(fused_state["momentum_buffer"], self._plain_shapes[name], i)
                 if saved is None:
                     member_buffer.zero_()
                 else:
@@ -249,13 +249,10 @@ class FusedArray:
         params = dict(self.module.named_parameters())
         return [(name, params[name]) for name, _ in self._plain.named_parameters()]
 
-    def _member_view(self, t: torch.Tensor, name: str, i: int) -> torch.Tensor:
-        return _member_view(t, self._plain_shapes[name], i)
-
     def _write_member(self, i: int, plain_state: dict) -> None:
         for name, t in self.module.state_dict().items():
             if t.dim():
-                self._member_view(t, name, i).copy_(plain_state[name])
+                _member_view(t, self._plain_shapes[name], i).copy_(plain_state[name])
 
     def _check_plain_state(self, state: dict) -> None:
         if {name: t.shape for name, t in state.items()} != self._plain_shapes:
