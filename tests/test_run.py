@@ -276,8 +276,10 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
                                                                                      monkeypatch):
     """4 models on 2 CPU slots with trainer.grouping=fuse: the two of one family fuse, the dearest model
     trains alone, the densenet packs next to the array; every one learns (4 classes: chance is 25%).
-    fb converges after 3 epochs (its history is made to look complete): it leaves the array, whose
-    other member trains on in the same process, and its checkpoint loads as a plain model."""
+    fb converges after 4 epochs (its history is made to look complete): it leaves the array, whose
+    other member trains on in the same process, and its checkpoint loads as a plain model. (Training here is
+    not bit-reproducible from run to run: fb, at the lower rate, reached 62-94% by epoch 3 in runs of the
+    same code, and 4 epochs keep it clear of the bar.)"""
     import torch
 
     from pipeline.data.synthetic import generate_imagefolder
@@ -288,11 +290,11 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
     accuracies = RunRecorder.accuracies
 
-    def fb_done_after_3(recorder, model):
+    def fb_done_after_4(recorder, model):
         history = accuracies(recorder, model)
-        return history + history[-1:] * 2 if model == "fb" and len(history) == 3 else history
+        return history + history[-1:] * 2 if model == "fb" and len(history) == 4 else history
 
-    monkeypatch.setattr(RunRecorder, "accuracies", fb_done_after_3)
+    monkeypatch.setattr(RunRecorder, "accuracies", fb_done_after_4)
     out = tmp_path_factory.mktemp("grouped")
     results = run(compose_config(["+ensemble=caltech256", f"ensemble.models={GROUPED}", f"dataset.root={root}",
                                   "dataset.synthetic=never", "pipeline.batch_size=16", "pipeline.image_size=32",
@@ -304,11 +306,11 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     for name, model in models.items():
         assert max(model["val_accuracy"]) >= 0.75, (name, model["val_accuracy"])  # 3x chance
         assert len(model["flotillas"]) == 1 and not model["failures"]  # one trainer process, never restarted
-    assert [len(models[n]["val_accuracy"]) for n in ("fa", "fb", "pa", "pb")] == [5, 3, 5, 5]
+    assert [len(models[n]["val_accuracy"]) for n in ("fa", "fb", "pa", "pb")] == [5, 4, 5, 5]
     assert models["fb"]["converged"] and models["fa"]["group_mode"] == "fused+packed"
-    saved = torch.load(out / "checkpoints" / "fb" / "epoch3.pt", weights_only=True)
+    saved = torch.load(out / "checkpoints" / "fb" / "epoch4.pt", weights_only=True)
     build_module(ModelSpec(**saved["member"]), 4, 32).load_state_dict(saved["model"])  # strict
-    assert not (out / "checkpoints" / "fb" / "epoch4.pt").exists()
+    assert not (out / "checkpoints" / "fb" / "epoch5.pt").exists()
     html = (out / "report.html").read_text()
     assert "<h3>Slot groups</h3>" in html and "fused+packed" in html
 
