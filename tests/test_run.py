@@ -278,7 +278,7 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     trains alone, the densenet packs next to the array; every one learns (4 classes: chance is 25%).
     fb converges after 4 epochs (its history is made to look complete): it leaves the array, whose
     other member trains on in the same process, and its checkpoint loads as a plain model. (Training here is
-    not bit-reproducible from run to run: fb, at the lower rate, reached 62-94% by epoch 3 in runs of the
+    not bit-reproducible from run to run: fb, at the lower rate, ended epoch 3 at 62-100% in six runs of the
     same code, and 4 epochs keep it clear of the bar.)"""
     import torch
 
