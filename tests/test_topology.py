@@ -232,7 +232,9 @@ def test_every_topology_delivers_every_batch_once_in_order_bit_identical_through
     assert len(made) <= bound, (len(made), bound)
 
     received = results["delivery"]["received"]
-    assert len(received) == 4  # A, B's two ranks, C (its killed trainer never reports; the resumed one does)
+    # A, B's two ranks, C (its killed trainer never reports; the resumed one does); the message names who
+    # reported, and the flotillas' decisions, should one be missing (seen once in CI, cause not found yet)
+    assert len(received) == 4, (sorted(received), results["scheduler"]["decisions"])
     assert_every_batch_once_in_order_bit_identical(cfg, results)
     assert {len({m[2] for m in msgs if m[0] == 0}) for t, msgs in received.items() if f"/{VICTIM}/" in t} \
         == {3 - again["start_epoch"]}

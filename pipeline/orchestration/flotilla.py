@@ -166,11 +166,12 @@ class Flotilla:
         self.plan = self.plan.joined(group)
 
     def failed_members(self) -> dict[str, str]:
-        """Groups with a trainer that reported an error or died: name -> why."""
+        """Groups with a trainer that reported an error or died: name -> why. A trainer that exited with code 0
+        did neither: it sent TrainerDone, its last message, which may still be on its way."""
         failed = {name: self.errors[name] for name in self.members if name in self.errors}
         for node in self.nodes.values():
             for name, trainers in node.trainer_exit_codes().items():
-                dead = [(process, code) for process, code in trainers if code is not None]
+                dead = [(process, code) for process, code in trainers if code]
                 if dead and name in self.members and name not in failed:
                     process, code = dead[0]
                     failed[name] = f"{process} (training {self.members[name].group.describe()}) {how_it_ended(code)}"
