@@ -13,7 +13,7 @@ T0=$SECONDS
 left() { local l=$((BUDGET - (SECONDS - T0))); ((l > $1)) && echo "$1" || echo "$((l > 5 ? l : 5))"; }
 step() { echo; echo "=== $(date +%T) +$((SECONDS - T0))s: $*"; }
 
-step "the GPU tests (the compile test's second form runs here for the first time)"
+step "the GPU tests (run here for the first time: the compile test's second form, AdamW and Adam members graphed)"
 timeout "$(left 170)" python3 -m pytest -m gpu -q -p no:cacheprovider -p no:warnings -rA 2>&1 \
   | tee "$OUT/pytest-gpu.log" | tail -14
 

@@ -270,6 +270,60 @@ def test_compiled_and_graphed_steps_train_as_compiled_ones_and_start_as_eager_on
         torch.testing.assert_close(probs["graphed"][name], probs["compiled"][name], rtol=1e-4, atol=1e-5)
 
 
+def test_adam_and_adamw_members_are_graphed_train_to_the_eager_weights_and_resume_on_either_device():
+    """Members declared with AdamW and Adam, built fused and capturable on a GPU (their rates tensors the
+    schedule fills, their step counts on the device), are captured as CUDA graphs and train to the eager
+    group's losses and weights (cuDNN held deterministic); a checkpoint of the graphed group, written and read
+    as the trainer does (torch.load onto the loading device), resumes a CPU group and a graphed GPU group,
+    which step on to the losses the graphed group steps to. Written without a GPU at hand (2026-11-27): its
+    first run is the next device session's."""
+    import io
+    from dataclasses import replace
+
+    import torch
+
+    from pipeline.training.group import GroupSpec, GroupStep
+    from tests.conftest import member
+
+    members = (replace(member("w"), optimizer={"_target_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": 0.01}),
+               replace(member("m", width=16), optimizer={"_target_": "torch.optim.Adam", "lr": 3e-4}))
+    group = GroupSpec("g", members)
+    torch.backends.cudnn.deterministic = True
+    steps = {graphs: GroupStep(group, 4, {"main": 32}, "cuda", 20, cuda_graphs=graphs) for graphs in (False, True)}
+    assert all(unit.capturable for unit in steps[True].units)
+    random = torch.Generator().manual_seed(0)
+    for _, images, labels in twelve_batches(random, 4):
+        losses = {graphs: step.train({"main": (step.normalise(images), labels.cuda())})
+                  for graphs, step in steps.items()}
+        for name in losses[False]:
+            torch.testing.assert_close(losses[True][name], losses[False][name], rtol=1e-4, atol=1e-5)
+    assert all(unit.graph.captured for unit in steps[True].units)
+    for name in ("w", "m"):
+        eager, graphed = steps[False].state(name), steps[True].state(name)
+        for key, tensor in eager["model"].items():
+            torch.testing.assert_close(graphed["model"][key], tensor, rtol=1e-4, atol=1e-5, msg=f"{name}.{key}")
+    written = {}
+    for name in ("w", "m"):
+        written[name] = io.BytesIO()
+        torch.save(steps[True].state(name), written[name])
+    resumed = {"cpu": GroupStep(group, 4, {"main": 32}, "cpu", 20),
+               "cuda": GroupStep(group, 4, {"main": 32}, "cuda", 20, cuda_graphs=True)}
+    for device, step in resumed.items():
+        for name, saved in written.items():
+            saved.seek(0)
+            step.load(name, torch.load(saved, map_location=device, weights_only=True))
+    # the GPU group as closely as the graphed one follows the eager one; the CPU group within TF32's rounding
+    # (cuDNN's convolutions), over its first steps only (training amplifies rounding about tenfold a step)
+    within = {"cuda": {"rtol": 1e-4, "atol": 1e-5}, "cpu": {"rtol": 1e-2, "atol": 1e-3}}
+    for number, images, labels in twelve_batches(random, 4):
+        theirs = steps[True].train({"main": (steps[True].normalise(images), labels.cuda())})
+        for device, step in resumed.items():
+            ours = step.train({"main": (step.normalise(images), labels.to(device))})
+            for name in theirs if device == "cuda" or number < 2 else ():
+                torch.testing.assert_close(ours[name].cpu(), theirs[name].cpu(), **within[device],
+                                           msg=f"{device} {name}")
+
+
 def test_torchvision_resnet18_members_fuse_by_vmap_and_train_as_they_do_packed():
     """torchvision.models.resnet18 (a module nobody here wrote), three AdamW members with their own lrs, on the
     GPU in bf16: check_members finds it fusable, and a fused array of the three (vmap) and the three packed

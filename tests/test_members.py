@@ -1,6 +1,7 @@
 """Members declared by `_target_` (pipeline/training/members.py): modules, optimisers, schedules and losses
 nobody here wrote train, checkpoint and resume as the built-in families do; a declaration that cannot
 train is one MemberError naming the member and key, found before a run starts."""
+import copy
 import io
 from dataclasses import replace
 
@@ -164,3 +165,70 @@ def test_a_users_module_and_optimiser_train_checkpoint_and_resume():
             group_step.train({"main": (x, y)})
     assert resumed._find("u")[0].optimizer.param_groups[0]["lr"] == pytest.approx(0.03 * 0.5 ** (12 // 4))
     assert torch.allclose(step.predict({"main": x})["u"], resumed.predict({"main": x})["u"], atol=1e-6)
+
+
+@pytest.mark.parametrize("target, on_gpu", [("torch.optim.SGD", {"fused": True}),
+                                            ("torch.optim.AdamW", {"fused": True, "capturable": True}),
+                                            ("torch.optim.adam.Adam", {"fused": True, "capturable": True}),
+                                            ("torch.optim.RMSprop", None)])
+def test_an_optimiser_whose_update_a_cuda_graph_can_hold_is_built_so_on_a_gpu_only(target, on_gpu):
+    """SGD, Adam and AdamW (by the class their `_target_` names, however spelt) are built fused on a GPU, Adam
+    and AdamW capturable, so that a graph holds their step; another optimiser, one declared with foreach
+    (which fused excludes), and any on a CPU step eagerly as declared."""
+    from pipeline.training.group import graph_safe_arguments
+
+    spec = declared(optimizer={"_target_": target, "lr": 0.01})
+    assert graph_safe_arguments(spec, torch.device("cuda")) == on_gpu
+    assert graph_safe_arguments(spec, torch.device("cpu")) is None
+    foreach = declared(optimizer={"_target_": target, "lr": 0.01, "foreach": True})
+    assert graph_safe_arguments(foreach, torch.device("cuda")) is None
+
+
+def test_a_graph_safe_adamws_checkpoint_is_plain_and_resumes_with_the_loading_optimisers_settings():
+    """AdamW as a GPU builds it for graphs (fused, its rate a tensor the schedule fills; capturable is left out
+    here, since a CPU cannot step it) checkpoints as a plain AdamW's (no fused or capturable, rates as
+    floats); loaded into a plain AdamW it keeps that one's settings and steps as the fused one does; loaded
+    into a fused one, its rate tensor holds the checkpoint's rate. A checkpoint carrying its device's
+    settings, or a load dropping the loader's, fails."""
+    from pipeline.training.group import _load_plain_checkpoint, _plain_checkpoint
+
+    def built(fused: bool):
+        torch.manual_seed(0)
+        net = SmallNet(CLASSES)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=0.03, **({"fused": True} if fused else {}))
+        if fused:
+            optimizer.param_groups[0]["lr"] = torch.tensor(0.03)
+        return net, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+    def step(net, optimizer, schedule):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+        schedule.step()
+
+    x, y = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2] * 2 + [0, 1])
+    trained = built(fused=True)
+    for _ in range(3):
+        step(*trained)
+    state = _plain_checkpoint(trained[0].state_dict(), trained[1], trained[2])
+    (group,) = state["optimizer"]["param_groups"]
+    assert "fused" not in group and "capturable" not in group and type(group["lr"]) is float
+    assert group["lr"] == pytest.approx(0.03 * 0.5)
+    reference = copy.deepcopy(trained)  # its next step, which the resumed ones must take
+    step(*reference)
+    for fused in (False, True):
+        net, optimizer, schedule = resumed = built(fused)
+        rate = optimizer.param_groups[0]["lr"]
+        saved = io.BytesIO()
+        torch.save(state, saved)  # as a checkpoint is written and read
+        saved.seek(0)
+        checkpoint = torch.load(saved, weights_only=True)
+        net.load_state_dict(checkpoint["model"])
+        _load_plain_checkpoint(checkpoint, optimizer, schedule)
+        assert optimizer.param_groups[0]["fused"] is (True if fused else None)
+        assert optimizer.param_groups[0]["capturable"] is False
+        assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(0.03 * 0.5)
+        assert (optimizer.param_groups[0]["lr"] is rate) is fused  # the tensor a graph reads, filled
+        step(*resumed)
+        for key, tensor in reference[0].state_dict().items():
+            torch.testing.assert_close(net.state_dict()[key], tensor, rtol=1e-5, atol=1e-6, msg=key)

@@ -26,7 +26,7 @@ import numpy as np
 
 from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph, stage
 from pipeline.training.members import (ModelSpec, array_fusion, build_loss, build_module, build_optimizer,
-                                       build_schedule, grouped)
+                                       build_schedule, grouped, target_of)
 
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -231,10 +231,9 @@ class _Solo(_OneOptimizer):
         self.module = net
         self.net = net if world == 1 else torch.nn.parallel.DistributedDataParallel(
             net, device_ids=[device.index] if device.type == "cuda" else None)
-        # A CUDA graph of the step (pipeline/training/graphs.py) needs an update without host work, reading
-        # its rate from a tensor the schedule fills: SGD's fused kernel (the one optimiser tested so)
-        self.capturable = device.type == "cuda" and model.optimizer["_target_"] == "torch.optim.SGD"
-        self.optimizer = build_optimizer(model, net.parameters(), **({"fused": True} if self.capturable else {}))
+        graph_safe = graph_safe_arguments(model, device)
+        self.capturable = graph_safe is not None
+        self.optimizer = build_optimizer(model, net.parameters(), **(graph_safe or {}))
         if self.capturable:
             for group in self.optimizer.param_groups:
                 group["lr"] = torch.tensor(float(group["lr"]), device=device)
@@ -264,6 +263,24 @@ class _Solo(_OneOptimizer):
     def load_member_state(self, index: int, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         _load_plain_checkpoint(state, self.optimizer, self.schedule)
+
+
+def graph_safe_arguments(model: ModelSpec, device) -> dict | None:
+    """What a member's optimiser is built with on `device` so that its update is device work only, reading its
+    rate from a tensor the schedule fills, as a CUDA graph of the step needs (pipeline/training/graphs.py):
+    SGD's fused kernel; Adam's and AdamW's, capturable (their step counts kept on the device). None: it steps
+    eagerly (a CPU, another optimiser, or one declared with `foreach` or `differentiable`, which fused
+    kernels exclude)."""
+    import torch
+
+    if device.type != "cuda" or {"foreach", "differentiable"} & model.optimizer.keys():
+        return None
+    kind = target_of(model.optimizer)
+    if kind is torch.optim.SGD:
+        return {"fused": True}
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        return {"fused": True, "capturable": True}
+    return None
 
 
 def _copied_each(unit) -> list:
@@ -302,7 +319,8 @@ def _plain_checkpoint(model: dict, optimizer, schedule) -> dict:
     optimizer = optimizer.state_dict()
     for group in optimizer["param_groups"]:
         group.update({key: float(value) for key, value in group.items() if key in ("lr", "initial_lr")})
-        group.pop("fused", None)
+        for device_setting in ("fused", "capturable"):
+            group.pop(device_setting, None)
     schedule = schedule.state_dict()
     for key in ("base_lrs", "_last_lr"):
         schedule[key] = [float(rate) for rate in schedule[key]]
@@ -310,15 +328,18 @@ def _plain_checkpoint(model: dict, optimizer, schedule) -> dict:
 
 
 def _load_plain_checkpoint(state: dict, optimizer, schedule) -> None:
-    """The optimiser and schedule resume from a `_plain_checkpoint`, keeping this device's own settings."""
-    kept = [{key: group[key] for key in ("fused", "lr") if key in group} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
+    """The optimiser and schedule resume from a `_plain_checkpoint`, loaded with this device's own settings
+    (fused, capturable: as it loads, torch moves such an optimiser's step counts onto the device)."""
+    settings = [{key: group[key] for key in ("fused", "capturable") if key in group}
+                for group in optimizer.param_groups]
+    rates = [group["lr"] for group in optimizer.param_groups]
+    saved = state["optimizer"]
+    optimizer.load_state_dict({**saved, "param_groups": [{**group, **mine} for group, mine
+                                                         in zip(saved["param_groups"], settings)]})
     schedule.load_state_dict(state["lr_scheduler"])
-    for group, was in zip(optimizer.param_groups, kept):  # this device's settings, not the checkpoint's
-        if "fused" in was:
-            group["fused"] = was["fused"]
-        if hasattr(was["lr"], "fill_"):  # the tensor a graph reads, holding the checkpoint's rate
-            group["lr"] = was["lr"].fill_(float(group["lr"]))
+    for group, rate in zip(optimizer.param_groups, rates):
+        if hasattr(rate, "fill_"):  # the tensor a graph reads, holding the checkpoint's rate
+            group["lr"] = rate.fill_(float(group["lr"]))
 
 
 class _Array(_OneOptimizer):

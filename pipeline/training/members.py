@@ -155,7 +155,7 @@ def build_module(m: ModelSpec, num_classes: int, image_size: int):
     import torch
 
     with _declared(m, "model"):
-        target = _target(m.model)
+        target = target_of(m.model)
         given = {}
         if "num_classes" not in m.model and _accepts(target, "num_classes", by_kwargs=True):
             given["num_classes"] = num_classes
@@ -209,7 +209,7 @@ def build_schedule(m: ModelSpec, optimizer, total_steps: int):
     import torch
 
     with _declared(m, "lr_scheduler"):
-        given = {"total_steps": total_steps} if _accepts(_target(m.lr_scheduler), "total_steps") else {}
+        given = {"total_steps": total_steps} if _accepts(target_of(m.lr_scheduler), "total_steps") else {}
         schedule = _instantiate(m.lr_scheduler, optimizer, **given)
         if not isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
             raise TypeError(f"it returned a {type(schedule).__name__}, not a torch.optim.lr_scheduler.LRScheduler")
@@ -317,7 +317,7 @@ def _declared(m: ModelSpec, key: str):
                           f"{m.name}.{key} (docs/configuration.md, Members)", m.name, reason) from None
 
 
-def _target(config: dict):
+def target_of(config: dict):
     """The object a `_target_` names: the longest importable module of its dotted path, then attributes."""
     path = config["_target_"]
     parts = path.split(".")
@@ -349,7 +349,7 @@ def _instantiate(config: dict, *args, **given):
     """Hydra's instantiate, called now (a `_partial_` config too), with plain Python containers."""
     from hydra.utils import instantiate
 
-    return instantiate({**config, "_target_": _target(config), "_partial_": False, "_convert_": "all"}, *args,
+    return instantiate({**config, "_target_": target_of(config), "_partial_": False, "_convert_": "all"}, *args,
                        **given)
 
 
