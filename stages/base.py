@@ -76,6 +76,7 @@ class BatchContext:
     part: int = 0  # this task makes share `part` of `parts` (contiguous chunks of the batch's items)
     parts: int = 1
     stage: str = ""  # name of the stage now running, set by the executor
+    root: str = ""  # the dataset's folder and a separator, set by the graph: item_rng leaves it out of a path
     node: int = 0  # the node whose worker runs the task (its cache store)
     wanted: list[tuple[str, int]] | None = None  # with a cache stage: the task's items (path, label), in order,
     held: dict[str, np.ndarray] = field(default_factory=dict)  # and the decoded images it holds of them
@@ -98,9 +99,12 @@ class BatchContext:
     def item_rng(self, path: str) -> random.Random:
         """A generator fixed by (seed, sequence, split, epoch, stage, file): an item gets the
         same augmentation whichever worker makes it, in whichever share of
-        whichever batch, however often. Python's generator: one is made per
-        image, and it is made about 5x faster than numpy's."""
-        key = f"{self.seed}/{self.sequence}/{self.split.value}/{self.epoch}/{self.stage}/{path}".encode()
+        whichever batch, however often. The file is named by its path inside the
+        dataset's folder, so a dataset that lies elsewhere (another machine, a
+        copy) trains the same. Python's generator: one is made per image, and it
+        is made about 5x faster than numpy's."""
+        name = path[len(self.root):] if self.root and path.startswith(self.root) else path
+        key = f"{self.seed}/{self.sequence}/{self.split.value}/{self.epoch}/{self.stage}/{name}".encode()
         return random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
 
 

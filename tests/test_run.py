@@ -277,9 +277,9 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     """4 models on 2 CPU slots with trainer.grouping=fuse: the two of one family fuse, the dearest model
     trains alone, the densenet packs next to the array; every one learns (4 classes: chance is 25%).
     fb converges after 4 epochs (its history is made to look complete): it leaves the array, whose
-    other member trains on in the same process, and its checkpoint loads as a plain model. (Training here is
-    not bit-reproducible from run to run: fb, at the lower rate, ended epoch 3 at 62-100% in six runs of the
-    same code, and 4 epochs keep it clear of the bar.)"""
+    other member trains on in the same process, and its checkpoint loads as a plain model. (fb, at the lower
+    rate, ended epoch 3 at 62-100% in six runs of the same code while augmentation was keyed by each run's own
+    data folder; the runs are reproducible now, and 4 epochs keep it clear of the bar.)"""
     import torch
 
     from pipeline.data.synthetic import generate_imagefolder

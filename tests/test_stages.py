@@ -220,3 +220,21 @@ def test_missing_root_is_a_clear_error(tmp_path):
         ImageFolder(root=str(tmp_path / "nope"), batch_size=4)
     with pytest.raises(ValueError, match="no class folders"):
         ImageFolder(root=str(tmp_path), batch_size=4)
+
+
+def test_a_dataset_that_lies_elsewhere_gives_the_same_batches(tiny_dataset, tmp_path):
+    """The same files in another folder (another machine's mount, a copy): every training batch of an epoch is
+    bit-identical, augmentation included, since an item's augmentation is keyed by its path inside the
+    dataset. Keyed by the absolute path, as it was, runs on copies trained differently (the suite's runs,
+    each on data in a folder of its own, were not reproducible)."""
+    from tests.test_cache import default_graph
+
+    copy = tmp_path / "elsewhere" / "data"
+    shutil.copytree(tiny_dataset, copy)
+    made = []
+    for root in (tiny_dataset, copy):
+        graph = default_graph(root, 0)  # no cache
+        made.append([{name: (batch.data.tobytes(), batch.labels.tolist()) for name, batch in
+                      graph.run(BatchContext(seed=5, split=Split.TRAIN, epoch=1, index=index)).batches.items()}
+                     for index in range(graph.source.num_batches(Split.TRAIN))])
+    assert len(made[0]) > 1 and made[0] == made[1]
