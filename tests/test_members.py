@@ -4,6 +4,7 @@ train is one MemberError naming the member and key, found before a run starts.""
 import copy
 import io
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -174,14 +175,24 @@ def test_a_users_module_and_optimiser_train_checkpoint_and_resume():
 def test_an_optimiser_whose_update_a_cuda_graph_can_hold_is_built_so_on_a_gpu_only(target, on_gpu):
     """SGD, Adam and AdamW (by the class their `_target_` names, however spelt) are built fused on a GPU, Adam
     and AdamW capturable, so that a graph holds their step; another optimiser, one declared with foreach
-    (which fused excludes), and any on a CPU step eagerly as declared."""
+    (which fused excludes) or declared not fused, and any on a CPU step eagerly as declared; a rate cached
+    for a GPU's graphed group with Adam members has a key of its own (it was measured eager before)."""
+    from pipeline.training.rates import cache_key
     from pipeline.training.group import graph_safe_arguments
 
     spec = declared(optimizer={"_target_": target, "lr": 0.01})
     assert graph_safe_arguments(spec, torch.device("cuda")) == on_gpu
     assert graph_safe_arguments(spec, torch.device("cpu")) is None
-    foreach = declared(optimizer={"_target_": target, "lr": 0.01, "foreach": True})
-    assert graph_safe_arguments(foreach, torch.device("cuda")) is None
+    for setting in ({"foreach": True}, {"fused": False}, {"foreach": False, "fused": False}):
+        assert graph_safe_arguments(declared(optimizer={"_target_": target, "lr": 0.01, **setting}),
+                                    torch.device("cuda")) is None
+    assert graph_safe_arguments(declared(optimizer={"_target_": target, "lr": 0.01, "foreach": False}),
+                                torch.device("cuda")) == on_gpu
+    how = SimpleNamespace(cuda_graphs=True, image_sizes={"main": 16}, num_classes=3, batch_size=8,
+                          precision="fp32", compile=False)
+    keys = {kind: cache_key(GroupSpec("g", (spec,)), how, {"device_kind": kind}) for kind in ("cuda", "cpu")}
+    assert ("graphed_adam" in keys["cuda"]) == bool(on_gpu and "capturable" in on_gpu)
+    assert "graphed_adam" not in keys["cpu"]
 
 
 def test_a_graph_safe_adamws_checkpoint_is_plain_and_resumes_with_the_loading_optimisers_settings():

@@ -270,10 +270,12 @@ def graph_safe_arguments(model: ModelSpec, device) -> dict | None:
     rate from a tensor the schedule fills, as a CUDA graph of the step needs (pipeline/training/graphs.py):
     SGD's fused kernel; Adam's and AdamW's, capturable (their step counts kept on the device). None: it steps
     eagerly (a CPU, another optimiser, or one declared with `foreach` or `differentiable`, which fused
-    kernels exclude)."""
+    kernels exclude, or declared not fused or not capturable)."""
     import torch
 
-    if device.type != "cuda" or {"foreach", "differentiable"} & model.optimizer.keys():
+    declared = model.optimizer
+    if (device.type != "cuda" or declared.get("foreach") or declared.get("differentiable")
+            or declared.get("fused") is False or declared.get("capturable") is False):
         return None
     kind = target_of(model.optimizer)
     if kind is torch.optim.SGD:
