@@ -66,9 +66,11 @@ def test_throttled_stage_is_named_and_more_workers_move_the_rate_as_predicted(ti
     together = sum(max(0.0, min(end, other_end) - max(start, other_start))
                    for start, end in first for other_start, other_end in second)
     assert together >= 0.5 * min(sum(end - start for start, end in lane) for lane in (first, second))
-    # The sleep sits after decoding: the cached pass still pays it, so the stall is preprocessing.
+    # The sleep sits after decoding: the cached pass still pays it, so the split puts it in preprocessing, a
+    # batch of 16's sleep on each image (a floor: compared with fetch's share instead, a file pass slowed by
+    # other load on 2 cores once came out above it)
     split = report["differential"]["tiny"]
-    assert split["preprocessing_ms"] > max(split["fetch_ms"], split["transport_ms"])
+    assert split["preprocessing_ms"] >= 0.8 * 1000 * SLEEP_S / 16, split
     # The same report files as a training run, and Dask's own report linked from the page.
     assert report["run"]["mode"] == "profile" and report["profile_pass"]["batches"] == 16
     assert set(before["differential"]["tiny"]) == {"synthetic_images_per_s", "cached_images_per_s",
