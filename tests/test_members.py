@@ -188,9 +188,9 @@ def test_an_optimiser_whose_update_a_cuda_graph_can_hold_is_built_so_on_a_gpu_on
                                     torch.device("cuda")) is None
     assert graph_safe_arguments(declared(optimizer={"_target_": target, "lr": 0.01, "foreach": False}),
                                 torch.device("cuda")) == on_gpu
-    how = SimpleNamespace(cuda_graphs=True, image_sizes={"main": 16}, num_classes=3, batch_size=8,
-                          precision="fp32", compile=False)
-    keys = {kind: cache_key(GroupSpec("g", (spec,)), how, {"device_kind": kind}) for kind in ("cuda", "cpu")}
+    how = lambda kind: SimpleNamespace(device_kind=kind, cuda_graphs=True, image_sizes={"main": 16}, num_classes=3,
+                                       batch_size=8, precision="fp32", compile=False)
+    keys = {kind: cache_key(GroupSpec("g", (spec,)), how(kind), {"device_kind": kind}) for kind in ("cuda", "cpu")}
     assert ("graphed_adam" in keys["cuda"]) == bool(on_gpu and "capturable" in on_gpu)
     assert "graphed_adam" not in keys["cpu"]
 

@@ -248,15 +248,15 @@ def cache_entry(cache: list[dict], key: dict) -> dict:
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
-    return {**_group_key(group, how), **_settings_key(how, hardware), **_graphed_adam_key(group, how, hardware)}
+    return {**_group_key(group, how), **_settings_key(how, hardware), **_graphed_adam_key(group, how)}
 
 
-def _graphed_adam_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
+def _graphed_adam_key(group: GroupSpec, how: Measurement) -> dict:
     """Adam's and AdamW's updates are captured in a step's CUDA graph since 2026-11-27: a GPU's rates and memory
     peaks cached before were measured eager. Named only for such groups, so the others keep their keys."""
     import torch
 
-    graphed = (hardware["device_kind"] == "cuda" and how.cuda_graphs
+    graphed = (how.device_kind == "cuda" and how.cuda_graphs
                and any((graph_safe_arguments(m, torch.device("cuda")) or {}).get("capturable") for m in group.members))
     return {"graphed_adam": True} if graphed else {}
 
