@@ -76,7 +76,7 @@ class BatchContext:
     part: int = 0  # this task makes share `part` of `parts` (contiguous chunks of the batch's items)
     parts: int = 1
     stage: str = ""  # name of the stage now running, set by the executor
-    root: str = ""  # the dataset's folder and a separator, set by the graph: item_rng leaves it out of a path
+    root: str = ""  # the source's prefix (ImageFolder.prefix), set by the graph: item_rng leaves it out
     node: int = 0  # the node whose worker runs the task (its cache store)
     wanted: list[tuple[str, int]] | None = None  # with a cache stage: the task's items (path, label), in order,
     held: dict[str, np.ndarray] = field(default_factory=dict)  # and the decoded images it holds of them

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -46,6 +47,12 @@ class ImageFolder(Stage):
             raise StageError(f"val_per_class must be >= 0 (a fraction < 1 or a count), got {self.val_per_class}; "
                              "set dataset.val_per_class")
         self._scan()
+
+    @property
+    def prefix(self) -> str:
+        """How every file path of the dataset begins (its folder and a separator): what a path inside it is
+        relative to."""
+        return os.path.join(str(Path(self.root)), "")
 
     def _scan(self) -> None:
         root = Path(self.root)

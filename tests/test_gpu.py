@@ -303,8 +303,9 @@ def test_adam_and_adamw_members_are_graphed_train_to_the_eager_weights_and_resum
                replace(member("m", width=16), optimizer={"_target_": "torch.optim.Adam", "lr": 3e-4}))
     group = GroupSpec("g", members)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    new_step = lambda device: GroupStep(group, 4, {"main": 32}, device, 60, cuda_graphs=device == "cuda")
-    steps = {graphs: GroupStep(group, 4, {"main": 32}, "cuda", 60, cuda_graphs=graphs) for graphs in (False, True)}
+    new_step = lambda device, graphs=True: GroupStep(group, 4, {"main": 32}, device, 60,
+                                                     cuda_graphs=graphs and device == "cuda")
+    steps = {graphs: new_step("cuda", graphs) for graphs in (False, True)}
     assert all(unit.capturable for unit in steps[True].units)
     random = torch.Generator().manual_seed(0)
     for _, images, labels in twelve_batches(random, 4):

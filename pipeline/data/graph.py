@@ -3,10 +3,8 @@ driver before any Dask work; `run` pushes one batch through it."""
 from __future__ import annotations
 
 import importlib
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -119,7 +117,7 @@ class StageGraph:
 
     def run(self, ctx: BatchContext) -> BatchOutput:
         """One batch through every stage, fused in this thread, each stage timed."""
-        ctx.root = os.path.join(str(Path(self.source.root)), "")  # as the source's paths begin
+        ctx.root = self.source.prefix
         outputs: dict[str, Batch] = {}
         timings: dict[str, StageTiming] = {}
         cache, lookup_s = self.cache, (0.0, 0.0)

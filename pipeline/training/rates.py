@@ -248,24 +248,20 @@ def cache_entry(cache: list[dict], key: dict) -> dict:
 
 
 def cache_key(group: GroupSpec, how: Measurement, hardware: dict) -> dict:
-    return {**_group_key(group, how), **_settings_key(how, hardware), **_graphed_adam_key(group, how)}
-
-
-def _graphed_adam_key(group: GroupSpec, how: Measurement) -> dict:
-    """Adam's and AdamW's updates are captured in a step's CUDA graph since 2026-11-27: a GPU's rates and memory
-    peaks cached before were measured eager. Named only for such groups, so the others keep their keys."""
-    import torch
-
-    graphed = (how.device_kind == "cuda" and how.cuda_graphs
-               and any((graph_safe_arguments(m, torch.device("cuda")) or {}).get("capturable") for m in group.members))
-    return {"graphed_adam": True} if graphed else {}
+    return {**_group_key(group, how), **_settings_key(how, hardware)}
 
 
 def _group_key(group: GroupSpec, how: Measurement) -> dict:
-    """What of a group decides its rate: its members' modules, optimisers and image sizes, its fused arrays,
+    """What of a group decides its rate: its members' modules, optimisers and image sizes (on a GPU with
+    graphs, and whether each member's update is captured in them: graph_safe_arguments), its fused arrays,
     the CUDA streams it steps on (named only above 1: the rates and memory peaks cached before streams keep
     their keys)."""
-    members = sorted([canonical(m.model), m.optimizer_kind, how.image_sizes[m.input]] for m in group.members)
+    import torch
+
+    graphed = how.device_kind == "cuda" and how.cuda_graphs
+    captured = lambda m: [graph_safe_arguments(m, torch.device("cuda")) is not None] if graphed else []
+    members = sorted([canonical(m.model), m.optimizer_kind, how.image_sizes[m.input], *captured(m)]
+                     for m in group.members)
     arrays = sorted([len(unit), array_fusion(unit)] for unit in group.units() if len(unit) > 1)
     streams = {"cuda_streams": group.side_by_side} if group.side_by_side > 1 else {}
     return {"members": members, "fused_arrays": arrays, **streams}
