@@ -89,7 +89,7 @@ def test_alone_fused_and_packed_models_learn_in_bf16_on_a_gpu(tmp_path_factory):
         assert max(model["val_accuracy"]) >= 0.75, (model["name"], model["val_accuracy"])  # chance: 25%
 
 
-def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
+def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host(monkeypatch):
     """A fused array of two and a packed model, stepped once eagerly and once with CUDA graphs on the same
     batches: the graphed group captures each unit after its eager steps, steps an odd-sized batch (an
     epoch's last) eagerly the first time and replays it from its second, recaptures the array after a
@@ -109,7 +109,7 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host():
                member("b", lr=0.05, momentum=0.8, weight_decay=0.0),
                member("c", width=16))
     group = GroupSpec("g", members, array_size=2)
-    torch.backends.cudnn.deterministic = True  # the same kernels in both groups, bit for bit
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # the same kernels in both groups, bit for bit
     steps = {graphs: GroupStep(group, 4, {"main": 32}, "cuda", 10, cuda_graphs=graphs) for graphs in (False, True)}
     assert [len(u.names) for u in steps[True].units] == [2, 1] and steps[True].graphs
     random = torch.Generator().manual_seed(0)
@@ -171,7 +171,7 @@ def twelve_batches(random, classes: int):
                torch.randint(0, classes, (rows,), generator=random))
 
 
-def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
+def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn(monkeypatch):
     """A packed group of 4 on 3 CUDA streams (units 0 and 3 share a stream and its graph pool), graphed,
     against the same group stepped in turn on one stream, on the same batches: an epoch's odd-sized last
     batch twice, a member leaving (step 7: its stream left empty, a unit moves there and captures anew),
@@ -188,7 +188,7 @@ def test_units_on_streams_side_by_side_train_to_the_weights_of_units_in_turn():
 
     members = tuple(member(name, width=width, lr=lr) for name, width, lr in
                     [("a", 8, 0.2), ("b", 16, 0.1), ("c", 8, 0.05), ("d", 16, 0.02)])
-    torch.backends.cudnn.deterministic = True
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     steps = {streams: GroupStep(GroupSpec("g", members, cuda_streams=streams), 257, {"main": 32}, "cuda", 20,
                                 cuda_graphs=True) for streams in (1, 3)}
     assert len(steps[3].streams) == 3 and len(steps[3].graph_pools) == 3 and not steps[1].streams
