@@ -303,8 +303,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
-            contextlib.closing(Tracker(output_dir, cfg.tracking.tensorboard, _mlflow(cfg, output_dir, models))) \
-            as tracker, \
+            contextlib.closing(Tracker(output_dir, models, cfg.tracking.tensorboard,
+                                       _mlflow(cfg, output_dir, models))) as tracker, \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
         if cfg.cluster.dashboard and not cfg.cluster.address:

@@ -77,8 +77,8 @@ def driver_of(groups: list[GroupSpec], tmp_path, monkeypatch, epochs=5) -> Drive
                           checkpoint_every=2)
     recorder = RunRecorder(models, {m.name: 1 for m in models}, {m.name: 32 for m in models})
     context = RunContext(graph=None, setup=None, delivery=None, recorder=recorder,
-                         tracker=Tracker(tmp_path, tensorboard=False), progress=None, report_s=60.0, stop_s=10.0,
-                         state_dir=tmp_path / "state")
+                         tracker=Tracker(tmp_path, models, tensorboard=False), progress=None, report_s=60.0,
+                         stop_s=10.0, state_dir=tmp_path / "state")
     slots = {Slot(0, i): "cpu" for i in range(len(groups))}
     driver = Driver(scheduler, {g.name: g for g in groups}, slots, Convergence(epochs, None, 0, 0.005), context,
                     Console(file=io.StringIO()), Agents({}))
@@ -100,8 +100,8 @@ def two_node_driver(tmp_path, monkeypatch, policy, slots_per_node: int = 1, said
     agents = {0: {"address": "198.51.100.2:4000", "pid": 10}, 1: {"address": "198.51.100.3:4000", "pid": 11}}
     delivery = SimpleNamespace(agents=agents, drain_s=1.0, exit_s=1.0)
     context = RunContext(graph=SimpleNamespace(cache=None), setup=None, delivery=delivery, recorder=recorder,
-                         tracker=Tracker(tmp_path, tensorboard=False), progress=None, report_s=60.0, stop_s=10.0,
-                         state_dir=tmp_path / "s")
+                         tracker=Tracker(tmp_path, models, tensorboard=False), progress=None, report_s=60.0,
+                         stop_s=10.0, state_dir=tmp_path / "s")
     return Driver(scheduler, {m.name: GroupSpec(m.name, (m,)) for m in models},
                   {Slot(n, i): "cpu" for n in (0, 1) for i in range(slots_per_node)}, Convergence(5, None, 0, 0.005),
                   context, Console(file=said or io.StringIO(), width=400), Agents(agents))

@@ -365,9 +365,11 @@ def test_sweep_callback_records_each_job_of_a_real_hydra_multirun_failed_or_not(
 def test_report_of_a_real_run(tiny_dataset, tmp_path):
     """A verdict read from the stall of a model that does not set the pace fails. Tracking holds each member's
     two epochs, in TensorBoard's files and the CSV; after the first, each member's rate is half its own (the
-    cosine schedule, halfway): one member's rate reported for all fails (resnet10_w24's is 0.05). MLflow
-    (tracking.mlflow) has the same epochs, a run per member under the run's."""
+    cosine schedule, halfway): one member's rate reported for all fails (resnet10_w24's is 0.05); each
+    member's TensorBoard run holds its settings for the HParams dashboard. MLflow (tracking.mlflow) has the
+    same epochs, a run per member under the run's."""
     from mlflow.tracking import MlflowClient
+    from tensorboard.plugins.hparams import metadata as hparams
 
     from pipeline.run import run
     from tests.conftest import compose_config
@@ -387,6 +389,10 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
         events = EventAccumulator(str(tmp_path / FOLDER / m["name"]))
         events.Reload()
         assert [e.step for e in events.Scalars("train/images_per_s")] == [1, 2]
+        settings = hparams.parse_session_start_info_plugin_data(  # its HParams session: its settings
+            events.PluginTagToContent(hparams.PLUGIN_NAME)[hparams.SESSION_START_INFO_TAG]).hparams
+        assert settings["optimizer.lr"].number_value == m["optimizer"]["lr"]
+        assert settings["model._target_"].string_value == m["model"]["_target_"]
     client = MlflowClient(tracking_uri=mlflow_uri)
     [experiment] = [e for e in client.search_experiments() if e.name == "ensemble"]
     runs = {r.info.run_name: r.info.run_id for r in client.search_runs([experiment.experiment_id])}

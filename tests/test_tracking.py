@@ -35,12 +35,13 @@ def epoch(loss, accuracy, lr=0.1):
 
 
 def test_tensorboard_reads_a_run_per_member_and_the_csv_a_row_per_member_epoch(tmp_path):
-    tracker = Tracker(tmp_path, tensorboard=True)
+    models = [member("a"), member("b", lr=0.05)]
+    tracker = Tracker(tmp_path, models, tensorboard=True)
     tracker.epoch("a", 1, epoch(2.0, 0.4))
     tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
     tracker.epoch("a", 2, epoch(1.5, 0.6))
     tracker.close()
-    resumed = Tracker(tmp_path, tensorboard=True)  # a resumed run appends
+    resumed = Tracker(tmp_path, models, tensorboard=True)  # a resumed run appends
     resumed.epoch("b", 2, epoch(2.0, 0.5, lr=0.025))
     resumed.close()
     folder = tmp_path / FOLDER
@@ -59,6 +60,53 @@ def test_tensorboard_reads_a_run_per_member_and_the_csv_a_row_per_member_epoch(t
         ("a", "1", "0.4", ""), ("b", "1", "0.3", ""), ("a", "2", "0.6", ""), ("b", "2", "0.5", "")]
 
 
+def test_tensorboard_s_hparams_dashboard_compares_every_job_s_members_by_setting_and_last_metric(tmp_path):
+    """Two jobs of a sweep, each a run of members a and b, one job resumed: TensorBoard's HParams plugin,
+    reading the sweep's folder as `tensorboard --logdir` does, lists a session per member and job with its
+    settings (a learning rate a number it filters by range, a target and a bool as text) and its last
+    validation accuracy, and every scalar tag as a metric. Fails without the sessions' start (the dashboard
+    is empty), or if a bool is written as a number."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    sweep = tmp_path / "multirun"
+    for job, lr in ((0, 0.1), (1, 0.02)):
+        models = [member("a", lr=lr), member("b", lr=lr / 2)]
+        models[1].optimizer["nesterov"] = False
+        tracker = Tracker(sweep / str(job), models, tensorboard=True)
+        tracker.epoch("a", 1, epoch(2.0, 0.4 + lr))
+        tracker.epoch("b", 1, epoch(2.0, 0.3 + lr))
+        tracker.close()
+        resumed = Tracker(sweep / str(job), models, tensorboard=True)
+        resumed.epoch("a", 2, epoch(1.5, 0.6 + lr))
+        resumed.close()
+    runs = plugin_event_multiplexer.EventMultiplexer()
+    runs.AddRunsFromDirectory(str(sweep))
+    runs.Reload()
+    hparams = backend_context.Context(base_plugin.TBContext(
+        data_provider=data_provider.MultiplexerDataProvider(runs, str(sweep)), logdir=str(sweep)))
+    request = context.RequestContext()
+    experiment = hparams.experiment_from_metadata(request, "", True, hparams.hparams_metadata(request, ""),
+                                                  hparams.hparams_from_data_provider(request, "", None))
+    kinds = {info.name: api_pb2.DataType.Name(info.type) for info in experiment.hparam_infos}
+    assert kinds["optimizer.lr"] == "DATA_TYPE_FLOAT64" and kinds["model.depth"] == "DATA_TYPE_FLOAT64"
+    assert kinds["model._target_"] == kinds["optimizer.nesterov"] == "DATA_TYPE_STRING"
+    assert {info.name.tag for info in experiment.metric_infos} == set(TAGS.values()) - {"val/loss"}
+    listed = list_session_groups.Handler(request, hparams, "", api_pb2.ListSessionGroupsRequest(
+        start_index=0, slice_size=10, allowed_statuses=list(api_pb2.Status.values()))).run()
+    sessions = {}
+    for group in listed.session_groups:
+        (session,) = group.sessions
+        accuracy = {m.name.tag: (m.training_step, round(m.value, 6)) for m in session.metric_values}["val/accuracy"]
+        settings = {key: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
+                    for key, value in group.hparams.items()}
+        sessions[session.name] = (settings["optimizer.lr"], settings["optimizer.nesterov"], accuracy)
+    assert sessions == {"0/tracking/a": (0.1, "True", (2, 0.7)), "0/tracking/b": (0.05, "False", (1, 0.4)),
+                        "1/tracking/a": (0.02, "True", (2, 0.62)), "1/tracking/b": (0.01, "False", (1, 0.32))}
+
+
 def test_mlflow_holds_a_run_per_member_under_the_run_s_with_its_settings_and_epochs(tmp_path):
     """tracking.mlflow (a file store here): member runs under one parent, each with its own settings as
     parameters and its metrics by epoch; a resumed run logs into the same MLflow runs (an epoch trained
@@ -68,11 +116,11 @@ def test_mlflow_holds_a_run_per_member_under_the_run_s_with_its_settings_and_epo
 
     uri, models = f"file://{tmp_path / 'mlruns'}", [member("a", lr=0.1), member("b", lr=0.05)]
     run_dir = tmp_path / "run"
-    tracker = Tracker(run_dir, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
+    tracker = Tracker(run_dir, models, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
     tracker.epoch("a", 1, epoch(2.0, 0.4))
     tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
     tracker.close()
-    resumed = Tracker(run_dir, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
+    resumed = Tracker(run_dir, models, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
     resumed.epoch("a", 2, epoch(1.5, 0.6))
     resumed.close()
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)

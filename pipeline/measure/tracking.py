@@ -2,6 +2,8 @@
 read them. One CSV for the run (tracking/metrics.csv, a row per member and epoch) and, with
 tracking.tensorboard, TensorBoard event files, one TensorBoard run per member (tracking/<member>/):
 `tensorboard --logdir <run folder>/tracking`, or `--logdir <sweep folder>` for every job of a sweep.
+Each member's run starts with its settings as hyperparameters (a session of TensorBoard's HParams
+dashboard), so a search's members, in one run or in many jobs, compare there by setting and metric.
 A resumed run appends to both: an epoch trained again after a resume comes again, and its later
 row is the one that stands.
 
@@ -26,6 +28,18 @@ MLFLOW_IDS = "mlflow.json"
 # metric (as RunRecorder.epoch_metrics names it) -> its TensorBoard tag
 TAGS = {"train_loss": "train/loss", "val_accuracy": "val/accuracy", "val_loss": "val/loss", "lr": "train/lr",
         "images_per_s": "train/images_per_s", "data_stall_pct": "train/data_stall_pct"}
+
+
+def settings(spec: ModelSpec) -> dict:
+    """A member's settings as dotted keys (model.depth, optimizer.lr, ...): its MLflow parameters and its
+    TensorBoard hyperparameters."""
+    return flatten({key: value for key, value in asdict(spec).items() if key not in ("name", "unfusable")})
+
+
+def _hparam(value):
+    """A setting as a TensorBoard hyperparameter: a number stays a number (HParams filters it by range),
+    anything else is its text (a bool's too, which torch would make 1.0)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 class MlflowRuns:
@@ -53,8 +67,7 @@ class MlflowRuns:
             spec = self.models[model]
             run = self.client.create_run(self.ids["experiment"], run_name=model,
                                          tags={"mlflow.parentRunId": self.ids["parent"]}).info.run_id
-            settings = {key: value for key, value in asdict(spec).items() if key not in ("name", "unfusable")}
-            self.client.log_batch(run, params=[Param(key, str(value)) for key, value in flatten(settings).items()])
+            self.client.log_batch(run, params=[Param(key, str(value)) for key, value in settings(spec).items()])
             self.ids["members"][model] = run
             self._save()
         now = int(time.time() * 1000)
@@ -71,7 +84,8 @@ class MlflowRuns:
 
 
 class Tracker:
-    def __init__(self, run_dir: Path, tensorboard: bool, mlflow: MlflowRuns | None = None):
+    def __init__(self, run_dir: Path, models: list[ModelSpec], tensorboard: bool, mlflow: MlflowRuns | None = None):
+        self.models = {m.name: m for m in models}
         self.folder = run_dir / FOLDER
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / CSV_FILE
@@ -94,8 +108,13 @@ class Tracker:
             return
         if model not in self._writers:
             from torch.utils.tensorboard import SummaryWriter  # 1.5 s of imports: only where it writes
+            from torch.utils.tensorboard.summary import hparams
 
             self._writers[model] = SummaryWriter(str(self.folder / model))
+            # the session's start (its hyperparameters) alone: TensorBoard works out the search's experiment
+            # (every session's settings, every scalar tag as a metric) from its sessions
+            _, start, _ = hparams({key: _hparam(value) for key, value in settings(self.models[model]).items()}, {})
+            self._writers[model].file_writer.add_summary(start)
         writer = self._writers[model]
         for key, tag in TAGS.items():
             if metrics[key] is not None:
