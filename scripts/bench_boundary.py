@@ -5,10 +5,13 @@ member's state is copied to host memory as the trainer keeps it at an epoch's en
 side, alternating, one after the other on one group:
 
 * each-member: every member's state built on the device and copied to the host on its own
-  (`GroupStep.state` and a copy of each tensor): how the trainer kept states before;
-* host-states: `GroupStep.host_states()`, one copy of each fused tensor, as the trainer keeps them now
-  (the "kept" column); then every member's checkpoint built from it ("built"), which a checkpoint every
-  epoch (the default) does when it is written.
+  (`GroupStep.state` and a copy of each tensor): how the trainer kept states until 2026-11-27;
+* kept-states: `GroupStep.kept_states()`, one copy of each fused tensor, as the trainer keeps them now.
+  "kept" is what the trainer's loop waits for; on a GPU that is queueing clones on the device ("clones
+  done" adds the wait for them, which the loop does not make), and "to host" is `KeptStates.to_host`, the
+  copy into host memory that the checkpoint writer's thread makes while the group trains on (on CPU the
+  copy is in host memory at once: 0). "built" is every member's checkpoint built from the host copy, which
+  a checkpoint every epoch (the default) does when it is written, on that thread too.
 
 Widths are the paper's divided by --narrow (1: the paper's own; on CPU 100 members at full width need
 about 20 GB for the weights, the momentum and the copies).
@@ -69,29 +72,37 @@ def main() -> None:
           f"{len(step.units)} fused arrays, widths / {args.narrow}; {tensors} tensors in their states")
 
     def each_member() -> dict:
+        synchronize(device)
         started = time.perf_counter()
         states = {name: to_host(step.state(name)) for name in step.names}
         synchronize(device)
-        return {"kept": time.perf_counter() - started, "built": 0.0, "states": states}
-
-    def host_states() -> dict:
-        started = time.perf_counter()
-        builds = step.host_states()
-        synchronize(device)
         kept = time.perf_counter() - started
-        started = time.perf_counter()
-        states = {name: build() for name, build in builds.items()}
-        return {"kept": kept, "built": time.perf_counter() - started, "states": states}
+        return {"kept": kept, "clones done": kept, "to host": 0.0, "built": 0.0, "states": states}
 
-    ways = {"each-member": each_member, "host-states": host_states}
+    def kept_states() -> dict:
+        synchronize(device)  # the steps before: done, as validation's read of its results leaves them
+        started = time.perf_counter()
+        kept = step.kept_states()
+        timed = {"kept": time.perf_counter() - started}
+        synchronize(device)
+        timed["clones done"] = time.perf_counter() - started
+        started = time.perf_counter()
+        kept.to_host()
+        timed["to host"] = time.perf_counter() - started
+        started = time.perf_counter()
+        return {**timed, "states": {name: kept.member(name) for name in kept.names},
+                "built": time.perf_counter() - started}
+
+    ways = {"each-member": each_member, "kept-states": kept_states}
     for round_ in range(1, args.rounds + 1):
         order = list(ways) if round_ % 2 else list(ways)[::-1]
         timed = {way: ways[way]() for way in order}
         baseline = timed["each-member"]["kept"]
         for way in ways:
             t = timed[way]
-            print(f"round {round_} {way:12s} kept {t['kept']:7.3f} s ({t['kept'] / baseline:.2f}x)   "
-                  f"built {t['built']:7.3f} s   kept and built {(t['kept'] + t['built']) / baseline:.2f}x")
+            print(f"round {round_} {way:12s} kept {t['kept']:7.3f} s ({t['kept'] / baseline:.2f}x)   clones done "
+                  f"{t['clones done']:7.3f} s   to host {t['to host']:7.3f} s   built {t['built']:7.3f} s   all "
+                  f"{(t['clones done'] + t['to host'] + t['built']) / baseline:.2f}x")
         one, other = (timed[way]["states"] for way in ways)
         assert all(torch.equal(one[name]["model"][key], t) for name in one
                    for key, t in other[name]["model"].items()), "the two ways copied different states"

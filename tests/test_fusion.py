@@ -299,7 +299,7 @@ def test_a_host_copy_of_the_states_gives_each_members_checkpoint_as_it_was_then(
     schedule = torch.optim.lr_scheduler.LambdaLR(array.optimizer, lambda step: 0.5**step)
     data = batches(16, steps=3)
     train_fused(array, data[:2], schedule)
-    copied = array.states("cpu")
+    copied = array.states().copied(lambda t: t.to("cpu", copy=True))
     expected = [array.member_state(i) for i in range(3)]
     train_fused(array, data[2:], schedule)
     for i in range(3):

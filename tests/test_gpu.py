@@ -160,6 +160,52 @@ def test_graphed_steps_train_to_the_eager_weights_and_never_wait_for_the_host(mo
         torch.testing.assert_close(after[True][name], after[False][name], rtol=1e-4, atol=1e-5)
 
 
+def test_a_kept_state_is_the_epochs_end_though_the_group_trains_on_before_it_reaches_the_host():
+    """What a trainer keeps at an epoch's end on a GPU (KeptStates): clones there, then the group's next steps
+    (graphs replayed on 2 streams, queued behind the clones), and the writer's thread moves the clones to host
+    memory on a stream of its own. Each member's checkpoint, a fused array's and a packed member's, is its
+    state at the epoch's end, in host memory. Mistakes it catches: a copy that does not wait for the clones,
+    clones that share the live tensors, a checkpoint built from the device before the host copy. Written
+    without a GPU at hand (2026-11-27): its first run is the next device session's."""
+    import threading
+
+    import torch
+
+    from pipeline.training.group import GroupSpec, GroupStep, to_host
+    from tests.conftest import member
+
+    members = (member("a", lr=0.2), member("b", lr=0.05), member("c", width=16))
+    step = GroupStep(GroupSpec("g", members, array_size=2, cuda_streams=2), 4, {"main": 32}, "cuda", 50,
+                     cuda_graphs=True)
+    random = torch.Generator().manual_seed(0)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=random)
+            labels = torch.randint(0, 4, (16,), generator=random).cuda()
+            step.train({"main": (step.normalise(images), labels)})
+
+    train(5)  # eager steps, captures, a replay
+    then = {name: to_host(step.state(name)) for name in step.names}
+    kept = step.kept_states()
+    train(6)
+    with pytest.raises(RuntimeError, match="still on the GPU"):
+        kept.member("a")
+    writer = threading.Thread(target=kept.to_host)
+    writer.start()
+    writer.join()
+    for name in step.names:
+        state = kept.member(name)
+        for key, tensor in then[name]["model"].items():
+            assert state["model"][key].device.type == "cpu" and torch.equal(state["model"][key], tensor), key
+        momentum = lambda s: {i: buffers["momentum_buffer"] for i, buffers in s["optimizer"]["state"].items()}
+        assert momentum(state).keys() == momentum(then[name]).keys() != set()
+        assert all(torch.equal(momentum(state)[i], t) for i, t in momentum(then[name]).items())
+        assert state["optimizer"]["param_groups"] == then[name]["optimizer"]["param_groups"]
+    now = to_host(step.state("a"))["model"]
+    assert not all(torch.equal(now[key], t) for key, t in then["a"]["model"].items())  # it trained on
+
+
 def twelve_batches(random, classes: int):
     """(step number, uint8 images, labels) of 12 training batches of 32 px images drawn from `random`, the
     6th and the 10th an epoch's last, smaller batch (another shape: stepped eagerly, then captured)."""

@@ -71,7 +71,7 @@ def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():
     slot = 5 * estimate  # x1.5 headroom: 4.5 estimates fit
     check_group_memory([GroupSpec("a", (m,))], sizes, slot)
     fits = with_measured_peaks(sizes, {"a": 3 * estimate})
-    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate
+    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate + sizes["a"].kept_bytes  # and its epoch's copy
     check_group_memory([GroupSpec("a", (m,))], fits, slot)
     with pytest.raises(SlotError, match="model a needs about"):
         check_group_memory([GroupSpec("a", (m,))], with_measured_peaks(sizes, {"a": slot}), slot)
@@ -80,14 +80,15 @@ def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():
 def test_a_fused_array_holds_one_workspace_and_each_members_activations():
     """What a trial measures beyond a model's state and estimated activations (cuBLAS's and cuDNN's
     workspaces, the graphs' pool) is the process's: a fused array of k members holds it once, their
-    activations k times; packed, one member's activations at a time. Hand-counted: state 100, activations
-    1000, a measured peak of 1600 leaves a workspace of 500. Counting the peak's surplus once per member
-    (k workspaces), or the activations once, fails."""
+    activations k times; packed, one member's activations at a time; each member's state, and its copy
+    kept from the epoch's end, always. Hand-counted: state 100, its copy 60, activations 1000, a measured
+    peak of 1600 leaves a workspace of 500. Counting the peak's surplus once per member (k workspaces), the
+    activations once, or a copy once, fails."""
     members = (member("a", lr=0.1), member("b", lr=0.01), member("c", lr=0.001))
-    sizes = {m.name: ModelSize(0, 100, 1000, 0.0) for m in members}
+    sizes = {m.name: ModelSize(0, 100, 1000, 0.0, kept_bytes=60) for m in members}
     measured = with_measured_peaks(sizes, {m.name: 1600 for m in members})
-    assert group_bytes(GroupSpec("g", members, 3), measured) == 300 + 3000 + 500
-    assert group_bytes(GroupSpec("g", members), measured) == 300 + 1000 + 500
+    assert group_bytes(GroupSpec("g", members, 3), measured) == 300 + 180 + 3000 + 500
+    assert group_bytes(GroupSpec("g", members), measured) == 300 + 180 + 1000 + 500
 
 
 def runs_out_of_memory(m, how, *, to_parent, from_parent):

@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.training.models import count_parameters, densenet, describe, estimate_training_bytes, resnet
+from pipeline.training.models import (count_parameters, densenet, describe, estimate_training_bytes, kept_state_bytes,
+                                      resnet)
 
 torch.set_num_threads(1)
 
@@ -154,6 +155,7 @@ def test_training_estimate_counts_what_each_op_saves_for_backward_once_per_image
     parameter_bytes = 4 * ((2 * 3 * 3 * 3 + 2) + (2 * 4 * 4 * 5 + 5))
     momentum = parameter_bytes  # the optimiser's state, as given
     assert estimate_training_bytes(ConvReluLinear(), 4, 8, momentum) == (3 * parameter_bytes, 8 * per_image)
+    assert kept_state_bytes(ConvReluLinear(), momentum) == 2 * parameter_bytes  # a copy keeps no gradients
 
 
 def test_training_estimate_leaves_modes_and_statistics_alone():

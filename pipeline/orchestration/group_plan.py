@@ -39,12 +39,14 @@ class ModelSize:
     # pool, the backward pass's transients), measured on a GPU: a process that steps its models in turn
     # holds it once, one on several CUDA streams once per stream (group_bytes).
     workspace_bytes: int = 0
+    kept_bytes: int = 0  # the copy of its state a trainer keeps from each epoch's end (no gradients)
 
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
                   batch_size: int) -> dict[str, ModelSize]:
     from pipeline.training.members import build_module, canonical, optimizer_state_bytes
-    from pipeline.training.models import count_parameters, estimate_step_flops, estimate_training_bytes
+    from pipeline.training.models import (count_parameters, estimate_step_flops, estimate_training_bytes,
+                                          kept_state_bytes)
 
     nets: dict[str, object] = {}  # a grid's members weigh the same: one build per shape
     sizes: dict[str, ModelSize] = {}  # ...and per kind of optimiser (ModelSpec.optimizer_kind)
@@ -56,8 +58,10 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
         net = nets[m.shape]
         key = canonical([m.shape, m.optimizer_kind])
         if key not in sizes:
-            state, activations = estimate_training_bytes(net, side, batch_size, optimizer_state_bytes(m, net))
-            sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side))
+            optimizer_bytes = optimizer_state_bytes(m, net)
+            state, activations = estimate_training_bytes(net, side, batch_size, optimizer_bytes)
+            sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side),
+                                   kept_bytes=kept_state_bytes(net, optimizer_bytes))
         by_name[m.name] = sizes[key]
     return by_name
 
@@ -172,13 +176,14 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
 
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
-    """A group's memory on one of its slots: every member's state, the activations of the units stepped at
-    once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU one per
-    stream of the group's; a fused array holds all its members' activations), and as many of the largest
+    """A group's memory on one of its slots: every member's state and the copy of it kept from the last
+    epoch's end (on a GPU, until the checkpoint writer has it in host memory), the activations of the units
+    stepped at once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU
+    one per stream of the group's; a fused array holds all its members' activations), and as many of the largest
     members' workspaces (once for a process that steps its units in turn; on a GPU each stream has its own
     graph pool and cuBLAS workspace). A data-parallel model holds its 1/g share of the batch's activations."""
     at_once = max(lanes, group.side_by_side)
-    state = sum(sizes[m.name].state_bytes for m in group.members)
+    state = sum(sizes[m.name].state_bytes + sizes[m.name].kept_bytes for m in group.members)
     units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
     workspaces = sorted((sizes[m.name].workspace_bytes for m in group.members), reverse=True)
     return state + math.ceil(sum(units[:at_once]) / group.slots) + sum(workspaces[:at_once])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +123,12 @@ class ArrayStates:
     momenta: list[float]
     weight_decays: list[float]
 
+    def copied(self, copy_tensor) -> ArrayStates:
+        """These states with each tensor `copy_tensor(tensor)`: one copy per fused tensor (a trainer's copy at
+        an epoch's end: a few thousand copies for 100 members, not one per member's tensor)."""
+        return replace(self, model={name: copy_tensor(t) for name, t in self.model.items()},
+                       buffers={index: (name, copy_tensor(t)) for index, (name, t) in self.buffers.items()})
+
     def member(self, i: int) -> dict:
         """Member i as a plain model's checkpoint: {"model": its state dict, "optimizer": torch.optim.SGD's
         state dict for it}; both load without the array."""
@@ -177,16 +183,13 @@ class FusedArray:
         """Member i as a plain model's checkpoint (ArrayStates.member), from the array's live tensors."""
         return self.states().member(i)
 
-    def states(self, device=None) -> ArrayStates:
-        """The array's tensors and hyper-parameters now, every member's checkpoint in them; with `device`,
-        copied there, one copy per fused tensor (the host's copy at an epoch's end: a few thousand copies
-        for 100 members, not one per member's tensor)."""
-        take = (lambda t: t.detach().to(device, copy=True)) if device else (lambda t: t)
+    def states(self) -> ArrayStates:
+        """The array's live tensors and its hyper-parameters now, every member's checkpoint in them."""
         group = self.optimizer.param_groups[0]
-        buffers = {index: (name, take(self.optimizer.state[p]["momentum_buffer"]))
+        buffers = {index: (name, self.optimizer.state[p]["momentum_buffer"])
                    for index, (name, p) in enumerate(self._named_parameters())
                    if "momentum_buffer" in self.optimizer.state.get(p, {})}
-        model = {name: take(t) for name, t in self.module.state_dict().items()}
+        model = self.module.state_dict()
         return ArrayStates(self._plain, self._plain_shapes, model, buffers, float(group["lr"]),
                            float(group["initial_lr"]) if "initial_lr" in group else None,
                            group["lrs"].tolist(), group["momenta"].tolist(), group["weight_decays"].tolist())

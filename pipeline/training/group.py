@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -254,8 +255,8 @@ class _Solo(_OneOptimizer):
     def member_state(self, index: int) -> dict:
         return _plain_checkpoint(self.module.state_dict(), self.optimizer, self.schedule)
 
-    def host_states(self) -> list:
-        return _copied_each(self)
+    def kept(self, copy_tensor) -> tuple:
+        return _kept_each(self, copy_tensor)
 
     def member_rate(self, index: int) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -285,26 +286,80 @@ def graph_safe_arguments(model: ModelSpec, device) -> dict | None:
     return None
 
 
-def _copied_each(unit) -> list:
-    """`host_states` of a unit whose members' tensors are their own: each member's state copied now."""
-    return [functools.partial(_given, to_host(unit.member_state(index))) for index in range(len(unit.names))]
+def _kept_each(unit, copy_tensor) -> tuple:
+    """`kept` of a unit whose members' tensors are their own: each member's state, copied."""
+    states = [copied(unit.member_state(index), copy_tensor) for index in range(len(unit.names))]
+    return states, [operator.itemgetter(index) for index in range(len(unit.names))]
 
 
-def _given(state: dict) -> dict:
-    return state
+def copied(value, copy_tensor):
+    """`value` with each tensor in it (in dicts, lists, tuples, a fused array's ArrayStates) `copy_tensor(it)`."""
+    import torch
+
+    from pipeline.training.fusion import ArrayStates
+
+    if isinstance(value, torch.Tensor):
+        return copy_tensor(value.detach())
+    if isinstance(value, ArrayStates):
+        return value.copied(lambda t: copy_tensor(t.detach()))
+    if isinstance(value, dict):
+        return {key: copied(item, copy_tensor) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(item, copy_tensor) for item in value)
+    return value
 
 
 def to_host(value):
     """`value` with every tensor copied to host memory (the live ones go on training)."""
-    import torch
+    return copied(value, lambda t: t.to("cpu", copy=True))
 
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: to_host(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_host(item) for item in value)
-    return value
+
+class KeptStates:
+    """Every member's state at one moment (a trainer keeps them at each epoch's end), copied so that the group
+    trains on, and each member's checkpoint built from the copy when it is written (`member`).
+
+    On a GPU the copy is a clone there: the trainer's loop queues it and goes on, where a copy to host memory
+    held it 5-8 s an epoch for the paper ensemble's 8.5 GB (docs/benchmarks.md, the epoch boundary).
+    `to_host`, on the checkpoint writer's thread, then moves it to host memory on a CUDA stream of its own
+    while the group's next steps run, and frees the clone. On CPU the copy is made in host memory at once."""
+
+    def __init__(self, units: list, device):
+        import torch
+
+        self.on_device = device.type == "cuda"
+        copy_tensor = (lambda t: t.clone()) if self.on_device else (lambda t: t.to("cpu", copy=True))
+        # per unit: its members' names, its copied tensors, and per member a call that builds its state from them
+        self._parts = [(unit.names, *unit.kept(copy_tensor)) for unit in units]
+        if self.on_device:
+            self._cloned = torch.cuda.Event()
+            # on the stream the group's steps queue on: after the clones, before the next steps
+            self._cloned.record(torch.cuda.current_stream(device))
+            self._stream = torch.cuda.Stream(device)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for names, _, _ in self._parts for name in names]
+
+    def to_host(self) -> None:
+        """The clones copied to host memory once they are made, then freed (nothing to do on CPU)."""
+        if not self.on_device:
+            return
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._cloned)
+            # each copy to pageable memory returns once done: the clones are freed only after it
+            self._parts = [(names, to_host(tensors), builds) for names, tensors, builds in self._parts]
+        self.on_device = False
+
+    def member(self, name: str) -> dict:
+        """`name`'s checkpoint, built from the host copy."""
+        if self.on_device:
+            raise RuntimeError(f"{name}'s kept state is still on the GPU: KeptStates.to_host first")
+        for names, tensors, builds in self._parts:
+            if name in names:
+                return builds[names.index(name)](tensors)
+        raise KeyError(f"no kept state of {name} (kept: {', '.join(self.names)})")
 
 
 def _loss_on(m: ModelSpec, device):
@@ -374,13 +429,13 @@ class _Array(_OneOptimizer):
         return self.net(x)
 
     def member_state(self, index: int) -> dict:
-        return _array_member(self.array.states(), self.schedule.state_dict(), index)
+        return _array_member(index, (self.array.states(), self.schedule.state_dict()))
 
-    def host_states(self) -> list:
-        """The array's tensors copied to the host once (one copy per fused tensor); each member's state is
-        built from them when it is called."""
-        states, schedule = self.array.states("cpu"), self.schedule.state_dict()
-        return [functools.partial(_array_member, states, schedule, index) for index in range(len(self.names))]
+    def kept(self, copy_tensor) -> tuple:
+        """The array's tensors copied once each (one copy per fused tensor), each member's state built from
+        them when it is wanted."""
+        tensors = copied((self.array.states(), self.schedule.state_dict()), copy_tensor)
+        return tensors, [functools.partial(_array_member, index) for index in range(len(self.names))]
 
     def member_rate(self, index: int) -> float:
         (group,) = self.optimizer.param_groups
@@ -403,9 +458,10 @@ class _Array(_OneOptimizer):
             self.module.compile(**self.compiled_with)
 
 
-def _array_member(states, schedule: dict, index: int) -> dict:
-    """Member `index` of a fused array as a plain model's checkpoint, its schedule's state a plain one's (its own
-    rates)."""
+def _array_member(index: int, array: tuple) -> dict:
+    """Member `index` of a fused array (its ArrayStates and its schedule's state dict) as a plain model's
+    checkpoint, its schedule's state a plain one's (its own rates)."""
+    states, schedule = array
     state = states.member(index)
     (group,) = state["optimizer"]["param_groups"]
     rates = {"base_lrs": [group.get("initial_lr", group["lr"])], "_last_lr": [group["lr"]]}
@@ -440,8 +496,8 @@ class _Stacked:
         model = {name: t.clone() for name, t in self.array.nets[index].state_dict().items()}
         return _plain_checkpoint(model, self.optimizers[index], self.schedules[index])
 
-    def host_states(self) -> list:
-        return _copied_each(self)
+    def kept(self, copy_tensor) -> tuple:
+        return _kept_each(self, copy_tensor)
 
     def member_rate(self, index: int) -> float:
         return float(self.optimizers[index].param_groups[0]["lr"])
@@ -695,10 +751,10 @@ class GroupStep:
         unit, index = self._find(name)
         return unit.member_state(index)
 
-    def host_states(self) -> dict:
-        """Every member's state now, copied to host memory: name -> a call that returns its checkpoint (as
-        `state`). Built as it is called, from one copy of each fused tensor for a fused array's members."""
-        return {name: build for unit in self.units for name, build in zip(unit.names, unit.host_states())}
+    def kept_states(self) -> KeptStates:
+        """Every member's state now, copied, each member's checkpoint (as `state`) built from the copy when it
+        is wanted (KeptStates)."""
+        return KeptStates(self.units, self.device)
 
     def rate(self, name: str) -> float:
         """A member's learning rate now (a host sync on a GPU: once an epoch, not a step)."""

@@ -102,10 +102,15 @@ def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int,
     memory of a step measured 1.2-2.8x the estimate. Plan with headroom.
     """
     _require_positive_ints(image_size=image_size, batch_size=batch_size)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    state_bytes = 2 * _nbytes(trained) + optimizer_state_bytes + _nbytes(frozen) + _nbytes(model.buffers())
-    return TrainingBytes(state_bytes, batch_size * _saved_activation_bytes_per_image(model, image_size))
+    gradients = _nbytes(p for p in model.parameters() if p.requires_grad)
+    return TrainingBytes(gradients + kept_state_bytes(model, optimizer_state_bytes),
+                         batch_size * _saved_activation_bytes_per_image(model, image_size))
+
+
+def kept_state_bytes(model: nn.Module, optimizer_state_bytes: int) -> int:
+    """What a copy of the module's state holds: its parameters, buffers and the optimiser's state (given),
+    no gradients. A trainer keeps one at each epoch's end (pipeline/training/group.KeptStates)."""
+    return _nbytes(model.parameters()) + optimizer_state_bytes + _nbytes(model.buffers())
 
 
 def estimate_step_flops(model: nn.Module, image_size: int) -> float:

@@ -11,12 +11,14 @@ are read before each message and while waiting for one.
 
 Checkpoints are the scheduler's to ask for (every scheduler.checkpoint_every
 epochs, a model's final one, and on a stop): after each epoch rank 0 keeps a
-host copy of every member's state, and writes it when the driver says so.
+copy of every member's state (on a GPU a clone there, moved to host memory on
+its checkpoint writer's thread), and writes it when the driver says so.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import threading
 import time
@@ -395,18 +397,24 @@ class Trainer:
             self.reports.send(report)
 
     def _keep_states(self, accuracies: dict[str, float]) -> None:
-        """A host copy of every member's state after this epoch: the checkpoints the driver may ask for,
-        while the models train on (a stop mid-epoch saves the last finished epoch, not half of the next)."""
+        """A copy of every member's state after this epoch: the checkpoints the driver may ask for, while the
+        models train on (a stop mid-epoch saves the last finished epoch, not half of the next). On a GPU the
+        copy is made there and moved to host memory on the writer thread (KeptStates), so the loop goes on at
+        once. It first waits for the last epoch's copy and the writes asked for since: that bounds what the
+        copies hold to one epoch's states on the device and about three epochs' on the host."""
+        self.written(wait=True)
+        kept = self.step.kept_states()
+        self.writing.append(self.writer.submit(kept.to_host))  # before any write of it: the writer keeps order
         epochs = self.epoch + 1
-        for name, state in self.step.host_states().items():
-            kept = self.finished.setdefault(name, {})
-            kept[epochs] = (state, accuracies[name])
-            kept.pop(epochs - 2, None)
+        for name in kept.names:
+            finished = self.finished.setdefault(name, {})
+            finished[epochs] = (functools.partial(kept.member, name), accuracies[name])
+            finished.pop(epochs - 2, None)
 
     def _save(self, models: tuple[str, ...], epochs: int) -> None:
         """checkpoints/<model>/epoch<k>.pt after k epochs, a plain model's state (it loads without the group),
-        written on the writer thread while the group trains on; CheckpointSaved follows each. The writes asked
-        for before finish first: the host copies they hold are what bounds this process's memory."""
+        written on the writer thread, in order after the copies and writes asked for before, while the group
+        trains on; CheckpointSaved follows each."""
         written = []
         for name in models:
             kept = self.finished.get(name, {}).get(epochs)
@@ -414,7 +422,6 @@ class Trainer:
                 raise RuntimeError(f"the driver asked for {name}'s checkpoint after {epochs} epochs, but this "
                                    f"trainer keeps its state after {sorted(self.finished.get(name, {}))}")
             written.append((name, *kept))
-        self.written(wait=True)
         self.writing.append(self.writer.submit(self._write, written, epochs))
 
     def _write(self, written: list[tuple], epochs: int) -> None:
