@@ -206,6 +206,69 @@ def test_a_kept_state_is_the_epochs_end_though_the_group_trains_on_before_it_rea
     assert not all(torch.equal(now[key], t) for key, t in then["a"]["model"].items())  # it trained on
 
 
+def test_the_writer_copies_kept_states_to_the_host_while_the_trainer_captures_a_graph():
+    """A member leaves just after an epoch's end: its array captures a new graph while the checkpoint
+    writer's thread copies the kept states to the host (KeptStates.to_host). The writer copies once the
+    capture has begun, and the capture goes on once the writer is done, so the two overlap every time. The
+    mistake it catches: a capture in CUDA's default global mode, which the writer's copies break (the
+    capture fails, or the copy does). Written without a GPU at hand (2026-11-27): its first run is the
+    next device session's."""
+    import threading
+
+    import torch
+
+    from pipeline.training.group import GroupSpec, GroupStep, to_host
+    from tests.conftest import member
+
+    step = GroupStep(GroupSpec("g", (member("a", lr=0.2), member("b", lr=0.05)), array_size=2), 4, {"main": 32},
+                     "cuda", 50, cuda_graphs=True)
+    random = torch.Generator().manual_seed(0)
+
+    def train(steps: int) -> list:
+        losses = []
+        for _ in range(steps):
+            images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=random)
+            labels = torch.randint(0, 4, (16,), generator=random).cuda()
+            losses.append(step.train({"main": (step.normalise(images), labels)}))
+        return losses
+
+    train(5)
+    then = to_host(step.state("a"))
+    kept = step.kept_states()
+    step.release("b")  # a new module for "a": 3 eager steps, then a capture
+    (unit,) = step.units
+    capturing, copied = threading.Event(), threading.Event()
+    failed = []
+
+    def writer() -> None:
+        try:
+            assert capturing.wait(120), "no capture began"
+            kept.to_host()
+        except BaseException as error:  # reported on the test's thread
+            failed.append(error)
+        finally:
+            copied.set()
+
+    real_step = unit.graph._step
+
+    def step_while_the_writer_copies(*inputs):
+        if torch.cuda.is_current_stream_capturing():
+            capturing.set()
+            assert copied.wait(120), "the writer did not finish"
+        return real_step(*inputs)
+
+    unit.graph._step = step_while_the_writer_copies
+    thread = threading.Thread(target=writer)
+    thread.start()
+    losses = train(5)
+    thread.join()
+    assert not failed, failed
+    assert capturing.is_set() and unit.graph.captured  # the capture overlapped the copy, and succeeded
+    assert all(torch.isfinite(loss["a"]) for loss in losses)
+    state = kept.member("a")
+    assert all(torch.equal(state["model"][key], t) for key, t in then["model"].items())
+
+
 def twelve_batches(random, classes: int):
     """(step number, uint8 images, labels) of 12 training batches of 32 px images drawn from `random`, the
     6th and the 10th an epoch's last, smaller batch (another shape: stepped eagerly, then captured)."""

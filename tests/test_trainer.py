@@ -390,7 +390,8 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     replay hands out a new copy of the captured losses. StaticInputs keeps a pair per stream and shape, up
     to SHAPES. A capture that fails names the unit's members and trainer.cuda_graphs. Planted mistakes it
     catches: capturing at once (before cuDNN and the optimiser are warm), capturing again at every step,
-    a graph replayed on a batch of another shape, handing out the graph's own loss tensor."""
+    a graph replayed on a batch of another shape, handing out the graph's own loss tensor, a capture in CUDA's
+    global mode (which the checkpoint writer's copies would break)."""
     from pipeline.training.graphs import EAGER_STEPS, SHAPES, StaticInputs, StepGraph, shape_of, stage
 
     events = []
@@ -402,9 +403,9 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     captured_on = []
 
     @contextlib.contextmanager
-    def capturing(graph, pool, stream):
+    def capturing(graph, pool, stream, capture_error_mode):
         events.append("capture")
-        captured_on.append(stream)
+        captured_on.append((stream, capture_error_mode))
         yield
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
@@ -422,7 +423,8 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     assert events == (["step"] * EAGER_STEPS + ["capture", "step", "replay"]  # the epoch's batches
                       + ["step", "replay", "capture", "step", "replay", "replay", "replay"])  # its last one
     assert graph.captured == [shape_of(*full), shape_of(*last)]
-    assert captured_on == ["its unit's stream"] * 2  # each capture on its unit's stream: cuBLAS's workspace
+    # each capture on its unit's stream (cuBLAS's workspace), letting the checkpoint writer's thread copy meanwhile
+    assert captured_on == [("its unit's stream", "thread_local")] * 2
     assert [loss.item() for loss in losses] == [4.0] * (EAGER_STEPS + 1) + [3.0, 4.0, 3.0, 3.0, 4.0]  # its graph
     replayed = [losses[i] for i in (EAGER_STEPS, EAGER_STEPS + 2, EAGER_STEPS + 3, EAGER_STEPS + 4, EAGER_STEPS + 5)]
     assert all(loss is not output for loss in replayed for output in outputs)
@@ -444,7 +446,7 @@ def test_a_step_graph_steps_eagerly_then_captures_once_per_shape_and_replays(mon
     assert staged and staged_x is x and x.eq(1).all()
 
     @contextlib.contextmanager
-    def failing(graph, pool, stream):
+    def failing(graph, pool, stream, capture_error_mode):
         yield
         raise RuntimeError("operation not permitted when stream is capturing")
 

@@ -37,9 +37,12 @@ def settings(spec: ModelSpec) -> dict:
 
 
 def _hparam(value):
-    """A setting as a TensorBoard hyperparameter: a number stays a number (HParams filters it by range),
-    anything else is its text (a bool's too, which torch would make 1.0)."""
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+    """A setting as a TensorBoard hyperparameter: a number stays a number (HParams filters it by range), None
+    stays None (left out: a text "None" would make the key text in every session), anything else is its text
+    (a bool's too, which torch would make 1.0)."""
+    if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return str(value)
 
 
 class MlflowRuns:

@@ -177,7 +177,8 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
     """A group's memory on one of its slots: every member's state and the copy of it kept from the last
-    epoch's end (on a GPU, until the checkpoint writer has it in host memory), the activations of the units
+    epoch's end (on a GPU, until the checkpoint writer has it in host memory; on CPU the copies stay in host
+    memory, two or three epochs' of them, of which this counts one), the activations of the units
     stepped at once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU
     one per stream of the group's; a fused array holds all its members' activations), and as many of the largest
     members' workspaces (once for a process that steps its units in turn; on a GPU each stream has its own

@@ -100,7 +100,9 @@ class StepGraph:
 
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            # thread_local: the trainer's checkpoint writer may be copying kept states to the host meanwhile
+            # (KeptStates.to_host, on a stream of its own), which the default, global mode forbids
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 output = self._step(*inputs)  # recorded, not run: the replay that follows runs it
         except RuntimeError as error:  # e.g. a model that reads a value on the host, or changes shape
             raise RuntimeError(f"the step of {', '.join(self._names)} cannot be captured as a CUDA graph "

@@ -256,7 +256,7 @@ class _Solo(_OneOptimizer):
         return _plain_checkpoint(self.module.state_dict(), self.optimizer, self.schedule)
 
     def kept(self, copy_tensor) -> tuple:
-        return _kept_each(self, copy_tensor)
+        return _kept_each([self.member_state(0)], copy_tensor)
 
     def member_rate(self, index: int) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -286,10 +286,9 @@ def graph_safe_arguments(model: ModelSpec, device) -> dict | None:
     return None
 
 
-def _kept_each(unit, copy_tensor) -> tuple:
-    """`kept` of a unit whose members' tensors are their own: each member's state, copied."""
-    states = [copied(unit.member_state(index), copy_tensor) for index in range(len(unit.names))]
-    return states, [operator.itemgetter(index) for index in range(len(unit.names))]
+def _kept_each(states: list, copy_tensor) -> tuple:
+    """`kept` of a unit whose members' tensors are their own: each member's `states`, copied."""
+    return [copied(state, copy_tensor) for state in states], [operator.itemgetter(i) for i in range(len(states))]
 
 
 def copied(value, copy_tensor):
@@ -318,12 +317,14 @@ class KeptStates:
     """Every member's state at one moment (a trainer keeps them at each epoch's end), copied so that the group
     trains on, and each member's checkpoint built from the copy when it is written (`member`).
 
-    On a GPU the copy is a clone there: the trainer's loop queues it and goes on, where a copy to host memory
-    held it 5-8 s an epoch for the paper ensemble's 8.5 GB (docs/benchmarks.md, the epoch boundary).
+    On a GPU the copy is a clone there: the trainer's loop queues it and goes on (reading a unit's rates waits
+    for the clones queued before, at the device's copy speed), where a copy to host memory held it 5-8 s an
+    epoch for the paper ensemble's 8.5 GB (docs/benchmarks.md, the epoch boundary).
     `to_host`, on the checkpoint writer's thread, then moves it to host memory on a CUDA stream of its own
     while the group's next steps run, and frees the clone. On CPU the copy is made in host memory at once."""
 
-    def __init__(self, units: list, device):
+    def __init__(self, units: list, device, copy_stream):
+        """`copy_stream`: on a GPU the stream `to_host` copies on, one no unit steps on (None on CPU)."""
         import torch
 
         self.on_device = device.type == "cuda"
@@ -334,7 +335,7 @@ class KeptStates:
             self._cloned = torch.cuda.Event()
             # on the stream the group's steps queue on: after the clones, before the next steps
             self._cloned.record(torch.cuda.current_stream(device))
-            self._stream = torch.cuda.Stream(device)
+            self._stream = copy_stream
 
     @property
     def names(self) -> list[str]:
@@ -348,7 +349,9 @@ class KeptStates:
 
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._cloned)
-            # each copy to pageable memory returns once done: the clones are freed only after it
+            # Each copy to pageable memory returns once done, so the clones, allocated on the group's stream and
+            # read on this one, are freed after their last use (a copy that returned at once, non_blocking to
+            # pinned memory, would need record_stream first).
             self._parts = [(names, to_host(tensors), builds) for names, tensors, builds in self._parts]
         self.on_device = False
 
@@ -492,12 +495,15 @@ class _Stacked:
         return self.array.logits(x)
 
     def member_state(self, index: int) -> dict:
-        # Clones: a view would keep (and torch.save would write) every member's rows.
-        model = {name: t.clone() for name, t in self.array.nets[index].state_dict().items()}
-        return _plain_checkpoint(model, self.optimizers[index], self.schedules[index])
+        state = self._live_state(index)  # clones: a view would keep (and torch.save would write) every member's rows
+        return {**state, "model": {name: t.clone() for name, t in state["model"].items()}}
+
+    def _live_state(self, index: int) -> dict:
+        """Member `index`'s checkpoint of live tensors, its weights views of the array's rows."""
+        return _plain_checkpoint(self.array.nets[index].state_dict(), self.optimizers[index], self.schedules[index])
 
     def kept(self, copy_tensor) -> tuple:
-        return _kept_each(self, copy_tensor)
+        return _kept_each([self._live_state(index) for index in range(len(self.names))], copy_tensor)
 
     def member_rate(self, index: int) -> float:
         return float(self.optimizers[index].param_groups[0]["lr"])
@@ -567,6 +573,10 @@ class GroupStep:
         # memory pool (graphs that may run at once must not share one).
         streams = group.side_by_side if self.device.type == "cuda" else 1
         self.streams = [torch.cuda.Stream(self.device) for _ in range(streams)] if streams > 1 else []
+        # The kept states' copy to host memory (KeptStates.to_host), from torch's pool of high-priority streams:
+        # the units' streams come from the other pool, which hands its 32 out in turn, so a stream taken from it
+        # every epoch would in time be a unit's and queue the copy (seconds) behind that unit's steps.
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         self.graphs = cuda_graphs and self.device.type == "cuda" and world == 1 and precision != Precision.fp16
         self.static_inputs = StaticInputs() if self.graphs else None  # the training steps'
         self.val_inputs = StaticInputs() if self.graphs else None  # validation's
@@ -754,7 +764,7 @@ class GroupStep:
     def kept_states(self) -> KeptStates:
         """Every member's state now, copied, each member's checkpoint (as `state`) built from the copy when it
         is wanted (KeptStates)."""
-        return KeptStates(self.units, self.device)
+        return KeptStates(self.units, self.device, self.copy_stream)
 
     def rate(self, name: str) -> float:
         """A member's learning rate now (a host sync on a GPU: once an epoch, not a step)."""

@@ -235,7 +235,7 @@ class Trainer:
         self.feed = DeviceFeed(self.device)
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
         self.epoch = self._resume() if spec.start_epoch else 0  # the group's own count, in any flotilla
-        # rank 0: model -> epochs -> (its state then, copied to the host: a call that builds its checkpoint; its
+        # rank 0: model -> epochs -> (a call that builds its checkpoint from its state then, kept: KeptStates; its
         # accuracy), for the two last finished epochs (on a stop, the driver asks for the last one it heard of;
         # the trainer may have finished the next meanwhile)
         self.finished: dict[str, dict[int, tuple]] = {}
@@ -401,7 +401,8 @@ class Trainer:
         models train on (a stop mid-epoch saves the last finished epoch, not half of the next). On a GPU the
         copy is made there and moved to host memory on the writer thread (KeptStates), so the loop goes on at
         once. It first waits for the last epoch's copy and the writes asked for since: that bounds what the
-        copies hold to one epoch's states on the device and about three epochs' on the host."""
+        copies hold to one epoch's states on the device and two epochs' in host memory (on CPU, three for a
+        moment: the new copy is made before the oldest goes)."""
         self.written(wait=True)
         kept = self.step.kept_states()
         self.writing.append(self.writer.submit(kept.to_host))  # before any write of it: the writer keeps order
