@@ -63,9 +63,9 @@ def test_tensorboard_reads_a_run_per_member_and_the_csv_a_row_per_member_epoch(t
 def test_tensorboard_s_hparams_dashboard_compares_every_job_s_members_by_setting_and_last_metric(tmp_path):
     """Two jobs of a sweep, each a run of members a and b, one job resumed: TensorBoard's HParams plugin,
     reading the sweep's folder as `tensorboard --logdir` does, lists a session per member and job with its
-    settings (a learning rate a number it filters by range, a target and a bool as text) and its last
-    validation accuracy, and every scalar tag as a metric. Fails without the sessions' start (the dashboard
-    is empty), or if a bool is written as a number."""
+    settings (a learning rate a number it filters by range, a target and a bool as text, a None left out) and
+    its last validation accuracy, and every scalar tag as a metric. Fails without the sessions' start (the
+    dashboard is empty), if a bool is written as a number, or a None as text (the key would be text)."""
     from tensorboard import context
     from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
     from tensorboard.plugins import base_plugin
@@ -75,6 +75,7 @@ def test_tensorboard_s_hparams_dashboard_compares_every_job_s_members_by_setting
     for job, lr in ((0, 0.1), (1, 0.02)):
         models = [member("a", lr=lr), member("b", lr=lr / 2)]
         models[1].optimizer["nesterov"] = False
+        models[0].lr_scheduler["eta_min"] = None if job == 0 else 0.001  # a None is left out, not text
         tracker = Tracker(sweep / str(job), models, tensorboard=True)
         tracker.epoch("a", 1, epoch(2.0, 0.4 + lr))
         tracker.epoch("b", 1, epoch(2.0, 0.3 + lr))
@@ -93,6 +94,7 @@ def test_tensorboard_s_hparams_dashboard_compares_every_job_s_members_by_setting
     kinds = {info.name: api_pb2.DataType.Name(info.type) for info in experiment.hparam_infos}
     assert kinds["optimizer.lr"] == "DATA_TYPE_FLOAT64" and kinds["model.depth"] == "DATA_TYPE_FLOAT64"
     assert kinds["model._target_"] == kinds["optimizer.nesterov"] == "DATA_TYPE_STRING"
+    assert kinds["lr_scheduler.eta_min"] == "DATA_TYPE_FLOAT64"
     assert {info.name.tag for info in experiment.metric_infos} == set(TAGS.values()) - {"val/loss"}
     listed = list_session_groups.Handler(request, hparams, "", api_pb2.ListSessionGroupsRequest(
         start_index=0, slice_size=10, allowed_statuses=list(api_pb2.Status.values()))).run()
@@ -103,6 +105,7 @@ def test_tensorboard_s_hparams_dashboard_compares_every_job_s_members_by_setting
         settings = {key: value.WhichOneof("kind") and getattr(value, value.WhichOneof("kind"))
                     for key, value in group.hparams.items()}
         sessions[session.name] = (settings["optimizer.lr"], settings["optimizer.nesterov"], accuracy)
+        assert ("lr_scheduler.eta_min" in settings) == (session.name == "1/tracking/a"), settings
     assert sessions == {"0/tracking/a": (0.1, "True", (2, 0.7)), "0/tracking/b": (0.05, "False", (1, 0.4)),
                         "1/tracking/a": (0.02, "True", (2, 0.62)), "1/tracking/b": (0.01, "False", (1, 0.32))}
 
