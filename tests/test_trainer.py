@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand
+from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand, to_host
 from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.reports import CheckpointSaved
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
@@ -107,6 +107,35 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
     with pytest.raises(RuntimeError, match="keeps its state after \\[1\\]"):
         pipe.sent.append(SaveCheckpoint(("a",), 2))
         first._obey()
+
+
+def test_kept_states_of_every_kind_of_unit_are_their_state_then_in_host_memory_of_their_own():
+    """GroupStep.kept_states on CPU, over an HFTA array, a model alone and a vmap array (AdamW members): after
+    more steps each member's checkpoint is its state when kept (weights, optimiser state, rates), each tensor
+    its own memory (a vmap member's weights not a view of the array's rows). Mistakes it catches: a copy
+    sharing the live tensors, one unit's members mixed up, a view that would save every member's rows."""
+    adamw = {"_target_": "torch.optim.AdamW", "lr": 0.01, "weight_decay": 0.01}
+    members = (model("a"), model("b", lr=0.02), model("c", width=4),
+               *(declared(name, optimizer=adamw, seed=seed) for seed, name in enumerate("de")))
+    step = GroupStep(GroupSpec("g", members, array_size=2), 3, {"main": 32}, torch.device("cpu"), 10)
+    assert [type(unit).__name__ for unit in step.units] == ["_Array", "_Solo", "_Stacked"]
+    images, labels = batch()
+    train = lambda: step.train({"main": (step.normalise(images), torch.from_numpy(labels))})
+    train()
+    then = {name: to_host(step.state(name)) for name in step.names}  # (a model alone's state is its live tensors)
+    kept = step.kept_states()
+    train()
+    kept.to_host()  # (nothing to do on CPU)
+    assert kept.names == ["a", "b", "c", "d", "e"]
+    for name in step.names:
+        state, now = kept.member(name), step.state(name)
+        tensors = lambda s: {**s["model"], **{f"{i}.{key}": t for i, buffers in s["optimizer"]["state"].items()
+                                              for key, t in buffers.items() if t.dim()}}
+        assert tensors(state).keys() == tensors(then[name]).keys() and len(tensors(state)) > len(state["model"])
+        assert all(torch.equal(t, tensors(then[name])[key]) for key, t in tensors(state).items()), name
+        assert not all(torch.equal(t, tensors(now)[key]) for key, t in tensors(state).items()), name  # trained on
+        assert state["optimizer"]["param_groups"] == then[name]["optimizer"]["param_groups"], name
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state["model"].values())
 
 
 def test_pruning_keeps_the_newest_checkpoints_and_the_best(tmp_path):

@@ -328,9 +328,9 @@ class KeptStates:
         import torch
 
         self.on_device = device.type == "cuda"
-        copy_tensor = (lambda t: t.clone()) if self.on_device else (lambda t: t.to("cpu", copy=True))
-        # per unit: its members' names, its copied tensors, and per member a call that builds its state from them
-        self._parts = [(unit.names, *unit.kept(copy_tensor)) for unit in units]
+        # Clones, where the tensors are (on CPU, host memory). Per unit: its members' names, its copied tensors,
+        # and per member a call that builds its state from them.
+        self._parts = [(unit.names, *unit.kept(torch.clone)) for unit in units]
         if self.on_device:
             self._cloned = torch.cuda.Event()
             # on the stream the group's steps queue on: after the clones, before the next steps
