@@ -34,8 +34,8 @@ from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import MlflowRuns, Tracker
 from pipeline.orchestration.devices import (DeviceKind, most_sub_slots, resolve_device, slot_devices,
                                            slot_memory_bytes, trainer_threads)
-from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, choose_sharing, choose_sub_slots,
-                                             measure_sizes, plan_groups, with_measured_peaks)
+from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, check_host_memory, choose_sharing,
+                                             choose_sub_slots, measure_sizes, plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
 from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
@@ -246,7 +246,7 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     _print_header(console, cfg, inputs, device_kind, len(slots), workers)
     state_dir = output_dir / STATE_DIR
     measured: dict = {}
-    sizes = _sizes(models, graph, cfg.pipeline.batch_size)
+    sizes = _sizes(models, graph, cfg.pipeline.batch_size, device_kind)
     if cfg.resume:
         saved = json.loads((state_dir / "run.json").read_text())
         groups = [GroupSpec(**{**g, "members": tuple(ModelSpec(**m) for m in g["members"])}) for g in saved["groups"]]
@@ -261,6 +261,9 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
                                                measured, where)
     if per_device != cfg.trainer.slots_per_device:  # grouping=auto measured more processes on a device faster
         device_kind, slots, _ = laid_out(per_device)
+    if device_kind == DeviceKind.cuda and not agents:  # (an agent's host is not known here)
+        trainers_share = (1 - CACHE_SHARE_OF_RAM) * psutil.virtual_memory().available
+        check_host_memory(groups, sizes, len(slots), int(trainers_share))
     if table is not None:
         console.print(format_table(table))
         measured["rates"] = {name: list(rates) for name, rates in table.rates.items()}
@@ -381,9 +384,9 @@ def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:
                        {m.input for m in models})
 
 
-def _sizes(models: list[ModelSpec], graph: StageGraph, batch_size: int) -> dict:
+def _sizes(models: list[ModelSpec], graph: StageGraph, batch_size: int, device_kind: DeviceKind) -> dict:
     """Each model's weight (group_plan.ModelSize) at the graph's classes and its input's image size."""
-    return measure_sizes(models, len(graph.source.class_names), graph.image_sizes, batch_size)
+    return measure_sizes(models, len(graph.source.class_names), graph.image_sizes, batch_size, device_kind)
 
 
 def _policy(cfg: DictConfig, groups: list[GroupSpec]) -> Policy:

@@ -150,8 +150,9 @@ def measure(mode: str, k: int, args, image_size: int) -> dict:
         threads = max(1, args.cores // k)
     else:
         group = GroupSpec("group", tuple(models))
-        lanes = args.cores if args.device == "cpu" else 1  # arrays as the planner makes them (on CPU: one per
-        sizes = measure_sizes(models, 10, {"main": image_size}, args.batch)  # thread, side by side)
+        kind = "cpu" if args.device == "cpu" else "cuda"
+        lanes = args.cores if kind == "cpu" else 1  # arrays as the planner makes them (on CPU: one per thread,
+        sizes = measure_sizes(models, 10, {"main": image_size}, args.batch, kind)  # side by side)
         if mode.startswith("fused"):
             group = fused(group, sizes, math.inf, lanes)
         if streams:

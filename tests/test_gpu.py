@@ -67,7 +67,7 @@ def test_a_models_measured_memory_is_at_least_its_state_and_saved_activations(tm
     assert len(json.loads((tmp_path / "rates.json").read_text())) == 2  # a and b: one trial
     assert measure_peaks(models[::-1], how, tmp_path / "reversed.json") == pytest.approx(peaks, rel=0.02)
     doubled = measure_peaks(models[:1], replace(how, batch_size=128), tmp_path / "rates.json")
-    size, size_doubled = (measure_sizes(models[:1], 10, {"main": 64}, batch)["a"] for batch in (64, 128))
+    size, size_doubled = (measure_sizes(models[:1], 10, {"main": 64}, batch, "cuda")["a"] for batch in (64, 128))
     assert peaks["a"] == peaks["b"] < peaks["wide"], peaks  # (a and b: one cache entry, read twice)
     assert peaks["a"] >= size.state_bytes + size.activation_bytes, (peaks, size)
     assert doubled["a"] - peaks["a"] >= size_doubled.activation_bytes - size.activation_bytes, (doubled, peaks, size)

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from pipeline.orchestration.devices import SlotError
-from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, group_bytes, measure_sizes,
-                                             with_measured_peaks)
+from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, check_host_memory, group_bytes,
+                                             measure_sizes, with_measured_peaks)
 from pipeline.training import memory
 from pipeline.training.group import GroupSpec
 from pipeline.training.rates import Measurement, Pace, measure_rate_table
@@ -66,7 +66,7 @@ def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():
     """The estimate of a small model fits a slot; its measured peak (activations, workspaces, graphs)
     does not, and the check says so. A peak added on top of the estimate, or ignored, fails one side."""
     m = member("a")
-    sizes = measure_sizes([m], 4, {"main": 32}, 16)
+    sizes = measure_sizes([m], 4, {"main": 32}, 16, "cuda")
     estimate = sizes["a"].state_bytes + sizes["a"].activation_bytes
     slot = 5 * estimate  # x1.5 headroom: 4.5 estimates fit
     check_group_memory([GroupSpec("a", (m,))], sizes, slot)
@@ -89,6 +89,39 @@ def test_a_fused_array_holds_one_workspace_and_each_members_activations():
     measured = with_measured_peaks(sizes, {m.name: 1600 for m in members})
     assert group_bytes(GroupSpec("g", members, 3), measured) == 300 + 180 + 3000 + 500
     assert group_bytes(GroupSpec("g", members), measured) == 300 + 180 + 1000 + 500
+
+
+def test_a_slot_counts_the_kept_copies_of_a_models_state_it_holds():
+    """A trainer keeps each member's state from its last KEPT_EPOCHS epochs' ends (trainer._keep_states). A
+    GPU slot holds one copy, until the checkpoint writer has moved it to host memory; a CPU slot's memory is
+    host memory, and holds them all. A copy is the parameters, buffers and optimiser state: no gradients."""
+    from pipeline.training.members import build_module, optimizer_state_bytes
+    from pipeline.training.models import kept_state_bytes
+    from pipeline.training.trainer import KEPT_EPOCHS
+
+    m = member("a")
+    one = kept_state_bytes(build_module(m, 4, 32), optimizer_state_bytes(m, build_module(m, 4, 32)))
+    assert measure_sizes([m], 4, {"main": 32}, 16, "cuda")["a"].kept_bytes == one
+    assert measure_sizes([m], 4, {"main": 32}, 16, "cpu")["a"].kept_bytes == KEPT_EPOCHS * one == 2 * one
+
+
+def test_a_gpu_hosts_memory_must_hold_the_kept_copies_of_the_groups_that_train_at_once():
+    """On GPU slots the kept copies are in host memory: KEPT_EPOCHS of each member's, for the largest groups
+    that can train at once (one per slot). Hand-counted, kept copies of 10 and 100 bytes, x1.5 headroom:
+    groups of 1, 2 and 3 members of 100 and one of 10 on 2 slots need 2 x (300 + 200) x 1.5 = 1500 bytes.
+    Counting every group, one epoch's copy, or the smallest groups, fails a side."""
+    members = [member(f"m{i}") for i in range(7)]
+    sizes = {m.name: ModelSize(0, 0, 0, 0.0, kept_bytes=100) for m in members[:6]} | \
+        {"m6": ModelSize(0, 0, 0, 0.0, kept_bytes=10)}
+    groups = [GroupSpec("one", tuple(members[:1])), GroupSpec("two", tuple(members[1:3])),
+              GroupSpec("three", tuple(members[3:6])), GroupSpec("small", tuple(members[6:]))]
+    check_host_memory(groups, sizes, 2, 1500)
+    with pytest.raises(SlotError, match=r"2 GPU slot\(s\) keep each model's state from its last 2 epochs' ends in "
+                                        r"host memory.*about 0.00 GiB.*ensemble.models"):
+        check_host_memory(groups, sizes, 2, 1499)
+    check_host_memory(groups, sizes, 4, 2 * 610 * 1.5)
+    with pytest.raises(SlotError):
+        check_host_memory(groups, sizes, 4, 2 * 610 * 1.5 - 1)
 
 
 def runs_out_of_memory(m, how, *, to_parent, from_parent):

@@ -109,6 +109,43 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
         first._obey()
 
 
+def test_a_trainer_lets_its_oldest_kept_copy_go_before_it_makes_the_next(tmp_path):
+    """At each epoch's end a trainer keeps every member's state; it holds the last KEPT_EPOCHS epochs' (the
+    memory check counts that many) and frees the oldest before it copies the new one, so no more are ever alive.
+    The driver may ask for either kept epoch, not an older one. Dropping the oldest after the copy, or not at
+    all, fails."""
+    import gc
+    import weakref
+
+    from pipeline.training.trainer import KEPT_EPOCHS
+
+    group = GroupSpec("g", (model("a"), model("b")))
+    pipe = Pipe()
+    trainer = Trainer(trainer_spec(group, tmp_path), Reports(), pipe)
+    copies, alive = weakref.WeakSet(), []
+    make = trainer.step.kept_states
+
+    def kept_states():
+        gc.collect()
+        alive.append(len(copies))  # the copies still held as the next is made
+        copies.add(kept := make())
+        return kept
+
+    trainer.step.kept_states = kept_states
+    for epoch in range(4):
+        trainer.epoch = epoch
+        trainer._keep_states({"a": 0.5, "b": 0.5})
+    assert KEPT_EPOCHS == 2 and alive == [0, 1, 1, 1]
+    assert {name: sorted(epochs) for name, epochs in trainer.finished.items()} == {"a": [3, 4], "b": [3, 4]}
+    pipe.sent.append(SaveCheckpoint(("a", "b"), 3))
+    trainer._obey()
+    trainer.written(wait=True)
+    assert saved_epochs(tmp_path, "a") == saved_epochs(tmp_path, "b") == [3]
+    with pytest.raises(RuntimeError, match="after 2 epochs, but this trainer keeps its state after \\[3, 4\\]"):
+        pipe.sent.append(SaveCheckpoint(("a",), 2))
+        trainer._obey()
+
+
 def test_kept_states_of_every_kind_of_unit_are_their_state_then_in_host_memory_of_their_own():
     """GroupStep.kept_states on CPU, over an HFTA array, a model alone and a vmap array (AdamW members): after
     more steps each member's checkpoint is its state when kept (weights, optimiser state, rates), each tensor

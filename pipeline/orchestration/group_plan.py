@@ -24,6 +24,7 @@ from pipeline.scheduler.cluster import RateTable
 from pipeline.scheduler.slot_groups import Candidate, Grouping, form_groups, group_name
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec
+from pipeline.training.trainer import KEPT_EPOCHS
 from pipeline.training.rates import Measurement, measure_rate_table, measure_side_by_side
 
 
@@ -39,15 +40,19 @@ class ModelSize:
     # pool, the backward pass's transients), measured on a GPU: a process that steps its models in turn
     # holds it once, one on several CUDA streams once per stream (group_bytes).
     workspace_bytes: int = 0
-    kept_bytes: int = 0  # the copy of its state a trainer keeps from each epoch's end (no gradients)
+    # The copies of its state (no gradients) that its slot holds from epochs' ends (trainer._keep_states): on a
+    # GPU one, until the checkpoint writer has moved it to host memory, which holds KEPT_EPOCHS of them
+    # (check_host_memory); on CPU, whose slots share host memory, KEPT_EPOCHS.
+    kept_bytes: int = 0
 
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
-                  batch_size: int) -> dict[str, ModelSize]:
+                  batch_size: int, device_kind: str) -> dict[str, ModelSize]:
     from pipeline.training.members import build_module, canonical, optimizer_state_bytes
     from pipeline.training.models import (count_parameters, estimate_step_flops, estimate_training_bytes,
                                           kept_state_bytes)
 
+    kept_copies = 1 if device_kind == "cuda" else KEPT_EPOCHS
     nets: dict[str, object] = {}  # a grid's members weigh the same: one build per shape
     sizes: dict[str, ModelSize] = {}  # ...and per kind of optimiser (ModelSpec.optimizer_kind)
     by_name = {}
@@ -61,7 +66,7 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
             optimizer_bytes = optimizer_state_bytes(m, net)
             state, activations = estimate_training_bytes(net, side, batch_size, optimizer_bytes)
             sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side),
-                                   kept_bytes=kept_state_bytes(net, optimizer_bytes))
+                                   kept_bytes=kept_copies * kept_state_bytes(net, optimizer_bytes))
         by_name[m.name] = sizes[key]
     return by_name
 
@@ -176,9 +181,8 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
 
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
-    """A group's memory on one of its slots: every member's state and the copy of it kept from the last
-    epoch's end (on a GPU, until the checkpoint writer has it in host memory; on CPU the copies stay in host
-    memory, two or three epochs' of them, of which this counts one), the activations of the units
+    """A group's memory on one of its slots: every member's state and the copies of it kept from epochs'
+    ends (ModelSize.kept_bytes), the activations of the units
     stepped at once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU
     one per stream of the group's; a fused array holds all its members' activations), and as many of the largest
     members' workspaces (once for a process that steps its units in turn; on a GPU each stream has its own
@@ -203,3 +207,17 @@ def check_group_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slo
                 "models smaller (depth/width), raise trainer.slots (fewer models per slot), use "
                 "trainer.grouping=pack (a fused array holds all its members' activations at once), or set "
                 "trainer.slot_memory_gb")
+
+
+def check_host_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slots: int, room: int) -> None:
+    """On GPU slots each member's states from its KEPT_EPOCHS last epochs' ends are kept in host memory (the
+    checkpoints its trainer may be asked for): those of the groups that train at once on this host's `slots`
+    (at most the largest `slots` groups) must fit `room`, with headroom."""
+    kept = sorted((sum(sizes[m.name].kept_bytes for m in g.members) for g in groups), reverse=True)
+    need = KEPT_EPOCHS * sum(kept[:slots]) * MEMORY_HEADROOM
+    if need > room:
+        raise SlotError(
+            f"the trainers on this host's {slots} GPU slot(s) keep each model's state from its last {KEPT_EPOCHS} "
+            f"epochs' ends in host memory, for its checkpoints: about {need / 2**30:.2f} GiB (x{MEMORY_HEADROOM} "
+            f"headroom) for these models, but the trainers have {room / 2**30:.2f} GiB of this host's memory; "
+            "train fewer or smaller models in one run (ensemble.models), or free memory on this host")

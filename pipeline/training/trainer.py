@@ -40,6 +40,7 @@ from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
 STAGING_BUFFERS = 2  # pinned buffers per sink: one being copied to the GPU while the next fills
+KEPT_EPOCHS = 2  # epochs' ends whose states rank 0 keeps: the driver's last heard of, and the next
 CHECKPOINTS_KEPT = 2  # per model: the newest, and the one before (a trainer may die while writing the next)
 BEST_CHECKPOINT = "best.json"  # per model: its checkpoint of highest validation accuracy, kept whatever is pruned
 
@@ -236,8 +237,8 @@ class Trainer:
         self.checksums: dict[str, list[tuple[int, int, int, int, int]]] = {s: [] for s in spec.group.inputs}
         self.epoch = self._resume() if spec.start_epoch else 0  # the group's own count, in any flotilla
         # rank 0: model -> epochs -> (a call that builds its checkpoint from its state then, kept: KeptStates; its
-        # accuracy), for the two last finished epochs (on a stop, the driver asks for the last one it heard of;
-        # the trainer may have finished the next meanwhile)
+        # accuracy), for the KEPT_EPOCHS last finished epochs (on a stop, the driver asks for the last one it heard
+        # of; the trainer may have finished the next meanwhile)
         self.finished: dict[str, dict[int, tuple]] = {}
         # rank 0's checkpoints are written on a thread of their own while the group trains on
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoints")
@@ -400,17 +401,17 @@ class Trainer:
         """A copy of every member's state after this epoch: the checkpoints the driver may ask for, while the
         models train on (a stop mid-epoch saves the last finished epoch, not half of the next). On a GPU the
         copy is made there and moved to host memory on the writer thread (KeptStates), so the loop goes on at
-        once. It first waits for the last epoch's copy and the writes asked for since: that bounds what the
-        copies hold to one epoch's states on the device and two epochs' in host memory (on CPU, three for a
-        moment: the new copy is made before the oldest goes)."""
+        once. It first waits for the last epoch's copy and the writes asked for since, and lets the oldest copy
+        go before it makes the new one (no command is read in between): the copies hold at most one epoch's
+        states on the device and KEPT_EPOCHS epochs' in host memory (group_plan counts them)."""
         self.written(wait=True)
+        epochs = self.epoch + 1
+        for finished in self.finished.values():
+            finished.pop(epochs - KEPT_EPOCHS, None)
         kept = self.step.kept_states()
         self.writing.append(self.writer.submit(kept.to_host))  # before any write of it: the writer keeps order
-        epochs = self.epoch + 1
         for name in kept.names:
-            finished = self.finished.setdefault(name, {})
-            finished[epochs] = (functools.partial(kept.member, name), accuracies[name])
-            finished.pop(epochs - 2, None)
+            self.finished.setdefault(name, {})[epochs] = (functools.partial(kept.member, name), accuracies[name])
 
     def _save(self, models: tuple[str, ...], epochs: int) -> None:
         """checkpoints/<model>/epoch<k>.pt after k epochs, a plain model's state (it loads without the group),
