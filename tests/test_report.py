@@ -3,6 +3,7 @@ the optional measurements, the sweep summary, one real run, and the page as
 a person sees it in headless Chromium."""
 import csv
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -289,11 +290,15 @@ def fake_job(sweep: Path, number: int, overrides: list[str], results: dict | Non
         (job / "results.json").write_text(json.dumps(results))
 
 
-def test_sweep_callback_compares_jobs_side_by_side(tmp_path):
+def test_sweep_callback_compares_jobs_side_by_side(tmp_path, caplog):
+    sweep = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     fake_job(tmp_path, 0, ["+ensemble=caltech256", "cluster.workers=2"], input_bound())
-    fake_job(tmp_path, 1, ["+ensemble=caltech256", "cluster.workers=4"],
-             make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 120, 60.0)]))
-    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    with caplog.at_level(logging.INFO):  # Hydra's level: matplotlib's notes would reach the console
+        SweepSummary().on_multirun_end(sweep)  # (as after the first job: it is labelled by its folder, "0")
+        fake_job(tmp_path, 1, ["+ensemble=caltech256", "cluster.workers=4"],
+                 make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 120, 60.0)]))
+        SweepSummary().on_multirun_end(sweep)
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("matplotlib")] == []
     with (tmp_path / "sweep.csv").open() as file:
         rows = list(csv.DictReader(file))
     assert [r["job"] for r in rows] == ["0", "1"]

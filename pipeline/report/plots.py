@@ -162,7 +162,9 @@ def timeline_chart(events: list[dict]) -> str:
 def sweep_bar(labels: list[str], values: list[float | None], title: str, unit: str) -> str:
     fig = Figure(figsize=(4.2, 0.4 * len(labels) + 1.6))
     ax = fig.subplots()
-    ax.barh(labels[::-1], [v or 0 for v in values][::-1], color=OTHER_COLOUR)
+    # rows by position, labelled: job numbers as categories would make matplotlib log that they look numeric
+    ax.barh(range(len(labels)), [v or 0 for v in values][::-1], color=OTHER_COLOUR)
+    ax.set_yticks(range(len(labels)), labels[::-1])
     for row, value in enumerate(values[::-1]):
         ax.annotate("n/a" if value is None else f"{value:,.3g}", (0, row), xytext=(3, 0),
                     textcoords="offset points", va="center", fontsize="small")
