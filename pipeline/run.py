@@ -175,23 +175,36 @@ def planned(folder: Path) -> bool:
     return (Path(folder) / STATE_DIR / "run.json").is_file()
 
 
+def stopped_with(folder: Path, cfg: DictConfig) -> bool:
+    """Whether `folder` holds a training run of `cfg` that was stopped or crashed after its plan: one that
+    resume= continues (how the shared launcher goes on with a sweep run again in its folder)."""
+    results = Path(folder) / "results.json"
+    return planned(folder) and not _differences(folder, cfg) and \
+        (not results.is_file() or "interrupted" in json.loads(results.read_text()))
+
+
+def _differences(folder: Path, cfg: DictConfig) -> list[str]:
+    """The settings in which the planned run in `folder` differs from `cfg`, as `key=then (now ...)`, beyond
+    the ones a resumed run may change."""
+    saved = flatten(json.loads((folder / STATE_DIR / "run.json").read_text())["config"])
+    current = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return [f"{key}={saved.get(key)!r} (now {current.get(key)!r})" for key in sorted(saved.keys() | current.keys())
+            if not key.startswith(RESUME_MAY_CHANGE) and saved.get(key) != current.get(key)]
+
+
 def _resumed_folder(cfg: DictConfig) -> Path:
     """The folder `resume=` names, checked: it holds a stopped run's state, and that run's config is this one."""
     folder = Path(to_absolute_path(cfg.resume))
-    state = folder / STATE_DIR / "run.json"
     if cfg.mode != Mode.train:
         raise ConfigError(f"resume={cfg.resume}: only training runs resume (mode={cfg.mode}); drop resume=")
-    if not state.is_file():
-        raise ConfigError(f"resume={cfg.resume}: {state} is missing: give the folder of a training run that was "
-                          "stopped or crashed after it began training (the folder its stop message names)")
-    saved = flatten(json.loads(state.read_text())["config"])
-    current = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
-    differ = [key for key in sorted(saved.keys() | current.keys())
-              if not key.startswith(RESUME_MAY_CHANGE) and saved.get(key) != current.get(key)]
+    if not planned(folder):
+        raise ConfigError(f"resume={cfg.resume}: {folder / STATE_DIR / 'run.json'} is missing: give the folder of a "
+                          "training run that was stopped or crashed after it began training (the folder its stop "
+                          "message names)")
+    differ = _differences(folder, cfg)
     if differ:
-        shown = ", ".join(f"{key}={saved.get(key)!r} (now {current.get(key)!r})" for key in differ[:5])
-        raise ConfigError(f"resume={cfg.resume}: that run had {shown}; resume with the same config (only "
-                          f"{', '.join(RESUME_MAY_CHANGE)} may change)")
+        raise ConfigError(f"resume={cfg.resume}: that run had {', '.join(differ[:5])}; resume with the same config "
+                          f"(only {', '.join(RESUME_MAY_CHANGE)} may change)")
     return folder
 
 

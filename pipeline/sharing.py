@@ -13,7 +13,8 @@ ensemble's accuracy and loss computed over its members alone, its objective), re
 tracking, taken from the shared run's folder (files hard-linked), and its return value. A job whose
 member was given up (with its slot group) fails; the others complete. A shared run that fails before
 its plan is made (a declaration it refuses, a crash or hang measuring a member) leaves its jobs to run
-alone (the launcher, hydra_plugins/pipeline_launcher), so that again only the jobs at fault fail.
+alone (the launcher, hydra_plugins/pipeline_launcher), so that again only the jobs at fault fail. A shared
+run that was stopped (or crashed once planned) resumes when the same jobs are launched into its sweep's folder.
 """
 from __future__ import annotations
 

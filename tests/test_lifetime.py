@@ -230,6 +230,34 @@ def test_sigterm_to_the_whole_process_group_stops_in_order(data, tmp_path):
     assert not leftovers([job.process.pid] + [c.pid for c in children])
 
 
+def test_a_stopped_shared_sweep_goes_on_when_its_jobs_are_launched_again_into_its_folder(data, tmp_path):
+    """hydra/launcher=shared, 2 jobs as one run, Ctrl-C after epoch 1: the multirun exits 130, no traceback,
+    nothing of the run left, and says how to go on. The same command again resumes the shared run from its
+    last finished epochs (it trains no first epoch again) and completes both jobs, each with all its epochs."""
+    sweep = tmp_path / "sweep"
+    multirun = [sys.executable, "-m", "pipeline", "-m", *overrides(data, "trainer.epochs=4"), "hydra/launcher=shared",
+                "ensemble.models.0.optimizer.lr=0.1,0.05", f"hydra.sweep.dir={sweep}"]
+    job = Job(multirun)
+    job.wait_for("(epoch 1)")
+    children = job.children()
+    os.killpg(job.process.pid, signal.SIGINT)
+    output = job.finish(timeout=60)
+    assert job.process.returncode == 130, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert f"launch the same jobs again with hydra.sweep.dir={sweep}" in output, output[-2000:]
+    assert not gone_within(children, 1), "processes of the run outlived it"
+    assert not leftovers([job.process.pid] + [c.pid for c in children])
+
+    again = subprocess.run(multirun, cwd=REPO, capture_output=True, text=True, timeout=600)
+    output = again.stdout + again.stderr
+    assert again.returncode == 0, output[-3000:]
+    assert "jobs 0, 1 go on with their shared run" in output and "(epoch 1)" not in output, output[-3000:]
+    for number in (0, 1):
+        results = json.loads((sweep / str(number) / "results.json").read_text())
+        assert [(m["epochs"], len(m["val_accuracy"])) for m in results["models"]] == [(4, 4)] * 4
+        assert results["objective"]["value"] == results["ensemble"]["kept"]["val_accuracy"]
+
+
 def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
     """What a run killed before its children could clean up is removed by the next run: entries of
     dead owners only, never a live run's."""

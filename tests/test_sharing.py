@@ -123,3 +123,33 @@ def test_a_shared_run_that_fails_before_its_plan_leaves_each_job_to_run_alone(mo
                    for _, task in ran)
     else:
         assert all(task == "the job's own run" for _, task in ran)
+
+
+def test_a_shared_run_resumes_only_where_the_same_jobs_stopped(tmp_path):
+    """The launcher resumes a shared run whose folder holds a run of the same config that was stopped or
+    crashed after its plan (timeouts may differ, as for resume=). A finished run there, or a run of other
+    jobs, is not resumed."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from pipeline.run import STATE_DIR, stopped_with
+
+    def launched(*rates):
+        return combine(numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate(rates)}))
+
+    shared = launched(0.1, 0.05)
+    folder = shared.folder(tmp_path)
+    assert not stopped_with(folder, shared.cfg)  # nothing there yet
+    (folder / STATE_DIR).mkdir(parents=True)
+    (folder / STATE_DIR / "run.json").write_text(json.dumps(
+        {"config": OmegaConf.to_container(shared.cfg, resolve=True, enum_to_str=True)}))
+    assert stopped_with(folder, shared.cfg)  # crashed: planned, no results
+    (folder / "results.json").write_text(json.dumps({"interrupted": {"cause": "SIGINT"}}))
+    again = launched(0.1, 0.05)
+    with open_dict(again.cfg):
+        again.cfg.timeouts.stop_s = 30
+    assert stopped_with(folder, again.cfg)
+    assert not stopped_with(folder, launched(0.1, 0.02).cfg)  # other jobs (Optuna's next trials, say)
+    (folder / "results.json").write_text(json.dumps({"models": []}))
+    assert not stopped_with(folder, shared.cfg)  # finished

@@ -63,14 +63,19 @@ class SharedLauncher(Launcher):
         cause it fail."""
         from pipeline import sharing
         from pipeline.config import ExitCode, JobFailed
-        from pipeline.run import planned
+        from pipeline.run import planned, stopped_with
         from pipeline.training.members import MemberError
 
         returns = {}
         while len(batch) > 1:
             shared = sharing.combine({number: jobs[number] for number in batch})
             folder = shared.folder(sweep_dir)
-            log.info(f"jobs {', '.join(map(str, batch))} train as one run in {folder}")
+            if stopped_with(folder, shared.cfg):  # the same jobs launched again into their sweep's folder
+                with open_dict(shared.cfg):
+                    shared.cfg.resume = str(folder)
+                log.info(f"jobs {', '.join(map(str, batch))} go on with their shared run, stopped in {folder}")
+            else:
+                log.info(f"jobs {', '.join(map(str, batch))} train as one run in {folder}")
             with env_override(sharing.env_set(jobs[batch[0]])):
                 outcome = _train(shared, folder)
             if isinstance(outcome, MemberError):
@@ -101,7 +106,8 @@ class SharedLauncher(Launcher):
 
 def _train(shared, folder: Path):
     """The shared run's results; or the MemberError of a member's declaration it refused; or the JobFailed
-    each of its jobs fails with. A stop (Ctrl-C, SIGTERM) ends the whole multirun, as it ends a job's run."""
+    each of its jobs fails with. A stop (Ctrl-C, SIGTERM) ends the whole multirun, as it ends a job's run;
+    the same command into the same sweep folder then resumes the shared run (SharedLauncher._share)."""
     from pipeline.config import ExitCode, JobFailed
     from pipeline.run import run
     from pipeline.runtime.hang import HangError
@@ -124,7 +130,8 @@ def _train(shared, folder: Path):
         except Exception:  # every job of the batch fails with it, each through run_job as Hydra expects
             return JobFailed(ExitCode.crashed, f"the shared run in {folder} crashed:\n{traceback.format_exc()}")
     if "interrupted" in results:
-        why = f"the shared run in {folder} stopped ({results['interrupted']['cause']})"
+        why = (f"the shared run in {folder} stopped ({results['interrupted']['cause']}); to go on from its last "
+               f"finished epochs, launch the same jobs again with hydra.sweep.dir={folder.parent}")
         if stop.signum:
             print(why, file=sys.stderr)
             sys.exit(128 + stop.signum)
