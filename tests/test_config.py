@@ -158,3 +158,15 @@ def test_auto_or_a_count_keeps_its_type():
     with pytest.raises((ConfigCompositionException, ValidationError)) as err:
         compose_config(["+ensemble=caltech256", "cluster.workers=2.5"])
     assert "cluster.workers" in str(err.value.__cause__ or err.value)
+
+
+def test_help_names_the_command_as_users_type_it():
+    """`python -m pipeline --help` names the app `pipeline` (Hydra would say `__main__`), the name each run's
+    log file takes too (pipeline.log)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shown = subprocess.run([sys.executable, "-m", "pipeline", "--help"], cwd=Path(__file__).resolve().parents[1],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.startswith("pipeline is powered by Hydra."), shown.stdout[:300]
