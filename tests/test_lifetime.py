@@ -252,6 +252,7 @@ def test_a_stopped_shared_sweep_goes_on_when_its_jobs_are_launched_again_into_it
     output = again.stdout + again.stderr
     assert again.returncode == 0, output[-3000:]
     assert "jobs 0, 1 go on with their shared run" in output and "(epoch 1)" not in output, output[-3000:]
+    assert "j0.densenet40_k8 leaves (reached trainer.epochs=4)" in output, output[-3000:]  # why, in its words
     for number in (0, 1):
         results = json.loads((sweep / str(number) / "results.json").read_text())
         assert [(m["epochs"], len(m["val_accuracy"])) for m in results["models"]] == [(4, 4)] * 4

@@ -721,6 +721,14 @@ class Driver:
         self._apply_decisions(decisions)
         thread.commands.put(Continue())
 
+    def _why(self, stop: Stop) -> str:
+        """What a group's leaving is said as: a converged group's members' own reason where they share one
+        (`reached trainer.epochs=8`, say), else the scheduler's."""
+        if stop.reason != "converged":
+            return stop.reason
+        reasons = {self.run_ctx.recorder.models[m.name].converged for m in self.groups[stop.group].members}
+        return reasons.pop() if len(reasons) == 1 and None not in reasons else stop.reason
+
     def _checkpoint(self, thread: FlotillaThread, group: str, models: tuple[str, ...], epochs: int) -> None:
         """`models` of `group` are checkpointed after `epochs` epochs before their flotilla goes on."""
         for model in models:
@@ -768,7 +776,7 @@ class Driver:
                     models = tuple(m.name for m in self.groups[decision.group].members)
                     self._checkpoint(thread, decision.group, models, decision.epoch)
             elif isinstance(decision, Stop):
-                self.console.print(f"flotilla {decision.flotilla}: {decision.group} leaves ({decision.reason})")
+                self.console.print(f"flotilla {decision.flotilla}: {decision.group} leaves ({self._why(decision)})")
                 if decision.flotilla in self.broken:  # its thread is closing its processes; the model may
                     # have new slots before it has closed (planned at once on the nodes left)
                     self.freed_at_end.setdefault(decision.flotilla, []).extend(self.assigned.pop(decision.group, ()))
