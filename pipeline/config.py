@@ -39,6 +39,11 @@ from stages.decode import DecodeBackend
 AUTO = "auto"
 
 
+STATE_DIR = "state"  # in a run's folder: what resume= continues from
+# What a run leaves in its folder: a fresh run refuses a folder holding any (check_output_dir)
+RUN_OUTPUTS = ("results.json", STATE_DIR, "checkpoints")
+
+
 class ExitCode(enum.IntEnum):
     """How `python -m pipeline` ends (the table in docs/configuration.md)."""
 
@@ -432,7 +437,10 @@ def _set(fields: dict, path: tuple, value) -> None:
     fields[path[-1]] = value
 
 
-def check_output_dir(path: Path) -> None:
+def check_output_dir(path: Path, fresh: bool) -> None:
+    """The run's folder: writable, and for a `fresh` run (not resume=) holding no earlier run's outputs, which
+    the run would overwrite and whose checkpoints it would mix with its own (the older run's best one kept as
+    this run's, this run's pruned as older)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -441,3 +449,8 @@ def check_output_dir(path: Path) -> None:
     except OSError as err:
         raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
                           "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None
+    held = [name for name in RUN_OUTPUTS if (path / name).exists()]
+    if fresh and held:
+        raise ConfigError(f"{path} holds an earlier run ({', '.join(held)}): give this run a folder of its own "
+                          "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
+                          f"continue a stopped run with resume={path}")

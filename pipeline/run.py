@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipeline.config import ConfigError, Mode, check, check_objective, check_output_dir, expand_ensemble
+from pipeline.config import (STATE_DIR, ConfigError, Mode, check, check_objective, check_output_dir,
+                             expand_ensemble)
 from pipeline.data.dataset import DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
                                     in_flight_window, node_threads, worker_count)
@@ -60,7 +61,6 @@ from stages.base import Split
 from stages.cache import GB
 
 PROBE_BATCHES = 3  # batches timed on one node before the first plan (FLEET policies; auto on several nodes)
-STATE_DIR = "state"  # in a run's folder: what resume= continues from
 # Keys a resumed run may set differently from the run it continues; any other difference is refused.
 RESUME_MAY_CHANGE = ("resume", "timeouts", "rates.cache")
 
@@ -93,7 +93,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     stop = stop or StopSignals()
     if cfg.resume:
         output_dir = _resumed_folder(cfg)
-    check_output_dir(output_dir)
+    check_output_dir(output_dir, fresh=not cfg.resume)
     check(cfg)
     # This host starts a local run's children: their fork server imports torch on another core while this
     # process checks and plans. (With cluster.address, the agents, asked later, may start them: the first

@@ -170,3 +170,40 @@ def test_help_names_the_command_as_users_type_it():
     shown = subprocess.run([sys.executable, "-m", "pipeline", "--help"], cwd=Path(__file__).resolve().parents[1],
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and shown.stdout.startswith("pipeline is powered by Hydra."), shown.stdout[:300]
+
+
+def test_a_fresh_run_refuses_a_folder_that_holds_an_earlier_runs_outputs(tmp_path):
+    """A run into an earlier run's folder would overwrite its results and mix their checkpoints (the older
+    run's best one kept as the new run's, the new run's own pruned as older). Hydra's files, as a run that
+    failed before training leaves, are no run; resume= continues the run there."""
+    from pipeline.config import RUN_OUTPUTS, check_output_dir
+
+    (tmp_path / "failed early" / ".hydra").mkdir(parents=True)
+    check_output_dir(tmp_path / "failed early", fresh=True)
+    check_output_dir(tmp_path / "new", fresh=True)  # made
+    for name in RUN_OUTPUTS:
+        folder = tmp_path / name
+        (folder / name).mkdir(parents=True)
+        with pytest.raises(ConfigError, match=rf"{folder} holds an earlier run \({name}\): give this run a folder "
+                                              r"of its own \(hydra.run.dir.*resume="):
+            check_output_dir(folder, fresh=True)
+        check_output_dir(folder, fresh=False)
+
+
+def test_the_command_refuses_an_earlier_runs_folder_before_hydra_writes_its_files_there(tmp_path):
+    """`hydra.run.dir` fixed, a second run: one line, exit 2, and the earlier run's .hydra files as they were."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    earlier = tmp_path / "run"
+    (earlier / ".hydra").mkdir(parents=True)
+    (earlier / ".hydra" / "config.yaml").write_text("the earlier run's\n")
+    (earlier / "results.json").write_text("{}")
+    refused = subprocess.run([sys.executable, "-m", "pipeline", "+ensemble=caltech256", f"hydra.run.dir={earlier}"],
+                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip() == (f"error: {earlier} holds an earlier run (results.json): give this run a "
+                                      "folder of its own (hydra.run.dir, or hydra.sweep.dir for -m), remove that "
+                                      f"one to train there anew, or continue a stopped run with resume={earlier}")
+    assert (earlier / ".hydra" / "config.yaml").read_text() == "the earlier run's\n"

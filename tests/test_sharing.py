@@ -101,7 +101,7 @@ def test_a_shared_run_that_fails_before_its_plan_leaves_each_job_to_run_alone(mo
     member's crash before training, or running a batch again after it trained, fails."""
     from hydra_plugins.pipeline_launcher import shared_launcher
     from pipeline.config import ExitCode, JobFailed
-    from pipeline.run import STATE_DIR
+    from pipeline.config import STATE_DIR
 
     def crashed(shared, folder):
         if planned:
@@ -133,7 +133,8 @@ def test_a_shared_run_resumes_only_where_the_same_jobs_stopped(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from pipeline.run import STATE_DIR, stopped_with
+    from pipeline.config import STATE_DIR
+    from pipeline.run import stopped_with
 
     def launched(*rates):
         return combine(numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate(rates)}))
@@ -153,3 +154,30 @@ def test_a_shared_run_resumes_only_where_the_same_jobs_stopped(tmp_path):
     assert not stopped_with(folder, launched(0.1, 0.02).cfg)  # other jobs (Optuna's next trials, say)
     (folder / "results.json").write_text(json.dumps({"models": []}))
     assert not stopped_with(folder, shared.cfg)  # finished
+
+
+def test_jobs_whose_shared_folder_holds_an_earlier_sweeps_run_fail_saying_so(monkeypatch, tmp_path):
+    """The sweep's folder holds a finished shared run of other jobs where this batch's would go: training
+    there would mix their checkpoints, and each job alone would mix with that run's jobs' folders, so every
+    job of the batch fails with the folder and the fix, and nothing trains."""
+    import json
+
+    from hydra_plugins.pipeline_launcher import shared_launcher
+    from pipeline.config import STATE_DIR
+
+    jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05))})
+    earlier = combine(numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.2, 0.3))}))
+    folder = earlier.folder(tmp_path)
+    (folder / STATE_DIR).mkdir(parents=True)
+    (folder / STATE_DIR / "run.json").write_text(json.dumps({"config": {}}))
+    (folder / "results.json").write_text("{}")
+    launcher = shared_launcher.SharedLauncher()
+    launcher.task_function = "the job's own run"
+    ran = []
+    monkeypatch.setattr(shared_launcher, "_train", lambda shared, folder: pytest.fail("it trained"))
+    monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append((cfg.hydra.job.num, task)) or cfg)
+    launcher._share([0, 1], jobs, tmp_path)
+    assert [number for number, _ in ran] == [0, 1]
+    for _, task in ran:
+        assert task.func is shared_launcher._job and task.args[1].why.startswith(
+            f"error: {folder} holds an earlier run (results.json, state): give this run a folder of its own")

@@ -62,7 +62,7 @@ class SharedLauncher(Launcher):
         (a crash or hang measuring a member's rate, say), each job meets alone: only the jobs whose members
         cause it fail."""
         from pipeline import sharing
-        from pipeline.config import ExitCode, JobFailed
+        from pipeline.config import ConfigError, ExitCode, JobFailed, check_output_dir
         from pipeline.run import planned, stopped_with
         from pipeline.training.members import MemberError
 
@@ -76,6 +76,11 @@ class SharedLauncher(Launcher):
                 log.info(f"jobs {', '.join(map(str, batch))} go on with their shared run, stopped in {folder}")
             else:
                 log.info(f"jobs {', '.join(map(str, batch))} train as one run in {folder}")
+            try:
+                check_output_dir(folder, fresh=not shared.cfg.resume)
+            except ConfigError as err:  # an earlier sweep's run: the jobs fail (alone, they would mix with its jobs')
+                return returns | self._split(batch, jobs, shared, JobFailed(ExitCode.user_error, f"error: {err}"),
+                                             folder)
             with env_override(sharing.env_set(jobs[batch[0]])):
                 outcome = _train(shared, folder)
             if isinstance(outcome, MemberError):
@@ -86,16 +91,19 @@ class SharedLauncher(Launcher):
                 how = "refused" if outcome.code == ExitCode.user_error else "failed before its plan was made"
                 log.warning(f"each job runs alone: the shared run {how} ({outcome.why})")
             else:
-                for number in batch:
-                    returns[number] = self._run_job(jobs[number], functools.partial(_job, shared, outcome, number,
-                                                                                   folder))
-                return returns
+                return returns | self._split(batch, jobs, shared, outcome, folder)
             for number in alone:
                 returns[number] = self._run_job(jobs[number], self.task_function)
             batch = [number for number in batch if number not in alone]
         for number in batch:
             returns[number] = self._run_job(jobs[number], self.task_function)
         return returns
+
+    def _split(self, batch: list, jobs: dict, shared, outcome, folder: Path) -> dict:
+        """Each job of the batch through run_job, its folder and return taken from the shared run's `outcome`
+        (its results, or the JobFailed every job fails with)."""
+        return {number: self._run_job(jobs[number], functools.partial(_job, shared, outcome, number, folder))
+                for number in batch}
 
     def _run_job(self, cfg: DictConfig, task_function) -> JobReturn:
         returned = run_job(hydra_context=self.hydra_context, task_function=task_function, config=cfg,
