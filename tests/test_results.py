@@ -104,24 +104,33 @@ def test_validation_loss_is_the_cross_entropy_of_each_softmax_and_of_their_mean(
     assert np.isclose(results["ensemble"]["final_val_loss"], ensemble)
 
 
-def test_a_part_of_the_ensemble_is_judged_on_its_own_members():
+def test_a_part_of_the_ensemble_is_judged_on_its_own_members(tmp_path):
     """Parts (a shared sweep run's jobs) overlap, as jobs share the members a sweep does not change.
     Part x = {a, b} gets its accuracy once both reported, whatever c says; part y = {b, c} from b and c
-    alone; an epoch a member does again replaces its own softmax. A part's accuracy taken from the whole
-    ensemble (1.0 here, x's 0.5), from a's first softmax or from both of a's (0.0), fails."""
+    alone; an epoch a member does again replaces its own softmax. A stop and resume between the reports
+    (the state saved, a new recorder loads it) changes nothing. A part's accuracy taken from the whole
+    ensemble (1.0 here, x's 0.5), from a's first softmax or from both of a's (0.0), or a part's sums or
+    figures lost with the resume, fails."""
     names = ("a", "b", "c")
-    recorder = RunRecorder([spec(n) for n in names], dict.fromkeys(names, 1), dict.fromkeys(names, 32),
-                           {"x": ["a", "b"], "y": ["b", "c"]})
+    recorded = lambda: RunRecorder([spec(n) for n in names], dict.fromkeys(names, 1), dict.fromkeys(names, 32),
+                                   {"x": ["a", "b"], "y": ["b", "c"]})
+    recorder = recorded()
     for name in names:
         recorder.joined(alone(name), 0, ("cpu",), 0)
     recorder.add_report(val_event("a", [[0.0, 1.0], [1.0, 0.0]]))  # first both wrong
     recorder.add_report(val_event("a", [[0.6, 0.4], [0.4, 0.6]]))  # done again: both right, what stands
     recorder.add_report(val_event("c", [[0.9, 0.1], [0.0, 1.0]]))
     assert recorder.part_accuracy == {"x": {}, "y": {}}
+    recorder.save_state(tmp_path / "stopped")
+    recorder = recorded()
+    recorder.load_state(tmp_path / "stopped")
     recorder.add_report(val_event("b", [[0.7, 0.3], [0.7, 0.3]]))  # x: [1.3, 0.7], [1.1, 0.9]: 1 of 2
     # (with a's first softmax instead: [0.7, 1.3], [1.7, 0.3]; with both of a's: [1.3, 1.7], [2.1, 0.9])
     assert recorder.part_accuracy == {"x": {0: 0.5}, "y": {0: 1.0}}  # y: [1.6, 0.4], [0.7, 1.3]
     assert recorder.ensemble_accuracy == {0: 1.0}  # [2.2, 0.8], [1.1, 1.9]
+    recorder.save_state(tmp_path / "done")
+    recorder = recorded()
+    recorder.load_state(tmp_path / "done")
     parts = recorder.as_dict(1.0)["parts"]
     assert parts["x"]["val_accuracy"] == [0.5] and parts["x"]["best_model_val_accuracy"] == 1.0
     assert parts["x"]["val_loss"] == pytest.approx([-(math.log(1.3 / 2) + math.log(0.9 / 2)) / 2], rel=1e-6)

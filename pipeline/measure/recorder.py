@@ -82,7 +82,7 @@ class RunRecorder:
         self.models = {m.name: ModelRecord(m, params[m.name], image_sizes[m.name]) for m in models}
         self.parts = {part: set(names) for part, names in (parts or {}).items()}
         # Per part and epoch, as for the whole: the sum of its members' softmax and the members in it, until
-        # all are; then the part's accuracy and loss, which stand. Not saved: shared runs are not resumed.
+        # all are; then the part's accuracy and loss, which stand.
         self.part_pending: dict[str, dict[int, tuple[np.ndarray, set[str]]]] = {p: {} for p in self.parts}
         self.part_accuracy: dict[str, dict[int, float]] = {p: {} for p in self.parts}
         self.part_loss: dict[str, dict[int, float]] = {p: {} for p in self.parts}
@@ -315,6 +315,8 @@ class RunRecorder:
                 arrays[f"best-{name}"] = record.best_probs
                 arrays.update({f"recent-{name}-{epoch}": probs for epoch, probs in record.recent_probs.items()})
             arrays.update({f"sum-{epoch}": total for epoch, (total, _) in self.epoch_probs.items()})
+            arrays.update({f"part-{part}-sum-{epoch}": total for part, pending in self.part_pending.items()
+                           for epoch, (total, _) in pending.items()})
             state = {
                 "models": {name: {"val_accuracy": r.val_accuracy, "val_loss": r.val_loss, "train_loss": r.train_loss,
                                   "stints": r.stints, "converged": r.converged, "culled": r.culled,
@@ -325,6 +327,9 @@ class RunRecorder:
                            for name, r in self.models.items()},
                 "epoch_models": {epoch: sorted(models) for epoch, (_, models) in self.epoch_probs.items()},
                 "ensemble_accuracy": self.ensemble_accuracy, "ensemble_loss": self.ensemble_loss,
+                "parts": {part: {"accuracy": self.part_accuracy[part], "loss": self.part_loss[part],
+                                 "pending": {epoch: sorted(models) for epoch, (_, models) in pending.items()}}
+                          for part, pending in self.part_pending.items()},
                 "origin": self.origin, "timeline": self.timeline,
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
                 "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
@@ -368,6 +373,10 @@ class RunRecorder:
             self.val_labels = array("val_labels")
             self.ensemble_accuracy = by_epoch(state["ensemble_accuracy"])
             self.ensemble_loss = by_epoch(state.get("ensemble_loss", {}))
+            for part, saved in state.get("parts", {}).items():  # a shared sweep run's jobs (absent from older runs)
+                self.part_accuracy[part], self.part_loss[part] = by_epoch(saved["accuracy"]), by_epoch(saved["loss"])
+                self.part_pending[part] = {int(epoch): (array(f"part-{part}-sum-{epoch}"), set(models))
+                                           for epoch, models in saved["pending"].items()}
             self.origin, self.timeline, self.train_images = state["origin"], state["timeline"], state["train_images"]
             self.stages.update({name: StageTiming(**t) for name, t in state["stages"].items()})
             self.stage_walls.update(state["stage_walls"])
