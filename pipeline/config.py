@@ -449,8 +449,13 @@ def check_output_dir(path: Path, fresh: bool) -> None:
     except OSError as err:
         raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
                           "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None
-    held = [name for name in RUN_OUTPUTS if (path / name).exists()]
+    held = earlier_run(path)
     if fresh and held:
-        raise ConfigError(f"{path} holds an earlier run ({', '.join(held)}): give this run a folder of its own "
+        raise ConfigError(f"{path} holds an earlier run ({held}): give this run a folder of its own "
                           "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
                           f"continue a stopped run with resume={path}")
+
+
+def earlier_run(path: Path) -> str:
+    """What `path` holds of an earlier run's outputs, named ("" for none)."""
+    return ", ".join(name for name in RUN_OUTPUTS if (path / name).exists())

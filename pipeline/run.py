@@ -175,12 +175,14 @@ def planned(folder: Path) -> bool:
     return (Path(folder) / STATE_DIR / "run.json").is_file()
 
 
-def stopped_with(folder: Path, cfg: DictConfig) -> bool:
-    """Whether `folder` holds a training run of `cfg` that was stopped or crashed after its plan: one that
-    resume= continues (how the shared launcher goes on with a sweep run again in its folder)."""
+def run_of(folder: Path, cfg: DictConfig) -> str | None:
+    """What `folder` holds of a training run of `cfg` (as resume= compares them): "stopped" (stopped, or
+    crashed after its plan: resume= continues it), "finished", or None (no run, or one of another config).
+    How the shared launcher goes on with a sweep launched again into its folder."""
+    if not planned(folder) or _differences(folder, cfg):
+        return None
     results = Path(folder) / "results.json"
-    return planned(folder) and not _differences(folder, cfg) and \
-        (not results.is_file() or "interrupted" in json.loads(results.read_text()))
+    return "finished" if results.is_file() and "interrupted" not in json.loads(results.read_text()) else "stopped"
 
 
 def _differences(folder: Path, cfg: DictConfig) -> list[str]:

@@ -14,7 +14,8 @@ tracking, taken from the shared run's folder (files hard-linked), and its return
 member was given up (with its slot group) fails; the others complete. A shared run that fails before
 its plan is made (a declaration it refuses, a crash or hang measuring a member) leaves its jobs to run
 alone (the launcher, hydra_plugins/pipeline_launcher), so that again only the jobs at fault fail. A shared
-run that was stopped (or crashed once planned) resumes when the same jobs are launched into its sweep's folder.
+run that was stopped (or crashed once planned) resumes when the same jobs are launched into its sweep's folder,
+and one that finished writes their folders again.
 """
 from __future__ import annotations
 
@@ -156,12 +157,19 @@ def write_job(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared
     for old, new in run.members[number].items():
         for kind in ("checkpoints", TRACKING):
             if (shared_dir / kind / new).is_dir():
-                shutil.copytree(shared_dir / kind / new, job_dir / kind / old, copy_function=os.link,
+                shutil.copytree(shared_dir / kind / new, job_dir / kind / old, copy_function=_linked,
                                 dirs_exist_ok=True)
     _split_metrics(shared_dir / TRACKING / CSV_FILE, job_dir / TRACKING / CSV_FILE, run.own_names(number))
     write_json(job_dir / "results.json", results)
     write_report(results, job_dir)
     return results
+
+
+def _linked(source: str, target: str) -> None:
+    """`target` a hard link to `source`, unless it is one already (a job's folder written again from its
+    finished shared run)."""
+    if not (os.path.exists(target) and os.path.samefile(source, target)):
+        os.link(source, target)
 
 
 def _split_metrics(source: Path, target: Path, names: dict[str, str]) -> None:

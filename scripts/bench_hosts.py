@@ -166,7 +166,7 @@ def one_against_two(hosts: Hosts, address: str, args: argparse.Namespace, root: 
                              "trainer.consume_only=true"]
                 print(f"  {name} ...", end=" ", flush=True)
                 before, started = veth_sent(hosts), time.monotonic()
-                results = Driver(hosts, overrides, args.out / name).finish(args.timeout)
+                results = Driver(hosts, overrides, args.runs / name).finish(args.timeout)
                 sent = {host: count - before[host] for host, count in veth_sent(hosts).items()}
                 record = summarize(results, args.image_size)
                 images = record["train_images"] * record["epochs"]  # each image of each epoch, made once
@@ -191,7 +191,7 @@ def lost_host(hosts: Hosts, address: str, args: argparse.Namespace, root: Path) 
     overrides = [*base_overrides(address, 2, root, args.image_size), f"ensemble.models=[{models}]",
                  "scheduler=baseline", f"trainer.epochs={args.lost_epochs}", "topology=all_shared"]
     with agents(hosts, address, [1, 1], args.out) as started:
-        driver = Driver(hosts, overrides, args.out / "lost")
+        driver = Driver(hosts, overrides, args.runs / "lost")
         for m in "ABC":  # every model's first epoch done (and checkpointed, unless the kill comes first)
             driver.wait_for(rf"val accuracy {m} \S+ \(epoch 1\)", args.timeout)
         os.killpg(started[0].pid, signal.SIGKILL)
@@ -227,6 +227,8 @@ def main() -> None:
 
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.runs = args.out / time.strftime("runs-%Y%m%d-%H%M%S")  # the driver's run folders: new each time
+    args.runs.mkdir()
     root = args.cache.resolve()
     generate_imagefolder(root, 8, 128, seed=0)  # 8 x 128 images: 16 batches of 64 an epoch
     started = time.monotonic()

@@ -233,7 +233,8 @@ def test_sigterm_to_the_whole_process_group_stops_in_order(data, tmp_path):
 def test_a_stopped_shared_sweep_goes_on_when_its_jobs_are_launched_again_into_its_folder(data, tmp_path):
     """hydra/launcher=shared, 2 jobs as one run, Ctrl-C after epoch 1: the multirun exits 130, no traceback,
     nothing of the run left, and says how to go on. The same command again resumes the shared run from its
-    last finished epochs (it trains no first epoch again) and completes both jobs, each with all its epochs."""
+    last finished epochs (it trains no first epoch again) and completes both jobs, each with all its epochs;
+    once more, it writes their folders from the finished run and trains nothing."""
     sweep = tmp_path / "sweep"
     multirun = [sys.executable, "-m", "pipeline", "-m", *overrides(data, "trainer.epochs=4"), "hydra/launcher=shared",
                 "ensemble.models.0.optimizer.lr=0.1,0.05", f"hydra.sweep.dir={sweep}"]
@@ -253,10 +254,21 @@ def test_a_stopped_shared_sweep_goes_on_when_its_jobs_are_launched_again_into_it
     assert again.returncode == 0, output[-3000:]
     assert "jobs 0, 1 go on with their shared run" in output and "(epoch 1)" not in output, output[-3000:]
     assert "j0.densenet40_k8 leaves (reached trainer.epochs=4)" in output, output[-3000:]  # why, in its words
+    done = {}
     for number in (0, 1):
-        results = json.loads((sweep / str(number) / "results.json").read_text())
+        results = done[number] = json.loads((sweep / str(number) / "results.json").read_text())
         assert [(m["epochs"], len(m["val_accuracy"])) for m in results["models"]] == [(4, 4)] * 4
+        assert len(results["ensemble"]["val_accuracy"]) == 4  # the job's ensemble, epochs before the stop too
         assert results["objective"]["value"] == results["ensemble"]["kept"]["val_accuracy"]
+
+    # Once more: the shared run finished, so the jobs' folders are written from it again, nothing trained.
+    third = subprocess.run(multirun, cwd=REPO, capture_output=True, text=True, timeout=600)
+    output = third.stdout + third.stderr
+    assert third.returncode == 0, output[-3000:]
+    assert "jobs 0, 1: their shared run finished" in output and "(epoch" not in output, output[-3000:]
+    for number in (0, 1):
+        again = json.loads((sweep / str(number) / "results.json").read_text())
+        assert again["objective"] == done[number]["objective"] and again["models"] == done[number]["models"]
 
 
 def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):

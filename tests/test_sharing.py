@@ -100,8 +100,7 @@ def test_a_shared_run_that_fails_before_its_plan_leaves_each_job_to_run_alone(mo
     the real multirun test's trained failures do, by member). Failing every job of a batch for one
     member's crash before training, or running a batch again after it trained, fails."""
     from hydra_plugins.pipeline_launcher import shared_launcher
-    from pipeline.config import ExitCode, JobFailed
-    from pipeline.config import STATE_DIR
+    from pipeline.config import STATE_DIR, ExitCode, JobFailed
 
     def crashed(shared, folder):
         if planned:
@@ -125,59 +124,75 @@ def test_a_shared_run_that_fails_before_its_plan_leaves_each_job_to_run_alone(mo
         assert all(task == "the job's own run" for _, task in ran)
 
 
-def test_a_shared_run_resumes_only_where_the_same_jobs_stopped(tmp_path):
+def test_a_shared_run_goes_on_only_where_the_same_jobs_ran(tmp_path):
     """The launcher resumes a shared run whose folder holds a run of the same config that was stopped or
-    crashed after its plan (timeouts may differ, as for resume=). A finished run there, or a run of other
-    jobs, is not resumed."""
+    crashed after its plan (timeouts may differ, as for resume=), and splits one that finished again. A run
+    of other jobs there is neither."""
     import json
 
     from omegaconf import OmegaConf
 
     from pipeline.config import STATE_DIR
-    from pipeline.run import stopped_with
+    from pipeline.run import run_of
 
     def launched(*rates):
         return combine(numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate(rates)}))
 
     shared = launched(0.1, 0.05)
     folder = shared.folder(tmp_path)
-    assert not stopped_with(folder, shared.cfg)  # nothing there yet
+    assert run_of(folder, shared.cfg) is None  # nothing there yet
     (folder / STATE_DIR).mkdir(parents=True)
     (folder / STATE_DIR / "run.json").write_text(json.dumps(
         {"config": OmegaConf.to_container(shared.cfg, resolve=True, enum_to_str=True)}))
-    assert stopped_with(folder, shared.cfg)  # crashed: planned, no results
+    assert run_of(folder, shared.cfg) == "stopped"  # crashed: planned, no results
     (folder / "results.json").write_text(json.dumps({"interrupted": {"cause": "SIGINT"}}))
     again = launched(0.1, 0.05)
     with open_dict(again.cfg):
         again.cfg.timeouts.stop_s = 30
-    assert stopped_with(folder, again.cfg)
-    assert not stopped_with(folder, launched(0.1, 0.02).cfg)  # other jobs (Optuna's next trials, say)
+    assert run_of(folder, again.cfg) == "stopped"
+    assert run_of(folder, launched(0.1, 0.02).cfg) is None  # other jobs (Optuna's next trials, say)
     (folder / "results.json").write_text(json.dumps({"models": []}))
-    assert not stopped_with(folder, shared.cfg)  # finished
+    assert run_of(folder, shared.cfg) == "finished"
 
 
-def test_jobs_whose_shared_folder_holds_an_earlier_sweeps_run_fail_saying_so(monkeypatch, tmp_path):
-    """The sweep's folder holds a finished shared run of other jobs where this batch's would go: training
-    there would mix their checkpoints, and each job alone would mix with that run's jobs' folders, so every
-    job of the batch fails with the folder and the fix, and nothing trains."""
+def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypatch, tmp_path):
+    """Where an earlier sweep's runs are, training would mix their checkpoints with this one's. The sweep's
+    folder holds a finished shared run of other jobs where this batch's would go: every job fails, with the
+    folder and the fix, and nothing trains. Then only job 1's own folder holds an earlier run: job 1 fails,
+    jobs 0 and 2 share a run."""
     import json
 
     from hydra_plugins.pipeline_launcher import shared_launcher
-    from pipeline.config import STATE_DIR
+    from pipeline.config import STATE_DIR, ExitCode, JobFailed
 
-    jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05))})
-    earlier = combine(numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.2, 0.3))}))
-    folder = earlier.folder(tmp_path)
-    (folder / STATE_DIR).mkdir(parents=True)
-    (folder / STATE_DIR / "run.json").write_text(json.dumps({"config": {}}))
-    (folder / "results.json").write_text("{}")
-    launcher = shared_launcher.SharedLauncher()
-    launcher.task_function = "the job's own run"
-    ran = []
-    monkeypatch.setattr(shared_launcher, "_train", lambda shared, folder: pytest.fail("it trained"))
-    monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append((cfg.hydra.job.num, task)) or cfg)
-    launcher._share([0, 1], jobs, tmp_path)
-    assert [number for number, _ in ran] == [0, 1]
+    def launch(numbers):
+        jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05, 0.02))})
+        for cfg in jobs.values():
+            with open_dict(cfg):
+                cfg.hydra.sweep = {"dir": str(tmp_path), "subdir": str(cfg.hydra.job.num)}
+        launcher = shared_launcher.SharedLauncher()
+        launcher.task_function = "the job's own run"
+        ran, trained = [], []
+        monkeypatch.setattr(shared_launcher, "_train", lambda shared, folder: trained.append(sorted(shared.members))
+                            or JobFailed(ExitCode.crashed, "the shared run crashed"))
+        monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append((cfg.hydra.job.num, task)) or cfg)
+        launcher._share(numbers, jobs, tmp_path)
+        return ran, trained
+
+    earlier = tmp_path / "shared-0-2"
+    (earlier / STATE_DIR).mkdir(parents=True)
+    (earlier / STATE_DIR / "run.json").write_text(json.dumps({"config": {}}))
+    (earlier / "results.json").write_text("{}")
+    ran, trained = launch([0, 1, 2])
+    assert trained == [] and [number for number, _ in ran] == [0, 1, 2]
     for _, task in ran:
-        assert task.func is shared_launcher._job and task.args[1].why.startswith(
-            f"error: {folder} holds an earlier run (results.json, state): give this run a folder of its own")
+        assert task.func is shared_launcher._failed and task.args[0].why == (
+            f"error: {earlier} holds an earlier run (results.json, state): launch these jobs into a new "
+            "hydra.sweep.dir")
+    (earlier / "results.json").unlink()
+    (earlier / STATE_DIR / "run.json").unlink()
+    (earlier / STATE_DIR).rmdir()
+    (tmp_path / "1" / "checkpoints").mkdir(parents=True)
+    ran, trained = launch([0, 1, 2])
+    assert trained == [[0, 2]]
+    assert ran[0][0] == 1 and ran[0][1].args[0].why.startswith(f"error: {tmp_path / '1'} holds an earlier run")

@@ -7,6 +7,7 @@ launcher, which runs the jobs that cannot share one by one.
 dataclasses cannot resolve string annotations.)"""
 
 import functools
+import json
 import logging
 import sys
 import traceback
@@ -18,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, configure_log, env_override, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -60,33 +61,47 @@ class SharedLauncher(Launcher):
         member whose declaration the run's check refuses runs alone (so fails, saying why in its own names)
         and the others share again; any other user error, and any failure before the run's plan was made
         (a crash or hang measuring a member's rate, say), each job meets alone: only the jobs whose members
-        cause it fail."""
+        cause it fail. Launched again into the sweep's folder, the same jobs go on with their shared run
+        there: a stopped one resumes, a finished one is split again. Where the folders hold another run,
+        the jobs fail, saying so: a run there would mix its checkpoints with the earlier run's."""
         from pipeline import sharing
-        from pipeline.config import ConfigError, ExitCode, JobFailed, check_output_dir
-        from pipeline.run import planned, stopped_with
+        from pipeline.config import ExitCode, JobFailed, earlier_run
+        from pipeline.run import planned, run_of
         from pipeline.training.members import MemberError
 
         returns = {}
         while len(batch) > 1:
             shared = sharing.combine({number: jobs[number] for number in batch})
             folder = shared.folder(sweep_dir)
-            if stopped_with(folder, shared.cfg):  # the same jobs launched again into their sweep's folder
+            earlier = run_of(folder, shared.cfg)
+            numbers = ", ".join(map(str, batch))
+            if earlier == "finished":
+                log.info(f"jobs {numbers}: their shared run finished in {folder}; their folders are written from it")
+                return returns | self._split(batch, jobs, shared, json.loads((folder / "results.json").read_text()),
+                                             folder)
+            if earlier == "stopped":
                 with open_dict(shared.cfg):
                     shared.cfg.resume = str(folder)
-                log.info(f"jobs {', '.join(map(str, batch))} go on with their shared run, stopped in {folder}")
+                log.info(f"jobs {numbers} go on with their shared run, stopped in {folder}")
             else:
-                log.info(f"jobs {', '.join(map(str, batch))} train as one run in {folder}")
-            try:
-                check_output_dir(folder, fresh=not shared.cfg.resume)
-            except ConfigError as err:  # an earlier sweep's run: the jobs fail (alone, they would mix with its jobs')
-                return returns | self._split(batch, jobs, shared, JobFailed(ExitCode.user_error, f"error: {err}"),
-                                             folder)
+                # another run where this one or a job's folder would go: training would mix their checkpoints
+                refused = {number: folder for number in batch} if earlier_run(folder) else \
+                    {number: _job_dir(jobs[number]) for number in batch if earlier_run(_job_dir(jobs[number]))}
+                if refused:  # those jobs fail; the others share again
+                    for number, where in refused.items():
+                        failure = JobFailed(ExitCode.user_error, f"error: {where} holds an earlier run "
+                                            f"({earlier_run(where)}): launch these jobs into a new hydra.sweep.dir")
+                        returns[number] = self._run_job(jobs[number], functools.partial(_failed, failure))
+                    batch = [number for number in batch if number not in refused]
+                    continue
+                log.info(f"jobs {numbers} train as one run in {folder}")
             with env_override(sharing.env_set(jobs[batch[0]])):
                 outcome = _train(shared, folder)
             if isinstance(outcome, MemberError):
                 alone = shared.jobs_holding(outcome.member) or batch  # (a member of no job: never loop)
                 log.warning(f"jobs {', '.join(map(str, alone))} run alone: the shared run refused {outcome}")
-            elif isinstance(outcome, JobFailed) and (outcome.code == ExitCode.user_error or not planned(folder)):
+            elif isinstance(outcome, JobFailed) and not shared.cfg.resume and \
+                    (outcome.code == ExitCode.user_error or not planned(folder)):
                 alone = batch
                 how = "refused" if outcome.code == ExitCode.user_error else "failed before its plan was made"
                 log.warning(f"each job runs alone: the shared run {how} ({outcome.why})")
@@ -154,14 +169,23 @@ def _job(shared, outcome, number: int, folder: Path, cfg: DictConfig):
     from pipeline.config import JobFailed
 
     if isinstance(outcome, JobFailed):
-        print(outcome.why, file=sys.stderr)
-        raise outcome
+        _failed(outcome, cfg)
     results = sharing.write_job(outcome, shared, number, cfg, folder, Path(HydraConfig.get().runtime.output_dir))
     failure = sharing.job_failure(results)
     if failure:
-        print(failure.why, file=sys.stderr)
-        raise failure
+        _failed(failure, cfg)
     objective = results["objective"]
     print(f"job {number}: objective {objective['of']} {objective['metric']} = {objective['value']} "
           f"(its members trained in the shared run {folder})")
     return objective["value"]
+
+
+def _failed(failure, cfg: DictConfig):
+    """A job's task under run_job that fails as `failure` (a JobFailed) says, on stderr and to Hydra."""
+    print(failure.why, file=sys.stderr)
+    raise failure
+
+
+def _job_dir(cfg: DictConfig) -> Path:
+    """The folder Hydra's run_job gives the job."""
+    return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))

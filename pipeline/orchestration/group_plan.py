@@ -24,8 +24,8 @@ from pipeline.scheduler.cluster import RateTable
 from pipeline.scheduler.slot_groups import Candidate, Grouping, form_groups, group_name
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec
-from pipeline.training.trainer import KEPT_EPOCHS
 from pipeline.training.rates import Measurement, measure_rate_table, measure_side_by_side
+from pipeline.training.trainer import KEPT_EPOCHS
 
 
 @dataclass(frozen=True)
