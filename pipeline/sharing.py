@@ -167,9 +167,13 @@ def write_job(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared
 
 def _linked(source: str, target: str) -> None:
     """`target` a hard link to `source`, unless it is one already (a job's folder written again from its
-    finished shared run)."""
-    if not (os.path.exists(target) and os.path.samefile(source, target)):
-        os.link(source, target)
+    finished shared run); a file of another run there fails the job, saying so."""
+    if os.path.exists(target) and os.path.samefile(source, target):
+        return
+    if os.path.exists(target):
+        raise JobFailed(ExitCode.user_error, f"error: {target} is another run's: launch these jobs into a new "
+                                             "hydra.sweep.dir")
+    os.link(source, target)
 
 
 def _split_metrics(source: Path, target: Path, names: dict[str, str]) -> None:

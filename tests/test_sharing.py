@@ -196,3 +196,51 @@ def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypat
     ran, trained = launch([0, 1, 2])
     assert trained == [[0, 2]]
     assert ran[0][0] == 1 and ran[0][1].args[0].why.startswith(f"error: {tmp_path / '1'} holds an earlier run")
+
+
+def test_a_resumed_shared_run_that_refuses_a_member_fails_every_job(monkeypatch, tmp_path):
+    """Resumed (its folder holds the same jobs' stopped run), a shared run that now refuses a member's
+    declaration (the user's code changed, say) fails every job with it: alone, the jobs would start anew and
+    leave the stopped run behind."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.pipeline_launcher import shared_launcher
+    from pipeline.config import STATE_DIR
+    from pipeline.training.members import MemberError
+
+    jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05))})
+    shared = combine(jobs)
+    folder = shared.folder(tmp_path)
+    (folder / STATE_DIR).mkdir(parents=True)
+    (folder / STATE_DIR / "run.json").write_text(json.dumps(
+        {"config": OmegaConf.to_container(shared.cfg, resolve=True, enum_to_str=True)}))
+    launcher = shared_launcher.SharedLauncher()
+    launcher.task_function = "the job's own run"
+    ran = []
+    monkeypatch.setattr(shared_launcher, "_train", lambda shared, folder: MemberError(
+        "ensemble member j0.resnet10_w16: no module", "j0.resnet10_w16", "no module"))
+    monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append((cfg.hydra.job.num, task)) or cfg)
+    launcher._share([0, 1], jobs, tmp_path)
+    assert [number for number, _ in ran] == [0, 1]
+    for _, task in ran:
+        assert task.func is shared_launcher._job and task.args[1].why == \
+            "error: ensemble member j0.resnet10_w16: no module"
+
+
+def test_a_jobs_folder_is_written_again_from_the_same_files_and_never_over_another_runs(tmp_path):
+    """Splitting a finished shared run into its jobs' folders again links the files already linked; a file
+    of another run where a link would go fails the job, saying so, and stays as it was."""
+    from pipeline.config import JobFailed
+    from pipeline.sharing import _linked
+
+    source, target, other = tmp_path / "shared.pt", tmp_path / "job.pt", tmp_path / "earlier.pt"
+    source.write_text("this run's")
+    _linked(str(source), str(target))
+    _linked(str(source), str(target))  # again: the same file
+    assert target.samefile(source)
+    other.write_text("an earlier run's")
+    with pytest.raises(JobFailed, match=f"error: {other} is another run's: launch these jobs into a new"):
+        _linked(str(source), str(other))
+    assert other.read_text() == "an earlier run's"

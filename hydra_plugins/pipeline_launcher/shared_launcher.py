@@ -62,8 +62,9 @@ class SharedLauncher(Launcher):
         and the others share again; any other user error, and any failure before the run's plan was made
         (a crash or hang measuring a member's rate, say), each job meets alone: only the jobs whose members
         cause it fail. Launched again into the sweep's folder, the same jobs go on with their shared run
-        there: a stopped one resumes, a finished one is split again. Where the folders hold another run,
-        the jobs fail, saying so: a run there would mix its checkpoints with the earlier run's."""
+        there: a stopped one resumes (any error then fails every job: alone, they would start anew), a
+        finished one is split again. Where the folders hold another run, the jobs fail, saying so: a run
+        there would mix its checkpoints with the earlier run's."""
         from pipeline import sharing
         from pipeline.config import ExitCode, JobFailed, earlier_run
         from pipeline.run import planned, run_of
@@ -97,6 +98,8 @@ class SharedLauncher(Launcher):
                 log.info(f"jobs {numbers} train as one run in {folder}")
             with env_override(sharing.env_set(jobs[batch[0]])):
                 outcome = _train(shared, folder)
+            if shared.cfg.resume and isinstance(outcome, MemberError):
+                outcome = JobFailed(ExitCode.user_error, f"error: {outcome}")
             if isinstance(outcome, MemberError):
                 alone = shared.jobs_holding(outcome.member) or batch  # (a member of no job: never loop)
                 log.warning(f"jobs {', '.join(map(str, alone))} run alone: the shared run refused {outcome}")
@@ -170,7 +173,10 @@ def _job(shared, outcome, number: int, folder: Path, cfg: DictConfig):
 
     if isinstance(outcome, JobFailed):
         _failed(outcome, cfg)
-    results = sharing.write_job(outcome, shared, number, cfg, folder, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        results = sharing.write_job(outcome, shared, number, cfg, folder, Path(HydraConfig.get().runtime.output_dir))
+    except JobFailed as failure:  # another run's files in the job's folder
+        _failed(failure, cfg)
     failure = sharing.job_failure(results)
     if failure:
         _failed(failure, cfg)
@@ -187,5 +193,6 @@ def _failed(failure, cfg: DictConfig):
 
 
 def _job_dir(cfg: DictConfig) -> Path:
-    """The folder Hydra's run_job gives the job."""
+    """The folder Hydra's run_job gives the job. (A subdir read through the `hydra:` resolver resolves only in
+    run_job: this names no folder then, and a file of another run there fails the job as it is written.)"""
     return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
