@@ -14,7 +14,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import psutil
 from hydra.utils import to_absolute_path
@@ -175,7 +175,7 @@ def planned(folder: Path) -> bool:
     return (Path(folder) / STATE_DIR / "run.json").is_file()
 
 
-def run_of(folder: Path, cfg: DictConfig) -> str | None:
+def run_of(folder: Path, cfg: DictConfig) -> Literal["stopped", "finished"] | None:
     """What `folder` holds of a training run of `cfg` (as resume= compares them): "stopped" (stopped, or
     crashed after its plan: resume= continues it), "finished", or None (no run, or one of another config).
     How the shared launcher goes on with a sweep launched again into its folder."""

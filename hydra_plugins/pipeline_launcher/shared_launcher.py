@@ -86,12 +86,13 @@ class SharedLauncher(Launcher):
                 log.info(f"jobs {numbers} go on with their shared run, stopped in {folder}")
             else:
                 # another run where this one or a job's folder would go: training would mix their checkpoints
-                refused = {number: folder for number in batch} if earlier_run(folder) else \
-                    {number: _job_dir(jobs[number]) for number in batch if earlier_run(_job_dir(jobs[number]))}
+                where = dict.fromkeys(batch, folder) if earlier_run(folder) else \
+                    {number: _job_dir(jobs[number]) for number in batch}
+                refused = {number: JobFailed(ExitCode.user_error, f"error: {where[number]} holds an earlier run "
+                                             f"({held}): launch these jobs into a new hydra.sweep.dir")
+                           for number in batch if (held := earlier_run(where[number]))}
                 if refused:  # those jobs fail; the others share again
-                    for number, where in refused.items():
-                        failure = JobFailed(ExitCode.user_error, f"error: {where} holds an earlier run "
-                                            f"({earlier_run(where)}): launch these jobs into a new hydra.sweep.dir")
+                    for number, failure in refused.items():
                         returns[number] = self._run_job(jobs[number], functools.partial(_failed, failure))
                     batch = [number for number in batch if number not in refused]
                     continue
