@@ -6,6 +6,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from pipeline.config import ConfigError, check_output_dir, exit_on_user_error
+from pipeline.report.sweep import sweep_dir
 
 
 class CheckOutputDir(Callback):
@@ -17,7 +18,7 @@ class CheckOutputDir(Callback):
         _exit_on_error(Path(config.hydra.run.dir), fresh=not config.get("resume"))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(Path(config.hydra.sweep.dir), fresh=False)
+        _exit_on_error(sweep_dir(config), fresh=False)
 
 
 def _exit_on_error(path: Path, fresh: bool) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -284,14 +284,19 @@ def test_occupancy_of_a_queue_never_sampled_twice_is_unknown():
 
 def fake_job(sweep: Path, number: int, overrides: list[str], results: dict | None) -> None:
     job = sweep / str(number)
-    (job / ".hydra").mkdir(parents=True)
-    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    job.mkdir(parents=True)
+    (job / JOB_FILE).write_text(json.dumps({"overrides": overrides, "status": "completed" if results else "running"}))
     if results is not None:
         (job / "results.json").write_text(json.dumps(results))
 
 
+def multirun_config(sweep: Path) -> DictConfig:
+    """What of a multirun's config the summary reads at its end."""
+    return OmegaConf.create({"hydra": {"sweep": {"dir": sweep.name}, "runtime": {"cwd": str(sweep.parent)}}})
+
+
 def test_sweep_callback_compares_jobs_side_by_side(tmp_path, caplog):
-    sweep = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    sweep = multirun_config(tmp_path)
     fake_job(tmp_path, 0, ["+ensemble=caltech256", "cluster.workers=2"], input_bound())
     with caplog.at_level(logging.INFO):  # Hydra's level: matplotlib's notes would reach the console
         SweepSummary().on_multirun_end(sweep)  # (as after the first job: it is labelled by its folder, "0")
@@ -315,7 +320,7 @@ def test_sweep_callback_compares_jobs_side_by_side(tmp_path, caplog):
 def test_sweep_lists_a_job_without_results(tmp_path):
     fake_job(tmp_path, 0, ["topology=a"], input_bound())
     fake_job(tmp_path, 1, ["topology=b"], None)
-    SweepSummary().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    SweepSummary().on_multirun_end(multirun_config(tmp_path))
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert rows[1]["images_per_s"] == "" and rows[1]["verdict"].startswith("no results.json (the job is running")
 
@@ -345,20 +350,25 @@ main()
 
 def test_sweep_callback_records_each_job_of_a_real_hydra_multirun_failed_or_not(tmp_path):
     """Hydra's basic sweeper runs the batch, then raises the first failure: the multirun never ends, so
-    the summary is written as each job ends. Fails if job.json records a failure as completed (or its
-    error as something else), or if the summary waits for the multirun's end."""
+    the summary is written as each job ends. The jobs run in their own folders (hydra.job.chdir=true), the
+    sweep's folder named from where the command ran, and without Hydra's .hydra files
+    (hydra.output_subdir=null). Fails if job.json records a failure as completed (or its error as something
+    else), if the summary waits for the multirun's end, or if it looks for the sweep's folder, or a job's
+    overrides, anywhere else."""
     (tmp_path / "results.json").write_text(json.dumps(input_bound()))
     (tmp_path / "app.py").write_text(HYDRA_APP)
-    sweep = tmp_path / "sweep"
     multirun = subprocess.run([sys.executable, str(tmp_path / "app.py"), "-m", "+rate=100,-1,150",
-                               f"hydra.sweep.dir={sweep}",
+                               "hydra.sweep.dir=sweep", "hydra.job.chdir=true", "hydra.output_subdir=null",
                                "+hydra.callbacks.sweep_summary._target_=pipeline.report.sweep.SweepSummary"],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert multirun.returncode == 1 and "no negative rates" in multirun.stderr
+    assert "Callback" not in multirun.stderr, multirun.stderr  # Hydra's warning: a callback raised
+    sweep = tmp_path / "sweep"
+    assert not list(sweep.rglob(".hydra"))
     outcomes = [json.loads((sweep / str(job) / JOB_FILE).read_text()) for job in range(3)]
-    assert outcomes == [{"status": "completed", "objective": 0.1},
-                        {"status": "failed", "error": "ValueError: no negative rates"},
-                        {"status": "completed", "objective": 0.15}]
+    assert outcomes == [{"overrides": ["+rate=100"], "status": "completed", "objective": 0.1},
+                        {"overrides": ["+rate=-1"], "status": "failed", "error": "ValueError: no negative rates"},
+                        {"overrides": ["+rate=150"], "status": "completed", "objective": 0.15}]
     rows = list(csv.DictReader((sweep / "sweep.csv").open()))
     assert [(r["overrides"], r["images_per_s"], r["objective"]) for r in rows] == [
         ("+rate=100", "100", "0.1"), ("+rate=-1", "", ""), ("+rate=150", "150", "0.15")]

@@ -3,22 +3,24 @@ of that run. The launcher itself, a real multirun: tests/test_sweeps.py."""
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from pipeline.config import expand_ensemble
 from pipeline.sharing import batches, combine, job_results
-from tests.conftest import compose_config
+from tests.conftest import CONF_DIR, compose_config
 
 
 def job(*overrides: str):
-    return compose_config(["+ensemble=caltech256", *overrides])
+    """A job's config as the launcher has it: with its `hydra` node."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=["+ensemble=caltech256", *overrides], return_hydra_config=True)
 
 
 def numbered(jobs: dict) -> dict:
-    """The jobs as a launcher has them: each with its own `hydra` node (its number there, at least)."""
+    """The jobs numbered, as the launcher numbers them."""
     for number, cfg in jobs.items():
-        with open_dict(cfg):
-            cfg.hydra = {"job": {"num": number}}
+        cfg.hydra.job.num = number
     return jobs
 
 
@@ -81,7 +83,8 @@ def test_a_jobs_results_name_its_members_as_it_does_and_leave_the_other_jobs_out
     rates = {"j0.resnet10_w16": [10.0], "j1.resnet10_w16": [11.0], "group0": [5.0]}
     shared = {"models": models, "parts": {"0": part, "1": part}, "ensemble": part, "rates": rates,
               "peak_allocated_bytes": {name: 2**20 * (i + 1) for i, name in enumerate(alone + packed)}}
-    results = job_results(shared, run, 1, jobs[1], Path("/sweep/shared-0-1"))
+    task_cfg = compose_config(["+ensemble=caltech256", "ensemble.models.0.optimizer.lr=0.01"])  # as run_job gives it
+    results = job_results(shared, run, 1, task_cfg, Path("/sweep/shared-0-1"))
     assert {m["name"]: m["group"] for m in results["models"]} == {
         "resnet10_w16": "j1.resnet10_w16", "resnet10_w24": "group0", "densenet40_k12": "group0",
         "densenet40_k8": "group0"}
@@ -168,8 +171,7 @@ def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypat
     def launch(numbers):
         jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05, 0.02))})
         for cfg in jobs.values():
-            with open_dict(cfg):
-                cfg.hydra.sweep = {"dir": str(tmp_path), "subdir": str(cfg.hydra.job.num)}
+            cfg.hydra.sweep.dir = str(tmp_path)
         launcher = shared_launcher.SharedLauncher()
         launcher.task_function = "the job's own run"
         ran, trained = [], []
@@ -244,3 +246,19 @@ def test_a_jobs_folder_is_written_again_from_the_same_files_and_never_over_anoth
     with pytest.raises(JobFailed, match=f"error: {other} is another run's: launch these jobs into a new"):
         _linked(str(source), str(other))
     assert other.read_text() == "an earlier run's"
+
+
+def test_the_launcher_finds_a_jobs_folder_where_hydra_puts_it(tmp_path):
+    """The folder whose earlier run the launcher looks for is the one Hydra's run_job writes the job to: a
+    subdir may read the job's own Hydra config through Hydra's resolver, and a relative sweep folder is
+    named from where the command ran (not from where a job runs: hydra.job.chdir=true)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydra_plugins.pipeline_launcher.shared_launcher import _job_dir
+
+    cfg = numbered({3: job()})[3]
+    cfg.hydra.sweep.dir = "multirun"
+    cfg.hydra.sweep.subdir = "trial_${hydra:job.num}"
+    cfg.hydra.runtime.cwd = str(tmp_path)
+    assert _job_dir(cfg) == tmp_path / "multirun" / "trial_3"
+    assert not HydraConfig.initialized()  # as it was

@@ -4,6 +4,7 @@ submitit's (a process per job, as on Slurm; its local executor here), the projec
 launcher (jobs as one run) and the Optuna sweeper, which optimises the objective each job returns."""
 import csv
 import json
+import os
 import subprocess
 import sys
 
@@ -18,18 +19,22 @@ pytestmark = pytest.mark.slow
 
 
 def multirun(tmp_path, *overrides: str) -> tuple[subprocess.Popen, str, str]:
-    """The default ensemble, small: 4 models, one epoch on 3 classes of 12 images."""
+    """The default ensemble, small: 4 models, one epoch on 3 classes of 12 images; the sweep's folder
+    tmp_path/multirun, named as users name it, from where the command runs."""
     command = [sys.executable, "-m", "pipeline", "-m", "+ensemble=caltech256", f"dataset.root={tmp_path / 'data'}",
                "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",
                "pipeline.image_size=32", "pipeline.alt_image_size=24", "trainer.epochs=1",
-               f"hydra.sweep.dir={tmp_path / 'multirun'}", *overrides]
+               f"hydra.sweep.dir={os.path.relpath(tmp_path / 'multirun', REPO)}", *overrides]
     job = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout, stderr = job.communicate(timeout=600)  # Popen, not run: the rings are named by the job's pid
     return job, stdout, stderr
 
 
 def outcome(job_folder) -> dict:
-    return json.loads((job_folder / JOB_FILE).read_text())
+    """How the job ended, as its job.json says (its overrides left out)."""
+    record = json.loads((job_folder / JOB_FILE).read_text())
+    del record["overrides"]
+    return record
 
 
 def test_basic_launcher_runs_each_job_with_its_own_cluster_and_a_failed_job_fails_the_multirun(tmp_path):
@@ -103,13 +108,14 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
     trains (scheduler.max_failures=0): they fail, and so does the multirun; jobs 0 and 3 complete, each
     with the folder Hydra's basic launcher gives a job (its overrides, results, report, checkpoints and
     tracking, under its members' own names) and its objective, its ensemble judged on its 4 members alone.
-    Mistakes it catches: a job's ensemble taken as the shared run's, the members every job shares trained
-    again, one job's bad declaration or failed member failing every job, a job folder that lacks its
-    members' files."""
+    The jobs run in their folders (hydra.job.chdir=true). Mistakes it catches: a job's ensemble taken as
+    the shared run's, the members every job shares trained again, one job's bad declaration or failed
+    member failing every job, a job folder that lacks its members' files (the shared run's folder named
+    from where a job runs)."""
     job, stdout, stderr = multirun(
         tmp_path, "hydra/launcher=shared", "ensemble.models.0.optimizer.lr=0.1,0.05",
         "ensemble.models.1.model._target_=pipeline.training.models.resnet,tests.failing_model.FailsWhereItTrains,"
-        "tests.failing_model.NoSuchModel", "scheduler.max_failures=0", "trainer.slots=auto")
+        "tests.failing_model.NoSuchModel", "scheduler.max_failures=0", "trainer.slots=auto", "hydra.job.chdir=true")
     assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
     assert "jobs 2, 5 run alone: the shared run refused ensemble member j2.resnet10_w24" in stdout + stderr
     assert stdout.count("SYNTHETIC stand-in") == 1 and "jobs 0, 1, 3, 4 train as one run" in stdout

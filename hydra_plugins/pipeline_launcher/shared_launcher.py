@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, configure_log, env_override, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,12 @@ class SharedLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from pipeline import sharing
+        from pipeline.report.sweep import sweep_dir
 
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        sweep_dir = Path(str(self.config.hydra.sweep.dir))
-        sweep_dir.mkdir(parents=True, exist_ok=True)
+        sweep = sweep_dir(self.config)
+        sweep.mkdir(parents=True, exist_ok=True)
         jobs = {}
         for number, overrides in enumerate(job_overrides, initial_job_idx):
             log.info(f"\t#{number} : {' '.join(filter_overrides(overrides))}")
@@ -53,7 +54,7 @@ class SharedLauncher(Launcher):
             jobs[number] = cfg
         returns = {}
         for batch in sharing.batches(jobs):
-            returns.update(self._share(batch, jobs, sweep_dir))
+            returns.update(self._share(batch, jobs, sweep))
         return [returns[number] for number in sorted(returns)]
 
     def _share(self, batch: list, jobs: dict, sweep_dir: Path) -> dict:
@@ -194,6 +195,13 @@ def _failed(failure, cfg: DictConfig):
 
 
 def _job_dir(cfg: DictConfig) -> Path:
-    """The folder Hydra's run_job gives the job. (A subdir read through the `hydra:` resolver resolves only in
-    run_job: this names no folder then, and a file of another run there fails the job as it is written.)"""
-    return Path(str(OmegaConf.select(cfg, "hydra.sweep.dir"))) / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+    """The folder Hydra's run_job gives the job, found as run_job finds it: with the job's Hydra config set,
+    which a subdir may read (`${hydra:job.num}`)."""
+    from pipeline.report.sweep import sweep_dir
+
+    held = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        return sweep_dir(cfg) / str(cfg.hydra.sweep.subdir)
+    finally:
+        HydraConfig.instance().cfg = held

@@ -1,5 +1,6 @@
-"""Sweep summary for Hydra multiruns: a callback that records how each job ended
-(job.json in its folder: completed with its objective, or failed and why) and
+"""Sweep summary for Hydra multiruns: a callback that records each job's overrides
+and how it ended (job.json in its folder: running, completed with its objective,
+or failed and why) and
 compares the jobs side by side in sweep.html (self-contained) and sweep.csv,
 written again as each job ends (so a sweep that stops at a failed batch keeps
 one) and once every job is done."""
@@ -15,7 +16,6 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -27,7 +27,8 @@ from pipeline.report.analysis import analyse
 from pipeline.report.build import CSS
 from pipeline.runtime.files import write_whole
 
-JOB_FILE = "job.json"  # in a job's folder: {"status": "completed" | "failed", "objective": ..., "error": ...}
+# in a job's folder: {"overrides": [...], "status": "running" | "completed" | "failed", "objective": ..., "error": ...}
+JOB_FILE = "job.json"
 
 # column -> (title, unit) of the metrics compared across jobs
 METRICS = {
@@ -41,16 +42,34 @@ METRICS = {
 
 
 class SweepSummary(Callback):
+    """In the job's own process, whatever the launcher: its job.json as it starts and as it ends."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            _record(config, {"status": "running"})
+
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        """In the job's own process, whatever the launcher."""
         if config.hydra.mode != RunMode.MULTIRUN:
             return
-        write_whole(Path(config.hydra.runtime.output_dir) / JOB_FILE, json.dumps(job_outcome(job_return)))
-        write_sweep_summary(Path(config.hydra.sweep.dir))
+        _record(config, job_outcome(job_return))
+        write_sweep_summary(sweep_dir(config))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        html_path, csv_path = write_sweep_summary(Path(config.hydra.sweep.dir))
+        html_path, csv_path = write_sweep_summary(sweep_dir(config))
         print(f"sweep summary: {html_path}  {csv_path}")
+
+
+def sweep_dir(config: DictConfig) -> Path:
+    """A multirun's folder (hydra.sweep.dir), absolute: where the jobs run in folders of their own
+    (hydra.job.chdir=true), a relative one would name a folder inside each job's."""
+    return Path(config.hydra.runtime.cwd, str(config.hydra.sweep.dir))
+
+
+def _record(config: DictConfig, outcome: dict) -> None:
+    """The job's job.json: its overrides (Hydra's own copy, .hydra/, may be off: hydra.output_subdir=null)
+    and `outcome`."""
+    record = {"overrides": list(config.hydra.overrides.task), **outcome}
+    write_whole(Path(config.hydra.runtime.output_dir) / JOB_FILE, json.dumps(record))
 
 
 def job_outcome(job_return: JobReturn) -> dict:
@@ -88,16 +107,16 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
-    """Every job folder (Hydra leaves .hydra/overrides.yaml in each), in job order."""
-    folders = sorted((p.parent.parent for p in sweep_dir.rglob(".hydra/overrides.yaml")), key=_job_order)
-    overrides = {folder: list(yaml.safe_load((folder / ".hydra/overrides.yaml").read_text()) or [])
-                 for folder in folders}
-    common = common_overrides(list(overrides.values()))
+    """Every job folder (each has its job.json from the job's start), in job order."""
+    records = {path.parent: json.loads(path.read_text()) for path in sweep_dir.rglob(JOB_FILE)}
+    folders = sorted(records, key=_job_order)
+    common = common_overrides([records[folder]["overrides"] for folder in folders])
     jobs = []
     for folder in folders:
-        label = ", ".join(o for o in overrides[folder] if o not in common) or str(folder.relative_to(sweep_dir))
-        metrics, verdict = _job_metrics(folder)
-        jobs.append(Job(str(folder.relative_to(sweep_dir)), overrides[folder], label, metrics, verdict))
+        overrides = records[folder]["overrides"]
+        label = ", ".join(o for o in overrides if o not in common) or str(folder.relative_to(sweep_dir))
+        metrics, verdict = _job_metrics(folder, records[folder])
+        jobs.append(Job(str(folder.relative_to(sweep_dir)), overrides, label, metrics, verdict))
     return jobs
 
 
@@ -106,10 +125,9 @@ def _job_order(folder: Path) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in folder.parts)
 
 
-def _job_metrics(folder: Path) -> tuple[dict[str, float | None], str]:
+def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], str]:
     """The job's measurements and its verdict: the report's bound, or why it has none."""
-    outcome = json.loads((folder / JOB_FILE).read_text()) if (folder / JOB_FILE).is_file() else None
-    failed = f"failed: {outcome['error']}" if outcome and outcome["status"] == "failed" else None
+    failed = f"failed: {record['error']}" if record["status"] == "failed" else None
     if not (folder / "results.json").is_file():
         return dict.fromkeys(METRICS), failed or "no results.json (the job is running, or was killed)"
     results = json.loads((folder / "results.json").read_text())
