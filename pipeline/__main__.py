@@ -39,7 +39,7 @@ register()
 atexit.register(gc.freeze)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     with StopSignals() as stop:

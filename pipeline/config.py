@@ -1,7 +1,7 @@
 """Config schema: the structured config every run is checked against, and the
 few checks a type cannot express.
 
-Stored in Hydra's ConfigStore as `schema` and named first in conf/config.yaml's
+Stored in Hydra's ConfigStore as `schema` and named first in pipeline/conf/config.yaml's
 defaults, so a misspelt key, a wrong type or a value outside an Enum fails at
 composition with the key's full name and the allowed values. `check` runs
 once before a run starts and covers the rest (ranges, `auto` or a count).
@@ -226,9 +226,9 @@ class MemberConf:
 @dataclass
 class EnsembleConf:
     models: List[MemberConf] = field(default_factory=list)  # the ensemble's members
-    optimizer: Any = None  # every member's, unless its own says otherwise: conf/optimizer/ (sgd by default)
-    lr_scheduler: Any = None  # stepped after every training step: conf/lr_scheduler/ (cosine by default)
-    loss: Any = None  # conf/loss/ (cross_entropy by default)
+    optimizer: Any = None  # every member's, unless its own says otherwise: pipeline/conf/optimizer/ (sgd by default)
+    lr_scheduler: Any = None  # stepped after every training step: pipeline/conf/lr_scheduler/ (cosine by default)
+    loss: Any = None  # pipeline/conf/loss/ (cross_entropy by default)
     grid: Dict[str, Any] = field(default_factory=dict)  # member keys -> lists of values, e.g.
     # {optimizer: {lr: [0.1, 0.01]}}: every member that has the keys trains once per combination
 
@@ -356,12 +356,14 @@ def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:
     """The ensemble's members, each with the ensemble's optimizer, lr_scheduler and loss under its own keys,
     and once per combination of ensemble.grid's values that it has."""
     if not ensemble.models:
-        raise ConfigError("no ensemble chosen: add +ensemble=caltech256 (or another file in conf/ensemble/)")
+        raise ConfigError("no ensemble chosen: add +ensemble=caltech256 (pipeline/conf/ensemble/ has the shipped ones; "
+                          "your own: --config-dir <folder> with <folder>/ensemble/<name>.yaml, +ensemble=<name>)")
     shared = {key: OmegaConf.to_container(ensemble[key], resolve=True) if isinstance(ensemble[key], DictConfig)
               else ensemble[key] for key in MEMBER_DEFAULTS}
     for key, default in shared.items():
         if not isinstance(default, dict) or "_target_" not in default:
-            raise ConfigError(f"ensemble.{key}={default!r}: give a dict with a _target_ (conf/{key}/ has presets)")
+            raise ConfigError(f"ensemble.{key}={default!r}: give a dict with a _target_ "
+                              f"(pipeline/conf/{key}/ has presets)")
     grid = _grid_leaves(OmegaConf.to_container(ensemble.grid, resolve=True), "ensemble.grid")
     found = set()
     models = []

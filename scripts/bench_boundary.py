@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from pipeline.training.group import GroupSpec, GroupStep, Precision, to_host
 from pipeline.training.members import with_defaults
 
-PAPER = Path(__file__).resolve().parents[1] / "conf" / "ensemble" / "caltech256_paper.yaml"
+PAPER = Path(__file__).resolve().parents[1] / "pipeline" / "conf" / "ensemble" / "caltech256_paper.yaml"
 
 
 def families(narrow: int) -> dict[str, dict]:

@@ -50,7 +50,8 @@ def _default_run():
     from pipeline.config import expand_ensemble, register
 
     register()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    conf = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+ensemble=caltech256"])
     sizes = {"main": cfg.pipeline.image_size, "alt": cfg.pipeline.alt_image_size}
     return expand_ensemble(cfg.ensemble, cfg.seed), sizes, cfg.pipeline.batch_size, cfg.trainer.threads, \

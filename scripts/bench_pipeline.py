@@ -47,7 +47,7 @@ from stages.base import Batch, BatchContext, Split
 # Dask, torch and DALI are imported where they are used: spawned processes
 # (consumers, DataLoader workers) re-import this script and need none of them.
 
-SCALE = (0.25, 1.0)  # area fraction of the random crop, as in conf/pipeline/two_branches.yaml
+SCALE = (0.25, 1.0)  # area fraction of the random crop, as in pipeline/conf/pipeline/two_branches.yaml
 RATIO = (3 / 4, 4 / 3)  # aspect ratio range of the crop (the stage's default)
 BATCH_SIZE = 64
 WORKERS = 2  # Dask workers (1 thread each), DALI threads, DataLoader workers
@@ -78,7 +78,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def stage_config(root: Path, size: int, cache_gb: float = 0) -> dict:
-    """conf/pipeline/two_branches.yaml with one augment branch and one sink, its cache off unless
+    """pipeline/conf/pipeline/two_branches.yaml with one augment branch and one sink, its cache off unless
     `cache_gb`; every file is a training file so that all contenders read the same ones."""
     return {
         "read": {"_target_": "stages.read.ImageFolder", "root": str(root), "batch_size": BATCH_SIZE,

@@ -59,7 +59,7 @@ from stages.augment import RandomResizedCropFlip
 from stages.base import Batch, BatchContext, Split
 from stages.decode import Decode
 
-SCALE = (0.25, 1.0)  # area fraction of the random crop, as in conf/pipeline/two_branches.yaml
+SCALE = (0.25, 1.0)  # area fraction of the random crop, as in pipeline/conf/pipeline/two_branches.yaml
 BATCH_SIZE = 64  # images per stage call, as the pipeline's batches
 DCT_SCALES = [Fraction(n, 8) for n in range(1, 9)]  # libjpeg-turbo's reductions a decoder may pick, smallest first
 

@@ -42,7 +42,7 @@ SHARED = TOPOLOGIES[:3]
 SHARING_TARGET = 1.15  # (a) at most: CPU-s per epoch of the 8-model ensemble over one model's
 FANOUT_TARGET = 0.90  # (b) at least: each of 8 same-node consumers' rate over a single consumer's
 ONE_CORE_TARGET = 5.0  # (c) at least: duplicated epoch time over a shared topology's
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "conf"
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,7 +80,7 @@ def compose(overrides: list[str]):
 
     from pipeline.config import register
 
-    register()  # the `schema` node conf/config.yaml names first
+    register()  # the `schema` node pipeline/conf/config.yaml names first
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from pipeline.config import register
 from pipeline.data.synthetic import generate_imagefolder, write_bad_files
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "pipeline" / "conf")
 register()
 
 

@@ -76,7 +76,8 @@ def test_a_grid_expands_every_member_that_has_its_keys():
     ("+ensemble.grid.optimizer.lr=0.1", "ensemble.grid.optimizer.lr=0.1: give a list of values"),
     ("ensemble.models.0.model=resnet", "ensemble.models[0] (resnet10_w16).model='resnet': give a dict with a "
                                        "_target_"),
-    ("ensemble.optimizer=null", "ensemble.optimizer=None: give a dict with a _target_ (conf/optimizer/ has presets)"),
+    ("ensemble.optimizer=null", "ensemble.optimizer=None: give a dict with a _target_ (pipeline/conf/optimizer/ has "
+                                "presets)"),
 ])
 def test_a_declaration_the_schema_lets_through_is_one_config_error(override, message):
     with pytest.raises(ConfigError) as err:

@@ -87,7 +87,7 @@ def test_a_declaration_that_cannot_train_is_one_error_naming_the_member_and_key(
 @pytest.mark.parametrize("preset", sorted(f"{p.parent.name}/{p.stem}" for key in ("optimizer", "lr_scheduler", "loss")
                                            for p in (CONF / key).glob("*.yaml")))
 def test_every_shipped_preset_builds(preset):
-    """Each file of conf/optimizer, conf/lr_scheduler and conf/loss, as a member's whole config for its key,
+    """Each file of pipeline/conf/optimizer, lr_scheduler and loss, as a member's whole config for its key,
     passes the dry build (a preset no test builds could ship broken)."""
     from omegaconf import OmegaConf
 

@@ -1,7 +1,7 @@
 """An ensemble member as the user declares it, and what it builds.
 
 A member names its module, optimiser, learning-rate schedule and loss as Hydra
-`_target_` configs (conf/ensemble/, docs/configuration.md). The project calls
+`_target_` configs (pipeline/conf/ensemble/, docs/configuration.md). The project calls
 each with what only it knows:
 
 - model: `num_classes=` the dataset's class count, unless the config sets it,
@@ -44,7 +44,7 @@ HFTA_OPTIMIZER = "torch.optim.SGD"
 HFTA_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
 COSINE = "pipeline.training.members.cosine"
 CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
-CONF = Path(__file__).resolve().parents[2] / "conf"  # the shipped config tree: its presets are the defaults
+CONF = Path(__file__).resolve().parents[1] / "conf"  # the shipped config tree: its presets are the defaults
 
 
 class MemberError(UserError):
@@ -112,7 +112,7 @@ class ModelSpec:
 
 def with_defaults(name: str, model: dict, input: str = "main", seed: int = 0, slots: int = 1,
                   **optimizer) -> ModelSpec:
-    """A member as an ensemble file declares one with the shipped defaults (conf/config.yaml's: SGD,
+    """A member as an ensemble file declares one with the shipped defaults (pipeline/conf/config.yaml's: SGD,
     cosine, cross-entropy), `optimizer`'s keys over SGD's: how scripts and tests declare members in code."""
     from omegaconf import OmegaConf
 
