@@ -49,10 +49,13 @@ def test_the_installed_wheel_runs_the_command_with_a_users_own_ensemble(tmp_path
     user = tmp_path / "user"
     user.mkdir()
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    where = subprocess.run([sys.executable, "-c", "import pipeline, stages; print(pipeline.__file__, stages.__file__)"],
+    modules = ("pipeline", "stages", "hydra_plugins.pipeline_launcher.shared_launcher")
+    where = subprocess.run([sys.executable, "-c", "import importlib, sys\nfor name in sys.argv[1:]: "
+                            "print(importlib.import_module(name).__file__)", *modules],
                            cwd=user, env=env, capture_output=True, text=True, timeout=60, check=True)
-    assert where.stdout.split() == [str(tmp_path / "site" / "pipeline" / "__init__.py"),
-                                    str(tmp_path / "site" / "stages" / "__init__.py")]
+    site = tmp_path / "site"
+    assert where.stdout.split() == [str(site / "pipeline" / "__init__.py"), str(site / "stages" / "__init__.py"),
+                                    str(site / "hydra_plugins" / "pipeline_launcher" / "shared_launcher.py")]
     run = subprocess.run(
         [sys.executable, "-m", "pipeline", "--config-dir", str(tmp_path / "mine"), "+ensemble=mine",
          "dataset.synthetic_classes=3", "dataset.synthetic_images_per_class=12", "pipeline.batch_size=16",

@@ -260,5 +260,7 @@ def test_the_launcher_finds_a_jobs_folder_where_hydra_puts_it(tmp_path):
     cfg.hydra.sweep.dir = "multirun"
     cfg.hydra.sweep.subdir = "trial_${hydra:job.num}"
     cfg.hydra.runtime.cwd = str(tmp_path)
+    held = HydraConfig.instance().cfg = "the launcher's own"
     assert _job_dir(cfg) == tmp_path / "multirun" / "trial_3"
-    assert not HydraConfig.initialized()  # as it was
+    assert HydraConfig.instance().cfg is held  # as it was
+    HydraConfig.instance().cfg = None

@@ -1,7 +1,7 @@
 """`hydra/launcher=shared`: a sweep's jobs that differ only in `ensemble` and `objective` train as one
 run, one preprocessing pipeline feeding all their members (pipeline/sharing.py says how). Every job
-still gets its own folder, its .hydra files, its callbacks and its JobReturn, as under Hydra's basic
-launcher, which runs the jobs that cannot share one by one.
+still gets its own folder (with its .hydra files, unless hydra.output_subdir=null), its callbacks and its
+JobReturn, as under Hydra's basic launcher, which runs the jobs that cannot share one by one.
 
 (No `from __future__ import annotations`: Hydra imports plugin modules outside sys.modules, where
 dataclasses cannot resolve string annotations.)"""
@@ -196,7 +196,8 @@ def _failed(failure, cfg: DictConfig):
 
 def _job_dir(cfg: DictConfig) -> Path:
     """The folder Hydra's run_job gives the job, found as run_job finds it: with the job's Hydra config set,
-    which a subdir may read (`${hydra:job.num}`)."""
+    which a subdir may read (`${hydra:job.num}`). (Setting it leaves the job's `hydra` node read-only, as
+    run_job does.)"""
     from pipeline.report.sweep import sweep_dir
 
     held = HydraConfig.instance().cfg
