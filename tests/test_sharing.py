@@ -161,8 +161,9 @@ def test_a_shared_run_goes_on_only_where_the_same_jobs_ran(tmp_path):
 def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypatch, tmp_path):
     """Where an earlier sweep's runs are, training would mix their checkpoints with this one's. The sweep's
     folder holds a finished shared run of other jobs where this batch's would go: every job fails, with the
-    folder and the fix, and nothing trains. Then only job 1's own folder holds an earlier run: job 1 fails,
-    jobs 0 and 2 share a run."""
+    folder and the fix, and nothing trains. Then only job 1's own folder holds an earlier run: job 1 fails
+    without Hydra's run_job (which would write its .hydra files and job.json over the earlier run's), jobs
+    0 and 2 share a run."""
     import json
 
     from hydra_plugins.pipeline_launcher import shared_launcher
@@ -178,14 +179,14 @@ def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypat
         monkeypatch.setattr(shared_launcher, "_train", lambda shared, folder: trained.append(sorted(shared.members))
                             or JobFailed(ExitCode.crashed, "the shared run crashed"))
         monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append((cfg.hydra.job.num, task)) or cfg)
-        launcher._share(numbers, jobs, tmp_path)
-        return ran, trained
+        returns = launcher._share(numbers, jobs, tmp_path)
+        return ran, trained, returns
 
     earlier = tmp_path / "shared-0-2"
     (earlier / STATE_DIR).mkdir(parents=True)
     (earlier / STATE_DIR / "run.json").write_text(json.dumps({"config": {}}))
     (earlier / "results.json").write_text("{}")
-    ran, trained = launch([0, 1, 2])
+    ran, trained, _ = launch([0, 1, 2])
     assert trained == [] and [number for number, _ in ran] == [0, 1, 2]
     for _, task in ran:
         assert task.func is shared_launcher._failed and task.args[0].why == (
@@ -195,9 +196,10 @@ def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypat
     (earlier / STATE_DIR / "run.json").unlink()
     (earlier / STATE_DIR).rmdir()
     (tmp_path / "1" / "checkpoints").mkdir(parents=True)
-    ran, trained = launch([0, 1, 2])
-    assert trained == [[0, 2]]
-    assert ran[0][0] == 1 and ran[0][1].args[0].why.startswith(f"error: {tmp_path / '1'} holds an earlier run")
+    ran, trained, returns = launch([0, 1, 2])
+    assert trained == [[0, 2]] and [number for number, _ in ran] == [0, 2]  # each alone, after the crash
+    with pytest.raises(JobFailed, match=f"^error: {tmp_path / '1'} holds an earlier run"):
+        returns[1].return_value
 
 
 def test_a_resumed_shared_run_that_refuses_a_member_fails_every_job(monkeypatch, tmp_path):

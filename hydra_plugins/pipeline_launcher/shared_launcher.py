@@ -17,7 +17,7 @@ from typing import Sequence
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, configure_log, env_override, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, env_override, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from omegaconf import DictConfig, open_dict
 
@@ -65,7 +65,8 @@ class SharedLauncher(Launcher):
         cause it fail. Launched again into the sweep's folder, the same jobs go on with their shared run
         there: a stopped one resumes (any error then fails every job: alone, they would start anew), a
         finished one is split again. Where the folders hold another run, the jobs fail, saying so: a run
-        there would mix its checkpoints with the earlier run's."""
+        there would mix its checkpoints with the earlier run's (and a job whose own folder holds it fails
+        without a file written there)."""
         from pipeline import sharing
         from pipeline.config import ExitCode, JobFailed, earlier_run
         from pipeline.run import planned, run_of
@@ -94,7 +95,8 @@ class SharedLauncher(Launcher):
                            for number in batch if (held := earlier_run(where[number]))}
                 if refused:  # those jobs fail; the others share again
                     for number, failure in refused.items():
-                        returns[number] = self._run_job(jobs[number], functools.partial(_failed, failure))
+                        returns[number] = _unwritten(jobs[number], failure) if earlier_run(_job_dir(jobs[number])) \
+                            else self._run_job(jobs[number], functools.partial(_failed, failure))
                     batch = [number for number in batch if number not in refused]
                     continue
                 log.info(f"jobs {numbers} train as one run in {folder}")
@@ -192,6 +194,13 @@ def _failed(failure, cfg: DictConfig):
     """A job's task under run_job that fails as `failure` (a JobFailed) says, on stderr and to Hydra."""
     print(failure.why, file=sys.stderr)
     raise failure
+
+
+def _unwritten(cfg: DictConfig, failure) -> JobReturn:
+    """A job failed as `failure` says without Hydra's run_job, which would write the job's .hydra files and
+    callbacks' files (job.json) over those of the earlier run its folder holds."""
+    print(failure.why, file=sys.stderr)
+    return JobReturn(overrides=list(cfg.hydra.overrides.task), status=JobStatus.FAILED, _return_value=failure)
 
 
 def _job_dir(cfg: DictConfig) -> Path:
