@@ -451,8 +451,7 @@ def check_output_dir(path: Path, fresh: bool) -> None:
     except OSError as err:
         raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
                           "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None
-    held = earlier_run(path)
-    if fresh and held:
+    if fresh and (held := earlier_run(path)):
         raise ConfigError(f"{path} holds an earlier run ({held}): give this run a folder of its own "
                           "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
                           f"continue a stopped run with resume={path}")

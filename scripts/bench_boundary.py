@@ -24,16 +24,15 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from pipeline.training.group import GroupSpec, GroupStep, Precision, to_host
-from pipeline.training.members import with_defaults
+from pipeline.training.members import CONF, with_defaults
 
-PAPER = Path(__file__).resolve().parents[1] / "pipeline" / "conf" / "ensemble" / "caltech256_paper.yaml"
+PAPER = CONF / "ensemble" / "caltech256_paper.yaml"
 
 
 def families(narrow: int) -> dict[str, dict]:

@@ -48,10 +48,10 @@ def _default_run():
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import expand_ensemble, register
+    from pipeline.training.members import CONF
 
     register()
-    conf = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["+ensemble=caltech256"])
     sizes = {"main": cfg.pipeline.image_size, "alt": cfg.pipeline.alt_image_size}
     return expand_ensemble(cfg.ensemble, cfg.seed), sizes, cfg.pipeline.batch_size, cfg.trainer.threads, \

@@ -42,7 +42,6 @@ SHARED = TOPOLOGIES[:3]
 SHARING_TARGET = 1.15  # (a) at most: CPU-s per epoch of the 8-model ensemble over one model's
 FANOUT_TARGET = 0.90  # (b) at least: each of 8 same-node consumers' rate over a single consumer's
 ONE_CORE_TARGET = 5.0  # (c) at least: duplicated epoch time over a shared topology's
-CONF_DIR = Path(__file__).resolve().parent.parent / "pipeline" / "conf"
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,9 +78,10 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from pipeline.config import register
+    from pipeline.training.members import CONF
 
     register()  # the `schema` node pipeline/conf/config.yaml names first
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 
 

@@ -17,8 +17,8 @@ from hydra import compose, initialize_config_dir
 
 from pipeline.config import register
 from pipeline.data.synthetic import generate_imagefolder, write_bad_files
+from pipeline.training.members import CONF
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "pipeline" / "conf")
 register()
 
 
@@ -83,9 +83,10 @@ def resnet_override(name: str, input: str = "main", width: int = 8, lr: float | 
             f"width: {width}}}{extra}}}")
 
 
-def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+def compose_config(overrides: list[str], with_hydra: bool = False):
+    """The run's config; `with_hydra`: with its `hydra` node too, as a launcher has a job's."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
 
 
 def pytest_collection_modifyitems(config, items):

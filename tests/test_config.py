@@ -1,11 +1,15 @@
 """Config composition: the schema catches mistakes with the key's full name."""
+import subprocess
+import sys
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from pipeline.config import ConfigError, check, expand_ensemble
+from pipeline.config import RUN_OUTPUTS, ConfigError, check, check_output_dir, expand_ensemble
 from tests.conftest import compose_config
+from tests.test_run import REPO
 
 
 def test_demo_and_paper_scale_are_one_override_apart():
@@ -164,11 +168,7 @@ def test_auto_or_a_count_keeps_its_type():
 def test_help_names_the_command_as_users_type_it():
     """`python -m pipeline --help` names the app `pipeline` (Hydra would say `__main__`), the name each run's
     log file takes too (pipeline.log)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    shown = subprocess.run([sys.executable, "-m", "pipeline", "--help"], cwd=Path(__file__).resolve().parents[1],
+    shown = subprocess.run([sys.executable, "-m", "pipeline", "--help"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and shown.stdout.startswith("pipeline is powered by Hydra."), shown.stdout[:300]
 
@@ -177,8 +177,6 @@ def test_a_fresh_run_refuses_a_folder_that_holds_an_earlier_runs_outputs(tmp_pat
     """A run into an earlier run's folder would overwrite its results and mix their checkpoints (the older
     run's best one kept as the new run's, the new run's own pruned as older). Hydra's files, as a run that
     failed before training leaves, are no run; resume= continues the run there."""
-    from pipeline.config import RUN_OUTPUTS, check_output_dir
-
     (tmp_path / "failed early" / ".hydra").mkdir(parents=True)
     check_output_dir(tmp_path / "failed early", fresh=True)
     check_output_dir(tmp_path / "new", fresh=True)  # made
@@ -193,16 +191,12 @@ def test_a_fresh_run_refuses_a_folder_that_holds_an_earlier_runs_outputs(tmp_pat
 
 def test_the_command_refuses_an_earlier_runs_folder_before_hydra_writes_its_files_there(tmp_path):
     """`hydra.run.dir` fixed, a second run: one line, exit 2, and the earlier run's .hydra files as they were."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     earlier = tmp_path / "run"
     (earlier / ".hydra").mkdir(parents=True)
     (earlier / ".hydra" / "config.yaml").write_text("the earlier run's\n")
     (earlier / "results.json").write_text("{}")
     refused = subprocess.run([sys.executable, "-m", "pipeline", "+ensemble=caltech256", f"hydra.run.dir={earlier}"],
-                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert refused.stderr.strip() == (f"error: {earlier} holds an earlier run (results.json): give this run a "
                                       "folder of its own (hydra.run.dir, or hydra.sweep.dir for -m), remove that "

@@ -3,18 +3,16 @@ of that run. The launcher itself, a real multirun: tests/test_sweeps.py."""
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from pipeline.config import expand_ensemble
 from pipeline.sharing import batches, combine, job_results
-from tests.conftest import CONF_DIR, compose_config
+from tests.conftest import compose_config
 
 
 def job(*overrides: str):
     """A job's config as the launcher has it: with its `hydra` node."""
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=["+ensemble=caltech256", *overrides], return_hydra_config=True)
+    return compose_config(["+ensemble=caltech256", *overrides], with_hydra=True)
 
 
 def numbered(jobs: dict) -> dict:

@@ -88,14 +88,14 @@ class SharedLauncher(Launcher):
                 log.info(f"jobs {numbers} go on with their shared run, stopped in {folder}")
             else:
                 # another run where this one or a job's folder would go: training would mix their checkpoints
-                where = dict.fromkeys(batch, folder) if earlier_run(folder) else \
-                    {number: _job_dir(jobs[number]) for number in batch}
+                own = {number: _job_dir(jobs[number]) for number in batch}
+                where = dict.fromkeys(batch, folder) if earlier_run(folder) else own
                 refused = {number: JobFailed(ExitCode.user_error, f"error: {where[number]} holds an earlier run "
                                              f"({held}): launch these jobs into a new hydra.sweep.dir")
                            for number in batch if (held := earlier_run(where[number]))}
                 if refused:  # those jobs fail; the others share again
                     for number, failure in refused.items():
-                        returns[number] = _unwritten(jobs[number], failure) if earlier_run(_job_dir(jobs[number])) \
+                        returns[number] = _unwritten(jobs[number], failure) if earlier_run(own[number]) \
                             else self._run_job(jobs[number], functools.partial(_failed, failure))
                     batch = [number for number in batch if number not in refused]
                     continue

@@ -1,9 +1,8 @@
 """Sweep summary for Hydra multiruns: a callback that records each job's overrides
 and how it ended (job.json in its folder: running, completed with its objective,
-or failed and why) and
-compares the jobs side by side in sweep.html (self-contained) and sweep.csv,
-written again as each job ends (so a sweep that stops at a failed batch keeps
-one) and once every job is done."""
+or failed and why) and compares the jobs side by side in sweep.html
+(self-contained) and sweep.csv, written again as each job ends (so a sweep that
+stops at a failed batch keeps one) and once every job is done."""
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +26,7 @@ from pipeline.report.analysis import analyse
 from pipeline.report.build import CSS
 from pipeline.runtime.files import write_whole
 
-# in a job's folder: {"overrides": [...], "status": "running" | "completed" | "failed", "objective": ..., "error": ...}
+# in a job's folder: {"overrides": [...], "status": "running" | "completed" | "failed", "objective" | "error": ...}
 JOB_FILE = "job.json"
 
 # column -> (title, unit) of the metrics compared across jobs
