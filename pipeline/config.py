@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
+from hydra.utils import to_absolute_path
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pipeline.data.dataset import Synthetic
@@ -348,7 +349,7 @@ def _check_tls(cluster: DictConfig) -> None:
         raise ConfigError(f"cluster.address={cluster.address} needs Dask's TLS files; {', '.join(missing)} "
                           f"not set: give {' '.join(f'{key}=<file.pem>' for key in missing)}")
     for key, value in keys.items():
-        if not os.access(value, os.R_OK):
+        if not os.access(to_absolute_path(value), os.R_OK):
             raise ConfigError(f"{key}={value}: no such readable file; give the path of a PEM file")
 
 

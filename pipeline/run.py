@@ -32,7 +32,7 @@ from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
 from pipeline.measure.objective import objective_value
 from pipeline.measure.recorder import RunRecorder, write_json
-from pipeline.measure.tracking import MlflowRuns, Tracker
+from pipeline.measure.tracking import MlflowRuns, Tracker, launch_relative
 from pipeline.orchestration.devices import (DeviceKind, most_sub_slots, resolve_device, slot_devices,
                                            slot_memory_bytes, trainer_threads)
 from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, check_host_memory, choose_sharing,
@@ -390,7 +390,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
 
 def _mlflow(cfg: DictConfig, output_dir: Path, models: list[ModelSpec]) -> MlflowRuns | None:
     t = cfg.tracking
-    return MlflowRuns(t.mlflow, t.mlflow_experiment, output_dir, models) if t.mlflow else None
+    return MlflowRuns(launch_relative(t.mlflow), t.mlflow_experiment, output_dir, models) if t.mlflow else None
 
 
 def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:

@@ -202,3 +202,38 @@ def test_the_command_refuses_an_earlier_runs_folder_before_hydra_writes_its_file
                                       "folder of its own (hydra.run.dir, or hydra.sweep.dir for -m), remove that "
                                       f"one to train there anew, or continue a stopped run with resume={earlier}")
     assert (earlier / ".hydra" / "config.yaml").read_text() == "the earlier run's\n"
+
+
+def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran(tmp_path, monkeypatch):
+    """Under hydra.job.chdir=true a job runs in its own folder: the TLS files, the agents' secret and a local
+    MLflow store named relative to where the command ran are still found there (not looked for, or made
+    anew for each job, in the job's folder)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from pipeline.data.executor import TlsFiles
+    from pipeline.measure.tracking import launch_relative
+    from pipeline.orchestration.agent import agent_key
+
+    for name in ("ca.pem", "cert.pem", "key.pem"):
+        (tmp_path / name).write_text("PEM")
+    (tmp_path / "agent.key").write_text("k" * 32)
+    (tmp_path / "agent.key").chmod(0o600)
+    cfg = compose_config(["+ensemble=caltech256", "cluster.address=tls://10.0.0.1:8786", "cluster.tls.ca_file=ca.pem",
+                          "cluster.tls.cert=cert.pem", "cluster.tls.key=key.pem"], with_hydra=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.cwd = str(tmp_path)
+    (tmp_path / "multirun" / "0").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "multirun" / "0")
+    HydraConfig.instance().set_config(cfg)
+    try:
+        check(cfg)
+        assert TlsFiles.configured(cfg.cluster.tls) == TlsFiles(*(str(tmp_path / n) for n in ("ca.pem", "cert.pem",
+                                                                                                "key.pem")))
+        assert agent_key("agent.key", "cluster.agent_key_file") == b"k" * 32
+        assert [launch_relative(uri) for uri in ("file:./mlruns", "mlruns", "sqlite:///runs/mlflow.db")] == [
+            (tmp_path / "mlruns").as_uri(), (tmp_path / "mlruns").as_uri(), f"sqlite:///{tmp_path}/runs/mlflow.db"]
+        kept = ("file:///srv/mlruns", "sqlite:////srv/mlflow.db", "http://10.0.0.1:5000", "databricks")
+        assert [launch_relative(uri) for uri in kept] == list(kept)
+    finally:
+        HydraConfig.instance().cfg = None

@@ -26,6 +26,7 @@ from dask.distributed import (Client, LocalCluster, Security, WorkerPlugin, get_
                               wait)
 from distributed.core import Status
 from distributed.protocol.pickle import dumps
+from hydra.utils import to_absolute_path
 from rich.console import Console
 
 from pipeline.data.graph import BatchOutput, StageGraph
@@ -354,8 +355,9 @@ class TlsFiles:
 
     @staticmethod
     def configured(tls) -> TlsFiles | None:
-        """The files cluster.tls names (pipeline.config.check has checked them), or None: no TLS."""
-        return TlsFiles(tls.ca_file, tls.cert, tls.key) if tls.ca_file else None
+        """The files cluster.tls names (pipeline.config.check has checked them), or None: no TLS. A relative
+        path is read from where the command ran, as dataset.root is (a job may run in its own folder)."""
+        return TlsFiles(*map(to_absolute_path, (tls.ca_file, tls.cert, tls.key))) if tls.ca_file else None
 
     def security(self) -> Security:
         return Security(tls_ca_file=self.ca_file, tls_client_cert=self.cert, tls_client_key=self.key,

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+from urllib.parse import urlparse
+
+from hydra.utils import to_absolute_path
 
 from pipeline.runtime.files import write_whole
 from pipeline.training.members import ModelSpec, flatten
@@ -43,6 +47,19 @@ def _hparam(value):
     if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     return str(value)
+
+
+def launch_relative(uri: str) -> str:
+    """An MLflow tracking URI whose local store's relative path (file:./mlruns, mlruns, sqlite:///mlflow.db) is
+    read from where the command ran, as dataset.root is: under hydra.job.chdir=true a job runs in its own
+    folder, and each job's store would be another."""
+    parsed = urlparse(uri)
+    local = parsed.scheme == "file" or not parsed.scheme and uri != "databricks"  # (MLflow's name, not a path)
+    if local and not parsed.netloc and not os.path.isabs(parsed.path):
+        return Path(to_absolute_path(parsed.path)).as_uri()
+    if parsed.scheme == "sqlite" and not parsed.netloc and parsed.path[1:] and not parsed.path.startswith("//"):
+        return f"sqlite:///{to_absolute_path(parsed.path[1:])}"  # sqlite:///a.db is relative, sqlite:////a.db not
+    return uri
 
 
 class MlflowRuns:

@@ -40,6 +40,7 @@ from multiprocessing import connection
 from multiprocessing.managers import BaseManager, MakeProxyType, State, public_methods
 
 import psutil
+from hydra.utils import to_absolute_path
 
 from pipeline.data.executor import (WORKER_MALLOC, TlsFiles, connect, node_resource, node_workers,
                                     remove_node_workers)
@@ -457,10 +458,11 @@ def _wait_for_break(listener, on_gone) -> None:
 
 def agent_key(key_file: str | None, option: str) -> bytes:
     """The secret driver and agents share, given out of band: the file `key_file` (readable by its
-    owner only; `option` names where it was given, for errors), else PIPELINE_AGENT_KEY."""
+    owner only; relative, from where the command ran; `option` names where it was given, for errors), else
+    PIPELINE_AGENT_KEY."""
     if key_file:
         try:
-            with open(key_file, "rb") as file:
+            with open(to_absolute_path(key_file), "rb") as file:
                 mode = os.fstat(file.fileno()).st_mode & 0o777
                 key, source = file.read().strip(), f"{option}={key_file}"
         except OSError as err:
