@@ -10,8 +10,9 @@ separate shared runs, one after another; jobs that halve, profile or resume run 
 
 Each job then gets what Hydra promises it, in its own folder: its results.json (its members, its
 ensemble's accuracy and loss computed over its members alone, its objective), report, checkpoints and
-tracking, taken from the shared run's folder (files hard-linked), and its return value. A job whose
-member was given up (with its slot group) fails; the others complete. A shared run that fails before
+tracking, taken from the shared run's folder (files hard-linked; the TensorBoard files then leave the
+shared run's folder, so TensorBoard over the sweep shows each member once), and its return value. A job
+whose member was given up (with its slot group) fails; the others complete. A shared run that fails before
 its plan is made (a declaration it refuses, a crash or hang measuring a member) leaves its jobs to run
 alone (the launcher, hydra_plugins/pipeline_launcher), so that again only the jobs at fault fail. A shared
 run that was stopped (or crashed once planned) resumes when the same jobs are launched into its sweep's folder,
@@ -163,6 +164,19 @@ def write_job(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shared
     write_json(job_dir / "results.json", results)
     write_report(results, job_dir)
     return results
+
+
+def release_events(shared_dir: Path) -> None:
+    """The shared run's TensorBoard files that its jobs' folders now hold (hard links: a file linked there has
+    more than one), dropped from its own folder, so that TensorBoard over the sweep's folder shows each
+    member once, in its job's folder. A file that no job's folder holds (its job failed before its folder was
+    written) stays."""
+    for member in (shared_dir / TRACKING).glob("*/"):
+        for events in member.glob("*tfevents*"):  # TensorBoard's own test for an event file
+            if events.stat().st_nlink > 1:
+                events.unlink()
+        if not any(member.iterdir()):
+            member.rmdir()
 
 
 def _linked(source: str, target: str) -> None:

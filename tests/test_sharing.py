@@ -264,3 +264,24 @@ def test_the_launcher_finds_a_jobs_folder_where_hydra_puts_it(tmp_path):
     assert _job_dir(cfg) == tmp_path / "multirun" / "trial_3"
     assert HydraConfig.instance().cfg is held  # as it was
     HydraConfig.instance().cfg = None
+
+
+def test_tensorboard_files_a_jobs_folder_holds_leave_the_shared_runs_folder(tmp_path):
+    """Once linked into a job's folder, a member's TensorBoard files leave the shared run's (TensorBoard over
+    the sweep would show the member twice); those of a member no job's folder holds stay, with the CSV."""
+    from pipeline.sharing import _linked, release_events
+
+    shared, job = tmp_path / "shared-0-1" / "tracking", tmp_path / "0" / "tracking"
+    for member in ("j0.a", "j1.a"):
+        (shared / member).mkdir(parents=True)
+        (shared / member / "events.out.tfevents.1.host").write_text(f"{member}'s epochs")
+    (shared / "metrics.csv").write_text("model,epoch\n")
+    (job / "a").mkdir(parents=True)
+    _linked(str(shared / "j0.a" / "events.out.tfevents.1.host"), str(job / "a" / "events.out.tfevents.1.host"))
+    release_events(tmp_path / "shared-0-1")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == [
+        "0/tracking/a/events.out.tfevents.1.host", "shared-0-1/tracking/j1.a/events.out.tfevents.1.host",
+        "shared-0-1/tracking/metrics.csv"]
+    assert (job / "a" / "events.out.tfevents.1.host").read_text() == "j0.a's epochs"
+    release_events(tmp_path / "shared-0-1")  # written again from the same run: nothing more leaves
+    assert (shared / "j1.a" / "events.out.tfevents.1.host").exists()

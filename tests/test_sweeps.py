@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import optuna
 import pytest
 import yaml
+from tensorboard.backend.event_processing.io_wrapper import GetLogdirSubdirectories
 
 from pipeline.report.sweep import JOB_FILE
 from tests.test_run import REPO, shm_segments
@@ -140,6 +142,9 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
         with (folder / "tracking" / "metrics.csv").open() as file:
             assert sorted(row["model"] for row in csv.DictReader(file)) == sorted(names)
         assert (folder / "report.html").exists()
+    runs = {Path(run).relative_to(sweep).as_posix() for run in GetLogdirSubdirectories(str(sweep))}
+    given_up = {f"{n}/tracking/resnet10_w24" for n in (1, 4)}  # (it finished no epoch)
+    assert runs == {f"{n}/tracking/{name}" for n in (0, 1, 3, 4) for name in names} - given_up  # each member once
     for n in (1, 4):
         assert outcome(sweep / str(n)) == {
             "status": "failed", "error": "JobFailed: given up: resnet10_w24 (exit code 3 on its own)"}

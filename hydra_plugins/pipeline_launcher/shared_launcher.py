@@ -124,8 +124,12 @@ class SharedLauncher(Launcher):
     def _split(self, batch: list, jobs: dict, shared, outcome, folder: Path) -> dict:
         """Each job of the batch through run_job, its folder and return taken from the shared run's `outcome`
         (its results, or the JobFailed every job fails with)."""
-        return {number: self._run_job(jobs[number], functools.partial(_job, shared, outcome, number, folder))
-                for number in batch}
+        from pipeline import sharing
+
+        returns = {number: self._run_job(jobs[number], functools.partial(_job, shared, outcome, number, folder))
+                   for number in batch}
+        sharing.release_events(folder)
+        return returns
 
     def _run_job(self, cfg: DictConfig, task_function) -> JobReturn:
         returned = run_job(hydra_context=self.hydra_context, task_function=task_function, config=cfg,
