@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import itertools
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from pipeline.runtime.errors import UserError
 
 JOB_KEYS = ("ensemble", "objective")  # what jobs of one shared run may differ in
 MEMBER_KEYS = tuple(f.name for f in fields(MemberConf))  # what a member declares (ModelSpec holds more)
-SHARED_FOLDER = "shared-{first}-{last}"  # in the sweep's folder, beside the jobs' numbered folders
+SHARED_FOLDER = "shared-{jobs}"  # in the sweep's folder, beside the jobs' numbered folders
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,12 @@ class SharedRun:
         return [job for job, names in self.members.items() if member in names.values()]
 
     def folder(self, sweep_dir: Path) -> Path:
-        return Path(sweep_dir) / SHARED_FOLDER.format(first=min(self.members), last=max(self.members))
+        """Its folder, named after its jobs (shared-0-7; shared-0-2_4-7 where job 3 ran alone), so that a launch
+        of the same jobs finds it again and one of other jobs does not."""
+        spans = [[n for _, n in span] for _, span in itertools.groupby(enumerate(sorted(self.members)),
+                                                                        lambda pair: pair[1] - pair[0])]
+        jobs = "_".join(f"{span[0]}-{span[-1]}" if len(span) > 1 else f"{span[0]}" for span in spans)
+        return Path(sweep_dir) / SHARED_FOLDER.format(jobs=jobs)
 
 
 def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:

@@ -156,6 +156,47 @@ def test_a_shared_run_goes_on_only_where_the_same_jobs_ran(tmp_path):
     assert run_of(folder, shared.cfg) == "finished"
 
 
+def test_a_batch_split_on_its_first_launch_goes_on_when_launched_again(monkeypatch, tmp_path):
+    """Job 2's member is refused, so jobs 0, 1 and 3 share a run, which stops (planned, nothing finished).
+    Launched again, the same jobs find it in its folder, named after them, and resume it. (Named after its
+    first and last job, as the whole batch's run is, it was taken for a run of other jobs and every job
+    failed: its folder held an earlier run.)"""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.pipeline_launcher import shared_launcher
+    from pipeline.config import STATE_DIR, ExitCode, JobFailed
+    from pipeline.training.members import MemberError
+
+    def train(shared, folder):
+        trained.append((folder.name, shared.cfg.resume))
+        if 2 in shared.members:
+            return MemberError("ensemble member j2.resnet10_w16: no module", "j2.resnet10_w16", "no module")
+        (folder / STATE_DIR).mkdir(parents=True, exist_ok=True)  # planned, then stopped
+        (folder / STATE_DIR / "run.json").write_text(json.dumps(
+            {"config": OmegaConf.to_container(shared.cfg, resolve=True, enum_to_str=True)}))
+        return JobFailed(ExitCode.nodes_lost, "stopped")
+
+    ran, launches = [], []
+    for _ in range(2):
+        jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05, 0.02,
+                                                                                                0.01))})
+        for cfg in jobs.values():
+            cfg.hydra.sweep.dir = str(tmp_path)
+        monkeypatch.setattr(shared_launcher, "_train", train)  # (after composing: Hydra's plugin scan runs the
+        launcher = shared_launcher.SharedLauncher()           # launcher's module again, as it was)
+        launcher.task_function = "the job's own run"
+        monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.append(cfg.hydra.job.num) or cfg)
+        trained = []
+        launcher._share([0, 1, 2, 3], jobs, tmp_path)
+        launches.append(trained)
+    first, again = launches
+    assert again == [first[0], (first[1][0], str(tmp_path / first[1][0]))]  # the same tries; the stopped run resumed
+    assert [folder for folder, _ in first] == ["shared-0-3", "shared-0-1_3"]
+    assert ran == [2, 0, 1, 3] * 2  # job 2 alone, the others split from their run
+
+
 def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypatch, tmp_path):
     """Where an earlier sweep's runs are, training would mix their checkpoints with this one's. The sweep's
     folder holds a finished shared run of other jobs where this batch's would go: every job fails, with the

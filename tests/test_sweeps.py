@@ -122,7 +122,7 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
     assert "jobs 2, 5 run alone: the shared run refused ensemble member j2.resnet10_w24" in stdout + stderr
     assert stdout.count("SYNTHETIC stand-in") == 1 and "jobs 0, 1, 3, 4 train as one run" in stdout
     sweep = tmp_path / "multirun"
-    shared = json.loads((sweep / "shared-0-4" / "results.json").read_text())
+    shared = json.loads((sweep / "shared-0-1_3-4" / "results.json").read_text())
     assert sorted(m["name"] for m in shared["models"]) == [
         "j0.densenet40_k12", "j0.densenet40_k8", "j0.resnet10_w16", "j0.resnet10_w24", "j1.resnet10_w24",
         "j3.resnet10_w16"]
