@@ -197,6 +197,47 @@ def test_a_batch_split_on_its_first_launch_goes_on_when_launched_again(monkeypat
     assert ran == [2, 0, 1, 3] * 2  # job 2 alone, the others split from their run
 
 
+def test_a_job_that_ran_alone_goes_on_with_its_own_run_when_launched_again(monkeypatch, tmp_path):
+    """Launched again, a job whose own folder holds its own run (one it ran alone: halving, say, or after its
+    shared run failed before its plan) goes on with it alone: job 0's stopped run resumes there, job 1's
+    finished one gives its objective again (or its failure), training nothing; jobs 2 and 3 share a run.
+    (Before, both failed: their folders held an earlier run.)"""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.pipeline_launcher import shared_launcher
+    from pipeline.config import STATE_DIR, ExitCode, JobFailed
+
+    jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05, 0.02, 0.01))})
+    for number in (0, 1):
+        cfg = jobs[number]
+        (tmp_path / str(number) / STATE_DIR).mkdir(parents=True)
+        task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+        (tmp_path / str(number) / STATE_DIR / "run.json").write_text(json.dumps(
+            {"config": OmegaConf.to_container(task, resolve=True, enum_to_str=True)}))
+    (tmp_path / "1" / "results.json").write_text(json.dumps({"objective": {
+        "of": "ensemble", "metric": "val_accuracy", "value": 0.75}}))
+    for cfg in jobs.values():
+        cfg.hydra.sweep.dir = str(tmp_path)
+    launcher = shared_launcher.SharedLauncher()
+    launcher.task_function = "the job's own run"
+    trained, ran = [], {}
+    monkeypatch.setattr(shared_launcher, "_train", lambda shared, folder: trained.append(sorted(shared.members))
+                        or JobFailed(ExitCode.crashed, "the shared run crashed"))
+    monkeypatch.setattr(launcher, "_run_job", lambda cfg, task: ran.setdefault(cfg.hydra.job.num, (cfg, task)))
+    launcher._share([0, 1, 2, 3], jobs, tmp_path)
+    assert trained == [[2, 3]]
+    resumed, task = ran[0]
+    assert task == "the job's own run" and resumed.resume == str(tmp_path / "0")
+    _, finished = ran[1]
+    assert finished.func is shared_launcher._finished and finished.args == (1, tmp_path / "1")
+    assert finished(jobs[1]) == 0.75
+    (tmp_path / "1" / "results.json").write_text(json.dumps({"given_up": ["resnet10_w16"]}))
+    with pytest.raises(JobFailed, match="given up: resnet10_w16"):
+        finished(jobs[1])
+
+
 def test_jobs_whose_folders_hold_an_earlier_sweeps_runs_fail_saying_so(monkeypatch, tmp_path):
     """Where an earlier sweep's runs are, training would mix their checkpoints with this one's. The sweep's
     folder holds a finished shared run of other jobs where this batch's would go: every job fails, with the

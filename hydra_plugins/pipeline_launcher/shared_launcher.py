@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, env_override, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class SharedLauncher(Launcher):
         (a crash or hang measuring a member's rate, say), each job meets alone: only the jobs whose members
         cause it fail. Launched again into the sweep's folder, the same jobs go on with their shared run
         there: a stopped one resumes (any error then fails every job: alone, they would start anew), a
-        finished one is split again. Where the folders hold another run, the jobs fail, saying so: a run
+        finished one is split again; a job that ran alone goes on with its own run alone (_alone). Where the folders hold another run, the jobs fail, saying so: a run
         there would mix its checkpoints with the earlier run's (and a job whose own folder holds it fails
         without a file written there)."""
         from pipeline import sharing
@@ -72,7 +72,8 @@ class SharedLauncher(Launcher):
         from pipeline.run import planned, run_of
         from pipeline.training.members import MemberError
 
-        returns = {}
+        returns = {number: self._alone(jobs[number]) for number in batch if _own_run(jobs[number])[1]}
+        batch = [number for number in batch if number not in returns]
         while len(batch) > 1:
             shared = sharing.combine({number: jobs[number] for number in batch})
             folder = shared.folder(sweep_dir)
@@ -115,11 +116,31 @@ class SharedLauncher(Launcher):
             else:
                 return returns | self._split(batch, jobs, shared, outcome, folder)
             for number in alone:
-                returns[number] = self._run_job(jobs[number], self.task_function)
+                returns[number] = self._alone(jobs[number])
             batch = [number for number in batch if number not in alone]
         for number in batch:
-            returns[number] = self._run_job(jobs[number], self.task_function)
+            returns[number] = self._alone(jobs[number])
         return returns
+
+    def _alone(self, cfg: DictConfig) -> JobReturn:
+        """A job run on its own (the task, as Hydra's basic launcher runs it). Launched again into its sweep's
+        folder, one that trained goes on with its own run there as a shared run does: a stopped one resumes, a finished one
+        returns its objective again, training nothing; a run of another config there fails it, saying so,
+        without a file written over that run's."""
+        from pipeline.config import ExitCode, JobFailed, earlier_run
+
+        own, earlier = _own_run(cfg)
+        if earlier == "finished":
+            log.info(f"job {cfg.hydra.job.num}: its run finished in {own}")
+            return self._run_job(cfg, functools.partial(_finished, cfg.hydra.job.num, own))
+        if earlier == "stopped":
+            log.info(f"job {cfg.hydra.job.num} goes on with its run, stopped in {own}")
+            with open_dict(cfg):
+                cfg.resume = str(own)
+        elif not cfg.resume and (held := earlier_run(own)):
+            return _unwritten(cfg, JobFailed(ExitCode.user_error, f"error: {own} holds an earlier run ({held}): "
+                                                                  "launch these jobs into a new hydra.sweep.dir"))
+        return self._run_job(cfg, self.task_function)
 
     def _split(self, batch: list, jobs: dict, shared, outcome, folder: Path) -> dict:
         """Each job of the batch through run_job, its folder and return taken from the shared run's `outcome`
@@ -194,6 +215,22 @@ def _job(shared, outcome, number: int, folder: Path, cfg: DictConfig):
     return objective["value"]
 
 
+def _finished(number: int, folder: Path, cfg: DictConfig):
+    """The task of job `number`, whose own run finished in `folder`, launched again: its objective, or its
+    failure."""
+    from pipeline import sharing
+
+    results = json.loads((folder / "results.json").read_text())
+    failure = sharing.job_failure(results)
+    if failure:
+        _failed(failure, cfg)
+    objective = results.get("objective")  # none in mode=profile
+    if objective:
+        print(f"job {number}: objective {objective['of']} {objective['metric']} = {objective['value']} "
+              f"(its run finished in {folder})")
+    return objective["value"] if objective else None
+
+
 def _failed(failure, cfg: DictConfig):
     """A job's task under run_job that fails as `failure` (a JobFailed) says, on stderr and to Hydra."""
     print(failure.why, file=sys.stderr)
@@ -205,6 +242,17 @@ def _unwritten(cfg: DictConfig, failure) -> JobReturn:
     callbacks' files (job.json) over those of the earlier run its folder holds."""
     print(failure.why, file=sys.stderr)
     return JobReturn(overrides=list(cfg.hydra.overrides.task), status=JobStatus.FAILED, _return_value=failure)
+
+
+def _own_run(cfg: DictConfig) -> tuple:
+    """The job's own folder, and what it holds of a run of the job's config (pipeline.run.run_of): a run the
+    job ran alone ("stopped" or "finished"), or None (a job split from a shared run holds none: its run is
+    the shared one; a job given resume= goes on with that run, wherever it is)."""
+    from pipeline.run import run_of
+
+    own = _job_dir(cfg)
+    task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # the config its task is given
+    return own, None if cfg.resume else run_of(own, task)
 
 
 def _job_dir(cfg: DictConfig) -> Path:
