@@ -359,8 +359,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
             console.print(f"[bold]resumed[/] {output_dir} at {driver.now():.0f} s of its training: " + ", ".join(
                 f"{name} after {state.checkpoint_epoch} epochs ({state.status})"
                 for name, state in scheduler.groups.items()))
-        with stop.deferred():
-            driver.run(first, stop)
+        stop.defer()
+        driver.run(first, stop)
     training_s = time.perf_counter() - training_started
     if stop.requested.is_set():
         results["interrupted"] = {"cause": signal.Signals(stop.signum).name, "resume": f"resume={output_dir}"}

@@ -271,6 +271,23 @@ def test_a_stopped_shared_sweep_goes_on_when_its_jobs_are_launched_again_into_it
         assert again["objective"] == done[number]["objective"] and again["models"] == done[number]["models"]
 
 
+def test_a_stop_before_training_is_immediate_and_one_after_it_began_is_taken_in_order_to_the_end():
+    """Before training (start-up, rate measurement) a first Ctrl-C raises Interrupted there and then: nothing is
+    left to resume. From training's start to the run's end, the loop and then the closing included, it only
+    asks to stop: a signal as a finished run closes once raised Interrupted there, which said "stopped before
+    training began; nothing to resume" of a run that had trained and could resume."""
+    from pipeline.runtime.lifetime import Interrupted
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop, pytest.raises(Interrupted, match="SIGINT"):
+        signal.raise_signal(signal.SIGINT)
+    with StopSignals() as stop:
+        stop.defer()
+        signal.raise_signal(signal.SIGINT)
+        assert stop.requested.is_set() and stop.signum == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
     """What a run killed before its children could clean up is removed by the next run: entries of
     dead owners only, never a live run's."""

@@ -24,7 +24,6 @@ import re
 import signal
 import threading
 import time
-from contextlib import contextmanager
 from multiprocessing import connection, forkserver
 
 SHM_DIR = "/dev/shm"
@@ -52,9 +51,10 @@ class Interrupted(Exception):
 class StopSignals:
     """The driver's SIGINT and SIGTERM, in the main thread, for the length of a `with` block.
 
-    The first signal sets `requested`. Inside `deferred()` (the training loop, which polls it and
-    stops in order) that is all; elsewhere (start-up, rate measurement) it raises `Interrupted`
-    there and then, and whatever was started closes on the way out. A second signal (REPEAT_S or
+    The first signal sets `requested`. Once training has begun (`defer()`: the training loop polls it
+    and stops in order, and what comes after, closing and results, runs to its end) that is all;
+    before (start-up, rate measurement) it raises `Interrupted` there and then, and whatever was
+    started closes on the way out. A second signal (REPEAT_S or
     more after the first) kills the run's child processes, removes its shared memory and exits at once.
     """
 
@@ -74,14 +74,10 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
-    @contextmanager
-    def deferred(self):
-        """Within: a first signal only sets `requested`; the code inside polls it."""
+    def defer(self) -> None:
+        """From now to the `with` block's end, a first signal only sets `requested`, which the training loop
+        polls (a signal after the loop, as the run closes, is still taken in order: the run is resumable)."""
         self._deferred = True
-        try:
-            yield
-        finally:
-            self._deferred = False
 
     def _handle(self, signum: int, frame) -> None:
         if self.requested.is_set():
