@@ -52,6 +52,15 @@ def raises(num_classes):
     raise RuntimeError("weights file missing")
 
 
+class BrokenSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """A user's schedule that builds, then fails as training steps it."""
+
+    def get_lr(self):
+        if self.last_epoch > 0:
+            raise ValueError(f"no rate for step {self.last_epoch}")
+        return self.base_lrs
+
+
 def declared(name="u", model=None, **keys) -> ModelSpec:
     """A user's member: SmallNet unless `model` says otherwise, the shipped defaults unless `keys` do."""
     spec = replace(member(name), model=model or {"_target_": "tests.test_members.SmallNet", "channels": 4})
@@ -74,6 +83,11 @@ def declared(name="u", model=None, **keys) -> ModelSpec:
     (declared(optimizer={"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "nesterov": True}),
      r"optimizer .*Nesterov momentum requires a momentum"),
     (declared(lr_scheduler={"_target_": "torch.optim.SGD"}), r"lr_scheduler \(torch.optim.SGD\): "),
+    (declared(lr_scheduler={"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau"}),
+     r"lr_scheduler \(torch.optim.lr_scheduler.ReduceLROnPlateau\): its step\(\) needs metrics, but a member's "
+     r"schedule is stepped after every training step with no argument; declare one that counts steps"),
+    (declared(lr_scheduler={"_target_": "tests.test_members.BrokenSchedule"}),
+     r"lr_scheduler \(tests.test_members.BrokenSchedule\): no rate for step 1"),
     (declared(loss={"_target_": "torch.nn.CrossEntropyLoss", "reduction": "none"}),
      r"loss .*it must return one mean loss"),
 ])

@@ -216,6 +216,18 @@ def build_schedule(m: ModelSpec, optimizer, total_steps: int):
     return schedule
 
 
+def _step_as_training_does(schedule) -> None:
+    """One step of `schedule` as training steps it: after every training step, with no argument. A schedule
+    that steps on a metric (ReduceLROnPlateau's step(metrics)) is refused, saying what to declare instead."""
+    needs = [p.name for p in inspect.signature(schedule.step).parameters.values()
+             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if needs:
+        raise TypeError(f"its step() needs {', '.join(needs)}, but a member's schedule is stepped after every "
+                        "training step with no argument; declare one that counts steps (torch.optim.lr_scheduler."
+                        "StepLR, OneCycleLR, or the built-in cosine)")
+    schedule.step()
+
+
 def build_loss(m: ModelSpec):
     """The member's loss module: (logits, labels) -> a 0-d mean loss."""
     with _declared(m, "loss"):
@@ -242,7 +254,9 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
             logits_of_shape[m.shape] = _on_meta_else_cpu(_forward, m, num_classes, image_sizes[m.input])
         logits = logits_of_shape[m.shape]
         with torch.device(logits.device):
-            build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), 1)  # a parameter stands in
+            schedule = build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), 1)  # one stands in
+            with _declared(m, "lr_scheduler"):
+                _step_as_training_does(schedule)
             loss = build_loss(m)
             with _declared(m, "loss"):
                 value = loss(logits, torch.zeros(2, dtype=torch.long))
