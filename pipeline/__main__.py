@@ -17,6 +17,7 @@ and the multirun's exit code is not 0. Ctrl-C or SIGTERM stops the whole multiru
 import atexit
 import gc
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -62,6 +63,10 @@ def main(cfg: DictConfig) -> float | None:
             print(said, file=sys.stderr)
             sys.exit(128 + stop.signum)
         fail(ExitCode.nodes_lost, said, multirun)
+    if stop.signum:  # asked to stop as the run, finished, closed: its results are whole; a multirun stops too
+        print(f"{signal.Signals(stop.signum).name}: stopped as the run closed; it had finished and its results are "
+              "written", file=sys.stderr)
+        sys.exit(128 + stop.signum)
     if results.get("given_up"):
         fail(ExitCode.models_given_up, f"given up: {', '.join(results['given_up'])}", multirun)
     objective = results.get("objective")  # none in mode=profile

@@ -349,8 +349,8 @@ def _check_tls(cluster: DictConfig) -> None:
         raise ConfigError(f"cluster.address={cluster.address} needs Dask's TLS files; {', '.join(missing)} "
                           f"not set: give {' '.join(f'{key}=<file.pem>' for key in missing)}")
     for key, value in keys.items():
-        if not os.access(to_absolute_path(value), os.R_OK):
-            raise ConfigError(f"{key}={value}: no such readable file; give the path of a PEM file")
+        if not os.access(path := to_absolute_path(value), os.R_OK):
+            raise ConfigError(f"{key}={value}: no such readable file ({path}); give the path of a PEM file")
 
 
 def expand_ensemble(ensemble: DictConfig, run_seed: int) -> list[ModelSpec]:

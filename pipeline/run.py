@@ -239,7 +239,8 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
     graph = _graph(cfg, models)
-    models = check_members(models, len(graph.source.class_names), graph.image_sizes)
+    models = check_members(models, len(graph.source.class_names), graph.image_sizes,
+                           cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN))
     return RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
 
 

@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import shutil
+import zlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from pipeline.runtime.errors import UserError
 JOB_KEYS = ("ensemble", "objective")  # what jobs of one shared run may differ in
 MEMBER_KEYS = tuple(f.name for f in fields(MemberConf))  # what a member declares (ModelSpec holds more)
 SHARED_FOLDER = "shared-{jobs}"  # in the sweep's folder, beside the jobs' numbered folders
+MOST_NAMED = 100  # characters of the jobs' spans in a shared run's folder name; more are named by a digest
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ class SharedRun:
         spans = [[n for _, n in span] for _, span in itertools.groupby(enumerate(sorted(self.members)),
                                                                         lambda pair: pair[1] - pair[0])]
         jobs = "_".join(f"{span[0]}-{span[-1]}" if len(span) > 1 else f"{span[0]}" for span in spans)
+        if len(jobs) > MOST_NAMED:  # a folder's name has at most 255 bytes: the first and last, and a digest of all
+            jobs = f"{spans[0][0]}-{spans[-1][-1]}-{zlib.crc32(jobs.encode()):08x}"
         return Path(sweep_dir) / SHARED_FOLDER.format(jobs=jobs)
 
 
@@ -176,7 +180,7 @@ def release_events(shared_dir: Path) -> None:
     """The shared run's TensorBoard files that its jobs' folders now hold (hard links: a file linked there has
     more than one), dropped from its own folder, so that TensorBoard over the sweep's folder shows each
     member once, in its job's folder. A file that no job's folder holds (its job failed before its folder was
-    written) stays."""
+    written) stays. (A job's folder removed and written again from the finished run gets none.)"""
     for member in (shared_dir / TRACKING).glob("*/"):
         for events in member.glob("*tfevents*"):  # TensorBoard's own test for an event file
             if events.stat().st_nlink > 1:

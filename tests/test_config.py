@@ -231,9 +231,11 @@ def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran
         assert TlsFiles.configured(cfg.cluster.tls) == TlsFiles(*(str(tmp_path / n) for n in ("ca.pem", "cert.pem",
                                                                                                 "key.pem")))
         assert agent_key("agent.key", "cluster.agent_key_file") == b"k" * 32
-        assert [launch_relative(uri) for uri in ("file:./mlruns", "mlruns", "sqlite:///runs/mlflow.db")] == [
-            (tmp_path / "mlruns").as_uri(), (tmp_path / "mlruns").as_uri(), f"sqlite:///{tmp_path}/runs/mlflow.db"]
-        kept = ("file:///srv/mlruns", "sqlite:////srv/mlflow.db", "http://10.0.0.1:5000", "databricks")
+        relative = ("file:./mlruns", "mlruns", "sqlite:///runs/mlflow.db?timeout=20")
+        assert [launch_relative(uri) for uri in relative] == [(tmp_path / "mlruns").as_uri()] * 2 + [
+            f"sqlite:///{tmp_path}/runs/mlflow.db?timeout=20"]
+        kept = ("file:///srv/mlruns", "sqlite:////srv/mlflow.db", "sqlite:///:memory:", "http://10.0.0.1:5000",
+                "databricks")
         assert [launch_relative(uri) for uri in kept] == list(kept)
     finally:
         HydraConfig.instance().cfg = None

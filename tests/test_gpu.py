@@ -475,7 +475,7 @@ def test_torchvision_resnet18_members_fuse_by_vmap_and_train_as_they_do_packed()
     model = {"_target_": "torchvision.models.resnet18"}
     members = check_members([replace(with_defaults(f"m{i}", model, seed=i),
                                      optimizer={"_target_": "torch.optim.AdamW", "lr": lr})
-                             for i, lr in enumerate((1e-3, 3e-4, 3e-3))], 10, {"main": 64})
+                             for i, lr in enumerate((1e-3, 3e-4, 3e-3))], 10, {"main": 64}, 100)
     assert all(m.unfusable is None and m.fusion == "vmap" for m in members), [m.unfusable for m in members]
     steps = {size: GroupStep(GroupSpec("g", tuple(members), size), 10, {"main": 64}, "cuda", 10,
                              precision=Precision.bf16)

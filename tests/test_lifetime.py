@@ -288,6 +288,28 @@ def test_a_stop_before_training_is_immediate_and_one_after_it_began_is_taken_in_
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_stop_as_a_finished_shared_run_closes_ends_the_multirun(monkeypatch, tmp_path, capsys):
+    """A Ctrl-C that comes after the training loop, as the shared run closes: the run ends whole (results
+    written, not interrupted) and the multirun stops with 130, saying how its jobs' folders get written; it
+    no longer goes on to the next batch as if nothing had been asked."""
+    from types import SimpleNamespace
+
+    import pipeline.run
+    from hydra_plugins.pipeline_launcher.shared_launcher import _train
+
+    def finished_then_asked_to_stop(cfg, folder, stop, parts):
+        stop.defer()  # training began
+        signal.raise_signal(signal.SIGINT)  # the loop has ended; the run closes
+        return {"models": []}
+
+    monkeypatch.setattr(pipeline.run, "run", finished_then_asked_to_stop)
+    with pytest.raises(SystemExit) as stopped:
+        _train(SimpleNamespace(cfg=None, parts={}), tmp_path / "shared-0-1")
+    assert stopped.value.code == 130
+    assert (f"SIGINT: stopped as the shared run in {tmp_path / 'shared-0-1'} closed; it had finished: launch the "
+            f"same jobs again with hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
+
+
 def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
     """What a run killed before its children could clean up is removed by the next run: entries of
     dead owners only, never a live run's."""

@@ -3,6 +3,7 @@ nobody here wrote train, checkpoint and resume as the built-in families do; a de
 train is one MemberError naming the member and key, found before a run starts."""
 import copy
 import io
+import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from pipeline.training.members import (CONF, MemberError, ModelSpec, build_modul
 from tests.conftest import member
 
 CLASSES = 3
+STEPS = 40  # the run's training steps, for the schedules
 
 
 class SmallNet(nn.Module):
@@ -94,7 +96,7 @@ def declared(name="u", model=None, **keys) -> ModelSpec:
 def test_a_declaration_that_cannot_train_is_one_error_naming_the_member_and_key(spec, message):
     """Each mistake as a user makes it; found by the dry build (meta device), before anything starts."""
     with pytest.raises(MemberError, match=rf"^ensemble member u: {message}") as err:
-        check_members([member("fine"), spec], CLASSES, {"main": 16})
+        check_members([member("fine"), spec], CLASSES, {"main": 16}, STEPS)
     assert "\n" not in str(err.value) and "fix ensemble.models' u." in str(err.value)
 
 
@@ -107,12 +109,34 @@ def test_every_shipped_preset_builds(preset):
 
     key = preset.split("/")[0]
     check_members([declared(**{key: OmegaConf.to_container(OmegaConf.load(CONF / f"{preset}.yaml"))})], CLASSES,
-                  {"main": 16})
+                  {"main": 16}, STEPS)
+
+
+def warmup_cosine(optimizer, total_steps: int, warmup: int = 2):
+    """A user's schedule over the run's steps: a linear warm-up, then cosine annealing over the rest."""
+    from torch.optim import lr_scheduler
+
+    return lr_scheduler.SequentialLR(optimizer, [lr_scheduler.LinearLR(optimizer, 0.1, total_iters=warmup),
+                                                 lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - warmup)],
+                                     milestones=[warmup])
+
+
+@pytest.mark.parametrize("schedule", [
+    {"_target_": "tests.test_members.warmup_cosine", "_partial_": True, "warmup": 1},
+    {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "_partial_": True, "max_lr": 0.1},
+    {"_target_": "torch.optim.lr_scheduler.CosineAnnealingWarmRestarts", "_partial_": True, "T_0": 10},
+])
+def test_a_schedule_is_stepped_dry_over_the_run_s_steps_and_says_nothing(schedule):
+    """The dry step builds a schedule over the run's steps (at 1 step, the warm-up's cosine would have none and
+    divide by zero), and it warns of no step before the optimiser's (training steps the optimiser first)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_members([declared(lr_scheduler=schedule)], CLASSES, {"main": 16}, STEPS)
 
 
 def test_a_module_that_reads_values_is_checked_on_the_cpu():
     """Meta tensors have no values: such a module's check runs again on the CPU, and passes there."""
-    check_members([declared(model={"_target_": "tests.test_members.ReadsValues"})], CLASSES, {"main": 16})
+    check_members([declared(model={"_target_": "tests.test_members.ReadsValues"})], CLASSES, {"main": 16}, STEPS)
 
 
 def test_the_project_gives_num_classes_and_image_size_where_the_callable_takes_them():

@@ -1,5 +1,6 @@
 """How the shared launcher (pipeline/sharing.py) forms its runs: which jobs share one, and the members
 of that run. The launcher itself, a real multirun: tests/test_sweeps.py."""
+import copy
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,20 @@ def test_a_shared_run_goes_on_only_where_the_same_jobs_ran(tmp_path):
     assert run_of(folder, shared.cfg) == "finished"
 
 
+def test_a_shared_runs_folder_names_its_jobs_within_a_folder_names_length():
+    """Spans of consecutive jobs; past MOST_NAMED characters, the first and last job and a digest of them all."""
+    from pipeline.sharing import MOST_NAMED, SharedRun
+
+    def name(numbers):
+        return SharedRun(None, {n: {} for n in numbers}).folder(Path("/sweep")).name
+
+    assert [name(jobs) for jobs in ([0, 1], [0, 1, 2, 4, 5, 6, 7], [3, 5, 6])] == [
+        "shared-0-1", "shared-0-2_4-7", "shared-3_5-6"]
+    even, odd = name(range(0, 200, 2)), name([0, *range(3, 197, 2), 198])  # the same first and last jobs
+    assert even.startswith("shared-0-198-") and odd.startswith("shared-0-198-") and even != odd
+    assert len(name(range(0, 20000, 2))) < len("shared-") + MOST_NAMED
+
+
 def test_a_batch_split_on_its_first_launch_goes_on_when_launched_again(monkeypatch, tmp_path):
     """Job 2's member is refused, so jobs 0, 1 and 3 share a run, which stops (planned, nothing finished).
     Launched again, the same jobs find it in its folder, named after them, and resume it. (Named after its
@@ -210,10 +225,11 @@ def test_a_job_that_ran_alone_goes_on_with_its_own_run_when_launched_again(monke
     from pipeline.config import STATE_DIR, ExitCode, JobFailed
 
     jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}") for n, lr in enumerate((0.1, 0.05, 0.02, 0.01))})
-    for number in (0, 1):
-        cfg = jobs[number]
+    for number in (0, 1):  # each run's config saved as its run saved it: the task's, which run_job gives it
+        task = copy.deepcopy(jobs[number])
+        with open_dict(task):
+            del task["hydra"]
         (tmp_path / str(number) / STATE_DIR).mkdir(parents=True)
-        task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
         (tmp_path / str(number) / STATE_DIR / "run.json").write_text(json.dumps(
             {"config": OmegaConf.to_container(task, resolve=True, enum_to_str=True)}))
     (tmp_path / "1" / "results.json").write_text(json.dumps({"objective": {

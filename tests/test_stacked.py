@@ -177,7 +177,7 @@ def test_a_module_vmap_rejects_packs_and_the_run_says_why():
     rejected = members(SGD, [{}, {}], {"_target_": "tests.test_stacked.Branches", "channels": 4})
     fusable = members(SGD, [{}, {}])
     checked = check_members([*rejected, *(replace(m, name=f"ok{i}") for i, m in enumerate(fusable))], CLASSES,
-                            {"main": SIDE})
+                            {"main": SIDE}, 100)
     assert [m.unfusable is not None for m in checked] == [True, True, False, False]
     assert "data-dependent control flow" in checked[0].unfusable
     assert [len(unit) for unit in GroupSpec("g", tuple(checked), array_size=2).units()] == [1, 1, 2]

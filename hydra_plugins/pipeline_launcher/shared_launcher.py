@@ -6,9 +6,11 @@ JobReturn, as under Hydra's basic launcher, which runs the jobs that cannot shar
 (No `from __future__ import annotations`: Hydra imports plugin modules outside sys.modules, where
 dataclasses cannot resolve string annotations.)"""
 
+import contextlib
 import functools
 import json
 import logging
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -64,9 +66,9 @@ class SharedLauncher(Launcher):
         (a crash or hang measuring a member's rate, say), each job meets alone: only the jobs whose members
         cause it fail. Launched again into the sweep's folder, the same jobs go on with their shared run
         there: a stopped one resumes (any error then fails every job: alone, they would start anew), a
-        finished one is split again; a job that ran alone goes on with its own run alone (_alone). Where the folders hold another run, the jobs fail, saying so: a run
-        there would mix its checkpoints with the earlier run's (and a job whose own folder holds it fails
-        without a file written there)."""
+        finished one is split again; a job that trained alone goes on with its own run alone (_alone). Where
+        the folders hold another run, the jobs fail, saying so: a run there would mix its checkpoints with
+        the earlier run's (and a job whose own folder holds it fails without a file written there)."""
         from pipeline import sharing
         from pipeline.config import ExitCode, JobFailed, earlier_run
         from pipeline.run import planned, run_of
@@ -124,9 +126,9 @@ class SharedLauncher(Launcher):
 
     def _alone(self, cfg: DictConfig) -> JobReturn:
         """A job run on its own (the task, as Hydra's basic launcher runs it). Launched again into its sweep's
-        folder, one that trained goes on with its own run there as a shared run does: a stopped one resumes, a finished one
-        returns its objective again, training nothing; a run of another config there fails it, saying so,
-        without a file written over that run's."""
+        folder, one that trained goes on with its own run there as a shared run does: a stopped one resumes,
+        a finished one returns its objective again, training nothing; a run of another config there fails it,
+        saying so, without a file written over that run's."""
         from pipeline.config import ExitCode, JobFailed, earlier_run
 
         own, earlier = _own_run(cfg)
@@ -191,6 +193,11 @@ def _train(shared, folder: Path):
             print(why, file=sys.stderr)
             sys.exit(128 + stop.signum)
         return JobFailed(ExitCode.nodes_lost, why)
+    if stop.signum:  # asked to stop as the finished run closed: the multirun stops (launched again, _share splits it)
+        print(f"{signal.Signals(stop.signum).name}: stopped as the shared run in {folder} closed; it had finished: "
+              f"launch the same jobs again with hydra.sweep.dir={folder.parent} to write their folders",
+              file=sys.stderr)
+        sys.exit(128 + stop.signum)
     return results
 
 
@@ -250,20 +257,28 @@ def _own_run(cfg: DictConfig) -> tuple:
     the shared one; a job given resume= goes on with that run, wherever it is)."""
     from pipeline.run import run_of
 
-    own = _job_dir(cfg)
-    task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # the config its task is given
-    return own, None if cfg.resume else run_of(own, task)
+    with _as_job(cfg):  # the task's config may read the job's Hydra config, as under run_job
+        task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # the config its task is given
+        own = _job_dir(cfg)
+        return own, None if cfg.resume else run_of(own, task)
 
 
 def _job_dir(cfg: DictConfig) -> Path:
     """The folder Hydra's run_job gives the job, found as run_job finds it: with the job's Hydra config set,
-    which a subdir may read (`${hydra:job.num}`). (Setting it leaves the job's `hydra` node read-only, as
-    run_job does.)"""
+    which a subdir may read (`${hydra:job.num}`)."""
     from pipeline.report.sweep import sweep_dir
 
+    with _as_job(cfg):
+        return sweep_dir(cfg) / str(cfg.hydra.sweep.subdir)
+
+
+@contextlib.contextmanager
+def _as_job(cfg: DictConfig):
+    """Within: the job's Hydra config is the one set, as run_job sets it; then the launcher's again. (Setting it
+    leaves the job's `hydra` node read-only, as run_job does.)"""
     held = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(cfg)
     try:
-        return sweep_dir(cfg) / str(cfg.hydra.sweep.subdir)
+        yield
     finally:
         HydraConfig.instance().cfg = held

@@ -54,11 +54,14 @@ def launch_relative(uri: str) -> str:
     read from where the command ran, as dataset.root is: under hydra.job.chdir=true a job runs in its own
     folder, and each job's store would be another."""
     parsed = urlparse(uri)
+    query = f"?{parsed.query}" if parsed.query else ""
     local = parsed.scheme == "file" or not parsed.scheme and uri != "databricks"  # (MLflow's name, not a path)
-    if local and not parsed.netloc and not os.path.isabs(parsed.path):
-        return Path(to_absolute_path(parsed.path)).as_uri()
-    if parsed.scheme == "sqlite" and not parsed.netloc and parsed.path[1:] and not parsed.path.startswith("//"):
-        return f"sqlite:///{to_absolute_path(parsed.path[1:])}"  # sqlite:///a.db is relative, sqlite:////a.db not
+    if local and not parsed.netloc and parsed.path and not os.path.isabs(parsed.path):
+        return Path(to_absolute_path(parsed.path)).as_uri() + query
+    database = parsed.path[1:]  # sqlite:///a.db is relative, sqlite:////a.db not; sqlite:///:memory: is no file
+    if parsed.scheme == "sqlite" and not parsed.netloc and database and not os.path.isabs(database) \
+            and database != ":memory:":
+        return f"sqlite:///{to_absolute_path(database)}{query}"
     return uri
 
 

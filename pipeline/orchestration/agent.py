@@ -462,12 +462,12 @@ def agent_key(key_file: str | None, option: str) -> bytes:
     PIPELINE_AGENT_KEY."""
     if key_file:
         try:
-            with open(to_absolute_path(key_file), "rb") as file:
+            with open(path := to_absolute_path(key_file), "rb") as file:
                 mode = os.fstat(file.fileno()).st_mode & 0o777
                 key, source = file.read().strip(), f"{option}={key_file}"
         except OSError as err:
-            raise UserError(f"{option}={key_file}: cannot read the agents' secret ({err.strerror}); give the "
-                            "path of the key file") from None
+            raise UserError(f"{option}={key_file}: cannot read the agents' secret ({path}: {err.strerror}); give "
+                            "the path of the key file") from None
         if mode & 0o077:
             raise UserError(f"{option}={key_file} is mode {mode:o}: others may read the agents' secret; make it "
                             f"private with: chmod 600 {key_file}")

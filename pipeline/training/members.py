@@ -29,6 +29,8 @@ import importlib
 import inspect
 import json
 import math
+import re
+import warnings
 import zlib
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -225,7 +227,9 @@ def _step_as_training_does(schedule) -> None:
         raise TypeError(f"its step() needs {', '.join(needs)}, but a member's schedule is stepped after every "
                         "training step with no argument; declare one that counts steps (torch.optim.lr_scheduler."
                         "StepLR, OneCycleLR, or the built-in cosine)")
-    schedule.step()
+    with warnings.catch_warnings():  # (no optimiser step comes first here, as one does in training)
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        schedule.step()
 
 
 def build_loss(m: ModelSpec):
@@ -237,9 +241,11 @@ def build_loss(m: ModelSpec):
     return loss
 
 
-def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[str, int]) -> list[ModelSpec]:
+def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
+                  total_steps: int) -> list[ModelSpec]:
     """Build each member's declaration, dry, before a run starts anything: its module and one forward of two
-    images, whose logits must be [2, num_classes] (once per shape); its optimiser, schedule and loss on them.
+    images, whose logits must be [2, num_classes] (once per shape); its optimiser, schedule (over the run's
+    `total_steps`, stepped once) and loss on them.
     On the meta device (shapes only: no memory, no compute); a module that cannot run there (an op that
     reads values) is tried on the CPU, whose error is the one that counts. Raises a MemberError naming
     the member and key. Returns the members, each marked `unfusable` where vmap rejects its module: two
@@ -254,7 +260,7 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
             logits_of_shape[m.shape] = _on_meta_else_cpu(_forward, m, num_classes, image_sizes[m.input])
         logits = logits_of_shape[m.shape]
         with torch.device(logits.device):
-            schedule = build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), 1)  # one stands in
+            schedule = build_schedule(m, build_optimizer(m, [torch.nn.Parameter(torch.zeros(1))]), total_steps)
             with _declared(m, "lr_scheduler"):
                 _step_as_training_does(schedule)
             loss = build_loss(m)
