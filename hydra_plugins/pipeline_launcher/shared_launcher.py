@@ -74,7 +74,8 @@ class SharedLauncher(Launcher):
         from pipeline.run import planned, run_of
         from pipeline.training.members import MemberError
 
-        returns = {number: self._alone(jobs[number]) for number in batch if _own_run(jobs[number])[1]}
+        own = {number: _own_run(jobs[number]) for number in batch}  # each job's folder, and its own run there
+        returns = {number: self._alone(jobs[number], *own[number]) for number in batch if own[number][1]}
         batch = [number for number in batch if number not in returns]
         while len(batch) > 1:
             shared = sharing.combine({number: jobs[number] for number in batch})
@@ -91,14 +92,12 @@ class SharedLauncher(Launcher):
                 log.info(f"jobs {numbers} go on with their shared run, stopped in {folder}")
             else:
                 # another run where this one or a job's folder would go: training would mix their checkpoints
-                own = {number: _job_dir(jobs[number]) for number in batch}
-                where = dict.fromkeys(batch, folder) if earlier_run(folder) else own
-                refused = {number: JobFailed(ExitCode.user_error, f"error: {where[number]} holds an earlier run "
-                                             f"({held}): launch these jobs into a new hydra.sweep.dir")
-                           for number in batch if (held := earlier_run(where[number]))}
+                where = {number: folder if earlier_run(folder) else own[number][0] for number in batch}
+                refused = {number: _held(where[number], held) for number in batch
+                           if (held := earlier_run(where[number]))}
                 if refused:  # those jobs fail; the others share again
                     for number, failure in refused.items():
-                        returns[number] = _unwritten(jobs[number], failure) if earlier_run(own[number]) \
+                        returns[number] = _unwritten(jobs[number], failure) if earlier_run(own[number][0]) \
                             else self._run_job(jobs[number], functools.partial(_failed, failure))
                     batch = [number for number in batch if number not in refused]
                     continue
@@ -118,20 +117,20 @@ class SharedLauncher(Launcher):
             else:
                 return returns | self._split(batch, jobs, shared, outcome, folder)
             for number in alone:
-                returns[number] = self._alone(jobs[number])
+                returns[number] = self._alone(jobs[number], *own[number])
             batch = [number for number in batch if number not in alone]
         for number in batch:
-            returns[number] = self._alone(jobs[number])
+            returns[number] = self._alone(jobs[number], *own[number])
         return returns
 
-    def _alone(self, cfg: DictConfig) -> JobReturn:
-        """A job run on its own (the task, as Hydra's basic launcher runs it). Launched again into its sweep's
-        folder, one that trained goes on with its own run there as a shared run does: a stopped one resumes,
-        a finished one returns its objective again, training nothing; a run of another config there fails it,
-        saying so, without a file written over that run's."""
-        from pipeline.config import ExitCode, JobFailed, earlier_run
+    def _alone(self, cfg: DictConfig, own: Path, earlier: str | None) -> JobReturn:
+        """A job run on its own (the task, as Hydra's basic launcher runs it), `own` its folder and `earlier` the
+        run of its own found there (_own_run). Launched again into its sweep's folder, one that trained goes on
+        with its own run there as a shared run does: a stopped one resumes, a finished one returns its
+        objective again, training nothing; a run of another config there fails it, saying so, without a file
+        written over that run's."""
+        from pipeline.config import earlier_run
 
-        own, earlier = _own_run(cfg)
         if earlier == "finished":
             log.info(f"job {cfg.hydra.job.num}: its run finished in {own}")
             return self._run_job(cfg, functools.partial(_finished, cfg.hydra.job.num, own))
@@ -140,8 +139,7 @@ class SharedLauncher(Launcher):
             with open_dict(cfg):
                 cfg.resume = str(own)
         elif not cfg.resume and (held := earlier_run(own)):
-            return _unwritten(cfg, JobFailed(ExitCode.user_error, f"error: {own} holds an earlier run ({held}): "
-                                                                  "launch these jobs into a new hydra.sweep.dir"))
+            return _unwritten(cfg, _held(own, held))
         return self._run_job(cfg, self.task_function)
 
     def _split(self, batch: list, jobs: dict, shared, outcome, folder: Path) -> dict:
@@ -213,28 +211,26 @@ def _job(shared, outcome, number: int, folder: Path, cfg: DictConfig):
         results = sharing.write_job(outcome, shared, number, cfg, folder, Path(HydraConfig.get().runtime.output_dir))
     except JobFailed as failure:  # another run's files in the job's folder
         _failed(failure, cfg)
-    failure = sharing.job_failure(results)
-    if failure:
-        _failed(failure, cfg)
-    objective = results["objective"]
-    print(f"job {number}: objective {objective['of']} {objective['metric']} = {objective['value']} "
-          f"(its members trained in the shared run {folder})")
-    return objective["value"]
+    return _returned(number, results, f"its members trained in the shared run {folder}", cfg)
 
 
 def _finished(number: int, folder: Path, cfg: DictConfig):
     """The task of job `number`, whose own run finished in `folder`, launched again: its objective, or its
     failure."""
+    return _returned(number, json.loads((folder / "results.json").read_text()), f"its run finished in {folder}", cfg)
+
+
+def _returned(number: int, results: dict, where: str, cfg: DictConfig):
+    """What job `number` returns to Hydra from its `results`: its objective, said with `where` it trained; or
+    its failure (a member given up), said and raised."""
     from pipeline import sharing
 
-    results = json.loads((folder / "results.json").read_text())
     failure = sharing.job_failure(results)
     if failure:
         _failed(failure, cfg)
     objective = results.get("objective")  # none in mode=profile
     if objective:
-        print(f"job {number}: objective {objective['of']} {objective['metric']} = {objective['value']} "
-              f"(its run finished in {folder})")
+        print(f"job {number}: objective {objective['of']} {objective['metric']} = {objective['value']} ({where})")
     return objective["value"] if objective else None
 
 
@@ -242,6 +238,14 @@ def _failed(failure, cfg: DictConfig):
     """A job's task under run_job that fails as `failure` (a JobFailed) says, on stderr and to Hydra."""
     print(failure.why, file=sys.stderr)
     raise failure
+
+
+def _held(folder: Path, held: str):
+    """The JobFailed of a job whose run would go where `folder` holds an earlier run (`held`: its outputs)."""
+    from pipeline.config import ExitCode, JobFailed
+
+    return JobFailed(ExitCode.user_error, f"error: {folder} holds an earlier run ({held}): launch these jobs into a "
+                                          "new hydra.sweep.dir")
 
 
 def _unwritten(cfg: DictConfig, failure) -> JobReturn:
