@@ -225,6 +225,7 @@ def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran
         cfg.hydra.runtime.cwd = str(tmp_path)
     (tmp_path / "multirun" / "0").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "multirun" / "0")
+    held = HydraConfig.instance().cfg
     HydraConfig.instance().set_config(cfg)
     try:
         check(cfg)
@@ -238,4 +239,4 @@ def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran
                 "databricks")
         assert [launch_relative(uri) for uri in kept] == list(kept)
     finally:
-        HydraConfig.instance().cfg = None
+        HydraConfig.instance().cfg = held

@@ -54,8 +54,8 @@ class StopSignals:
     The first signal sets `requested`. Once training has begun (`defer()`: the training loop polls it
     and stops in order, and what comes after, closing and results, runs to its end) that is all;
     before (start-up, rate measurement) it raises `Interrupted` there and then, and whatever was
-    started closes on the way out. A second signal (REPEAT_S or
-    more after the first) kills the run's child processes, removes its shared memory and exits at once.
+    started closes on the way out. A second signal (REPEAT_S or more after the first) kills the run's
+    child processes, removes its shared memory and exits at once.
     """
 
     def __init__(self):
@@ -76,7 +76,8 @@ class StopSignals:
 
     def defer(self) -> None:
         """From now to the `with` block's end, a first signal only sets `requested`, which the training loop
-        polls (a signal after the loop, as the run closes, is still taken in order: the run is resumable)."""
+        polls; one after the loop lets the run end in order too (marked interrupted as its processes close,
+        its results whole once they are being written: the command then exits, pipeline/__main__.py)."""
         self._deferred = True
 
     def _handle(self, signum: int, frame) -> None:
