@@ -73,6 +73,7 @@ class RunInputs:
     dataset: DatasetInfo
     graph: StageGraph
     cache_line: str | None  # what the cache stage will hold (none without one), checked against the memory
+    total_steps: int  # the run's training steps (epochs x batches an epoch): the learning-rate schedules' length
 
     def dataset_summary(self, name: str) -> dict:
         source = self.graph.source
@@ -107,7 +108,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     if cfg.mode == Mode.profile:
         if inputs.cache_line:
             console.print(inputs.cache_line)
-        results = profile_run(cfg, inputs.models, inputs.graph, output_dir, console)
+        results = profile_run(cfg, inputs.models, inputs.graph, inputs.total_steps, output_dir, console)
     else:
         results = train(cfg, inputs, output_dir, console, stop, parts)
         o = cfg.objective
@@ -239,9 +240,9 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
     graph = _graph(cfg, models)
-    models = check_members(models, len(graph.source.class_names), graph.image_sizes,
-                           cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN))
-    return RunInputs(models, dataset, graph, _plan_cache(cfg, graph))
+    total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
+    models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps)
+    return RunInputs(models, dataset, graph, _plan_cache(cfg, graph), total_steps)
 
 
 def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> TrainingPlan:

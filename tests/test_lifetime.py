@@ -181,7 +181,7 @@ def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
     children = job.children()
     next(c for c in children if c.name() == "trainer").suspend()  # it cannot write its checkpoint
     os.killpg(job.process.pid, signal.SIGINT)
-    job.wait_for("stopping:")  # printed once the driver has taken the first signal
+    job.wait_for("stopping in order")  # printed once the driver has taken the first signal
     time.sleep(REPEAT_S)  # sooner, the next is the same request delivered twice
     signalled = time.monotonic()
     os.killpg(job.process.pid, signal.SIGINT)

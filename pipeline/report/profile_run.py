@@ -51,9 +51,10 @@ from stages.read import ImageFolder
 CACHED_BATCHES = 4  # distinct decoded batches held in memory for the cached pass, cycled: augmenting costs the same
 
 
-def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, output_dir: Path,
+def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, total_steps: int, output_dir: Path,
                 console: Console) -> dict:
-    """Profile the configured pipeline and ensemble: the results of mode=profile (run.py writes them)."""
+    """Profile the configured pipeline and ensemble: the results of mode=profile (run.py writes them).
+    `total_steps`, a real run's training steps, lays out the schedules the passes step on."""
     batches, steps, warmup = cfg.profile.batches, cfg.profile.steps, cfg.profile.warmup
     sides = graph.image_sizes
     image_sizes = {m.name: sides[m.input] for m in models}
@@ -65,7 +66,6 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, out
                   f"differential passes of {steps} steps on {device}; no training (mode=train trains)")
 
     # The schedule of a real run's first steps: the passes train as a run would begin.
-    total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
     trainees = {family: _Trainee(members[0], len(graph.source.class_names), image_sizes[members[0].name], device,
                                 cfg.trainer.threads, total_steps) for family, members in families.items()}
     params = {m.name: trainees[m.shape].params for m in models}

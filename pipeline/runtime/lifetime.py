@@ -87,8 +87,8 @@ class StopSignals:
             _stop_now(signum)
         self.signum, self._first_at = signum, time.monotonic()
         self.requested.set()
-        print(f"\n{signal.Signals(signum).name}: stopping: checkpointing the last finished epochs and closing "
-              "(a second Ctrl-C stops at once)", flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping in order: the last finished epochs are kept and "
+              "the run closes (a second Ctrl-C stops at once)", flush=True)
         if not self._deferred:
             raise Interrupted(signum)
 
