@@ -79,7 +79,7 @@ class RunInputs:
         source = self.graph.source
         return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
                 "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
-                "val_images": source.num_items(Split.VAL)}
+                "val_images": source.num_items(Split.VAL), "split": source.split_source}
 
 
 def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
@@ -564,7 +564,7 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
     dataset, graph, models = inputs.dataset, inputs.graph, len(inputs.models)
     source = graph.source
     size = (f"{len(source.class_names)} classes, {source.num_items(Split.TRAIN)} train / "
-            f"{source.num_items(Split.VAL)} val images")
+            f"{source.num_items(Split.VAL)} val images by {source.split_source}")
     if dataset.synthetic:
         made = "generated now" if dataset.generated_now else "generated earlier"
         console.print(f"[bold yellow]dataset[/]  SYNTHETIC stand-in for {cfg.dataset.name} ({made}) at "

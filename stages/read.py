@@ -14,21 +14,27 @@ import numpy as np
 from stages.base import Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
 
 SPLIT_FILE = "split.json"  # a dataset's own split, {"val_per_class": <fraction or count>}, at its root
+# A dataset split in folders, <root>/train/<class>/... and <root>/val/<class>/...: the names those folders
+# go by (as timm's datasets find them); any other folder beside them (test/) is not read.
+TRAIN_FOLDERS = ("train", "training")
+VAL_FOLDERS = ("val", "valid", "validation")
 DEFAULT_VAL_PER_CLASS = 0.1  # the split of a dataset that declares none
 
 
 @dataclass
 class ImageFolder(Stage):
-    """Class folders of images (`001.ak47/001_0001.jpg`); a fixed per-class
-    train/val split; training batches reshuffled every epoch by seed.
+    """Class folders of images (`001.ak47/001_0001.jpg`) with a fixed per-class
+    train/val split, or a dataset split in folders (`train/n01440764/...`,
+    `val/n01440764/...`); training batches reshuffled every epoch by seed.
 
     A split that leaves a class fewer than 2 training images, or fewer training
     than validation images, is an error naming the class and the fix."""
 
-    root: str  # dataset folder holding one sub-folder per class
+    root: str  # dataset folder holding one sub-folder per class, or train/ and val/ folders of them
     batch_size: int  # images per batch (the last batch of a split may be smaller)
     val_per_class: float | None = None  # validation images per class: a fraction if < 1, else a count;
-    # None: the dataset's own split, declared in <root>/split.json (the synthetic stand-in has one), else 0.1
+    # None: the dataset's own split, its train/ and val/ folders or <root>/split.json (the synthetic stand-in
+    # has one), else 0.1
     split_seed: int = 0  # fixes which files are validation, independent of the training seed
 
     role: ClassVar[Role] = Role.SOURCE
@@ -59,21 +65,53 @@ class ImageFolder(Stage):
         if not root.is_dir():
             raise StageError(f"dataset root {root} does not exist; set dataset.root to an ImageFolder tree "
                              "(one sub-folder per class) or dataset.synthetic=auto to generate a stand-in")
+        folders = split_folders(root)
+        if folders:
+            self._scan_split_folders(root, *folders)
+        else:
+            self._scan_classes(root)
+        if not self.files[Split.TRAIN]:
+            train = next((root / name for name in TRAIN_FOLDERS if (root / name).is_dir()), None)
+            fix = (f"set dataset.root={train} (its classes then split by dataset.val_per_class), or add a "
+                   f"validation folder {root / VAL_FOLDERS[0]}/<class>/<image>") if train else "set dataset.root"
+            raise StageError(f"dataset root {root} holds no class folders with files; expected "
+                             "<root>/<class>/<image> (e.g. 001.ak47/001_0001.jpg), or <root>/train/<class>/<image> "
+                             f"and <root>/val/<class>/<image>; {fix}")
+
+    def _scan_classes(self, root: Path) -> None:
+        """One folder of classes, split per class by val_per_class."""
         self.split, self.split_source = self._choose_split(root)
-        class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        self.class_names = [d.name for d in class_dirs]
+        classes = _class_files(root)
+        self.class_names = list(classes)
+        counts = [self._val_count(len(paths)) for paths in classes.values()]
+        self._check_split(list(classes.values()), counts)
         self.files = {Split.TRAIN: [], Split.VAL: []}
-        classes = [sorted(str(p) for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
-                   for d in class_dirs]
-        counts = [self._val_count(len(paths)) for paths in classes]
-        self._check_split(classes, counts)
-        for label, (paths, n_val) in enumerate(zip(classes, counts)):
+        for label, (paths, n_val) in enumerate(zip(classes.values(), counts)):
             order = np.random.default_rng([self.split_seed, label]).permutation(len(paths))
             for rank, i in enumerate(order):
                 self.files[Split.VAL if rank < n_val else Split.TRAIN].append((paths[i], label))
-        if not self.files[Split.TRAIN]:
-            raise StageError(f"dataset root {root} holds no class folders with files; expected "
-                             "<root>/<class>/<image> (e.g. 001.ak47/001_0001.jpg); set dataset.root")
+
+    def _scan_split_folders(self, root: Path, train: Path, val: Path) -> None:
+        """A dataset split in folders (ImageNet's and Imagenette's layout): its classes are train's, its
+        validation images val's. A second split asked of it (val_per_class, split.json) is an error: one
+        of them would be dropped."""
+        layout = f"dataset root {root} is split in folders ({train.name}/ and {val.name}/)"
+        if self.val_per_class is not None:
+            raise StageError(f"{layout}, so its validation images are those in {val}; remove "
+                             f"dataset.val_per_class={self.val_per_class:g}, or point dataset.root at {train} to "
+                             "split that folder by it instead")
+        if (root / SPLIT_FILE).exists():
+            raise StageError(f"{layout} and also declares a split in {root / SPLIT_FILE}; remove that file")
+        trained, validated = _class_files(train), _class_files(val)
+        unknown = sorted(set(validated) - set(trained))
+        if unknown:
+            raise StageError(f"{layout}, but class folder(s) {', '.join(unknown)} of {val} have none in {train} "
+                             "to train on; add them there or remove them from the validation folder")
+        self.split_source = f"the dataset's own {train.name}/ and {val.name}/ folders"
+        self.class_names = list(trained)
+        labels = {name: label for label, name in enumerate(self.class_names)}
+        self.files = {Split.TRAIN: [(path, labels[name]) for name, paths in trained.items() for path in paths],
+                      Split.VAL: [(path, labels[name]) for name, paths in validated.items() for path in paths]}
 
     def _choose_split(self, root: Path) -> tuple[float, str]:
         """val_per_class if given, else the one the dataset declares in its SPLIT_FILE, else 0.1."""
@@ -150,6 +188,27 @@ class ImageFolder(Stage):
             labels.append(label)
             paths.append(path)
         return Batch(data, np.asarray(labels, dtype=np.int64), paths)
+
+
+def _class_files(folder: Path) -> dict[str, list[str]]:
+    """Each class folder's files (not hidden, not in sub-folders), by class name, in name order."""
+    return {d.name: sorted(str(p) for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
+            for d in sorted(folder.iterdir()) if d.is_dir() and not d.name.startswith(".")}
+
+
+def split_folders(root: Path) -> tuple[Path, Path] | None:
+    """The (train, val) folders of a dataset split in folders: `root` holds one of TRAIN_FOLDERS and one of
+    VAL_FOLDERS, each a folder of class folders (not of images: a dataset with classes called "train"
+    and "val" is one folder of classes). None for one folder of classes."""
+    def found(names):
+        for name in names:
+            folder = root / name
+            if folder.is_dir() and any(child.is_dir() for child in folder.iterdir()) \
+                    and not any(child.is_file() and not child.name.startswith(".") for child in folder.iterdir()):
+                return folder
+        return None
+    train, val = found(TRAIN_FOLDERS), found(VAL_FOLDERS)
+    return (train, val) if train and val else None
 
 
 # Epochs whose shuffles a worker keeps: a few flotillas' current and next epochs. At ImageNet's 1.28M

@@ -104,6 +104,68 @@ def test_a_class_too_small_for_any_validation_image_says_so(tmp_path):
     assert ImageFolder(root=str(tmp_path), batch_size=8).num_items(Split.VAL) == 1  # round(0.2) + round(1.0)
 
 
+def _split_in_folders(tiny_dataset, root, val_name="val", val_classes=3):
+    """The tiny dataset as ImageNet and Imagenette ship theirs: train/<class>/ (12 of each class's images) and
+    <val_name>/<class>/ (4, for the first `val_classes` classes), a test/ folder and a file beside them."""
+    for rank, class_dir in enumerate(sorted(p for p in tiny_dataset.iterdir() if p.is_dir())):
+        files = sorted(class_dir.iterdir())
+        for folder, chosen in (("train", files[:12]), (val_name, files[12:] if rank < val_classes else []),
+                               ("test", files[12:])):
+            (root / folder / class_dir.name).mkdir(parents=True, exist_ok=True)
+            for file in chosen:
+                shutil.copy(file, root / folder / class_dir.name / file.name.replace(".jpg", ".JPEG"))
+    (root / "noisy_labels.csv").write_text("path,label\n")
+    return root
+
+
+@pytest.mark.parametrize("val_name", ["val", "validation"])
+def test_a_dataset_split_in_folders_trains_on_its_train_folder_and_validates_on_its_val_folder(
+        tiny_dataset, tmp_path, val_name):
+    root = _split_in_folders(tiny_dataset, tmp_path / "imagenette", val_name)
+    source = ImageFolder(root=str(root), batch_size=8)
+    names = sorted(p.name for p in tiny_dataset.iterdir() if p.is_dir())
+    assert source.class_names == names
+    assert source.split_source == f"the dataset's own train/ and {val_name}/ folders"
+    for split, folder, count in ((Split.TRAIN, "train", 4 * 12), (Split.VAL, val_name, 3 * 4)):
+        files = source.files[split]
+        assert len(files) == count  # test/ is not read, nor the class without validation images' absent folder
+        assert all(path.startswith(str(root / folder / names[label]) + "/") for path, label in files), files
+    # The validation images are those of val/ (what a run validates on), read as any batch.
+    batch = source(None, ctx(split=Split.VAL))
+    assert batch.paths == [path for path, _ in source.files[Split.VAL][:8]] and len(batch.data) == 8
+
+
+def test_a_dataset_split_in_folders_refuses_a_second_split_and_classes_it_cannot_train(tiny_dataset, tmp_path):
+    root = _split_in_folders(tiny_dataset, tmp_path / "imagenette")
+    with pytest.raises(StageError, match=rf"dataset root {root} is split in folders \(train/ and val/\), so its "
+                                         rf"validation images are those in {root / 'val'}; remove "
+                                         rf"dataset.val_per_class=0.2, or point dataset.root at {root / 'train'}"):
+        ImageFolder(root=str(root), batch_size=8, val_per_class=0.2)
+    assert ImageFolder(root=str(root / "train"), batch_size=8, val_per_class=0.25).num_items(Split.VAL) == 4 * 3
+    (root / SPLIT_FILE).write_text('{"val_per_class": 0.25}')
+    with pytest.raises(StageError, match=rf"also declares a split in {root / SPLIT_FILE}; remove that file"):
+        ImageFolder(root=str(root), batch_size=8)
+    (root / SPLIT_FILE).unlink()
+    (root / "val" / "999.stray").mkdir()
+    (root / "val" / "999.stray" / "a.jpg").write_bytes(b"x")
+    with pytest.raises(StageError, match=rf"class folder\(s\) 999.stray of {root / 'val'} have none in "
+                                         rf"{root / 'train'} to train on"):
+        ImageFolder(root=str(root), batch_size=8)
+    shutil.rmtree(root / "val")  # train/ alone: the fix says how to split it
+    with pytest.raises(StageError, match=rf"holds no class folders with files.* set dataset.root={root / 'train'} "
+                                         r"\(its classes then split by dataset.val_per_class\)"):
+        ImageFolder(root=str(root), batch_size=8)
+
+
+def test_classes_called_train_and_val_are_one_folder_of_classes(tmp_path):
+    for name in ("train", "val"):
+        (tmp_path / name).mkdir()
+        for i in range(10):
+            (tmp_path / name / f"{i}.jpg").write_bytes(b"x")
+    source = ImageFolder(root=str(tmp_path), batch_size=8)
+    assert source.class_names == ["train", "val"] and source.num_items(Split.VAL) == 2
+
+
 def test_training_order_changes_with_epoch_and_seed_but_not_otherwise(source):
     order = lambda epoch, seed: source.order(Split.TRAIN, epoch, seed).tolist()
     assert order(0, 0) == order(0, 0)
