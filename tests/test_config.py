@@ -165,12 +165,17 @@ def test_auto_or_a_count_keeps_its_type():
     assert "cluster.workers" in str(err.value.__cause__ or err.value)
 
 
-def test_help_names_the_command_as_users_type_it():
+def test_help_names_the_command_as_users_type_it_and_says_what_it_does():
     """`python -m pipeline --help` names the app `pipeline` (Hydra would say `__main__`), the name each run's
-    log file takes too (pipeline.log)."""
+    log file takes too (pipeline.log); it says what the command does and how it is typed, then lists Hydra's
+    groups and the config, and ends with where every key and exit code is documented."""
     shown = subprocess.run([sys.executable, "-m", "pipeline", "--help"], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and shown.stdout.startswith("pipeline is powered by Hydra."), shown.stdout[:300]
+    text = shown.stdout
+    assert shown.returncode == 0 and text.startswith("pipeline: trains an ensemble of DNNs"), text[:300]
+    assert "  python -m pipeline +ensemble=caltech256 " in text and "== Configuration groups ==" in text
+    assert "scheduler: baseline, fleet_e" in text and "\ntrainer:\n" in text  # Hydra's own sections
+    assert text.rstrip().endswith("Hydra's own options: --hydra-help."), text[-300:]
 
 
 def test_a_fresh_run_refuses_a_folder_that_holds_an_earlier_runs_outputs(tmp_path):
