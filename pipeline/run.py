@@ -30,7 +30,7 @@ from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, das
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.delivery.collective import exchange_bytes
 from pipeline.runtime.hang import Patience
-from pipeline.measure.objective import objective_value
+from pipeline.measure.objective import objective_record
 from pipeline.measure.recorder import RunRecorder, write_json
 from pipeline.measure.tracking import MlflowRuns, Tracker, launch_relative
 from pipeline.orchestration.devices import (DeviceKind, most_sub_slots, resolve_device, slot_devices,
@@ -111,9 +111,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
         results = profile_run(cfg, inputs.models, inputs.graph, inputs.total_steps, output_dir, console)
     else:
         results = train(cfg, inputs, output_dir, console, stop, parts)
-        o = cfg.objective
-        results["objective"] = {"of": o.of, "metric": o.metric, "direction": o.metric.direction,
-                                "value": objective_value(results, o.of, o.metric)}
+        results["objective"] = objective_record(results, cfg.objective)
     results.update({"dataset": inputs.dataset_summary(cfg.dataset.name), "wall_s": time.perf_counter() - started,
                     "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
     write_json(output_dir / "results.json", results)

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.config import (ENSEMBLE, ExitCode, JobFailed, MemberConf, Mode, ObjectiveConf, check_objective,
                              expand_ensemble)
-from pipeline.measure.objective import objective_value
+from pipeline.measure.objective import objective_record
 from pipeline.measure.recorder import write_json
 from pipeline.measure.tracking import CSV_FILE, FOLDER as TRACKING
 from pipeline.report import write_report
@@ -152,9 +152,7 @@ def job_results(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shar
     if "given_up" in shared:  # slot groups: a job's member is given up with its group
         results["given_up"] = [names[m["name"]] for m in shared["models"]
                                if m["name"] in names and m["group"] in shared["given_up"]]
-    o = cfg.objective
-    results["objective"] = {"of": o.of, "metric": o.metric, "direction": o.metric.direction,
-                            "value": objective_value(results, o.of, o.metric)}
+    results["objective"] = objective_record(results, cfg.objective)
     results["config"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     results["shared_run"] = {"folder": str(shared_dir), "jobs": sorted(run.members),
                              "members": run.members[number]}

@@ -323,6 +323,36 @@ def test_sweep_lists_a_job_without_results(tmp_path):
     SweepSummary().on_multirun_end(multirun_config(tmp_path))
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert rows[1]["images_per_s"] == "" and rows[1]["verdict"].startswith("no results.json (the job is running")
+    assert "<p>No best job: no job returned an objective.</p>" in (tmp_path / "sweep.html").read_text()
+
+
+@pytest.mark.parametrize("metric, direction, best", [("val_accuracy", "maximize", "1"), ("val_loss", "minimize", "2")])
+def test_the_sweep_names_its_best_job_by_the_objectives_direction(tmp_path, capsys, metric, direction, best):
+    """The job whose objective is best (highest accuracy, lowest loss), marked in sweep.html and said at the
+    multirun's end; jobs without results are passed over."""
+    for number, value in enumerate((0.5, 0.9, 0.3)):
+        fake_job(tmp_path, number, ["+ensemble=caltech256", f"ensemble.models.0.optimizer.lr={value}"],
+                 {**input_bound(), "objective": {"of": "ensemble", "metric": metric, "direction": direction,
+                                                 "value": value}})
+    fake_job(tmp_path, 3, ["+ensemble=caltech256", "ensemble.models.0.optimizer.lr=0.01"], None)
+    SweepSummary().on_multirun_end(multirun_config(tmp_path))
+    value = {"1": 0.9, "2": 0.3}[best]
+    line = f"best job: {best} (ensemble.models.0.optimizer.lr={value}): {metric} of ensemble {value} ({direction}d)"
+    assert capsys.readouterr().out.splitlines()[-1] == line
+    html = (tmp_path / "sweep.html").read_text()
+    assert f"<p>B{line[1:]}.</p>" in html
+    assert html.count('<tr class="best">') == 1 and f'<tr class="best"><td><a href="{best}/report.html">' in html
+
+
+def test_jobs_whose_objectives_measure_different_things_have_no_best(tmp_path, capsys):
+    for number, metric in enumerate(("val_accuracy", "val_loss")):  # a sweep over objective.metric
+        fake_job(tmp_path, number, [f"objective.metric={metric}"],
+                 {**input_bound(), "objective": {"of": "ensemble", "metric": metric, "direction": "maximize",
+                                                 "value": 0.5}})
+    SweepSummary().on_multirun_end(multirun_config(tmp_path))
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "no best job: the jobs' objectives measure different things (objective.of, objective.metric)"
+    assert '<tr class="best">' not in (tmp_path / "sweep.html").read_text()
 
 
 HYDRA_APP = """

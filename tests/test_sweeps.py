@@ -5,6 +5,7 @@ launcher (jobs as one run) and the Optuna sweeper, which optimises the objective
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,9 @@ def test_basic_launcher_runs_each_job_with_its_own_cluster_and_a_failed_job_fail
     assert outcome(sweep / "2") == {"status": "failed", "error": "JobFailed: error: trainer.slots=0: give a "
                                     "positive integer or 'auto' (exit code 2 on its own)"}
     assert "failed: JobFailed: error: trainer.slots=0" in (sweep / "sweep.csv").read_text()
+    values = [results["objective"]["value"] for results in (one_slot, auto)]  # the kept ensembles' accuracies
+    best = 0 if values[0] >= values[1] else 1
+    assert f'<tr class="best"><td><a href="{best}/report.html">' in (sweep / "sweep.html").read_text()
     assert shm_segments(job.pid) == set()  # the jobs' rings (named by the driver's pid) are gone
 
 
@@ -168,11 +172,16 @@ def test_optuna_batches_under_the_shared_launcher_are_one_run_each_and_the_study
     assert job.returncode == 0, stdout[-2000:] + stderr[-3000:]
     sweep = tmp_path / "multirun"
     assert sorted(p.name for p in sweep.glob("shared-*")) == ["shared-0-1", "shared-2-3"]
-    trials = {}
+    trials, values = {}, {}
     for n in range(4):
         results = json.loads((sweep / str(n) / "results.json").read_text())
         member = results["models"][0]
         assert member["name"] == "resnet10_w16" and results["objective"]["value"] == min(member["val_loss"])
-        trials[member["optimizer"]["lr"]] = results["objective"]["value"]
+        trials[member["optimizer"]["lr"]] = values[n] = results["objective"]["value"]
     study = optuna.load_study(study_name="lr", storage=storage)
     assert {t.params["ensemble.models.0.optimizer.lr"]: t.value for t in study.trials} == trials
+    # The sweep's best job, said at its end, is the study's best trial (the lowest loss).
+    best = min(values, key=values.get)
+    assert values[best] == study.best_value
+    assert re.search(rf"^best job: {best} \(ensemble.models.0.optimizer.lr=\S+\): val_loss of resnet10_w16 "
+                     rf"{values[best]:.6g} \(minimized\)$", stdout, re.M), stdout[-2000:]

@@ -38,3 +38,10 @@ def objective_value(results: dict, of: str, metric: Metric) -> float | None:
         values = [metric.best(m[metric]) for m in members if m[metric]]
         value = metric.best(values) if values else None
     return None if value is None or math.isnan(value) else value
+
+
+def objective_record(results: dict, objective) -> dict:
+    """results.json's "objective": what the run returns (`objective`, the config's objective node) and what it
+    measures, whose direction the sweep summary ranks jobs by."""
+    return {"of": objective.of, "metric": objective.metric, "direction": objective.metric.direction,
+            "value": objective_value(results, objective.of, objective.metric)}

@@ -54,8 +54,8 @@ class SweepSummary(Callback):
         write_sweep_summary(sweep_dir(config))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        html_path, csv_path = write_sweep_summary(sweep_dir(config))
-        print(f"sweep summary: {html_path}  {csv_path}")
+        html_path, csv_path, best = write_sweep_summary(sweep_dir(config))
+        print(f"sweep summary: {html_path}  {csv_path}\n{best}")
 
 
 def sweep_dir(config: DictConfig) -> Path:
@@ -92,9 +92,34 @@ class Job:
     label: str  # the overrides that differ between jobs
     metrics: dict[str, float | None]
     verdict: str  # the report's bound, or why there is none
+    measure: tuple[str, str, str] | None  # its objective's (of, metric, direction); None without results.json
 
 
-def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
+def best_job(jobs: list[Job]) -> Job | None:
+    """The job with the best objective, by its direction (the first of equals), among those that returned
+    one; None when none did, or when the jobs' objectives measure different things (a sweep over
+    objective.of or objective.metric: no value is better than another)."""
+    scored = [job for job in jobs if job.measure and job.metrics["objective"] is not None]
+    if not scored or len({job.measure for job in scored}) > 1:
+        return None
+    pick = max if scored[0].measure[2] == "maximize" else min
+    return pick(scored, key=lambda job: job.metrics["objective"])
+
+
+def best_line(jobs: list[Job]) -> str:
+    """One line naming the best job and what it returned, or why there is none."""
+    best = best_job(jobs)
+    if best is None:
+        measures = {job.measure[:2] for job in jobs if job.measure}
+        return ("no best job: the jobs' objectives measure different things (objective.of, objective.metric)"
+                if len(measures) > 1 else "no best job: no job returned an objective")
+    of, metric, direction = best.measure
+    return (f"best job: {best.folder} ({best.label}): {metric} of {of} {best.metrics['objective']:.6g} "
+            f"({direction}d)")
+
+
+def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path, str]:
+    """sweep.html and sweep.csv over the job folders there; returns their paths and the best job's line."""
     html_path, csv_path = sweep_dir / "sweep.html", sweep_dir / "sweep.csv"
     # Jobs of a parallel launcher end at once: the last to write must have read every job.json before.
     with (sweep_dir / ".sweep.lock").open("w") as lock:
@@ -102,7 +127,7 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path]:
         jobs = read_jobs(sweep_dir)
         write_whole(csv_path, csv_text(jobs))
         write_whole(html_path, render_html(jobs, common_overrides([job.overrides for job in jobs]), sweep_dir))
-    return html_path, csv_path
+    return html_path, csv_path, best_line(jobs)
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
@@ -114,8 +139,8 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     for folder in folders:
         overrides = records[folder]["overrides"]
         label = ", ".join(o for o in overrides if o not in common) or str(folder.relative_to(sweep_dir))
-        metrics, verdict = _job_metrics(folder, records[folder])
-        jobs.append(Job(str(folder.relative_to(sweep_dir)), overrides, label, metrics, verdict))
+        metrics, verdict, measure = _job_metrics(folder, records[folder])
+        jobs.append(Job(str(folder.relative_to(sweep_dir)), overrides, label, metrics, verdict, measure))
     return jobs
 
 
@@ -124,22 +149,25 @@ def _job_order(folder: Path) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in folder.parts)
 
 
-def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], str]:
-    """The job's measurements and its verdict: the report's bound, or why it has none."""
+def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], str, tuple[str, str, str] | None]:
+    """The job's measurements, its verdict (the report's bound, or why it has none) and what its objective
+    measures."""
     failed = f"failed: {record['error']}" if record["status"] == "failed" else None
     if not (folder / "results.json").is_file():
-        return dict.fromkeys(METRICS), failed or "no results.json (the job is running, or was killed)"
+        return dict.fromkeys(METRICS), failed or "no results.json (the job is running, or was killed)", None
     results = json.loads((folder / "results.json").read_text())
     analysis = analyse(results)
     accuracy = results.get("ensemble", {}).get("final_val_accuracy")
+    objective = results.get("objective") or {}
+    measure = tuple(objective.get(key) for key in ("of", "metric", "direction"))
     return {
-        "objective": (results.get("objective") or {}).get("value"),
+        "objective": objective.get("value"),
         "images_per_s": analysis.images_per_s,
         "cpu_s_per_epoch": analysis.cpu_s_per_epoch,
         "mean_stall_pct": analysis.mean_stall_pct,
         "ensemble_accuracy": None if accuracy is None else 100 * accuracy,
         "wall_s": results.get("wall_s"),
-    }, failed or analysis.verdict.bound
+    }, failed or analysis.verdict.bound, measure if None not in measure else None
 
 
 def common_overrides(override_lists: list[list[str]]) -> list[str]:
@@ -168,16 +196,18 @@ def render_html(jobs: list[Job], common: list[str], sweep_dir: Path) -> str:
         for key, (title, unit) in METRICS.items()) if jobs else ""
     head = "".join(f"<th>{escape(h)}</th>" for h in ["job", "overrides", *(t for t, _ in METRICS.values()),
                                                         "verdict"])
+    best, line = best_job(jobs), best_line(jobs)
     rows = "".join(
-        f"<tr><td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a> "
+        ("<tr class=\"best\">" if job is best else "<tr>")
+        + f"<td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a> "
         f"(<a href=\"{escape(job.folder)}/{TRACKING}/{TRACKING_CSV}\">metrics</a>)</td>" + "".join(
             f"<td>{escape(cell)}</td>" for cell in [job.label, *(_cell(job.metrics[key]) for key in METRICS),
                                                     job.verdict]) + "</tr>" for job in jobs)
     shared = escape(" ".join(common)) or "(none)"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>Sweep summary</title>"
             f"<style>{CSS} .charts {{ display: flex; flex-wrap: wrap; gap: 1em; }} "
-            ".charts img { width: 370px; }</style></head><body>\n"
-            f"<h1>Sweep summary: {len(jobs)} job(s)</h1>"
+            ".charts img { width: 370px; } tr.best td { font-weight: bold; }</style></head><body>\n"
+            f"<h1>Sweep summary: {len(jobs)} job(s)</h1><p>{escape(line[0].upper() + line[1:])}.</p>"
             f"<p class=\"note\">Overrides shared by every job: <code>{shared}</code>. Each job's own report is "
             f"report.html in its folder (its link), its members' metrics by epoch {TRACKING}/{TRACKING_CSV} and "
             f"TensorBoard's files (<code>tensorboard --logdir {escape(str(sweep_dir))}</code>); job.json there says "
