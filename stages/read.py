@@ -65,7 +65,7 @@ class ImageFolder(Stage):
         if not root.is_dir():
             raise StageError(f"dataset root {root} does not exist; set dataset.root to an ImageFolder tree "
                              "(one sub-folder per class) or dataset.synthetic=auto to generate a stand-in")
-        folders = split_folders(root)
+        folders = _split_folders(root)
         if folders:
             self._scan_split_folders(root, *folders)
         else:
@@ -196,7 +196,7 @@ def _class_files(folder: Path) -> dict[str, list[str]]:
             for d in sorted(folder.iterdir()) if d.is_dir() and not d.name.startswith(".")}
 
 
-def split_folders(root: Path) -> tuple[Path, Path] | None:
+def _split_folders(root: Path) -> tuple[Path, Path] | None:
     """The (train, val) folders of a dataset split in folders: `root` holds one of TRAIN_FOLDERS and one of
     VAL_FOLDERS, each a folder of class folders (not of images: a dataset with classes called "train"
     and "val" is one folder of classes). None for one folder of classes."""

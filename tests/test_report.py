@@ -329,12 +329,18 @@ def test_sweep_lists_a_job_without_results(tmp_path):
 @pytest.mark.parametrize("metric, direction, best", [("val_accuracy", "maximize", "1"), ("val_loss", "minimize", "2")])
 def test_the_sweep_names_its_best_job_by_the_objectives_direction(tmp_path, capsys, metric, direction, best):
     """The job whose objective is best (highest accuracy, lowest loss), marked in sweep.html and said at the
-    multirun's end; jobs without results are passed over."""
+    multirun's end; jobs without results, and failed ones, are passed over."""
     for number, value in enumerate((0.5, 0.9, 0.3)):
         fake_job(tmp_path, number, ["+ensemble=caltech256", f"ensemble.models.0.optimizer.lr={value}"],
                  {**input_bound(), "objective": {"of": "ensemble", "metric": metric, "direction": direction,
                                                  "value": value}})
     fake_job(tmp_path, 3, ["+ensemble=caltech256", "ensemble.models.0.optimizer.lr=0.01"], None)
+    value = {"maximize": 0.99, "minimize": 0.01}[direction]  # the best value, of a job that failed
+    fake_job(tmp_path, 4, ["+ensemble=caltech256", "ensemble.models.0.optimizer.lr=0.02"],
+             {**input_bound(), "objective": {"of": "ensemble", "metric": metric, "direction": direction,
+                                             "value": value}})
+    record = json.loads((tmp_path / "4" / JOB_FILE).read_text())
+    (tmp_path / "4" / JOB_FILE).write_text(json.dumps({**record, "status": "failed", "error": "JobFailed: ..."}))
     SweepSummary().on_multirun_end(multirun_config(tmp_path))
     value = {"1": 0.9, "2": 0.3}[best]
     line = f"best job: {best} (ensemble.models.0.optimizer.lr={value}): {metric} of ensemble {value} ({direction}d)"

@@ -92,7 +92,7 @@ class Job:
     label: str  # the overrides that differ between jobs
     metrics: dict[str, float | None]
     verdict: str  # the report's bound, or why there is none
-    measure: tuple[str, str, str] | None  # its objective's (of, metric, direction); None without results.json
+    measure: tuple[str, str, str] | None  # its objective's (of, metric, direction); None unless it completed
 
 
 def best_job(jobs: list[Job]) -> Job | None:
@@ -167,7 +167,7 @@ def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], s
         "mean_stall_pct": analysis.mean_stall_pct,
         "ensemble_accuracy": None if accuracy is None else 100 * accuracy,
         "wall_s": results.get("wall_s"),
-    }, failed or analysis.verdict.bound, measure if None not in measure else None
+    }, failed or analysis.verdict.bound, measure if None not in measure and record["status"] == "completed" else None
 
 
 def common_overrides(override_lists: list[list[str]]) -> list[str]:
