@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pipeline.config import ExitCode, JobFailed, exit_on_user_error, register
+from pipeline.config import ExitCode, JobFailed, check_sweeper, exit_on_user_error, register
 from pipeline.runtime.hang import HangError
 from pipeline.runtime.lifetime import Interrupted, StopSignals
 from pipeline.run import run
@@ -45,6 +45,8 @@ def main(cfg: DictConfig) -> float | None:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     with StopSignals() as stop:
         try:
+            if multirun:
+                check_sweeper(cfg.objective, HydraConfig.get().sweeper)
             results = run(cfg, Path(HydraConfig.get().runtime.output_dir), stop)
         except UserError as err:
             if not multirun:

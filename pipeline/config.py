@@ -405,6 +405,42 @@ def check_objective(objective: DictConfig, models: list[ModelSpec]) -> None:
                           f"or a member's name ({', '.join(names)})")
 
 
+def check_sweeper(objective: DictConfig, sweeper: DictConfig | None) -> None:
+    """A multirun's sweeper (its Hydra config, hydra.sweeper) that optimises what the jobs return does so
+    the way the objective's metric is better: Optuna's default, minimize, would search for the worst
+    accuracy and report it as the best."""
+    declared = sweeper_direction(sweeper)
+    metric = Metric(objective.metric)
+    if declared and declared[2] != metric.direction:
+        key, value, direction = declared
+        other = next(m for m in Metric if m is not metric)
+        raise ConfigError(
+            f"{key}={value}: the sweeper would {direction} what each job returns, but objective.metric={metric} "
+            f"is better when {'higher' if metric.direction == 'maximize' else 'lower'}; set {key}={_flipped(value)}, "
+            f"or objective.metric={other}")
+
+
+def sweeper_direction(sweeper: DictConfig | None) -> tuple[str, str, str] | None:
+    """(key, its value, "maximize" or "minimize") of a sweeper that optimises one returned value, where its
+    config says which way: Optuna's direction, Nevergrad's optim.maximize, Ax's ax_config.experiment.minimize.
+    None for a sweeper that optimises nothing (Hydra's basic one) or several values (a list of directions)."""
+    if sweeper is None:
+        return None
+    direction = OmegaConf.select(sweeper, "direction")
+    direction = getattr(direction, "name", direction)  # Optuna's Direction enum, or its name
+    if direction in ("maximize", "minimize"):
+        return "hydra.sweeper.direction", direction, direction
+    for key, maximizes in (("optim.maximize", True), ("ax_config.experiment.minimize", False)):
+        value = OmegaConf.select(sweeper, key)
+        if isinstance(value, bool):
+            return f"hydra.sweeper.{key}", str(value).lower(), "maximize" if value == maximizes else "minimize"
+    return None
+
+
+def _flipped(value: str) -> str:
+    return {"maximize": "minimize", "minimize": "maximize", "true": "false", "false": "true"}[value]
+
+
 MEMBER_DEFAULTS = ("optimizer", "lr_scheduler", "loss")  # declared once for the ensemble, refined per member
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.config import (ENSEMBLE, ExitCode, JobFailed, MemberConf, Mode, ObjectiveConf, check_objective,
-                             expand_ensemble)
+                             check_sweeper, expand_ensemble)
 from pipeline.measure.objective import objective_record
 from pipeline.measure.recorder import write_json
 from pipeline.measure.tracking import CSV_FILE, FOLDER as TRACKING
@@ -80,8 +80,8 @@ class SharedRun:
 def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:
     """The jobs, by job number, in the runs they share: jobs that train (not resumed, no halving) and agree on
     everything but JOB_KEYS (and on the environment Hydra sets for them, hydra.job.env_set) together, in the
-    order their first job comes; every other job alone (one whose ensemble or objective is wrong, too: on
-    its own it fails, saying why, as any job would)."""
+    order their first job comes; every other job alone (one whose ensemble or objective is wrong, or whose
+    sweeper optimises the other way, too: on its own it fails, saying why, as any job would)."""
     shared: dict[str, list[int]] = {}
     alone = []
     for number, cfg in jobs.items():
@@ -104,6 +104,7 @@ def env_set(cfg: DictConfig) -> dict[str, str]:
 def _checks(cfg: DictConfig) -> bool:
     try:
         check_objective(cfg.objective, expand_ensemble(cfg.ensemble, cfg.seed))
+        check_sweeper(cfg.objective, OmegaConf.select(cfg, "hydra.sweeper"))
     except UserError:
         return False
     return True

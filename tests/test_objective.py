@@ -1,8 +1,9 @@
 """The value a run returns to a Hydra sweeper (objective.of, objective.metric), read from results the
 test writes by hand."""
 import pytest
+from omegaconf import OmegaConf
 
-from pipeline.config import ConfigError, check_objective
+from pipeline.config import ConfigError, check_objective, check_sweeper, sweeper_direction
 from pipeline.measure.objective import Metric, objective_value
 from tests.conftest import compose_config, member
 
@@ -41,3 +42,33 @@ def test_an_objective_naming_no_member_is_refused_with_the_names_there_are():
                                           r"best_member or a member's name \(a, b\)"):
         check_objective(compose_config(["objective.of=resnet"]).objective, [member("a"), member("b")])
     check_objective(compose_config(["objective.of=b"]).objective, [member("a"), member("b")])
+
+
+def test_a_sweeper_is_read_for_the_way_it_optimises():
+    """Optuna's config (the real plugin's, composed: its default is minimize) and those Nevergrad and Ax
+    declare; Hydra's basic sweeper optimises nothing."""
+    sweeper = lambda *overrides: compose_config(list(overrides), with_hydra=True).hydra.sweeper
+    assert sweeper_direction(sweeper()) is None
+    assert sweeper_direction(sweeper("hydra/sweeper=optuna")) == ("hydra.sweeper.direction", "minimize", "minimize")
+    assert sweeper_direction(sweeper("hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"))[2] == "maximize"
+    assert sweeper_direction(OmegaConf.create({"direction": ["maximize", "minimize"]})) is None  # two objectives
+    assert sweeper_direction(OmegaConf.create({"optim": {"maximize": True}})) == \
+        ("hydra.sweeper.optim.maximize", "true", "maximize")
+    assert sweeper_direction(OmegaConf.create({"ax_config": {"experiment": {"minimize": True}}})) == \
+        ("hydra.sweeper.ax_config.experiment.minimize", "true", "minimize")
+
+
+def test_a_sweeper_that_optimises_the_other_way_than_the_metric_is_refused_saying_both_fixes():
+    optuna = compose_config(["hydra/sweeper=optuna"], with_hydra=True).hydra.sweeper  # minimize, its default
+    with pytest.raises(ConfigError) as refused:
+        check_sweeper(compose_config([]).objective, optuna)  # the ensemble's accuracy
+    assert str(refused.value) == (
+        "hydra.sweeper.direction=minimize: the sweeper would minimize what each job returns, but "
+        "objective.metric=val_accuracy is better when higher; set hydra.sweeper.direction=maximize, or "
+        "objective.metric=val_loss")
+    check_sweeper(compose_config(["objective.metric=val_loss"]).objective, optuna)
+    with pytest.raises(ConfigError, match=r"^hydra.sweeper.optim.maximize=true: .* is better when lower; set "
+                                          r"hydra.sweeper.optim.maximize=false, or objective.metric=val_accuracy$"):
+        check_sweeper(compose_config(["objective.metric=val_loss"]).objective,
+                      OmegaConf.create({"optim": {"maximize": True}}))
+    check_sweeper(compose_config([]).objective, None)  # not a multirun's

@@ -160,6 +160,19 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
     assert shm_segments(job.pid) == set()
 
 
+def test_a_sweeper_optimising_the_wrong_way_fails_every_trial_before_it_starts(tmp_path):
+    """Optuna's default direction (minimize) over the default objective (the ensemble's accuracy) would
+    search for the worst accuracy: under the shared launcher each trial fails at once, saying both fixes,
+    and nothing trains."""
+    job, stdout, stderr = multirun(
+        tmp_path, "hydra/launcher=shared", "ensemble.models.0.optimizer.lr=interval(0.01, 0.2)",
+        "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2")
+    assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    said = "error: hydra.sweeper.direction=minimize: the sweeper would minimize what each job returns"
+    assert stderr.count(said) >= 2 and "set hydra.sweeper.direction=maximize, or objective.metric=val_loss" in stderr
+    assert not list((tmp_path / "multirun").rglob("results.json"))
+
+
 def test_optuna_batches_under_the_shared_launcher_are_one_run_each_and_the_study_has_every_trial(tmp_path):
     """Optuna asks for 4 trials, 2 at a time: each batch of 2 is one shared run, and the study holds each
     trial's value, the job's objective (its resnet10_w16's lowest validation loss)."""
