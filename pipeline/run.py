@@ -79,7 +79,8 @@ class RunInputs:
         source = self.graph.source
         return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
                 "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
-                "val_images": source.num_items(Split.VAL), "split": source.split_source}
+                "val_images": source.num_items(Split.VAL), "split": source.split_source,
+                "unread_folders": source.unread}
 
 
 def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
@@ -563,6 +564,9 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
     source = graph.source
     size = (f"{len(source.class_names)} classes, {source.num_items(Split.TRAIN)} train / "
             f"{source.num_items(Split.VAL)} val images by {source.split_source}")
+    if source.unread:
+        shown = ", ".join(source.unread[:3]) + (f" and {len(source.unread) - 3} more" if len(source.unread) > 3 else "")
+        size += f"; not read: {len(source.unread)} folder(s) inside class folders ({shown})"
     if dataset.synthetic:
         made = "generated now" if dataset.generated_now else "generated earlier"
         console.print(f"[bold yellow]dataset[/]  SYNTHETIC stand-in for {cfg.dataset.name} ({made}) at "

@@ -45,6 +45,8 @@ class ImageFolder(Stage):
     files: dict[Split, list[tuple[str, int]]] = field(init=False, default_factory=dict)
     split: float = field(init=False, default=DEFAULT_VAL_PER_CLASS)  # the val_per_class in use
     split_source: str = field(init=False, default="")  # where it comes from, for messages
+    # Folders inside class folders (relative to root; Caltech-256's 056.dog/greg): not read, said at the start
+    unread: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -81,7 +83,7 @@ class ImageFolder(Stage):
     def _scan_classes(self, root: Path) -> None:
         """One folder of classes, split per class by val_per_class."""
         self.split, self.split_source = self._choose_split(root)
-        classes = _class_files(root)
+        classes = self._class_files(root)
         self.class_names = list(classes)
         counts = [self._val_count(len(paths)) for paths in classes.values()]
         self._check_split(list(classes.values()), counts)
@@ -102,7 +104,7 @@ class ImageFolder(Stage):
                              "split that folder by it instead")
         if (root / SPLIT_FILE).exists():
             raise StageError(f"{layout} and also declares a split in {root / SPLIT_FILE}; remove that file")
-        trained, validated = _class_files(train), _class_files(val)
+        trained, validated = self._class_files(train), self._class_files(val)
         unknown = sorted(set(validated) - set(trained))
         if unknown:
             raise StageError(f"{layout}, but class folder(s) {', '.join(unknown)} of {val} have none in {train} "
@@ -112,6 +114,16 @@ class ImageFolder(Stage):
         labels = {name: label for label, name in enumerate(self.class_names)}
         self.files = {Split.TRAIN: [(path, labels[name]) for name, paths in trained.items() for path in paths],
                       Split.VAL: [(path, labels[name]) for name, paths in validated.items() for path in paths]}
+
+    def _class_files(self, folder: Path) -> dict[str, list[str]]:
+        """Each class folder's files (not hidden), by class name, in name order; a folder inside a class
+        folder is not read, but listed in `unread` (nothing is left out unsaid)."""
+        classes = {}
+        for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
+            entries = [p for p in class_dir.iterdir() if not p.name.startswith(".")]
+            classes[class_dir.name] = sorted(str(p) for p in entries if p.is_file())
+            self.unread += sorted(str(p.relative_to(self.root)) for p in entries if p.is_dir())
+        return classes
 
     def _choose_split(self, root: Path) -> tuple[float, str]:
         """val_per_class if given, else the one the dataset declares in its SPLIT_FILE, else 0.1."""
@@ -188,12 +200,6 @@ class ImageFolder(Stage):
             labels.append(label)
             paths.append(path)
         return Batch(data, np.asarray(labels, dtype=np.int64), paths)
-
-
-def _class_files(folder: Path) -> dict[str, list[str]]:
-    """Each class folder's files (not hidden, not in sub-folders), by class name, in name order."""
-    return {d.name: sorted(str(p) for p in d.iterdir() if p.is_file() and not p.name.startswith("."))
-            for d in sorted(folder.iterdir()) if d.is_dir() and not d.name.startswith(".")}
 
 
 def _split_folders(root: Path) -> tuple[Path, Path] | None:

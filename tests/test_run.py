@@ -102,6 +102,7 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     decode = results["pipeline"]["stages"]["decode"]
     files = results["dataset"]["train_images"] + results["dataset"]["val_images"]
     assert results["dataset"]["split"] == "the default val_per_class=0.1"  # a tree given without a split
+    assert results["dataset"]["unread_folders"] == []
     usable = files - len(results["skipped"])
     assert decode["items"] == usable  # every usable file decoded once, for all four models; epoch 2 from the cache
     assert results["pipeline"]["cache_hit_rate_by_epoch"] == [0.0, usable / files]

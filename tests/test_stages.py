@@ -157,6 +157,21 @@ def test_a_dataset_split_in_folders_refuses_a_second_split_and_classes_it_cannot
         ImageFolder(root=str(root), batch_size=8)
 
 
+def test_a_folder_inside_a_class_folder_is_not_read_and_is_listed(tiny_dataset, tmp_path):
+    """Caltech-256 ships 056.dog/greg: its files are not the class's (as torchvision's Caltech256 reads
+    it), and the run says so (`unread`, the first line and results.json) instead of leaving them out unsaid."""
+    root = tmp_path / "caltech"
+    shutil.copytree(tiny_dataset, root)
+    dog = sorted(p for p in root.iterdir() if p.is_dir())[1]
+    (dog / "greg").mkdir()
+    shutil.copy(next(dog.glob("*.jpg")), dog / "greg" / "extra.jpg")
+    (dog / ".hidden").mkdir()
+    source = ImageFolder(root=str(root), batch_size=8)
+    assert source.unread == [f"{dog.name}/greg"]
+    assert source.num_items(Split.TRAIN) + source.num_items(Split.VAL) == 4 * 16  # greg's file is not among them
+    assert ImageFolder(root=str(tiny_dataset), batch_size=8).unread == []
+
+
 def test_classes_called_train_and_val_are_one_folder_of_classes(tmp_path):
     for name in ("train", "val"):
         (tmp_path / name).mkdir()
