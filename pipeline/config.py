@@ -413,11 +413,11 @@ def check_sweeper(objective: DictConfig, sweeper: DictConfig | None) -> None:
     metric = Metric(objective.metric)
     if declared and declared[2] != metric.direction:
         key, value, direction = declared
-        other = next(m for m in Metric if m is not metric)
+        suited = next(m for m in Metric if m.direction == direction)  # what the sweeper's way fits
         raise ConfigError(
             f"{key}={value}: the sweeper would {direction} what each job returns, but objective.metric={metric} "
             f"is better when {'higher' if metric.direction == 'maximize' else 'lower'}; set {key}={_flipped(value)}, "
-            f"or objective.metric={other}")
+            f"or objective.metric={suited}")
 
 
 def sweeper_direction(sweeper: DictConfig | None) -> tuple[str, str, str] | None:

@@ -43,7 +43,7 @@ class ImageFolder(Stage):
 
     class_names: list[str] = field(init=False, default_factory=list)
     files: dict[Split, list[tuple[str, int]]] = field(init=False, default_factory=dict)
-    split: float = field(init=False, default=DEFAULT_VAL_PER_CLASS)  # the val_per_class in use
+    split: float = field(init=False, default=DEFAULT_VAL_PER_CLASS)  # the val_per_class in use (unused when split in folders)
     split_source: str = field(init=False, default="")  # where it comes from, for messages
     # Folders inside class folders (relative to root; Caltech-256's 056.dog/greg): not read, said at the start
     unread: list[str] = field(init=False, default_factory=list)
@@ -73,12 +73,10 @@ class ImageFolder(Stage):
         else:
             self._scan_classes(root)
         if not self.files[Split.TRAIN]:
-            train = next((root / name for name in TRAIN_FOLDERS if (root / name).is_dir()), None)
-            fix = (f"set dataset.root={train} (its classes then split by dataset.val_per_class), or add a "
-                   f"validation folder {root / VAL_FOLDERS[0]}/<class>/<image>") if train else "set dataset.root"
-            raise StageError(f"dataset root {root} holds no class folders with files; expected "
+            where = f" in {folders[0]}" if folders else ""
+            raise StageError(f"dataset root {root} holds no class folders with files{where}; expected "
                              "<root>/<class>/<image> (e.g. 001.ak47/001_0001.jpg), or <root>/train/<class>/<image> "
-                             f"and <root>/val/<class>/<image>; {fix}")
+                             "and <root>/val/<class>/<image>; set dataset.root")
 
     def _scan_classes(self, root: Path) -> None:
         """One folder of classes, split per class by val_per_class."""
@@ -203,18 +201,33 @@ class ImageFolder(Stage):
 
 
 def _split_folders(root: Path) -> tuple[Path, Path] | None:
-    """The (train, val) folders of a dataset split in folders: `root` holds one of TRAIN_FOLDERS and one of
-    VAL_FOLDERS, each a folder of class folders (not of images: a dataset with classes called "train"
-    and "val" is one folder of classes). None for one folder of classes."""
-    def found(names):
-        for name in names:
-            folder = root / name
-            if folder.is_dir() and any(child.is_dir() for child in folder.iterdir()) \
-                    and not any(child.is_file() and not child.name.startswith(".") for child in folder.iterdir()):
-                return folder
+    """The (train, val) folders of a dataset split in folders; None for one folder of classes. `root` is
+    split in folders when it holds a folder of class folders named as a training folder (TRAIN_FOLDERS):
+    then a validation folder of class folders (VAL_FOLDERS) must be beside it, or it is an error naming
+    the fix (ImageNet's val/ as downloaded holds its images flat: read as one folder of classes, train/
+    and val/ would be two classes)."""
+    train = _folder_of_classes(root, TRAIN_FOLDERS)
+    if train is None:
         return None
-    train, val = found(TRAIN_FOLDERS), found(VAL_FOLDERS)
-    return (train, val) if train and val else None
+    val = _folder_of_classes(root, VAL_FOLDERS)
+    if val is None:
+        named = next((root / name for name in VAL_FOLDERS if (root / name).is_dir()), None)
+        why = (f"{named} holds no class folders (ImageNet's val/ as downloaded is flat)" if named else
+               f"no validation folder beside it ({', '.join(f'{name}/' for name in VAL_FOLDERS)})")
+        raise StageError(f"dataset root {root} holds a training folder of classes, {train}, but {why}; arrange "
+                         f"the validation images as {named or root / VAL_FOLDERS[0]}/<class>/<image>, or set "
+                         f"dataset.root={train} to split its classes by dataset.val_per_class")
+    return train, val
+
+
+def _folder_of_classes(root: Path, names: tuple[str, ...]) -> Path | None:
+    """The first of `names` under `root` that holds a folder (not hidden): a folder of class folders (one
+    of images, as a class called "train" is, holds none)."""
+    for name in names:
+        folder = root / name
+        if folder.is_dir() and any(child.is_dir() and not child.name.startswith(".") for child in folder.iterdir()):
+            return folder
+    return None
 
 
 # Epochs whose shuffles a worker keeps: a few flotillas' current and next epochs. At ImageNet's 1.28M

@@ -351,9 +351,9 @@ def test_the_sweep_names_its_best_job_by_the_objectives_direction(tmp_path, caps
 
 
 def test_jobs_whose_objectives_measure_different_things_have_no_best(tmp_path, capsys):
-    for number, metric in enumerate(("val_accuracy", "val_loss")):  # a sweep over objective.metric
-        fake_job(tmp_path, number, [f"objective.metric={metric}"],
-                 {**input_bound(), "objective": {"of": "ensemble", "metric": metric, "direction": "maximize",
+    for number, (metric, direction) in enumerate((("val_accuracy", "maximize"), ("val_loss", "minimize"))):
+        fake_job(tmp_path, number, [f"objective.metric={metric}"],  # a sweep over objective.metric
+                 {**input_bound(), "objective": {"of": "ensemble", "metric": metric, "direction": direction,
                                                  "value": 0.5}})
     SweepSummary().on_multirun_end(multirun_config(tmp_path))
     assert capsys.readouterr().out.splitlines()[-1] == \

@@ -109,8 +109,10 @@ def _split_in_folders(tiny_dataset, root, val_name="val", val_classes=3):
     <val_name>/<class>/ (4, for the first `val_classes` classes), a test/ folder and a file beside them."""
     for rank, class_dir in enumerate(sorted(p for p in tiny_dataset.iterdir() if p.is_dir())):
         files = sorted(class_dir.iterdir())
-        for folder, chosen in (("train", files[:12]), (val_name, files[12:] if rank < val_classes else []),
+        for folder, chosen in (("train", files[:12]), (val_name, files[12:] if rank < val_classes else None),
                                ("test", files[12:])):
+            if chosen is None:
+                continue
             (root / folder / class_dir.name).mkdir(parents=True, exist_ok=True)
             for file in chosen:
                 shutil.copy(file, root / folder / class_dir.name / file.name.replace(".jpg", ".JPEG"))
@@ -128,7 +130,7 @@ def test_a_dataset_split_in_folders_trains_on_its_train_folder_and_validates_on_
     assert source.split_source == f"the dataset's own train/ and {val_name}/ folders"
     for split, folder, count in ((Split.TRAIN, "train", 4 * 12), (Split.VAL, val_name, 3 * 4)):
         files = source.files[split]
-        assert len(files) == count  # test/ is not read, nor the class without validation images' absent folder
+        assert len(files) == count  # test/ is not read; the fourth class has no folder in val/
         assert all(path.startswith(str(root / folder / names[label]) + "/") for path, label in files), files
     # The validation images are those of val/ (what a run validates on), read as any batch.
     batch = source(None, ctx(split=Split.VAL))
@@ -151,9 +153,19 @@ def test_a_dataset_split_in_folders_refuses_a_second_split_and_classes_it_cannot
     with pytest.raises(StageError, match=rf"class folder\(s\) 999.stray of {root / 'val'} have none in "
                                          rf"{root / 'train'} to train on"):
         ImageFolder(root=str(root), batch_size=8)
-    shutil.rmtree(root / "val")  # train/ alone: the fix says how to split it
-    with pytest.raises(StageError, match=rf"holds no class folders with files.* set dataset.root={root / 'train'} "
-                                         r"\(its classes then split by dataset.val_per_class\)"):
+    # ImageNet's val/ as downloaded: its images flat, not in class folders (read as one folder of classes,
+    # train/ and val/ were two classes: a 2-class model trained on the validation images)
+    shutil.rmtree(root / "val")
+    (root / "val").mkdir()
+    shutil.copy(next((root / "train").glob("*/*.JPEG")), root / "val" / "ILSVRC2012_val_00000001.JPEG")
+    with pytest.raises(StageError, match=rf"holds a training folder of classes, {root / 'train'}, but "
+                                         rf"{root / 'val'} holds no class folders \(ImageNet's val/ as downloaded is "
+                                         rf"flat\); arrange the validation images as {root / 'val'}/<class>/<image>, "
+                                         rf"or set dataset.root={root / 'train'} to split its classes"):
+        ImageFolder(root=str(root), batch_size=8)
+    shutil.rmtree(root / "val")  # train/ and test/ alone (Kaggle's layout): test/ is no validation folder
+    with pytest.raises(StageError, match=r"but no validation folder beside it \(val/, valid/, validation/\); "
+                                         rf"arrange the validation images as {root / 'val'}/<class>/<image>"):
         ImageFolder(root=str(root), batch_size=8)
 
 

@@ -95,27 +95,19 @@ class Job:
     measure: tuple[str, str, str] | None  # its objective's (of, metric, direction); None unless it completed
 
 
-def best_job(jobs: list[Job]) -> Job | None:
-    """The job with the best objective, by its direction (the first of equals), among those that returned
-    one; None when none did, or when the jobs' objectives measure different things (a sweep over
-    objective.of or objective.metric: no value is better than another)."""
+def best_job(jobs: list[Job]) -> tuple[Job | None, str]:
+    """The completed job with the best objective, by its direction (the first of equals), and one line
+    saying so; None, and the line saying why, when no job returned one or when the jobs' objectives
+    measure different things (a sweep over objective.of or objective.metric: no value is better)."""
     scored = [job for job in jobs if job.measure and job.metrics["objective"] is not None]
-    if not scored or len({job.measure for job in scored}) > 1:
-        return None
-    pick = max if scored[0].measure[2] == "maximize" else min
-    return pick(scored, key=lambda job: job.metrics["objective"])
-
-
-def best_line(jobs: list[Job]) -> str:
-    """One line naming the best job and what it returned, or why there is none."""
-    best = best_job(jobs)
-    if best is None:
-        measures = {job.measure[:2] for job in jobs if job.measure}
-        return ("no best job: the jobs' objectives measure different things (objective.of, objective.metric)"
-                if len(measures) > 1 else "no best job: no job returned an objective")
-    of, metric, direction = best.measure
-    return (f"best job: {best.folder} ({best.label}): {metric} of {of} {best.metrics['objective']:.6g} "
-            f"({direction}d)")
+    if not scored:
+        return None, "no best job: no job returned an objective"
+    if len({job.measure for job in scored}) > 1:
+        return None, "no best job: the jobs' objectives measure different things (objective.of, objective.metric)"
+    of, metric, direction = scored[0].measure
+    best = (max if direction == "maximize" else min)(scored, key=lambda job: job.metrics["objective"])
+    label = f" ({best.label})" if best.label != best.folder else ""
+    return best, f"best job: {best.folder}{label}: {metric} of {of} {best.metrics['objective']:.6g} ({direction}d)"
 
 
 def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path, str]:
@@ -127,7 +119,7 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path, str]:
         jobs = read_jobs(sweep_dir)
         write_whole(csv_path, csv_text(jobs))
         write_whole(html_path, render_html(jobs, common_overrides([job.overrides for job in jobs]), sweep_dir))
-    return html_path, csv_path, best_line(jobs)
+    return html_path, csv_path, best_job(jobs)[1]
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
@@ -196,7 +188,7 @@ def render_html(jobs: list[Job], common: list[str], sweep_dir: Path) -> str:
         for key, (title, unit) in METRICS.items()) if jobs else ""
     head = "".join(f"<th>{escape(h)}</th>" for h in ["job", "overrides", *(t for t, _ in METRICS.values()),
                                                         "verdict"])
-    best, line = best_job(jobs), best_line(jobs)
+    best, line = best_job(jobs)
     rows = "".join(
         ("<tr class=\"best\">" if job is best else "<tr>")
         + f"<td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a> "
