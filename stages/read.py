@@ -118,9 +118,10 @@ class ImageFolder(Stage):
         folder is not read, but listed in `unread` (nothing is left out unsaid)."""
         classes = {}
         for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
-            entries = [p for p in class_dir.iterdir() if not p.name.startswith(".")]
-            classes[class_dir.name] = sorted(str(p) for p in entries if p.is_file())
-            self.unread += sorted(str(p.relative_to(self.root)) for p in entries if p.is_dir())
+            with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file
+                entries = [entry for entry in entries if not entry.name.startswith(".")]
+            classes[class_dir.name] = sorted(entry.path for entry in entries if entry.is_file())
+            self.unread += sorted(os.path.relpath(entry.path, self.root) for entry in entries if entry.is_dir())
         return classes
 
     def _choose_split(self, root: Path) -> tuple[float, str]:

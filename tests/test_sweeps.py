@@ -169,7 +169,8 @@ def test_a_sweeper_optimising_the_wrong_way_fails_every_trial_before_it_starts(t
         "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2")
     assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
     said = "error: hydra.sweeper.direction=minimize: the sweeper would minimize what each job returns"
-    assert stderr.count(said) >= 2 and "set hydra.sweeper.direction=maximize, or objective.metric=val_loss" in stderr
+    assert sum(line.startswith(said) for line in stderr.splitlines()) == 2, stderr[-3000:]  # each trial's own line
+    assert "set hydra.sweeper.direction=maximize, or objective.metric=val_loss" in stderr
     assert not list((tmp_path / "multirun").rglob("results.json"))
 
 

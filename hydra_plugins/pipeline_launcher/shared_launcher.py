@@ -261,9 +261,9 @@ def _own_run(cfg: DictConfig) -> tuple:
     the shared one; a job given resume= goes on with that run, wherever it is)."""
     from pipeline.run import run_of
 
+    own = _job_dir(cfg)
     with _as_job(cfg):  # the task's config may read the job's Hydra config, as under run_job
         task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # the config its task is given
-        own = _job_dir(cfg)
         return own, None if cfg.resume else run_of(own, task)
 
 

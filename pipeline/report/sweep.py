@@ -118,8 +118,10 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path, str]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         jobs = read_jobs(sweep_dir)
         write_whole(csv_path, csv_text(jobs))
-        write_whole(html_path, render_html(jobs, common_overrides([job.overrides for job in jobs]), sweep_dir))
-    return html_path, csv_path, best_job(jobs)[1]
+        best, line = best_job(jobs)
+        write_whole(html_path, render_html(jobs, best, line, common_overrides([job.overrides for job in jobs]),
+                                           sweep_dir))
+    return html_path, csv_path, line
 
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
@@ -152,6 +154,8 @@ def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], s
     accuracy = results.get("ensemble", {}).get("final_val_accuracy")
     objective = results.get("objective") or {}
     measure = tuple(objective.get(key) for key in ("of", "metric", "direction"))
+    if None in measure or record["status"] != "completed":  # what a failed job returned is no candidate
+        measure = None
     return {
         "objective": objective.get("value"),
         "images_per_s": analysis.images_per_s,
@@ -159,7 +163,7 @@ def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], s
         "mean_stall_pct": analysis.mean_stall_pct,
         "ensemble_accuracy": None if accuracy is None else 100 * accuracy,
         "wall_s": results.get("wall_s"),
-    }, failed or analysis.verdict.bound, measure if None not in measure and record["status"] == "completed" else None
+    }, failed or analysis.verdict.bound, measure
 
 
 def common_overrides(override_lists: list[list[str]]) -> list[str]:
@@ -180,7 +184,7 @@ def csv_text(jobs: list[Job]) -> str:
     return text.getvalue()
 
 
-def render_html(jobs: list[Job], common: list[str], sweep_dir: Path) -> str:
+def render_html(jobs: list[Job], best: Job | None, line: str, common: list[str], sweep_dir: Path) -> str:
     labels = [job.label for job in jobs]
     charts = "".join(
         f"<img alt=\"{escape(title)}\" src=\"data:image/png;base64,"
@@ -188,7 +192,6 @@ def render_html(jobs: list[Job], common: list[str], sweep_dir: Path) -> str:
         for key, (title, unit) in METRICS.items()) if jobs else ""
     head = "".join(f"<th>{escape(h)}</th>" for h in ["job", "overrides", *(t for t, _ in METRICS.values()),
                                                         "verdict"])
-    best, line = best_job(jobs)
     rows = "".join(
         ("<tr class=\"best\">" if job is best else "<tr>")
         + f"<td><a href=\"{escape(job.folder)}/report.html\">{escape(job.folder)}</a> "
