@@ -421,14 +421,29 @@ def dask_client(address: str | None, workers: int | str, threads_per_worker: int
             spec["options"]["resources"] = {node_resource(node): threads_per_worker}
             cluster.worker_spec[f"n{node}-w{w}"] = spec
         cluster.scale(count)
-        try:
-            client.wait_for_workers(count, timeout=WORKERS_START_S)
-        except TimeoutError:
-            raise UserError(
-                f"the {count} local Dask worker(s) did not start in {WORKERS_START_S:g} s. Called from a script of "
-                "your own? Put the call under `if __name__ == \"__main__\":` (the workers are new processes that "
-                "import the script), or give a running scheduler as cluster.address") from None
+        _wait_for_local_workers(cluster, client, count)
         yield client
+
+
+def _wait_for_local_workers(cluster: LocalCluster, client: Client, count: int) -> None:
+    """Until the `count` local workers have started. A worker whose process ends as it starts (Dask logs its
+    error) fails the run at once; one that never starts, after WORKERS_START_S."""
+    deadline = time.monotonic() + WORKERS_START_S
+    unguarded = ("Called from a script of your own? Put the call under `if __name__ == \"__main__\":` (the "
+                 "workers are new processes that import the script), or give a running scheduler as "
+                 "cluster.address")
+    while True:
+        try:
+            client.wait_for_workers(count, timeout=0.5)
+            return
+        except TimeoutError:
+            pass
+        failed = sorted(name for name, nanny in cluster.workers.items() if nanny.status == Status.failed)
+        if failed:  # an unguarded script: each worker runs it again, and its own cluster's workers fail
+            raise UserError(f"local Dask worker {failed[0]} failed to start: its process ended as it began (Dask "
+                            f"logs why above). {unguarded}")
+        if time.monotonic() > deadline:
+            raise UserError(f"the {count} local Dask worker(s) did not start in {WORKERS_START_S:g} s. {unguarded}")
 
 
 def dask_performance_report(client: Client, path: Path, console: Console):

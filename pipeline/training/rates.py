@@ -365,15 +365,19 @@ def _step_seconds(group: GroupSpec, devices: list[str], how: Measurement,
     # each rank's step in hand, shared: a rank that hangs is named with where it is
     in_hand = [StepInHand(context, group, how.warmup + how.steps) for _ in devices]
     ranks: list[Child] = []
+    grace_s = 5.0  # they exit once they reported; one that does not is killed
     try:
         for rank in range(len(devices)):
             ranks.append(Child(_train_steps, (group, rank, devices, init_method, how, in_hand[rank], False),
                                f"rates-{group.name}-{rank}", context))
         return _rank_reports(ranks, in_hand, f"{group.name} ({group.describe()}) on {len(devices)} slot(s)", how,
                              abandon)
+    except BaseException:
+        grace_s = 0.0  # a rank that failed, hung or waits on one will not end by itself
+        raise
     finally:
-        for child in ranks:  # they exit once they reported; one that does not is killed
-            child.stop(5)
+        for child in ranks:
+            child.stop(grace_s)
         rendezvous.close()
 
 
