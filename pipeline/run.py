@@ -292,7 +292,7 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
     s, metric = cfg.scheduler, cfg.objective.metric
     halving = Halving(s.halving.eta, s.halving.min_epochs, metric, metric.direction == "maximize") \
         if s.halving.eta else None
-    setup = TrainingSetup(num_classes=len(graph.source.class_names), epochs=cfg.trainer.epochs,
+    setup = TrainingSetup(num_classes=len(graph.source.class_names), total_steps=inputs.total_steps,
                           steps_per_epoch=graph.source.num_batches(Split.TRAIN),
                           threads=trainer_threads(device_kind, cfg.trainer.threads, per_device),
                           precision=cfg.trainer.precision, cuda_graphs=cfg.trainer.cuda_graphs,

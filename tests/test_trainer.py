@@ -28,7 +28,7 @@ def model(name, width=8, lr=0.1):
 
 
 def trainer_spec(group, tmp_path, start=0, precision=Precision.fp32, compile=False):
-    setup = TrainingSetup(num_classes=3, epochs=4, steps_per_epoch=10, threads=1, precision=precision,
+    setup = TrainingSetup(num_classes=3, total_steps=40, steps_per_epoch=10, threads=1, precision=precision,
                           cuda_graphs=False, compile=compile, checkpoint_dir=tmp_path, record_checksums=False,
                           consume_only=False, collective_s=60)
     return TrainerSpec(setup=setup, group=group, image_sizes={"main": 32}, start_epoch=start, rank=0,

@@ -50,8 +50,8 @@ class TrainingSetup:
     """What every trainer of a run shares."""
 
     num_classes: int
-    epochs: int  # the most epochs a model trains (the learning-rate schedule's length)
-    steps_per_epoch: int  # for the learning-rate schedule
+    total_steps: int  # the run's training steps (RunInputs.total_steps): the learning-rate schedules' length
+    steps_per_epoch: int  # the steps a trainer is told it is on (StepInHand), of an epoch
     threads: int
     precision: Precision
     cuda_graphs: bool  # each step a replayed CUDA graph, where GroupStep can
@@ -228,7 +228,7 @@ class Trainer:
                                                   spec.setup.collective_s, spec.group.name)
         setup = spec.setup
         self.step = GroupStep(spec.group, setup.num_classes, spec.image_sizes, self.device,
-                              setup.epochs * setup.steps_per_epoch, precision=setup.precision, world=self.world,
+                              setup.total_steps, precision=setup.precision, world=self.world,
                               threads=setup.threads,
                               in_hand=in_hand,  # where its steps are, for the driver if it hangs
                               cuda_graphs=setup.cuda_graphs, compile=setup.compile)
