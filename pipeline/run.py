@@ -39,7 +39,8 @@ from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, ch
                                              choose_sub_slots, measure_sizes, plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
-from pipeline.runtime.lifetime import SHM_DIR, StopSignals, children_context, remove_stale_shm, standard_start_method
+from pipeline.runtime.lifetime import (SHM_DIR, RunConsole, StopSignals, children_context, remove_stale_shm,
+                                       standard_start_method)
 from pipeline.orchestration.link import Link
 from pipeline.orchestration.agent import NodeAgents, agent_key, agent_rates, registered_agents
 from pipeline.report import write_report
@@ -91,7 +92,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     name (a shared sweep run's jobs: pipeline/sharing.py)."""
     started = time.perf_counter()
     standard_start_method()  # before any process starts: a launcher's worker may have set its own
-    console = Console()
+    console = RunConsole()
     stop = stop or StopSignals()
     if cfg.resume:
         output_dir = _resumed_folder(cfg)

@@ -173,6 +173,37 @@ def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_
     assert not leftovers(pids)
 
 
+def test_a_run_whose_output_s_reader_goes_away_stops_in_order(data, tmp_path):
+    """`python -m pipeline ... | head`: once head has its lines and closes the pipe, the run's next line (printed
+    or logged) finds it broken. The run stops in order, as for a stop signal (SIGPIPE): its finished epochs
+    checkpointed, results marked interrupted, the resume line and no traceback or logging error on stderr,
+    exit code 141 (128 + SIGPIPE, as a shell reports it), nothing left running. (rich's own way exited 1
+    silently wherever it printed, a trained run's results unwritten.)"""
+    folder = tmp_path / "piped"
+    with open(tmp_path / "stderr", "w+") as stderr:
+        run = subprocess.Popen(command(data, folder, "trainer.epochs=20"), cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=stderr, text=True, start_new_session=True)
+        try:
+            for line in run.stdout:  # head's lines: up to the first epoch's
+                if "(epoch 1)" in line:
+                    break
+            children = psutil.Process(run.pid).children(recursive=True)
+            run.stdout.close()
+            assert run.wait(120) == 128 + signal.SIGPIPE
+        finally:
+            run.kill()
+        stderr.seek(0)
+        said = stderr.read()
+    assert "Traceback" not in said and "Logging error" not in said, said[-3000:]
+    assert said.splitlines()[-1].startswith("stopped (SIGPIPE); to resume: ") and f"resume={folder}" in said, said
+    results = json.loads((folder / "results.json").read_text())
+    assert results["interrupted"]["cause"] == "SIGPIPE"
+    for model in results["models"]:
+        assert 1 <= model["epochs"] < 20 and (folder / "checkpoints" / model["name"] /
+                                              f"epoch{model['epochs']}.pt").is_file(), model
+    assert not gone_within(children, 10) and not leftovers([run.pid] + [c.pid for c in children])
+
+
 def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
     """The first Ctrl-C starts the orderly stop, which a stopped (SIGSTOP) trainer holds up for most of
     timeouts.stop_s; a second one kills the run's processes and exits 130 at once."""

@@ -3,6 +3,8 @@
 * The driver (`StopSignals`): Ctrl-C or SIGTERM asks the run to stop; the
   driver checkpoints, writes its results marked interrupted, closes what it
   started and exits 128 + the signal's number. A second signal stops at once.
+  Its output's reader going away (`| head` done, `less` quit: `stdout_gone`)
+  asks the same, as SIGPIPE.
 * Its children (`children_context` starts them, `child_started` is the first
   thing in every hub, trainer and rate measurement): a terminal's Ctrl-C
   reaches the whole process group, and so does a SIGTERM from `timeout`,
@@ -18,13 +20,17 @@
 from __future__ import annotations
 
 import glob
+import logging
 import multiprocessing as mp
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from multiprocessing import connection, forkserver
+
+from rich.console import Console
 
 SHM_DIR = "/dev/shm"
 # Every shared-memory entry of a run is named ensemble-[out-]<pid of its owner>-...: rings
@@ -55,8 +61,11 @@ class StopSignals:
     and stops in order, and what comes after, closing and results, runs to its end) that is all;
     before (start-up, rate measurement) it raises `Interrupted` there and then, and whatever was
     started closes on the way out. A second signal (REPEAT_S or more after the first) kills the run's
-    child processes, removes its shared memory and exits at once.
+    child processes, removes its shared memory and exits at once. Like the signal handlers, the
+    process's `with` block is the one a broken stdout asks to stop (`stdout_gone`).
     """
+
+    active: StopSignals | None = None
 
     def __init__(self):
         self.requested = threading.Event()
@@ -68,9 +77,11 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        StopSignals.active = self
         return self
 
     def __exit__(self, *exc) -> None:
+        StopSignals.active = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
@@ -80,17 +91,54 @@ class StopSignals:
         its results whole once they are being written: the command then exits, pipeline/__main__.py)."""
         self._deferred = True
 
+    def request(self, signum: int) -> None:
+        """The first stop, as the signal `signum` asks it. Raised as `Interrupted` only in the main thread (as
+        a signal is): another thread's request is taken by the training loop once it begins."""
+        self.signum, self._first_at = signum, time.monotonic()
+        self.requested.set()
+        print(f"\n{signal.Signals(signum).name}: stopping in order: the last finished epochs are kept and "
+              "the run closes (a second Ctrl-C stops at once)", file=sys.stderr, flush=True)
+        if not self._deferred and threading.current_thread() is threading.main_thread():
+            raise Interrupted(signum)
+
     def _handle(self, signum: int, frame) -> None:
         if self.requested.is_set():
             if time.monotonic() - self._first_at < REPEAT_S:
                 return
             _stop_now(signum)
-        self.signum, self._first_at = signum, time.monotonic()
-        self.requested.set()
-        print(f"\n{signal.Signals(signum).name}: stopping in order: the last finished epochs are kept and "
-              "the run closes (a second Ctrl-C stops at once)", flush=True)
-        if not self._deferred:
-            raise Interrupted(signum)
+        self.request(signum)
+
+
+def stdout_gone() -> None:
+    """The reader of stdout went away (`| head` has its lines, `less` quit): what is still printed or logged
+    there goes nowhere, and the run stops in order, as SIGPIPE would ask. Writers that find the pipe broken
+    call this (RunConsole, StdoutLogHandler), instead of exiting where they printed (rich's way, exit(1):
+    a run that had trained ended before its results were written) or printing a logging error each line."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # print()'s lines, and the flush at exit, go nowhere too
+    os.close(devnull)
+    stop = StopSignals.active
+    if stop is not None and not stop.requested.is_set():
+        stop.request(signal.SIGPIPE)
+
+
+class RunConsole(Console):
+    """The run's terminal output (stdout), rich's console but for a broken pipe (`stdout_gone`)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        stdout_gone()
+
+
+class StdoutLogHandler(logging.StreamHandler):
+    """Hydra's console log handler (pipeline/conf/hydra/job_logging/pipeline.yaml), but for a broken pipe
+    (`stdout_gone`)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            stdout_gone()
+        else:
+            super().handleError(record)
 
 
 def _stop_now(signum: int) -> None:
