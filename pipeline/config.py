@@ -55,6 +55,7 @@ class ExitCode(enum.IntEnum):
     hung = 4  # something the run waited for did not come within its timeout
     nodes_lost = 5  # hosts were lost and no slot left can take the models still to train: resume=<run folder>
     sigint = 130  # stopped by Ctrl-C: resume=<run folder> continues it
+    sighup = 129  # its terminal hung up (an ssh session dropped): stopped in order, the same
     sigpipe = 141  # its output's reader went away (| head): stopped in order, the same
     sigterm = 143  # stopped by SIGTERM: the same
 

@@ -1,11 +1,13 @@
 """A run's lifetime through the real command, with real signals: Ctrl-C stops it in order and it
 resumes to the same result as a run never stopped; SIGKILL leaves no process and no shared memory
 behind; a model given up makes the run exit non-zero. One interrupted run serves several checks."""
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -202,6 +204,54 @@ def test_a_run_whose_output_s_reader_goes_away_stops_in_order(data, tmp_path):
         assert 1 <= model["epochs"] < 20 and (folder / "checkpoints" / model["name"] /
                                               f"epoch{model['epochs']}.pt").is_file(), model
     assert not gone_within(children, 10) and not leftovers([run.pid] + [c.pid for c in children])
+
+
+def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup(data, tmp_path):
+    """Each run on a terminal of its own (a pty, as an ssh session gives), hung up (its master closed: the kernel
+    sends SIGHUP to the terminal's process group, and a line written there fails). The run on it stops in
+    order, as for a stop signal: results marked interrupted (SIGHUP), its finished epochs checkpointed, exit
+    code 129, nothing left running or in /dev/shm. (Before, the hangup killed every process of the run at
+    once, leaving its cache and rings in /dev/shm.) The same command under nohup (SIGHUP ignored, its output
+    in a file) trains to its end."""
+    def on_a_terminal(folder: Path, epochs: int, nohup: bool = False):
+        master, terminal = os.openpty()
+        def start():  # the new session's controlling terminal, as a login gives it
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            if nohup:
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        output = open(folder.with_suffix(".out"), "w") if nohup else terminal
+        run = subprocess.Popen(command(data, folder, f"trainer.epochs={epochs}"), cwd=REPO, stdin=terminal,
+                               stdout=output, stderr=output, start_new_session=True, preexec_fn=start)
+        os.close(terminal)
+        return run, master
+
+    hung, master = on_a_terminal(tmp_path / "hung", 20)
+    kept, kept_master = on_a_terminal(tmp_path / "nohup", 2, nohup=True)
+    try:
+        seen = b""
+        while b"val accuracy" not in seen:  # its first epoch's line
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the run, the terminal's last process, has ended
+                chunk = b""
+            assert chunk, seen.decode(errors="replace")[-2000:]
+            seen += chunk
+        children = psutil.Process(hung.pid).children(recursive=True)
+        os.close(master)
+        os.close(kept_master)
+        assert hung.wait(120) == 128 + signal.SIGHUP
+        assert kept.wait(240) == 0, (tmp_path / "nohup.out").read_text()[-3000:]
+    finally:
+        hung.kill()
+        kept.kill()
+    results = json.loads((tmp_path / "hung" / "results.json").read_text())
+    assert results["interrupted"]["cause"] == "SIGHUP"
+    for model in results["models"]:
+        assert 1 <= model["epochs"] < 20 and (tmp_path / "hung" / "checkpoints" / model["name"] /
+                                              f"epoch{model['epochs']}.pt").is_file(), model
+    assert not gone_within(children, 10) and not leftovers([hung.pid] + [c.pid for c in children])
+    results = json.loads((tmp_path / "nohup" / "results.json").read_text())
+    assert "interrupted" not in results and {m["epochs"] for m in results["models"]} == {2}
 
 
 def test_a_second_ctrl_c_stops_at_once(data, tmp_path):

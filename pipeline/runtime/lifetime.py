@@ -1,14 +1,15 @@
 """How long a run's processes live, and what they leave behind.
 
-* The driver (`StopSignals`): Ctrl-C or SIGTERM asks the run to stop; the
-  driver checkpoints, writes its results marked interrupted, closes what it
-  started and exits 128 + the signal's number. A second signal stops at once.
-  Its output's reader going away (`| head` done, `less` quit: `stdout_gone`)
-  asks the same, as SIGPIPE.
+* The driver (`StopSignals`): Ctrl-C, SIGTERM or its terminal's hangup
+  (SIGHUP; not under nohup) asks the run to stop; the driver checkpoints,
+  writes its results marked interrupted, closes what it started and exits
+  128 + the signal's number. A second signal stops at once. Its output's
+  reader going away (`| head` done, `less` quit: `stdout_gone`) asks the
+  same, as SIGPIPE.
 * Its children (`children_context` starts them, `child_started` is the first
-  thing in every hub, trainer and rate measurement): a terminal's Ctrl-C
-  reaches the whole process group, and so does a SIGTERM from `timeout`,
-  Slurm or systemd; the children ignore both and let the driver stop them in
+  thing in every hub, trainer and rate measurement): a terminal's Ctrl-C or
+  hangup reaches the whole process group, and so does a SIGTERM from
+  `timeout`, Slurm or systemd; the children ignore them and let the driver stop them in
   order (it kills those it no longer needs); a watch on the parent makes them
   exit, removing what the run had in /dev/shm, if it dies without a word
   (SIGKILL, the OOM killer).
@@ -40,14 +41,15 @@ SHM_ENTRY = re.compile(r"^ensemble-(?:out-)?(\d+)-")
 # What the fork server imports once, in order, so that the children forked from it need not (children_context).
 CHILD_PRELOAD = ["pipeline.runtime.fork_server", "torch", "torch._dynamo", "pipeline.training.trainer",
                  "pipeline.delivery.hub", "pipeline.training.rates"]
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Ctrl-C; `timeout`, Slurm, systemd; the terminal gone (an ssh session dropped, its window closed).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A stop signal again within this many seconds is the same request delivered twice, not a second one:
 # GNU timeout signals its child and then its whole process group, the child included.
 REPEAT_S = 1.0
 
 
 class Interrupted(Exception):
-    """The user asked the run to stop (Ctrl-C, SIGTERM) before the training loop could take it in order."""
+    """The user asked the run to stop (Ctrl-C, SIGTERM, ...) before the training loop could take it in order."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -76,6 +78,8 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         for signum in STOP_SIGNALS:
+            if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # nohup: asked to outlive its terminal
             self._previous[signum] = signal.signal(signum, self._handle)
         StopSignals.active = self
         return self
@@ -102,9 +106,11 @@ class StopSignals:
             raise Interrupted(signum)
 
     def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: a line written there would fail (EIO)
+            _to_devnull(sys.stdout, sys.stderr)
         if self.requested.is_set():
-            if time.monotonic() - self._first_at < REPEAT_S:
-                return
+            if signum == signal.SIGHUP or time.monotonic() - self._first_at < REPEAT_S:
+                return  # the same request again (the kernel and the shell both send a hangup), or twice
             _stop_now(signum)
         self.request(signum)
 
@@ -114,12 +120,17 @@ def stdout_gone() -> None:
     there goes nowhere, and the run stops in order, as SIGPIPE would ask. Writers that find the pipe broken
     call this (RunConsole, StdoutLogHandler), instead of exiting where they printed (rich's way, exit(1):
     a run that had trained ended before its results were written) or printing a logging error each line."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())  # print()'s lines, and the flush at exit, go nowhere too
-    os.close(devnull)
+    _to_devnull(sys.stdout)  # print()'s lines, and the flush at exit, go nowhere too
     stop = StopSignals.active
     if stop is not None and not stop.requested.is_set():
         stop.request(signal.SIGPIPE)
+
+
+def _to_devnull(*streams) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in streams:
+        os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 class RunConsole(Console):
@@ -176,13 +187,19 @@ def children_context():
     goes on; the first child started waits for it."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(CHILD_PRELOAD)
-    forkserver.ensure_running()
+    # Started with the stop signals blocked, as is multiprocessing's resource tracker, which it starts first:
+    # the tracker unblocks only SIGINT and SIGTERM (and ignores them), so a hangup cannot end it either.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     return context
 
 
 def child_started(role: str) -> None:
     """First thing in a child process of a run (hub, trainer, rate measurement): the driver stops it,
-    not a Ctrl-C or SIGTERM sent to the whole process group; and it does not outlive its parent. `role`
+    not a stop signal sent to the whole process group; and it does not outlive its parent. `role`
     names it in ps and top."""
     _name_process(role)
     for signum in STOP_SIGNALS:
