@@ -4,8 +4,9 @@
 How it ends is its exit code (pipeline.config.ExitCode, the table in
 docs/configuration.md). A user's mistake (pipeline.runtime.errors.UserError: config,
 slots, memory, dataset, a bad file under on_error=fail) is one message on
-stderr and code 2; with HYDRA_FULL_ERROR=1 its traceback too. Ctrl-C or
-SIGTERM stops the run in order (130, 143) and says how to resume it; so does
+stderr and code 2; with HYDRA_FULL_ERROR=1 its traceback too. Ctrl-C,
+SIGTERM or a terminal's hangup stops the run in order (130, 143, 129) and says
+how to resume it; so does its output's reader going away (`| head`: 141), and
 a run that lost hosts and has no slot left for its models (5). Errors
 Hydra raises while composing the config keep Hydra's own message and code.
 
@@ -13,7 +14,7 @@ Hydra raises while composing the config keep Hydra's own message and code.
 and sweeper Hydra's config names. A training job returns its objective (objective.of, objective.metric:
 pipeline/measure/objective.py) to the sweeper. A job that fails for any reason above but a stop raises
 JobFailed once it has said why: Hydra marks it failed, the sweeper decides whether the other jobs go on,
-and the multirun's exit code is not 0. Ctrl-C or SIGTERM stops the whole multirun."""
+and the multirun's exit code is not 0. A stop (Ctrl-C, SIGTERM, ...) stops the whole multirun."""
 import atexit
 import gc
 import shlex

@@ -1,13 +1,11 @@
 """A run's lifetime through the real command, with real signals: Ctrl-C stops it in order and it
 resumes to the same result as a run never stopped; SIGKILL leaves no process and no shared memory
 behind; a model given up makes the run exit non-zero. One interrupted run serves several checks."""
-import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
-import termios
 import threading
 import time
 from pathlib import Path
@@ -207,26 +205,24 @@ def test_a_run_whose_output_s_reader_goes_away_stops_in_order(data, tmp_path):
 
 
 def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup(data, tmp_path):
-    """Each run on a terminal of its own (a pty, as an ssh session gives), hung up (its master closed: the kernel
-    sends SIGHUP to the terminal's process group, and a line written there fails). The run on it stops in
-    order, as for a stop signal: results marked interrupted (SIGHUP), its finished epochs checkpointed, exit
-    code 129, nothing left running or in /dev/shm. (Before, the hangup killed every process of the run at
-    once, leaving its cache and rings in /dev/shm.) The same command under nohup (SIGHUP ignored, its output
-    in a file) trains to its end."""
-    def on_a_terminal(folder: Path, epochs: int, nohup: bool = False):
+    """Each run in a session of its own on a terminal of its own (`setsid -c` on a pty, as an ssh login gives),
+    hung up: its master closed (the kernel sends the driver SIGHUP, and a line written there fails), then
+    SIGHUP to its whole process group (as the shell sends its jobs). The run stops in order, as for a stop
+    signal: no model failed (its trainers, hubs and workers ignore the hangup), results marked interrupted
+    (SIGHUP), its finished epochs checkpointed, exit code 129, nothing left running or in /dev/shm. (Before,
+    the hangup killed every process of the run at once, leaving its cache and rings in /dev/shm.) The same
+    command under nohup (SIGHUP ignored, its output in a file) trains to its end."""
+    def on_a_terminal(folder: Path, wrapper: list[str], *settings: str):
         master, terminal = os.openpty()
-        def start():  # the new session's controlling terminal, as a login gives it
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-            if nohup:
-                signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        output = open(folder.with_suffix(".out"), "w") if nohup else terminal
-        run = subprocess.Popen(command(data, folder, f"trainer.epochs={epochs}"), cwd=REPO, stdin=terminal,
-                               stdout=output, stderr=output, start_new_session=True, preexec_fn=start)
+        output = open(folder.with_suffix(".out"), "w") if wrapper else terminal
+        run = subprocess.Popen(["setsid", "--ctty", *wrapper, *command(data, folder, *settings)], cwd=REPO,
+                               stdin=terminal, stdout=output, stderr=output)
         os.close(terminal)
         return run, master
 
-    hung, master = on_a_terminal(tmp_path / "hung", 20)
-    kept, kept_master = on_a_terminal(tmp_path / "nohup", 2, nohup=True)
+    # Both at once on 2 cores: the stop's checkpoints get longer than timeouts.stop_s's default share (5 s)
+    hung, master = on_a_terminal(tmp_path / "hung", [], "trainer.epochs=20", "timeouts.stop_s=60")
+    kept, kept_master = on_a_terminal(tmp_path / "nohup", ["nohup"], "trainer.epochs=2")
     try:
         seen = b""
         while b"val accuracy" not in seen:  # its first epoch's line
@@ -237,8 +233,10 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup
             assert chunk, seen.decode(errors="replace")[-2000:]
             seen += chunk
         children = psutil.Process(hung.pid).children(recursive=True)
-        os.close(master)
-        os.close(kept_master)
+        assert {"hub", "trainer"} <= {child.name() for child in children}
+        for job, terminal in ((hung, master), (kept, kept_master)):
+            os.close(terminal)
+            os.killpg(job.pid, signal.SIGHUP)  # setsid made it its session's (and group's) leader
         assert hung.wait(120) == 128 + signal.SIGHUP
         assert kept.wait(240) == 0, (tmp_path / "nohup.out").read_text()[-3000:]
     finally:
@@ -247,8 +245,9 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup
     results = json.loads((tmp_path / "hung" / "results.json").read_text())
     assert results["interrupted"]["cause"] == "SIGHUP"
     for model in results["models"]:
-        assert 1 <= model["epochs"] < 20 and (tmp_path / "hung" / "checkpoints" / model["name"] /
-                                              f"epoch{model['epochs']}.pt").is_file(), model
+        assert not model["failures"] and 1 <= model["epochs"] < 20, model
+        saved = sorted(p.name for p in (tmp_path / "hung" / "checkpoints" / model["name"]).iterdir())
+        assert f"epoch{model['epochs']}.pt" in saved, (model["name"], model["epochs"], saved)
     assert not gone_within(children, 10) and not leftovers([hung.pid] + [c.pid for c in children])
     results = json.loads((tmp_path / "nohup" / "results.json").read_text())
     assert "interrupted" not in results and {m["epochs"] for m in results["models"]} == {2}

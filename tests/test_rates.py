@@ -391,6 +391,6 @@ def test_a_rank_that_hangs_is_named_with_the_step_it_is_on():
     and the step it was on when the wait ended (inside tiny's step, or between two). The mistake it catches:
     a message that says neither."""
     with pytest.raises(RuntimeError, match=r"measuring tiny \(tiny \(resnet\(depth=10, width=8\)\)\) on 1 slot\(s\): "
-                                           r"no report in 10 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of "
+                                           r"no report in 15 s \(timeouts.report_s\): rates-tiny-0 at step \d+ of "
                                            r"1000001, (in the step of tiny|between members' steps);"):
-        measure_tiny(slot_counts=[1], steps=1_000_000, report_s=10)
+        measure_tiny(slot_counts=[1], steps=1_000_000, report_s=15)

@@ -161,7 +161,7 @@ class SharedLauncher(Launcher):
 
 def _train(shared, folder: Path):
     """The shared run's results; or the MemberError of a member's declaration it refused; or the JobFailed
-    each of its jobs fails with. A stop (Ctrl-C, SIGTERM) ends the whole multirun, as it ends a job's run;
+    each of its jobs fails with. A stop (Ctrl-C, SIGTERM, ...) ends the whole multirun, as it ends a job's run;
     the same command into the same sweep folder then resumes the shared run (SharedLauncher._share)."""
     from pipeline.config import ExitCode, JobFailed
     from pipeline.run import run

@@ -112,8 +112,8 @@ log = logging.getLogger(__name__)
 
 
 class LeaveTheStopToTheDriver(WorkerPlugin):
-    """A terminal's Ctrl-C, and a SIGTERM from `timeout`, Slurm or systemd, reach every process of the
-    run: the workers of a LocalCluster made here ignore both (the driver stops them in order, through
+    """A terminal's Ctrl-C or hangup, and a SIGTERM from `timeout`, Slurm or systemd, reach every process of
+    the run: the workers of a LocalCluster made here ignore them (the driver stops them in order, through
     their nannies, which kill a worker that does not stop) instead of dying in the middle of a batch.
     And a worker told to close does not report as an error the heartbeat its own close cut off."""
 
@@ -438,7 +438,7 @@ def _wait_for_local_workers(cluster: LocalCluster, client: Client, count: int) -
             return
         except TimeoutError:
             pass
-        failed = sorted(name for name, nanny in cluster.workers.items() if nanny.status == Status.failed)
+        failed = sorted(name for name, nanny in list(cluster.workers.items()) if nanny.status == Status.failed)
         if failed:  # an unguarded script: each worker runs it again, and its own cluster's workers fail
             raise UserError(f"local Dask worker {failed[0]} failed to start: its process ended as it began (Dask "
                             f"logs why above). {unguarded}")

@@ -20,6 +20,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import multiprocessing as mp
@@ -57,35 +58,40 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """The driver's SIGINT and SIGTERM, in the main thread, for the length of a `with` block.
+    """The driver's stop signals (STOP_SIGNALS), in the main thread, for the length of a `with` block.
 
     The first signal sets `requested`. Once training has begun (`defer()`: the training loop polls it
     and stops in order, and what comes after, closing and results, runs to its end) that is all;
     before (start-up, rate measurement) it raises `Interrupted` there and then, and whatever was
     started closes on the way out. A second signal (REPEAT_S or more after the first) kills the run's
-    child processes, removes its shared memory and exits at once. Like the signal handlers, the
-    process's `with` block is the one a broken stdout asks to stop (`stdout_gone`).
+    child processes, removes its shared memory and exits at once. A hangup first points the streams
+    that were on the terminal at /dev/null (a line written there would fail). Like the signal handlers,
+    the process's `with` block is the one a broken stdout asks to stop (`stdout_gone`).
     """
 
     active: StopSignals | None = None
 
     def __init__(self):
         self.requested = threading.Event()
-        self.signum: int | None = None
+        self.signum: int | None = None  # the first stop's, once asked (set before `requested`: see _handle)
         self._first_at = 0.0
         self._deferred = False
         self._previous: dict = {}
+        self._outer: StopSignals | None = None
+        self._on_terminal: tuple = ()  # stdout and stderr, those on a terminal (told at start: once it hangs
+        # up, asking fails)
 
     def __enter__(self) -> StopSignals:
         for signum in STOP_SIGNALS:
             if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
                 continue  # nohup: asked to outlive its terminal
             self._previous[signum] = signal.signal(signum, self._handle)
-        StopSignals.active = self
+        self._on_terminal = tuple(stream for stream in (sys.stdout, sys.stderr) if stream.isatty())
+        self._outer, StopSignals.active = StopSignals.active, self
         return self
 
     def __exit__(self, *exc) -> None:
-        StopSignals.active = None
+        StopSignals.active = self._outer
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
@@ -97,18 +103,20 @@ class StopSignals:
 
     def request(self, signum: int) -> None:
         """The first stop, as the signal `signum` asks it. Raised as `Interrupted` only in the main thread (as
-        a signal is): another thread's request is taken by the training loop once it begins."""
+        a signal is): another thread's request is taken by the training loop once it begins (so in
+        mode=profile, which has none, by the command's exit once the run is done)."""
         self.signum, self._first_at = signum, time.monotonic()
         self.requested.set()
-        print(f"\n{signal.Signals(signum).name}: stopping in order: the last finished epochs are kept and "
-              "the run closes (a second Ctrl-C stops at once)", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):  # stderr gone too (2>&1 | head): the line has nowhere to go
+            print(f"\n{signal.Signals(signum).name}: stopping in order: the last finished epochs are kept and "
+                  "the run closes (a second Ctrl-C stops at once)", file=sys.stderr, flush=True)
         if not self._deferred and threading.current_thread() is threading.main_thread():
             raise Interrupted(signum)
 
     def _handle(self, signum: int, frame) -> None:
-        if signum == signal.SIGHUP:  # the terminal is gone: a line written there would fail (EIO)
-            _to_devnull(sys.stdout, sys.stderr)
-        if self.requested.is_set():
+        if signum == signal.SIGHUP:
+            _to_devnull(*self._on_terminal)
+        if self.signum is not None:  # not `requested`: this may run inside its set(), whose lock it holds
             if signum == signal.SIGHUP or time.monotonic() - self._first_at < REPEAT_S:
                 return  # the same request again (the kernel and the shell both send a hangup), or twice
             _stop_now(signum)
@@ -117,12 +125,15 @@ class StopSignals:
 
 def stdout_gone() -> None:
     """The reader of stdout went away (`| head` has its lines, `less` quit): what is still printed or logged
-    there goes nowhere, and the run stops in order, as SIGPIPE would ask. Writers that find the pipe broken
-    call this (RunConsole, StdoutLogHandler), instead of exiting where they printed (rich's way, exit(1):
-    a run that had trained ended before its results were written) or printing a logging error each line."""
-    _to_devnull(sys.stdout)  # print()'s lines, and the flush at exit, go nowhere too
+    there goes nowhere (stderr's too, if it was the same pipe: `2>&1 | head`), and the run stops in order,
+    as SIGPIPE would ask. Writers that find the pipe broken call this (RunConsole, StdoutLogHandler),
+    instead of exiting where they printed (rich's way, exit(1): a run that had trained ended before its
+    results were written) or printing a logging error each line."""
+    out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    same = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
+    _to_devnull(sys.stdout, *([sys.stderr] if same else []))  # print()'s lines, and the flush at exit, too
     stop = StopSignals.active
-    if stop is not None and not stop.requested.is_set():
+    if stop is not None and stop.signum is None:
         stop.request(signal.SIGPIPE)
 
 
@@ -187,13 +198,13 @@ def children_context():
     goes on; the first child started waits for it."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(CHILD_PRELOAD)
-    # Started with the stop signals blocked, as is multiprocessing's resource tracker, which it starts first:
-    # the tracker unblocks only SIGINT and SIGTERM (and ignores them), so a hangup cannot end it either.
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # Started with the stop signals blocked; so is multiprocessing's resource tracker if this starts it (it
+    # ignores SIGINT and SIGTERM itself and keeps SIGHUP blocked: a hangup cannot end it either).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         forkserver.ensure_running()
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return context
 
 

@@ -51,7 +51,7 @@ class TrainingSetup:
 
     num_classes: int
     total_steps: int  # the run's training steps (RunInputs.total_steps): the learning-rate schedules' length
-    steps_per_epoch: int  # the steps a trainer is told it is on (StepInHand), of an epoch
+    steps_per_epoch: int  # an epoch's steps (StepInHand's count)
     threads: int
     precision: Precision
     cuda_graphs: bool  # each step a replayed CUDA graph, where GroupStep can

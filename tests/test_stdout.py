@@ -1,0 +1,50 @@
+"""A run's stdout whose reader went away (`| head`), found by a log line or a print, in a small process of
+its own (the real command's case: tests/test_lifetime.py)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Logs a line (Hydra's console handler, as configured: the first to find the pipe broken), then prints
+# (rich and print()) and logs again, all with nowhere to go, and says how to resume on stderr: none may raise.
+# Exits 0 if the stop was asked as SIGPIPE, once.
+WRITER = """
+import logging, signal, sys
+from pipeline.runtime.lifetime import RunConsole, StdoutLogHandler, StopSignals
+
+log = logging.getLogger("run")
+log.addHandler(StdoutLogHandler(sys.stdout))
+log.propagate = False
+with StopSignals() as stop:
+    stop.defer()  # training has begun: the request is taken by the loop, not raised
+    log.warning("a line no one reads")
+    asked = stop.signum
+    stop.signum = None  # so that a second request would show
+    RunConsole().print("the run's table")
+    print("its last line", flush=True)
+    log.warning("another")
+    print("how to resume", file=sys.stderr, flush=True)
+sys.exit(0 if asked == signal.SIGPIPE and stop.signum is None else 1)
+"""
+
+
+@pytest.mark.parametrize("stderr_too", [False, True], ids=["stdout piped", "2>&1 piped"])
+def test_a_log_line_that_finds_stdout_broken_asks_the_stop_and_nothing_raises(stderr_too, tmp_path):
+    """The log handler, not a print, finds the pipe broken: the run is asked to stop as SIGPIPE would ask,
+    once; what follows goes nowhere without an error. With stderr on the same pipe (2>&1 | head) the stop's
+    line has nowhere to go either; with stderr apart, it says so there, and no logging error."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    with open(tmp_path / "stderr", "w+") as stderr:
+        done = subprocess.run([sys.executable, "-c", WRITER], cwd=REPO, stdout=write,
+                              stderr=write if stderr_too else stderr, timeout=60)
+        os.close(write)
+        stderr.seek(0)
+        said = stderr.read()
+    assert done.returncode == 0, said
+    assert said == ("" if stderr_too else "\nSIGPIPE: stopping in order: the last finished epochs are kept and "
+                                          "the run closes (a second Ctrl-C stops at once)\nhow to resume\n")
