@@ -218,6 +218,8 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup
         run = subprocess.Popen(["setsid", "--ctty", *wrapper, *command(data, folder, *settings)], cwd=REPO,
                                stdin=terminal, stdout=output, stderr=output)
         os.close(terminal)
+        if wrapper:  # the run holds its own copy
+            output.close()
         return run, master
 
     # Both at once on 2 cores: the stop's checkpoints get longer than timeouts.stop_s's default share (5 s)

@@ -9,10 +9,10 @@
 * Its children (`children_context` starts them, `child_started` is the first
   thing in every hub, trainer and rate measurement): a terminal's Ctrl-C or
   hangup reaches the whole process group, and so does a SIGTERM from
-  `timeout`, Slurm or systemd; the children ignore them and let the driver stop them in
-  order (it kills those it no longer needs); a watch on the parent makes them
-  exit, removing what the run had in /dev/shm, if it dies without a word
-  (SIGKILL, the OOM killer).
+  `timeout`, Slurm or systemd; the children ignore them and let the driver
+  stop them in order (it kills those it no longer needs); a watch on the
+  parent makes them exit, removing what the run had in /dev/shm, if it dies
+  without a word (SIGKILL, the OOM killer).
 * The next run (`remove_stale_shm`): removes what a run killed outright left in
   /dev/shm: entries whose owner process is gone (their names carry its pid). A
   node agent started again also removes the semaphores no live process holds
@@ -78,8 +78,8 @@ class StopSignals:
         self._deferred = False
         self._previous: dict = {}
         self._outer: StopSignals | None = None
-        self._on_terminal: tuple = ()  # stdout and stderr, those on a terminal (told at start: once it hangs
-        # up, asking fails)
+        self._on_terminal: tuple = ()  # of stdout and stderr, those on a terminal: asked at the start (after
+        # a hangup, asking fails)
 
     def __enter__(self) -> StopSignals:
         for signum in STOP_SIGNALS:
@@ -153,8 +153,8 @@ class RunConsole(Console):
 
 
 class StdoutLogHandler(logging.StreamHandler):
-    """Hydra's console log handler (pipeline/conf/hydra/job_logging/pipeline.yaml), but for a broken pipe
-    (`stdout_gone`)."""
+    """The console handler of Hydra's logging (hydra.job_logging, hydra.hydra_logging: pipeline/conf/config.yaml),
+    but for a broken pipe (`stdout_gone`)."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         if isinstance(sys.exc_info()[1], BrokenPipeError):
