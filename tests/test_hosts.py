@@ -21,6 +21,7 @@ from pipeline.runtime.errors import UserError
 from stages.cache import cache_prefix
 from tests.conftest import compose_config
 from tests.hosts import Hosts, connected, dask_scheduler, listening
+from tests.test_lifetime import gone_within
 from tests.test_topology import MODELS, PACED, assert_every_batch_once_in_order_bit_identical
 
 AGENT_KEY = "0123456789abcdef" * 2  # the secret driver and agents share
@@ -42,7 +43,8 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
     scheduler from and that address's interface for its process groups. The run, given only the scheduler's
     address, its TLS files and the secret, finds the agents; each starts its node's hubs and trainers;
     all_shared's all-gather crosses the hosts; every batch reaches every trainer once, in order, bit-identical
-    (CRCs); the agents' rings are gone after the run and they exit cleanly. While a flotilla runs, nothing
+    (CRCs); the agents' rings are gone after the run. They exit cleanly, one on SIGTERM, the other on a hangup
+    (its ssh session dropped) with its whole process group, which it takes with it. While a flotilla runs, nothing
     listens beyond the agents' own addresses (and loopback), and nothing at the driver. An agent refuses a
     driver without the secret, which was never published."""
     from distributed import Client
@@ -129,17 +131,36 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             agents[1] = _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
         finally:
-            for agent in agents:
-                agent.send_signal(signal.SIGTERM)
+            # node 0's agent is stopped as systemd stops it; node 1's as an ssh session's hangup does: the signal
+            # reaches the agent's whole process group (its Dask workers, its fork server) as a terminal sends it
+            agents[0].send_signal(signal.SIGTERM)
+            node1_logs = {path: path.stat().st_size for path in tmp_path.glob("agent1*.log")}  # each agent of node 1's
+            node1_group = _process_group(agents[1].pid)
+            os.killpg(agents[1].pid, signal.SIGHUP)
             codes = [agent.wait(60) for agent in agents]
             for log in logs:
                 log.close()
         assert codes == [0, 0]
         assert registered_agents(client) == {}
+        said = "".join(path.read_bytes()[size:].decode() for path, size in node1_logs.items())
+        assert "Traceback" not in said and "Dask workers ended" not in said, said  # not started again as it stopped
+        assert len(node1_group) > 2 and not gone_within(node1_group, 10)  # the agent, its Dask workers, fork server
         deadline = time.monotonic() + 30
         while client.scheduler_info()["workers"] and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
+
+
+def _process_group(pgid: int) -> list:
+    """The live processes of process group `pgid`."""
+    import psutil
+
+    def group_of(process) -> int | None:
+        try:
+            return os.getpgid(process.pid)
+        except ProcessLookupError:
+            return None
+    return [process for process in psutil.process_iter() if group_of(process) == pgid]
 
 
 def _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tls_files, tmp_path):

@@ -25,7 +25,6 @@ import functools
 import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -50,8 +49,8 @@ from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.orchestration.link import Link, broke_the_link, serializer_for
 from pipeline.runtime.child import Child, messages
 from pipeline.runtime.hang import shared_out
-from pipeline.runtime.lifetime import (children_context, remove_shm, remove_shm_of, remove_stale_semaphores,
-                                       remove_stale_shm)
+from pipeline.runtime.lifetime import (agent_stop_signals, children_context, remove_shm, remove_shm_of,
+                                       remove_stale_semaphores, remove_stale_shm)
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -63,6 +62,11 @@ from stages.cache import cache_prefix
 AGENTS = "pipeline-nodes"  # the scheduler metadata key under which agents register: node -> how to reach it
 AGENT_KEY_ENV = "PIPELINE_AGENT_KEY"  # the agents' shared secret, where no key file is given
 MIN_KEY_BYTES = 16  # a shorter secret is refused: it could be guessed
+# `dask worker`, but for a hangup: the one that ends the agent in order (agent_stop_signals) reaches its whole
+# process group, and these workers would die at once, or be started again while it stops. It stops them. (An
+# ignored signal stays ignored in the processes they start.)
+DASK_WORKERS_IGNORING_HANGUP = ("import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                                "from distributed.cli.dask_worker import main; sys.exit(main())")
 log = logging.getLogger(__name__)  # an agent shows it: what its host runs
 
 
@@ -526,15 +530,16 @@ class NodeAgents:
 
 def serve(scheduler: str, node: int, workers: int, threads: int, host: str, interface: str, key: bytes,
           host_s: float, tls: TlsFiles | None = None) -> None:
-    """Run this host as `node` until stopped (Ctrl-C or SIGTERM); only a driver holding `key` is served,
-    and a driver whose host has answered nothing for `host_s` is served no more (the connections break, the
-    threads serving them end). Everything listens on `host`, but process groups between hosts, whose
-    traffic goes through `interface` (their sockets on its address; their store on `host`)."""
+    """Run this host as `node` until stopped (Ctrl-C, SIGTERM, a hangup: agent_stop_signals); only a driver
+    holding `key` is served, and a driver whose host has answered nothing for `host_s` is served no more (the
+    connections break, the threads serving them end). Everything listens on `host`, but process groups
+    between hosts, whose traffic goes through `interface` (their sockets on its address; their store on
+    `host`)."""
     import torch
 
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the same clean exit as Ctrl-C
+    agent_stop_signals()
     left = remove_stale_shm() + remove_stale_semaphores()  # of an agent killed outright here, and its children
     if left:
         log.info("node %d: removed what dead processes left in /dev/shm: %s", node, ", ".join(left))
@@ -555,7 +560,7 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
                          "give each host its own --node")
     tls_options = ["--tls-ca-file", tls.ca_file, "--tls-cert", tls.cert, "--tls-key", tls.key] if tls else []
     dask_workers = HostWorkers(scheduler, tls, node, workers, [
-        sys.executable, "-m", "distributed.cli.dask_worker", scheduler, "--nworkers", str(workers), "--nthreads",
+        sys.executable, "-c", DASK_WORKERS_IGNORING_HANGUP, scheduler, "--nworkers", str(workers), "--nthreads",
         str(threads), "--host", host, "--resources", resource, "--name", f"n{node}", "--no-dashboard",
         "--dashboard-address", f"{host}:0", *tls_options], {  # its HTTP server (health) on `host` too
         # the secret is not published: the driver has it already

@@ -13,6 +13,8 @@
   stop them in order (it kills those it no longer needs); a watch on the
   parent makes them exit, removing what the run had in /dev/shm, if it dies
   without a word (SIGKILL, the OOM killer).
+* A node agent (`agent_stop_signals`): the same three signals end it in
+  order, exit 0; its children are a run's children, as above.
 * The next run (`remove_stale_shm`): removes what a run killed outright left in
   /dev/shm: entries whose owner process is gone (their names carry its pid). A
   node agent started again also removes the semaphores no live process holds
@@ -121,6 +123,28 @@ class StopSignals:
                 return  # the same request again (the kernel and the shell both send a hangup), or twice
             _stop_now(signum)
         self.request(signum)
+
+
+def agent_stop_signals() -> None:
+    """A node agent's stop signals (STOP_SIGNALS): Ctrl-C, SIGTERM, or its terminal's hangup (an ssh session
+    dropped; not under nohup, which keeps it serving) end it in order and without a traceback, exit 0: the
+    SystemExit raised in the main thread runs its `finally`, which closes what it started. While it closes,
+    SIGTERM and hangups are ignored (a hangup comes from the kernel and from the shell; `timeout` signals
+    the whole group too): a close cut short would leave its Dask workers or shared memory behind. A second
+    Ctrl-C cuts it short, as asked."""
+    on_terminal = tuple(stream for stream in (sys.stdout, sys.stderr) if stream.isatty())  # unaskable after a hangup
+
+    def stop(signum: int, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signum == signal.SIGHUP:
+            _to_devnull(*on_terminal)
+        raise SystemExit(0)
+
+    for signum in STOP_SIGNALS:
+        if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, stop)
 
 
 def stdout_gone() -> None:
