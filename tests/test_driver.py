@@ -322,6 +322,25 @@ def test_checkpoints_of_groups_that_stay_are_not_awaited_and_none_is_asked_for_t
     assert boundary.save(flotilla, {}, time.monotonic() + 1.0) == {"staying"}
 
 
+def test_members_resumed_earlier_than_asked_are_told_and_their_checkpoints_counted_from_there():
+    """A trainer that found no checkpoint after the epochs its group was started at (one died before writing
+    it) resumes from an earlier one and says so: the run's console names the models and both counts, and the
+    boundary counts their newest checkpoint from there (so a stop asks for the epochs they train again)."""
+    from pipeline.orchestration.driver import EpochBoundary
+    from pipeline.training.reports import ResumedEarlier
+
+    said = []
+    group = SimpleNamespace(members=[SimpleNamespace(name="a"), SimpleNamespace(name="b")])
+    thread = SimpleNamespace(run_ctx=SimpleNamespace(progress=SimpleNamespace(console=SimpleNamespace(
+        print=said.append))), flotilla_id=3, members=[SimpleNamespace(group=group, start_epoch=2)])
+    boundary = EpochBoundary(thread)
+    assert boundary.saved == {"a": 2, "b": 2}
+    assert boundary.forward([ResumedEarlier("g", ("a", "b"), 2, 1)]) == []
+    assert boundary.saved == {"a": 1, "b": 1}
+    assert said == ["flotilla 3: no checkpoint of a, b after 2 epochs (its trainer died before writing it); they "
+                    "resume after 1, and train the epochs between again"]
+
+
 def test_a_trainer_that_exited_cleanly_is_awaited_for_its_last_report_and_a_dead_one_is_not():
     """await_done after STOP, on a flotilla (its own failed_members and poll) whose node has one trainer that
     exited with code 0 before the driver read its TrainerDone (the last message a trainer sends, before it

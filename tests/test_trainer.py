@@ -16,7 +16,7 @@ import torch
 
 from pipeline.training.group import GroupSpec, GroupStep, Precision, StepInHand, to_host
 from pipeline.training.members import ModelSpec, build_module
-from pipeline.training.reports import CheckpointSaved
+from pipeline.training.reports import CheckpointSaved, ResumedEarlier
 from pipeline.training.trainer import (DeviceFeed, ReleaseMember, SaveCheckpoint, Trainer, TrainerSpec,
                                        TrainingSetup, saved_epochs)
 from tests.conftest import member
@@ -101,9 +101,13 @@ def test_every_member_resumes_from_its_checkpoint_which_loads_as_a_plain_model(t
         assert saved["lr_scheduler"]["last_epoch"] == 1
     # The learning rates go on from where they were at epoch 1's end, each member's own.
     assert lrs(resumed) == lrs_then != lrs(first)
-    # A trainer that died while writing epoch 2's checkpoint: the members resume from epoch 1's.
-    assert Trainer(trainer_spec(group, tmp_path, start=2), Reports()).epoch == 1
-    assert Trainer(trainer_spec(group, tmp_path / "none written", start=1), Reports()).epoch == 0
+    # A trainer that died while writing epoch 2's checkpoint: the members resume from epoch 1's, and the
+    # driver is told (a child's print could fail its trainer: its stdout may be a pipe whose reader has gone).
+    for folder, asked, epochs in ((tmp_path, 2, 1), (tmp_path / "none written", 1, 0)):
+        told = Reports()
+        assert Trainer(trainer_spec(group, folder, start=asked), told).epoch == epochs
+        assert told == [ResumedEarlier("g", ("a", "b", "c"), asked, epochs)]
+    assert resumed.reports == []  # as asked
     with pytest.raises(RuntimeError, match="keeps its state after \\[1\\]"):
         pipe.sent.append(SaveCheckpoint(("a",), 2))
         first._obey()

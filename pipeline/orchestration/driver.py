@@ -43,7 +43,7 @@ from pipeline.scheduler import (AssignSlots, Checkpoint, EpochFinished, FormFlot
 from pipeline.scheduler.cluster import Slot
 from pipeline.scheduler.gantt import Bar, Gantt
 from pipeline.scheduler.machine import FAILED, TRAIN_LOSS
-from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerReport, ValReport
+from pipeline.training.reports import CheckpointSaved, ResumedEarlier, TrainerDone, TrainerReport, ValReport
 from pipeline.training.group import GroupSpec
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Split
@@ -352,6 +352,12 @@ class EpochBoundary:
                 self.saved[report.model] = report.epochs
             elif isinstance(report, TrainerDone):
                 self.run_ctx.recorder.add_checksums(self.flotilla_id, report)
+            elif isinstance(report, ResumedEarlier):
+                self.saved.update(dict.fromkeys(report.models, report.epochs))
+                self.run_ctx.progress.console.print(
+                    f"flotilla {self.flotilla_id}: no checkpoint of {', '.join(report.models)} after {report.asked} "
+                    f"epochs (its trainer died before writing it); they resume after {report.epochs}, and train "
+                    "the epochs between again")
             else:
                 self.run_ctx.recorder.add_report(report)
                 if report.compile_s and report.rank == 0 and report.spans:  # once a group: its first member's

@@ -48,6 +48,17 @@ class CheckpointSaved:
 
 
 @dataclass(frozen=True)
+class ResumedEarlier:
+    """The group's members resume after `epochs` epochs, not the `asked` ones: a trainer died before it wrote
+    their checkpoints then (rank 0 only). The epochs between are trained again."""
+
+    group: str
+    models: tuple[str, ...]
+    asked: int
+    epochs: int
+
+
+@dataclass(frozen=True)
 class TrainerDone:
     """The rings said STOP; with trainer.record_checksums, what this rank received of each sink."""
 
@@ -63,4 +74,4 @@ class TrainerError:
     traceback: str
 
 
-TrainerReport = TrainReport | ValReport | CheckpointSaved | TrainerDone | TrainerError
+TrainerReport = TrainReport | ValReport | CheckpointSaved | ResumedEarlier | TrainerDone | TrainerError

@@ -36,7 +36,8 @@ from pipeline.runtime.files import write_whole, written_whole
 from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import (GroupSpec, GroupStep, Precision, StepInHand, join_process_group, least_batch,
                                      rank_rows)
-from pipeline.training.reports import CheckpointSaved, TrainerDone, TrainerError, TrainReport, ValReport
+from pipeline.training.reports import (CheckpointSaved, ResumedEarlier, TrainerDone, TrainerError, TrainReport,
+                                      ValReport)
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
 STAGING_BUFFERS = 2  # pinned buffers per sink: one being copied to the GPU while the next fills
@@ -260,9 +261,8 @@ class Trainer:
         common = set.intersection(*({e for e in saved_epochs(directory, name) if e <= start}
                                     for name in self.members))
         epochs = max(common, default=0)
-        if epochs < start:
-            print(f"{self.spec.group.name}: no checkpoint of {', '.join(self.members)} after {start} epochs in "
-                  f"{directory}; resuming after {epochs} (those epochs are trained again)", flush=True)
+        if epochs < start and self.spec.rank == 0:
+            self.reports.send(ResumedEarlier(self.spec.group.name, tuple(self.members), start, epochs))
         for name in self.members if epochs else ():
             state = self.torch.load(checkpoint_path(directory, name, epochs), map_location=self.device,
                                     weights_only=True)
