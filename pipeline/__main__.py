@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> float | None:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     with StopSignals() as stop:
         try:
+            stop.before_it_begins()
             if multirun:
                 check_sweeper(cfg.objective, HydraConfig.get().sweeper)
             results = run(cfg, Path(HydraConfig.get().runtime.output_dir), stop)

@@ -48,3 +48,36 @@ def test_a_log_line_that_finds_stdout_broken_asks_the_stop_and_nothing_raises(st
     assert done.returncode == 0, said
     assert said == ("" if stderr_too else "\nSIGPIPE: stopping in order: the last finished epochs are kept and "
                                           "the run closes (a second Ctrl-C stops at once)\nhow to resume\n")
+
+
+# Between two jobs of a multirun: Hydra's line that starts the next job is the first to find the pipe broken,
+# while no run is active. Exits 0 if the next block stopped as it began, as SIGPIPE, before its first step.
+BETWEEN_JOBS = """
+import logging, signal, sys
+from pipeline.runtime.lifetime import Interrupted, StdoutLogHandler, StopSignals
+
+log = logging.getLogger("hydra")
+log.addHandler(StdoutLogHandler(sys.stdout))
+log.propagate = False
+log.warning("#1 : ensemble.models.0.optimizer.lr=0.05")
+with StopSignals() as stop:
+    try:
+        stop.before_it_begins()
+        stopped_by = None
+    except Interrupted as stopped:
+        stopped_by = stopped.signum
+sys.exit(0 if stopped_by == signal.SIGPIPE else 1)
+"""
+
+
+def test_a_stdout_broken_between_two_jobs_stops_the_next_as_it_begins(tmp_path):
+    """A multirun's next job does not run with its output going nowhere (and the jobs after it: for hours):
+    it stops before it begins, as the job during which the pipe broke would have (pipeline/__main__.py
+    exits 141 then, and so ends the multirun)."""
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run([sys.executable, "-c", BETWEEN_JOBS], cwd=REPO, stdout=write, stderr=subprocess.PIPE,
+                          text=True, timeout=60)
+    os.close(write)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Logging error" not in done.stderr, done.stderr

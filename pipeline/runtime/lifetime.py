@@ -72,6 +72,7 @@ class StopSignals:
     """
 
     active: StopSignals | None = None
+    asked_between: int | None = None  # a stop asked while no block was active (before_it_begins)
 
     def __init__(self):
         self.requested = threading.Event()
@@ -96,6 +97,13 @@ class StopSignals:
         StopSignals.active = self._outer
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+    def before_it_begins(self) -> None:
+        """The block's first step: a stop asked while no block was active (stdout's reader went away between
+        two jobs of a multirun, found by Hydra's line that starts the next) stops it here, as `Interrupted`,
+        and the multirun with it, instead of leaving the jobs left to run with their output going nowhere."""
+        if StopSignals.asked_between is not None:
+            self.request(StopSignals.asked_between)
 
     def defer(self) -> None:
         """From now to the `with` block's end, a first signal only sets `requested`, which the training loop
@@ -150,14 +158,17 @@ def agent_stop_signals() -> None:
 def stdout_gone() -> None:
     """The reader of stdout went away (`| head` has its lines, `less` quit): what is still printed or logged
     there goes nowhere (stderr's too, if it was the same pipe: `2>&1 | head`), and the run stops in order,
-    as SIGPIPE would ask. Writers that find the pipe broken call this (RunConsole, StdoutLogHandler),
-    instead of exiting where they printed (rich's way, exit(1): a run that had trained ended before its
-    results were written) or printing a logging error each line."""
+    as SIGPIPE would ask (between two jobs of a multirun, the next stops as it begins). Writers that find
+    the pipe broken call this (RunConsole, StdoutLogHandler), instead of exiting where they printed (rich's
+    way, exit(1): a run that had trained ended before its results were written) or printing a logging
+    error each line."""
     out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
     same = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
     _to_devnull(sys.stdout, *([sys.stderr] if same else []))  # print()'s lines, and the flush at exit, too
     stop = StopSignals.active
-    if stop is not None and stop.signum is None:
+    if stop is None:
+        StopSignals.asked_between = signal.SIGPIPE
+    elif stop.signum is None:
         stop.request(signal.SIGPIPE)
 
 
