@@ -3,6 +3,7 @@ resumes to the same result as a run never stopped; SIGKILL leaves no process and
 behind; a model given up makes the run exit non-zero. One interrupted run serves several checks."""
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -204,43 +205,47 @@ def test_a_run_whose_output_s_reader_goes_away_stops_in_order(data, tmp_path):
     assert not gone_within(children, 10) and not leftovers([run.pid] + [c.pid for c in children])
 
 
-def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup(data, tmp_path):
+def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_its_hangup_is_ignored(data, tmp_path):
     """Each run in a session of its own on a terminal of its own (`setsid -c` on a pty, as an ssh login gives),
     hung up: its master closed (the kernel sends the driver SIGHUP, and a line written there fails), then
     SIGHUP to its whole process group (as the shell sends its jobs). The run stops in order, as for a stop
     signal: no model failed (its trainers, hubs and workers ignore the hangup), results marked interrupted
     (SIGHUP), its finished epochs checkpointed, exit code 129, nothing left running or in /dev/shm. (Before,
     the hangup killed every process of the run at once, leaving its cache and rings in /dev/shm.) The same
-    command under nohup (SIGHUP ignored, its output in a file) trains to its end."""
+    command with SIGHUP ignored (`trap '' HUP`, as nohup does, but its output left on the terminal, as a
+    background job's is when its shell exits) trains to its end, its lines going nowhere once the terminal is
+    gone (a write there fails, EIO: the first one crashed the run)."""
     def on_a_terminal(folder: Path, wrapper: list[str], *settings: str):
         master, terminal = os.openpty()
-        output = open(folder.with_suffix(".out"), "w") if wrapper else terminal
         run = subprocess.Popen(["setsid", "--ctty", *wrapper, *command(data, folder, *settings)], cwd=REPO,
-                               stdin=terminal, stdout=output, stderr=output)
+                               stdin=terminal, stdout=terminal, stderr=terminal)
         os.close(terminal)
-        if wrapper:  # the run holds its own copy
-            output.close()
         return run, master
 
     # Both at once on 2 cores: the stop's checkpoints get longer than timeouts.stop_s's default share (5 s)
     hung, master = on_a_terminal(tmp_path / "hung", [], "trainer.epochs=20", "timeouts.stop_s=60")
-    kept, kept_master = on_a_terminal(tmp_path / "nohup", ["nohup"], "trainer.epochs=2")
+    ignoring = ["sh", "-c", """trap '' HUP; exec "$@" """, "sh"]
+    kept, kept_master = on_a_terminal(tmp_path / "kept", ignoring, "trainer.epochs=4")
     try:
-        seen = b""
-        while b"val accuracy" not in seen:  # its first epoch's line
-            try:
-                chunk = os.read(master, 4096)
-            except OSError:  # EIO: the run, the terminal's last process, has ended
-                chunk = b""
-            assert chunk, seen.decode(errors="replace")[-2000:]
-            seen += chunk
+        seen = {master: b"", kept_master: b""}  # each terminal's, read as it comes (a full one holds its run)
+        while not all(b"val accuracy" in text for text in seen.values()):  # each run's first epoch's line
+            ready = select.select(list(seen), [], [], 120)[0]
+            assert ready, {terminal: text.decode(errors="replace")[-2000:] for terminal, text in seen.items()}
+            for terminal in ready:
+                try:
+                    chunk = os.read(terminal, 4096)
+                except OSError:  # EIO: the run, the terminal's last process, has ended
+                    chunk = b""
+                assert chunk, seen[terminal].decode(errors="replace")[-2000:]
+                seen[terminal] += chunk
         children = psutil.Process(hung.pid).children(recursive=True)
         assert {"hub", "trainer"} <= {child.name() for child in children}
+        assert kept.poll() is None  # it has lines to write after the hangup: its epochs', its results'
         for job, terminal in ((hung, master), (kept, kept_master)):
             os.close(terminal)
             os.killpg(job.pid, signal.SIGHUP)  # setsid made it its session's (and group's) leader
         assert hung.wait(120) == 128 + signal.SIGHUP
-        assert kept.wait(240) == 0, (tmp_path / "nohup.out").read_text()[-3000:]
+        assert kept.wait(240) == 0
     finally:
         hung.kill()
         kept.kill()
@@ -251,8 +256,8 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_started_under_nohup
         saved = sorted(p.name for p in (tmp_path / "hung" / "checkpoints" / model["name"]).iterdir())
         assert f"epoch{model['epochs']}.pt" in saved, (model["name"], model["epochs"], saved)
     assert not gone_within(children, 10) and not leftovers([hung.pid] + [c.pid for c in children])
-    results = json.loads((tmp_path / "nohup" / "results.json").read_text())
-    assert "interrupted" not in results and {m["epochs"] for m in results["models"]} == {2}
+    results = json.loads((tmp_path / "kept" / "results.json").read_text())
+    assert "interrupted" not in results and {m["epochs"] for m in results["models"]} == {4}
 
 
 def test_a_second_ctrl_c_stops_at_once(data, tmp_path):

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import logging
 import multiprocessing as mp
@@ -162,14 +163,33 @@ def stdout_gone() -> None:
     the pipe broken call this (RunConsole, StdoutLogHandler), instead of exiting where they printed (rich's
     way, exit(1): a run that had trained ended before its results were written) or printing a logging
     error each line."""
-    out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
-    same = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
-    _to_devnull(sys.stdout, *([sys.stderr] if same else []))  # print()'s lines, and the flush at exit, too
+    _stdout_to_devnull()
     stop = StopSignals.active
     if stop is None:
         StopSignals.asked_between = signal.SIGPIPE
     elif stop.signum is None:
         stop.request(signal.SIGPIPE)
+
+
+def terminal_gone() -> None:
+    """The terminal stdout is on hung up, and nothing asked the run to stop: its hangup was ignored (`trap ''
+    HUP`) or never sent (the background job of a shell that exits, `cmd &`; `disown`), so it was meant to
+    outlive the terminal. A write there fails (EIO): what is still printed or logged there goes nowhere
+    (stderr's too, if it is on that terminal), and the run trains on, as under nohup. Writers that find the
+    terminal gone call this (RunConsole, StdoutLogHandler)."""
+    _stdout_to_devnull()
+
+
+def _stdout_to_devnull() -> None:
+    """stdout to /dev/null, and stderr if it is the same file (`2>&1`, one terminal): print()'s lines, and
+    the flush at exit, too."""
+    out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
+    same = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
+    _to_devnull(sys.stdout, *([sys.stderr] if same else []))
+
+
+def _terminal_hung_up(error: BaseException | None) -> bool:
+    return isinstance(error, OSError) and error.errno == errno.EIO
 
 
 def _to_devnull(*streams) -> None:
@@ -180,20 +200,33 @@ def _to_devnull(*streams) -> None:
 
 
 class RunConsole(Console):
-    """The run's terminal output (stdout), rich's console but for a broken pipe (`stdout_gone`)."""
+    """The run's terminal output (stdout), rich's console but for a broken pipe (`stdout_gone`) and a terminal
+    gone (`terminal_gone`)."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
         stdout_gone()
 
+    def _check_buffer(self) -> None:
+        try:  # rich's own method (it writes the buffer): it takes a broken pipe to on_broken_pipe, and no other error
+            super()._check_buffer()
+        except OSError as error:
+            if not _terminal_hung_up(error):
+                raise
+            self.quiet = True
+            terminal_gone()
+
 
 class StdoutLogHandler(logging.StreamHandler):
     """The console handler of Hydra's logging (hydra.job_logging, hydra.hydra_logging: pipeline/conf/config.yaml),
-    but for a broken pipe (`stdout_gone`)."""
+    but for a broken pipe (`stdout_gone`) and a terminal gone (`terminal_gone`)."""
 
     def handleError(self, record: logging.LogRecord) -> None:
-        if isinstance(sys.exc_info()[1], BrokenPipeError):
+        error = sys.exc_info()[1]
+        if isinstance(error, BrokenPipeError):
             stdout_gone()
+        elif _terminal_hung_up(error):
+            terminal_gone()
         else:
             super().handleError(record)
 
