@@ -250,8 +250,9 @@ def test_a_lost_nodes_models_resume_at_once_on_free_slots_and_keep_them_while_th
 def test_a_hub_held_back_by_a_compiling_trainer_waits_as_long_as_it_compiles_then_as_any_other():
     """SplitWatch (the flotilla's watchdog) on a stand-in flotilla and clock: a trainer that holds every
     buffer of its ring in a step that compiles (trainer.compile) keeps its hub from failing however long
-    it takes, and is named once (whatever rings it holds); once it is done compiling, the same wait fails timeouts.stall_s after
-    it was last seen compiling, naming the trainer. A compile counted as a hang, or a compile that excuses the wait for ever, fails."""
+    it takes, and is named once (whatever rings it holds); once it is done compiling, the same wait fails
+    timeouts.stall_s after it was last seen compiling, naming the trainer. A compile counted as a hang, or a
+    compile that excuses the wait for ever, fails."""
     from pipeline.orchestration.agent import Laggard
     from pipeline.orchestration.watch import SplitWatch
     from pipeline.runtime.hang import HangError, Patience
@@ -337,8 +338,8 @@ def test_members_resumed_earlier_than_asked_are_told_and_their_checkpoints_count
     assert boundary.saved == {"a": 2, "b": 2}
     assert boundary.forward([ResumedEarlier("g", ("a", "b"), 2, 1)]) == []
     assert boundary.saved == {"a": 1, "b": 1}
-    assert said == ["flotilla 3: no checkpoint of a, b after 2 epochs (its trainer died before writing it); they "
-                    "resume after 1, and train the epochs between again"]
+    assert said == ["flotilla 3: no checkpoint of a, b (group g) after 2 epochs (its trainer died before writing "
+                    "it); they resume after 1, and train the epochs between again"]
 
 
 def test_a_trainer_that_exited_cleanly_is_awaited_for_its_last_report_and_a_dead_one_is_not():

@@ -136,7 +136,8 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
             agents[0].send_signal(signal.SIGTERM)
             node1_logs = {path: path.stat().st_size for path in tmp_path.glob("agent1*.log")}  # each agent of node 1's
             node1_group = _process_group(agents[1].pid)
-            os.killpg(agents[1].pid, signal.SIGHUP)
+            if agents[1].poll() is None:  # (a check above may have failed with node 1's agent killed)
+                os.killpg(agents[1].pid, signal.SIGHUP)
             codes = [agent.wait(60) for agent in agents]
             for log in logs:
                 log.close()

@@ -65,8 +65,8 @@ MIN_KEY_BYTES = 16  # a shorter secret is refused: it could be guessed
 # `dask worker`, but for a hangup: the one that ends the agent in order (agent_stop_signals) reaches its whole
 # process group, and these workers would die at once, or be started again while it stops. It stops them. (An
 # ignored signal stays ignored in the processes they start.)
-DASK_WORKERS_IGNORING_HANGUP = ("import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
-                                "from distributed.cli.dask_worker import main; sys.exit(main())")
+DASK_WORKERS_IGNORING_HANGUP = ("import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                                "from distributed.cli.dask_worker import main; main()")
 log = logging.getLogger(__name__)  # an agent shows it: what its host runs
 
 

@@ -355,9 +355,9 @@ class EpochBoundary:
             elif isinstance(report, ResumedEarlier):
                 self.saved.update(dict.fromkeys(report.models, report.epochs))
                 self.run_ctx.progress.console.print(
-                    f"flotilla {self.flotilla_id}: no checkpoint of {', '.join(report.models)} after {report.asked} "
-                    f"epochs (its trainer died before writing it); they resume after {report.epochs}, and train "
-                    "the epochs between again")
+                    f"flotilla {self.flotilla_id}: no checkpoint of {', '.join(report.models)} (group {report.group}) "
+                    f"after {report.asked} epochs (its trainer died before writing it); they resume after "
+                    f"{report.epochs}, and train the epochs between again")
             else:
                 self.run_ctx.recorder.add_report(report)
                 if report.compile_s and report.rank == 0 and report.spans:  # once a group: its first member's

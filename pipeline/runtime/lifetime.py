@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
@@ -101,8 +102,9 @@ class StopSignals:
 
     def before_it_begins(self) -> None:
         """The block's first step: a stop asked while no block was active (stdout's reader went away between
-        two jobs of a multirun, found by Hydra's line that starts the next) stops it here, as `Interrupted`,
-        and the multirun with it, instead of leaving the jobs left to run with their output going nowhere."""
+        two jobs of a multirun run in this process, as the basic launcher runs them, found by Hydra's line
+        that starts the next) stops it here, as `Interrupted`, and the multirun with it, instead of leaving
+        the jobs left to run with their output going nowhere."""
         if StopSignals.asked_between is not None:
             self.request(StopSignals.asked_between)
 
@@ -136,24 +138,25 @@ class StopSignals:
 
 def agent_stop_signals() -> None:
     """A node agent's stop signals (STOP_SIGNALS): Ctrl-C, SIGTERM, or its terminal's hangup (an ssh session
-    dropped; not under nohup, which keeps it serving) end it in order and without a traceback, exit 0: the
-    SystemExit raised in the main thread runs its `finally`, which closes what it started. While it closes,
-    SIGTERM and hangups are ignored (a hangup comes from the kernel and from the shell; `timeout` signals
-    the whole group too): a close cut short would leave its Dask workers or shared memory behind. A second
-    Ctrl-C cuts it short, as asked."""
+    dropped) end it in order and without a traceback, exit 0: the SystemExit raised in the main thread runs
+    its `finally`, which closes what it started. One ignored from the start stays ignored (nohup's hangup:
+    it serves on). While it closes, SIGTERM and hangups are ignored (a hangup comes from the kernel and from
+    the shell; `timeout` signals the whole group too): a close cut short would leave its Dask workers or
+    shared memory behind. A second Ctrl-C cuts it short, as asked."""
     on_terminal = tuple(stream for stream in (sys.stdout, sys.stderr) if stream.isatty())  # unaskable after a hangup
+    taken = [signum for signum in STOP_SIGNALS if signal.getsignal(signum) != signal.SIG_IGN]
 
     def stop(signum: int, frame) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if signum == signal.SIGHUP:
+        if signum == signal.SIGHUP:  # first: a signal's handler may run inside this one's
             _to_devnull(*on_terminal)
+        for each in {signal.SIGTERM, signal.SIGHUP} & set(taken):
+            signal.signal(each, signal.SIG_IGN)
+        if signal.SIGINT in taken:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         raise SystemExit(0)
 
-    for signum in STOP_SIGNALS:
-        if signum != signal.SIGHUP or signal.getsignal(signum) != signal.SIG_IGN:
-            signal.signal(signum, stop)
+    for signum in taken:
+        signal.signal(signum, stop)
 
 
 def stdout_gone() -> None:
@@ -173,10 +176,10 @@ def stdout_gone() -> None:
 
 def terminal_gone() -> None:
     """The terminal stdout is on hung up, and nothing asked the run to stop: its hangup was ignored (`trap ''
-    HUP`) or never sent (the background job of a shell that exits, `cmd &`; `disown`), so it was meant to
+    HUP`) or never sent (`cmd &` then `exit`, from a bash without huponexit; `disown`), so it was meant to
     outlive the terminal. A write there fails (EIO): what is still printed or logged there goes nowhere
     (stderr's too, if it is on that terminal), and the run trains on, as under nohup. Writers that find the
-    terminal gone call this (RunConsole, StdoutLogHandler)."""
+    terminal gone (`_terminal_hung_up`) call this (RunConsole, StdoutLogHandler)."""
     _stdout_to_devnull()
 
 
@@ -189,7 +192,10 @@ def _stdout_to_devnull() -> None:
 
 
 def _terminal_hung_up(error: BaseException | None) -> bool:
-    return isinstance(error, OSError) and error.errno == errno.EIO
+    """`error`, from a write to stdout, says its terminal hung up: EIO, on a terminal (a character device; fstat,
+    unlike isatty, still answers after the hangup). EIO from a file (a failing disk) is an error of its own."""
+    return (isinstance(error, OSError) and error.errno == errno.EIO
+            and stat.S_ISCHR(os.fstat(sys.stdout.fileno()).st_mode))
 
 
 def _to_devnull(*streams) -> None:
