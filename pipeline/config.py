@@ -205,7 +205,7 @@ class TimeoutsConf:
     report_s: float = 1800  # a trainer or rate measurement that owes a report and stays silent this long is hung
     drain_s: float = 60  # a closing producer lets its running batch tasks finish this long before it is stopped
     exit_s: float = 30  # a flotilla's processes that have finished get this long to exit before they are killed
-    stop_s: float = 10  # a stop (Ctrl-C, SIGTERM, ...): checkpointing the last finished epochs and closing take at most this
+    stop_s: float = 10  # a stop (Ctrl-C, SIGTERM, ...): the last epochs' checkpoints and the close take at most this
     warn_s: float = 60  # a wait without progress this long says what it waits for (once)
     stall_s: float = 600  # ...and fails this long without progress: no batch task result, no batch published
     collective_s: float = 900  # an exchange between hubs or a DDP all-reduce not done in this long fails

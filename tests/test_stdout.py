@@ -83,9 +83,10 @@ def test_a_stdout_broken_between_two_jobs_stops_the_next_as_it_begins(tmp_path):
     assert "Traceback" not in done.stderr and "Logging error" not in done.stderr, done.stderr
 
 
-# On a terminal that hung up while nothing asked the run to stop (its hangup ignored or never sent): the console's
-# lines (rich), a log line, print()s to stdout and stderr. Exits 0 if none raised and no stop was asked; what
-# raised is written to the file its argument names (stderr is on the dead terminal too).
+# On a terminal that hung up while nothing asked the run to stop (its hangup ignored or never sent): a first line
+# by the writer its second argument names (the console, rich; or the log handler), then the console's lines, a log
+# line, print()s to stdout and stderr. Exits 0 if none raised and no stop was asked; what raised is written to the
+# file its first argument names (stderr is on the dead terminal too).
 ON_A_DEAD_TERMINAL = """
 import logging, sys, traceback
 from pipeline.runtime.lifetime import RunConsole, StdoutLogHandler, StopSignals
@@ -98,7 +99,7 @@ sys.stdin.read(1)  # the terminal is gone now
 try:
     with StopSignals() as stop:
         stop.defer()
-        console.print("epoch 2: val accuracy 0.5")
+        {"console": console.print, "log": log.warning}[sys.argv[2]]("epoch 2: val accuracy 0.5")
         log.warning("a line no one reads")
         console.print("the run's table")
         print("its last line", flush=True)
@@ -115,13 +116,11 @@ def test_a_terminal_gone_without_a_stop_sends_the_lines_nowhere_and_the_run_goes
     """stdout and stderr on a terminal that hung up (its master closed; not the process's controlling
     terminal, so no SIGHUP): the first line written there fails (EIO), whichever writer finds it (the
     console, or the log handler first), and what follows goes nowhere; no error, no stop."""
-    script = ON_A_DEAD_TERMINAL if first == "console" else ON_A_DEAD_TERMINAL.replace(
-        'console.print("epoch 2: val accuracy 0.5")', 'log.warning("the first line")')
     master, terminal = os.openpty()
     go, ready = os.pipe()
     raised = tmp_path / "raised"
-    writer = subprocess.Popen([sys.executable, "-c", script, str(raised)], cwd=REPO, stdin=go, stdout=terminal,
-                              stderr=terminal, env={**os.environ, "TERM": "xterm"})
+    writer = subprocess.Popen([sys.executable, "-c", ON_A_DEAD_TERMINAL, str(raised), first], cwd=REPO, stdin=go,
+                              stdout=terminal, stderr=terminal, env={**os.environ, "TERM": "xterm"})
     os.close(terminal)
     os.close(go)
     os.close(master)  # the terminal hangs up

@@ -4,7 +4,7 @@
   (SIGHUP; not under nohup) asks the run to stop; the driver checkpoints,
   writes its results marked interrupted, closes what it started and exits
   128 + the signal's number. A second signal stops at once. Its output's
-  reader going away (`| head` done, `less` quit: `stdout_gone`) asks the
+  reader going away (`| head` done, `less` quit: `stdout_failed`) asks the
   same, as SIGPIPE.
 * Its children (`children_context` starts them, `child_started` is the first
   thing in every hub, trainer and rate measurement): a terminal's Ctrl-C or
@@ -70,7 +70,7 @@ class StopSignals:
     started closes on the way out. A second signal (REPEAT_S or more after the first) kills the run's
     child processes, removes its shared memory and exits at once. A hangup first points the streams
     that were on the terminal at /dev/null (a line written there would fail). Like the signal handlers,
-    the process's `with` block is the one a broken stdout asks to stop (`stdout_gone`).
+    the process's `with` block is the one a broken stdout asks to stop (`stdout_failed`).
     """
 
     active: StopSignals | None = None
@@ -159,43 +159,35 @@ def agent_stop_signals() -> None:
         signal.signal(signum, stop)
 
 
-def stdout_gone() -> None:
-    """The reader of stdout went away (`| head` has its lines, `less` quit): what is still printed or logged
-    there goes nowhere (stderr's too, if it was the same pipe: `2>&1 | head`), and the run stops in order,
-    as SIGPIPE would ask (between two jobs of a multirun, the next stops as it begins). Writers that find
-    the pipe broken call this (RunConsole, StdoutLogHandler), instead of exiting where they printed (rich's
-    way, exit(1): a run that had trained ended before its results were written) or printing a logging
-    error each line."""
-    _stdout_to_devnull()
-    stop = StopSignals.active
-    if stop is None:
-        StopSignals.asked_between = signal.SIGPIPE
-    elif stop.signum is None:
-        stop.request(signal.SIGPIPE)
+def stdout_failed(error: BaseException) -> bool:
+    """What a writer of the run's stdout does when a write there failed with `error`, instead of crashing the
+    run there (rich's way for a broken pipe was exit(1): a run that had trained ended before its results
+    were written) or printing a logging error each line. Writers call it: RunConsole, StdoutLogHandler.
 
+    * A broken pipe: its reader went away (`| head` has its lines, `less` quit). The run stops in order, as
+      SIGPIPE would ask; between two jobs of a multirun (no run active), the next stops as it begins.
+    * EIO on a terminal (a character device: fstat, unlike isatty, still answers after a hangup): it hung
+      up, and nothing asked the run to stop (its hangup ignored, `trap '' HUP`, or never sent: `cmd &` then
+      `exit` from a bash without huponexit; `disown`), so it was meant to outlive the terminal: it trains on,
+      as under nohup.
 
-def terminal_gone() -> None:
-    """The terminal stdout is on hung up, and nothing asked the run to stop: its hangup was ignored (`trap ''
-    HUP`) or never sent (`cmd &` then `exit`, from a bash without huponexit; `disown`), so it was meant to
-    outlive the terminal. A write there fails (EIO): what is still printed or logged there goes nowhere
-    (stderr's too, if it is on that terminal), and the run trains on, as under nohup. Writers that find the
-    terminal gone (`_terminal_hung_up`) call this (RunConsole, StdoutLogHandler)."""
-    _stdout_to_devnull()
-
-
-def _stdout_to_devnull() -> None:
-    """stdout to /dev/null, and stderr if it is the same file (`2>&1`, one terminal): print()'s lines, and
-    the flush at exit, too."""
+    Either way what is still printed or logged there goes to /dev/null (stderr's too, if it is the same file:
+    `2>&1 | head`, one terminal), print()'s lines and the flush at exit too, and this returns True. Any other
+    error (EIO from a file on a failing disk) is the writer's to raise: False."""
+    reader_gone = isinstance(error, BrokenPipeError)
+    if not (reader_gone or isinstance(error, OSError) and error.errno == errno.EIO):
+        return False
     out, err = os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno())
-    same = (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino)
-    _to_devnull(sys.stdout, *([sys.stderr] if same else []))
-
-
-def _terminal_hung_up(error: BaseException | None) -> bool:
-    """`error`, from a write to stdout, says its terminal hung up: EIO, on a terminal (a character device; fstat,
-    unlike isatty, still answers after the hangup). EIO from a file (a failing disk) is an error of its own."""
-    return (isinstance(error, OSError) and error.errno == errno.EIO
-            and stat.S_ISCHR(os.fstat(sys.stdout.fileno()).st_mode))
+    if not (reader_gone or stat.S_ISCHR(out.st_mode)):
+        return False
+    _to_devnull(sys.stdout, *([sys.stderr] if (out.st_dev, out.st_ino) == (err.st_dev, err.st_ino) else []))
+    if reader_gone:
+        stop = StopSignals.active
+        if stop is None:
+            StopSignals.asked_between = signal.SIGPIPE
+        elif stop.signum is None:
+            stop.request(signal.SIGPIPE)
+    return True
 
 
 def _to_devnull(*streams) -> None:
@@ -206,34 +198,27 @@ def _to_devnull(*streams) -> None:
 
 
 class RunConsole(Console):
-    """The run's terminal output (stdout), rich's console but for a broken pipe (`stdout_gone`) and a terminal
-    gone (`terminal_gone`)."""
+    """The run's terminal output (stdout), rich's console but for a write there that fails (`stdout_failed`)."""
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
-        stdout_gone()
+        stdout_failed(BrokenPipeError())
 
     def _check_buffer(self) -> None:
         try:  # rich's own method (it writes the buffer): it takes a broken pipe to on_broken_pipe, and no other error
             super()._check_buffer()
         except OSError as error:
-            if not _terminal_hung_up(error):
+            if not stdout_failed(error):
                 raise
             self.quiet = True
-            terminal_gone()
 
 
 class StdoutLogHandler(logging.StreamHandler):
     """The console handler of Hydra's logging (hydra.job_logging, hydra.hydra_logging: pipeline/conf/config.yaml),
-    but for a broken pipe (`stdout_gone`) and a terminal gone (`terminal_gone`)."""
+    but for a write there that fails (`stdout_failed`)."""
 
     def handleError(self, record: logging.LogRecord) -> None:
-        error = sys.exc_info()[1]
-        if isinstance(error, BrokenPipeError):
-            stdout_gone()
-        elif _terminal_hung_up(error):
-            terminal_gone()
-        else:
+        if not stdout_failed(sys.exc_info()[1]):
             super().handleError(record)
 
 
