@@ -67,11 +67,16 @@ class ImageFolder(Stage):
         if not root.is_dir():
             raise StageError(f"dataset root {root} does not exist; set dataset.root to an ImageFolder tree "
                              "(one sub-folder per class) or dataset.synthetic=auto to generate a stand-in")
-        folders = _split_folders(root)
-        if folders:
-            self._scan_split_folders(root, *folders)
-        else:
-            self._scan_classes(root)
+        try:
+            folders = _split_folders(root)
+            if folders:
+                self._scan_split_folders(root, *folders)
+            else:
+                self._scan_classes(root)
+        except PermissionError as err:  # a folder this user cannot list: a class would be lost unsaid
+            raise StageError(f"dataset root {root}: this user was refused {err.filename} ({err.strerror}); give "
+                             "the dataset read access (chmod -R a+rX) or set dataset.root to a copy it can read"
+                             ) from None
         if not self.files[Split.TRAIN]:
             where = f" in {folders[0]}" if folders else ""
             raise StageError(f"dataset root {root} holds no class folders with files{where}; expected "

@@ -9,7 +9,9 @@ import os
 # no AVX-512 machine saw, issue 29).
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-import shutil  # noqa: E402
+import pickle  # noqa: E402
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,48 @@ def bad_dataset(tiny_dataset, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     shutil.copytree(tiny_dataset, root)
     bad = write_bad_files(sorted(p for p in root.iterdir() if p.is_dir())[0])
     return root, bad
+
+
+@pytest.fixture
+def open_tmp_path() -> Path:
+    """A temporary folder any user may enter (tmp_path's parents admit their owner only)."""
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o755)
+        yield Path(folder)
+
+
+NOBODY = 65534
+
+
+def as_a_user_permissions_bind(function, *args):
+    """What `function(*args)` returns, or the exception it raises, for a user whom file permissions bind:
+    this process when it is not root, else a forked child that has become nobody (root reads and writes
+    whatever chmod forbids). Files the function reads must lie where nobody may go (open_tmp_path)."""
+    if os.geteuid() != 0:
+        try:
+            return function(*args)
+        except Exception as error:
+            return error
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: it never returns into pytest
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                outcome = function(*args)
+            except Exception as error:
+                outcome = error
+            with os.fdopen(write, "wb") as pipe:
+                pickle.dump(outcome, pipe)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        outcome = pickle.load(pipe)
+    os.waitpid(pid, 0)
+    return outcome
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
 """Stage behaviour, and a suite every stage must pass: the output matches the
 declared spec, the same seed gives the same bytes, the stage pickles."""
 import pickle
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split
 from stages.decode import Decode
 from stages.read import SPLIT_FILE, ImageFolder, shuffle
 from stages.broadcast import Broadcast
+from tests.conftest import as_a_user_permissions_bind
 
 
 def ctx(split=Split.TRAIN, epoch=0, index=0, seed=0, on_error="skip", stage="s"):
@@ -309,6 +312,39 @@ def test_missing_root_is_a_clear_error(tmp_path):
         ImageFolder(root=str(tmp_path / "nope"), batch_size=4)
     with pytest.raises(ValueError, match="no class folders"):
         ImageFolder(root=str(tmp_path), batch_size=4)
+
+
+@pytest.mark.parametrize("locked", ["root", "class folder"])
+def test_a_folder_this_user_cannot_list_is_an_error_naming_it_and_the_fix(tiny_dataset, open_tmp_path, locked):
+    """A class folder it cannot list would be a class lost unsaid (and every label after it shifted)."""
+    root = open_tmp_path / "data"
+    shutil.copytree(tiny_dataset, root)
+    folder = root if locked == "root" else sorted(root.iterdir())[1]
+    folder.chmod(0o000)
+    try:
+        error = as_a_user_permissions_bind(ImageFolder, str(root), 4)
+    finally:
+        folder.chmod(0o755)
+    assert isinstance(error, StageError), error
+    refused = re.search(r"this user was refused (\S+) \(Permission denied\)", str(error))
+    assert refused and refused[1].startswith(str(folder)), error  # root's: a path in it (stat refused too)
+    assert "chmod -R a+rX" in str(error) and "dataset.root" in str(error)
+
+
+def test_a_file_this_user_cannot_read_is_skipped_and_listed(tiny_dataset, open_tmp_path):
+    root = open_tmp_path / "data"
+    shutil.copytree(tiny_dataset, root)
+    source = ImageFolder(root=str(root), batch_size=1000, val_per_class=0)
+    locked = Path(source.files[Split.TRAIN][5][0])
+    locked.chmod(0o000)
+
+    def read_all():
+        c = ctx()
+        return source(None, c).paths, c.skipped
+
+    paths, skipped = as_a_user_permissions_bind(read_all)
+    assert skipped == [(str(locked), "cannot read: Permission denied")]
+    assert len(paths) == 4 * 16 - 1 and str(locked) not in paths
 
 
 def test_a_dataset_that_lies_elsewhere_gives_the_same_batches(tiny_dataset, tmp_path):

@@ -1,4 +1,5 @@
 import json
+import os
 import re
 
 import numpy as np
@@ -12,6 +13,7 @@ from pipeline.data import synthetic
 from pipeline.data.synthetic import generate_imagefolder, read_marker, write_bad_files
 from stages.base import Split
 from stages.read import SPLIT_FILE, ImageFolder
+from tests.conftest import as_a_user_permissions_bind
 
 NUM_CLASSES, IMAGES_PER_CLASS, SEED = 10, 40, 7
 
@@ -279,3 +281,34 @@ def test_the_default_ensembles_stand_in_validates_on_30_images_a_class_and_a_giv
     assert prepare_dataset(str(made), Synthetic.auto, 2, 129, 0.0, 0).synthetic
     read = ImageFolder(root=str(made), batch_size=64, val_per_class=stages["read"]["val_per_class"])
     assert (read.num_items(Split.TRAIN), read.num_items(Split.VAL)) == (2 * 99, 2 * 30)
+
+
+def test_the_stand_in_has_the_umasks_permissions_so_other_users_can_read_it(tmp_path):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    root = tmp_path / "made"
+    generate_imagefolder(root, 2, 4, 0, image_size=(24, 32))
+    for path in [root, *root.rglob("*")]:
+        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~umask, path
+
+
+def test_a_root_this_user_cannot_read_or_generate_in_is_an_error_naming_the_key_and_the_fix(open_tmp_path):
+    from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
+
+    unreadable = open_tmp_path / "unreadable"
+    unreadable.mkdir()
+    (unreadable / "001.class").mkdir()
+    unreadable.chmod(0o000)
+    error = as_a_user_permissions_bind(prepare_dataset, str(unreadable), Synthetic.auto, 2, 4, 0.0, 0)
+    assert isinstance(error, DatasetError), error
+    assert f"dataset.root {unreadable} cannot be read by this user (Permission denied" in str(error)
+    assert "chmod -R a+rX" in str(error)
+
+    read_only = open_tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    error = as_a_user_permissions_bind(prepare_dataset, str(read_only / "c256"), Synthetic.auto, 2, 4, 0.0, 0)
+    assert isinstance(error, DatasetError), error
+    assert (f"dataset.root {read_only / 'c256'} holds no dataset, and the synthetic stand-in cannot be written "
+            "there (Permission denied") in str(error)
+    assert not any(read_only.iterdir())
+    unreadable.chmod(0o755)

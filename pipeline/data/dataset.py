@@ -34,8 +34,12 @@ class DatasetInfo:
 def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int, difficulty: float,
                     seed: int) -> DatasetInfo:
     path = Path(to_absolute_path(root))
-    empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
-    marker = read_marker(path) if path.is_dir() else None
+    try:
+        empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
+        marker = read_marker(path) if path.is_dir() else None
+    except PermissionError as err:
+        raise DatasetError(f"dataset.root {path} cannot be read by this user ({err.strerror}: {err.filename}); "
+                           "give it read access (chmod -R a+rX), or set dataset.root to a copy it can read") from None
     if synthetic == Synthetic.never:
         if empty:
             raise DatasetError(f"dataset.root {path} is missing or empty; point dataset.root at an ImageFolder "
@@ -44,9 +48,14 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
         return DatasetInfo(path, marker is not None, False)
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data
-    try:  # returns at once when this exact stand-in is already there
-        generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
-    except FileExistsError:  # our own stand-in, made with other parameters
-        shutil.rmtree(path)
-        generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+    try:
+        try:  # returns at once when this exact stand-in is already there
+            generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+        except FileExistsError:  # our own stand-in, made with other parameters
+            shutil.rmtree(path)
+            generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+    except PermissionError as err:
+        raise DatasetError(f"dataset.root {path} holds no dataset, and the synthetic stand-in cannot be written "
+                           f"there ({err.strerror}: {err.filename}); set dataset.root to a folder this user can "
+                           "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)") from None
     return DatasetInfo(path, True, generated_now=read_marker(path) != marker)

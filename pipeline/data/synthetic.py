@@ -24,8 +24,8 @@ import io
 import json
 import math
 import os
+import secrets
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,8 +94,11 @@ def generate_imagefolder(
         )
     root.parent.mkdir(parents=True, exist_ok=True)
     # Build in a hidden sibling and rename it at the end: an interrupted run
-    # never leaves a `root` that looks complete.
-    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.partial-", dir=root.parent))
+    # never leaves a `root` that looks complete. Made by mkdir, not mkdtemp, so that
+    # the dataset gets the umask's permissions as its files do (mkdtemp's 0700 would
+    # keep it from every other user).
+    staging = root.parent / f".{root.name}.partial-{secrets.token_hex(8)}"
+    staging.mkdir()
     try:
         _write_classes(staging, num_classes, images_per_class, seed, image_size, difficulty)
         if val_per_class is not None:
