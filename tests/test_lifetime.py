@@ -541,3 +541,41 @@ def in_session(session: int) -> list[psutil.Process]:
         except ProcessLookupError:  # gone meanwhile
             pass
     return found
+
+
+def test_a_close_kills_at_once_a_hub_still_waiting_for_its_peers_and_refuses_a_later_start():
+    """A hub first meets the flotilla's other hubs (a rendezvous). If its driver is killed then, or another
+    node's hub never starts, it waits for one that never comes; having no batch task to let finish, a close
+    kills it at once, not after timeouts.drain_s (a hub a killed driver had just started lingered for the
+    default 60 s into the next run at the agent). A start that comes after the close (the killed driver's
+    call, still in flight at the agent) is refused: its process would have had no one to close it."""
+    from pipeline.delivery.hub import HubSpec
+    from pipeline.delivery.plan import HubPlan, StreamPlan
+    from pipeline.orchestration.agent import NodeProcesses
+    from pipeline.runtime.hang import Patience
+
+    processes = NodeProcesses(0, drain_s=600)
+    spec = HubSpec(hub=HubPlan(rank=0, stream=0, node=0, part=0), stream=StreamPlan(("A",), (0, 1), gather=True),
+                   stream_ranks=((0, 1),), world=2, rendezvous=processes.rendezvous({0}), device="cpu",
+                   scheduler="tcp://127.0.0.1:9", graph=None, seed=0, on_error="skip", in_flight=1, rings={},
+                   record_checksums=False, shared_keys=None, sequence=0, drain_s=600, patience=Patience(),
+                   collective_s=600, tls=None)
+    processes.start_hub(spec)
+    hub = psutil.Process(processes.hubs[0].pid)
+    closer = threading.Thread(target=processes.close)
+    try:
+        deadline = time.monotonic() + 60
+        while hub.name() != "hub":  # it has started (named itself) and goes on to wait for hub 1
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+        assert not hub.is_running()
+        with pytest.raises(RuntimeError, match="node 0: this flotilla's processes are closed"):
+            processes.start_hub(spec)
+        assert processes.hubs[0].pid == hub.pid
+    finally:
+        if closer.is_alive():  # the failure above: it would wait out drain_s
+            hub.kill()
+            closer.join()

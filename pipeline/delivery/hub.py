@@ -58,13 +58,14 @@ class HubSpec:
     tls: TlsFiles | None  # Dask's TLS files of the hub's host (its NodeProcesses fills them in); None: no TLS
 
 
-def hub_main(spec: HubSpec, abort, *, to_parent, from_parent) -> None:
+def hub_main(spec: HubSpec, abort, serving, *, to_parent, from_parent) -> None:
     """Process entry point (runtime.child.Child): serves the driver's commands, tells it its events.
-    `abort` (an Event) ends it between batches. A failure is told to the driver, which reports it once;
+    `abort` (an Event) ends it between batches; it sets `serving` (an Event) once it takes commands (its
+    process group met, its Dask client connected). A failure is told to the driver, which reports it once;
     the process then exits with code 1 without a traceback of its own."""
     child_started("hub")
     try:
-        Hub(spec, to_parent, abort).serve(from_parent)
+        Hub(spec, to_parent, abort).serve(from_parent, serving)
     except BadFileError as err:  # a user's data file, named: the driver raises it as it is
         tell_parent(to_parent, BadFile(spec.hub.rank, str(err)))
         raise SystemExit(1) from None
@@ -101,7 +102,7 @@ class Hub:
         self.occupancy: list[tuple[float, int]] = []  # (time.time(), batches held by the slowest reader)
         self.latency_ms: list[float] = []  # per batch: exchange + writing into the rings (waits included)
 
-    def serve(self, commands) -> None:
+    def serve(self, commands, serving) -> None:
         spec = self.spec
         try:
             with ExitStack() as stack:
@@ -115,6 +116,7 @@ class Hub:
                                                             if spec.shared_keys else 0,
                                                             sequence=spec.sequence, drain_s=spec.drain_s,
                                                             patience=spec.patience, on_wait=self._waiting))
+                serving.set()
                 for command in iter(commands.recv, StopStreams()):
                     assert isinstance(command, RunSplit), command
                     self._split(executor, command.split, command.epoch)

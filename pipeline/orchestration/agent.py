@@ -104,11 +104,16 @@ class NodeProcesses:
         self.context = children_context()
         self.abort = self.context.Event()  # tells hubs to leave between batches
         self.hubs: dict[int, Child] = {}  # hub rank -> its process
+        # hub rank -> set once it serves: before, it has no batch task to let finish (it may wait in its process
+        # group's rendezvous for a hub that never comes), so a close kills it at once
+        self.serving: dict[int, mp.synchronize.Event] = {}
         self.trainers: dict[str, list[TrainerProcess]] = defaultdict(list)  # group -> its trainers here
         self.unread: list = []  # what trainers said as they were stopped: the next `poll` returns it
         self.rings: dict[tuple[int, str], Ring] = {}  # (hub rank, sink) -> ring
         self.local = LocalRendezvous()  # for groups with every rank on this machine: they meet through files
-        self.closing = threading.Lock()  # the driver's close, or the watch on a driver that died
+        # held by a close (the driver's, or the watch's on a driver that died) and by a start: a start that
+        # the close did not see would outlive it, so nothing starts once closed
+        self.closing = threading.Lock()
         self.closed = False
 
     def watch_driver(self) -> tuple[tuple[str, int], bytes]:
@@ -144,7 +149,9 @@ class NodeProcesses:
         rank = spec.hub.rank
         spec = replace(spec, rings={sink: ring for (hub, sink), ring in self.rings.items() if hub == rank},
                        tls=self.tls)
-        self.hubs[rank] = Child(hub_main, (spec, self.abort), f"hub-{rank}-node{self.node}")
+        with self._open():
+            self.serving[rank] = self.context.Event()
+            self.hubs[rank] = Child(hub_main, (spec, self.abort, self.serving[rank]), f"hub-{rank}-node{self.node}")
         log.info("node %d: hub %d (stream %d) started, pid %d", self.node, rank, spec.hub.stream, self.hubs[rank].pid)
 
     def start_trainer(self, spec: TrainerSpec, hub: int, readers: dict[str, int] | None = None) -> None:
@@ -155,9 +162,10 @@ class NodeProcesses:
             readers = {sink: self.rings[hub, sink].take_spare() for sink in spec.group.inputs}
         taken = {sink: (self.rings[hub, sink], reader) for sink, reader in readers.items()}
         in_hand = StepInHand(self.context, spec.group, spec.setup.steps_per_epoch)
-        child = Child(trainer_main, (spec, {sink: ring.reader(i) for sink, (ring, i) in taken.items()}, in_hand),
-                      f"trainer-{spec.group.name}-{spec.rank}")
-        self.trainers[spec.group.name].append(TrainerProcess(child, spec.rank, list(taken.values()), in_hand))
+        with self._open():
+            child = Child(trainer_main, (spec, {sink: ring.reader(i) for sink, (ring, i) in taken.items()}, in_hand),
+                          f"trainer-{spec.group.name}-{spec.rank}")
+            self.trainers[spec.group.name].append(TrainerProcess(child, spec.rank, list(taken.values()), in_hand))
         log.info("node %d: trainer %s rank %d on %s started, pid %d", self.node, spec.group.name, spec.rank,
                  spec.device, child.pid)
 
@@ -230,6 +238,15 @@ class NodeProcesses:
         for child, left in shared_out(timeout, children):
             child.join(left)
 
+    @contextmanager
+    def _open(self):
+        """Held while a process starts: none starts once the flotilla's processes here are closed."""
+        with self.closing:
+            if self.closed:
+                raise RuntimeError(f"node {self.node}: this flotilla's processes are closed (its driver closed "
+                                   "them, or is gone): none starts")
+            yield
+
     def close(self, within: float | None = None) -> None:
         """Stops everything, whatever state it is in; unlinks the rings. `within`: seconds it may take
         (a stopping run's), instead of timeouts.drain_s."""
@@ -247,8 +264,10 @@ class NodeProcesses:
             for ring in self.rings.values():  # no hub waits on a trainer that is gone
                 for reader in range(ring.consumers):
                     ring.detach(reader)
-            for hub, left in shared_out(drain_s, self.hubs.values()):  # a hub in the middle of a split lets
-                hub.stop(left)  # its batch tasks finish first; what it says now, the run no longer reads
+            for (rank, hub), left in shared_out(drain_s, self.hubs.items()):
+                # a hub in the middle of a split lets its batch tasks finish first (what it says now, the run no
+                # longer reads); one not yet serving has none
+                hub.stop(left if self.serving[rank].is_set() else 0)
                 remove_shm_of(hub.pid)  # hand-off files of batch tasks it never took
         finally:
             for hub in self.hubs.values():  # stopped already, unless the above raised
