@@ -107,13 +107,16 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     if left:
         console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
     inputs = prepare_inputs(cfg)
-    if cfg.mode == Mode.profile:
-        if inputs.cache_line:
-            console.print(inputs.cache_line)
-        results = profile_run(cfg, inputs.models, inputs.graph, inputs.total_steps, output_dir, console)
-    else:
-        results = train(cfg, inputs, output_dir, console, stop, parts)
-        results["objective"] = objective_record(results, cfg.objective)
+    try:
+        if cfg.mode == Mode.profile:
+            if inputs.cache_line:
+                console.print(inputs.cache_line)
+            results = profile_run(cfg, inputs.models, inputs.graph, inputs.total_steps, output_dir, console)
+        else:
+            results = train(cfg, inputs, output_dir, console, stop, parts)
+            results["objective"] = objective_record(results, cfg.objective)
+    finally:
+        inputs.dataset.release()  # trained: a run after it may make its stand-in anew
     results.update({"dataset": inputs.dataset_summary(cfg.dataset.name), "wall_s": time.perf_counter() - started,
                     "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
     write_json(output_dir / "results.json", results)
@@ -239,10 +242,14 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty, cfg.seed)
-    graph = _graph(cfg, models)
-    total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
-    models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps)
-    return RunInputs(models, dataset, graph, _plan_cache(cfg, graph), total_steps)
+    try:
+        graph = _graph(cfg, models)
+        total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
+        models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps)
+        return RunInputs(models, dataset, graph, _plan_cache(cfg, graph), total_steps)
+    except BaseException:
+        dataset.release()
+        raise
 
 
 def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console) -> TrainingPlan:

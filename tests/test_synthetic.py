@@ -312,3 +312,29 @@ def test_a_root_this_user_cannot_read_or_generate_in_is_an_error_naming_the_key_
             "there (Permission denied") in str(error)
     assert not any(read_only.iterdir())
     unreadable.chmod(0o755)
+
+
+def test_a_stand_in_a_run_trains_on_is_not_made_anew_under_it(tmp_path):
+    """The runs of a parallel sweep over dataset.synthetic_* start together at one root: the second made its
+    stand-in (other parameters) over the first's files as the first trained (seen under the joblib launcher:
+    a traceback, or the first run's files deleted). While a run holds the stand-in, another is refused,
+    naming the fix; runs of the same stand-in share it; once none holds it, it is made anew."""
+    from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
+
+    root = tmp_path / "stand_in"
+    first = prepare_dataset(str(root), Synthetic.auto, 2, 4, 0.0, 0)
+    files = {path: path.read_bytes() for path in root.rglob("*.jpg")}
+    refused = (r"holds the synthetic stand-in made with other parameters, and another run trains on it.*"
+               r"'dataset.root=data/stand_in_\$\{dataset.synthetic_difficulty\}'")
+    with pytest.raises(DatasetError, match=refused):
+        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+    assert {path: path.read_bytes() for path in root.rglob("*.jpg")} == files
+    same = prepare_dataset(str(root), Synthetic.auto, 2, 4, 0.0, 0)
+    assert same.synthetic and not same.generated_now
+    first.release()
+    with pytest.raises(DatasetError, match=refused):  # `same` holds it still
+        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+    same.release()
+    second = prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+    assert second.generated_now and read_marker(root)["difficulty"] == 1.0
+    second.release()

@@ -3,9 +3,14 @@ the configured root holds nothing (dataset.synthetic=auto)."""
 from __future__ import annotations
 
 import enum
+import fcntl
+import os
 import shutil
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from hydra.utils import to_absolute_path
 
@@ -29,6 +34,13 @@ class DatasetInfo:
     root: Path
     synthetic: bool  # a generated stand-in, not real photos
     generated_now: bool
+    # a stand-in's in-use lock, held (shared) until `release`: no other run makes it again meanwhile
+    in_use: IO | None = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        """The run is done with the dataset: another run may make its stand-in again."""
+        if self.in_use is not None:
+            self.in_use.close()
 
 
 def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int, difficulty: float,
@@ -48,14 +60,68 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
         return DatasetInfo(path, marker is not None, False)
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data
+    in_use = None
     try:
-        try:  # returns at once when this exact stand-in is already there
-            generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
-        except FileExistsError:  # our own stand-in, made with other parameters
-            shutil.rmtree(path)
-            generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
-    except PermissionError as err:
-        raise DatasetError(f"dataset.root {path} holds no dataset, and the synthetic stand-in cannot be written "
-                           f"there ({err.strerror}: {err.filename}); set dataset.root to a folder this user can "
-                           "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)") from None
-    return DatasetInfo(path, True, generated_now=read_marker(path) != marker)
+        path.parent.mkdir(parents=True, exist_ok=True)  # where the locks are
+        in_use = _lock_file(path, "in-use")
+        # One run at a time checks and makes the stand-in (runs of a parallel sweep start together). A run
+        # holds its in-use lock shared while it trains, so one that would make it anew (other parameters)
+        # finds it held and stops; only this lock's holders take the in-use lock exclusively.
+        with _held(_lock_file(path, "making"), fcntl.LOCK_EX):
+            try:  # returns at once when this exact stand-in is already there
+                generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+            except FileExistsError:  # our own stand-in, made with other parameters
+                if not _locked(in_use, fcntl.LOCK_EX | fcntl.LOCK_NB):
+                    raise DatasetError(
+                        f"dataset.root {path} holds the synthetic stand-in made with other parameters, and another "
+                        "run trains on it: it is made anew only when none does. Give each run a root of its own "
+                        "(a sweep over dataset.synthetic_*: e.g. 'dataset.root=data/stand_in_"
+                        "${dataset.synthetic_difficulty}'), or start this one once that run has ended") from None
+                shutil.rmtree(path)
+                generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+            _locked(in_use, fcntl.LOCK_SH)
+    except BaseException as err:
+        if in_use is not None:
+            in_use.close()
+        if isinstance(err, PermissionError):
+            raise DatasetError(f"dataset.root {path} holds no dataset, and the synthetic stand-in cannot be written "
+                               f"there ({err.strerror}: {err.filename}); set dataset.root to a folder this user can "
+                               "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)"
+                               ) from None
+        raise
+    return DatasetInfo(path, True, generated_now=read_marker(path) != marker, in_use=in_use)
+
+
+def _lock_file(root: Path, kind: str) -> IO | None:
+    """The stand-in's lock file of `kind` beside it (made if this user may), open; None where there is
+    none and it cannot be made (a stand-in this user cannot make anew either)."""
+    path = root.parent / f".{root.name}.{kind}.lock"
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # flock takes either kind of descriptor
+        try:
+            return os.fdopen(os.open(path, flags, 0o666), "rb", buffering=0)
+        except (PermissionError, FileNotFoundError):
+            pass
+    return None
+
+
+def _locked(lock: IO | None, how: int) -> bool:
+    """Takes `lock` as `how` (fcntl.flock's operations): False if LOCK_NB found it held. No lock file:
+    True (nothing to coordinate with)."""
+    if lock is None:
+        return True
+    try:
+        fcntl.flock(lock, how)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextmanager
+def _held(lock: IO | None, how: int) -> Iterator[None]:
+    """`lock` taken as `how` inside the with block, then closed."""
+    try:
+        _locked(lock, how)
+        yield
+    finally:
+        if lock is not None:
+            lock.close()
