@@ -284,12 +284,14 @@ def test_the_default_ensembles_stand_in_validates_on_30_images_a_class_and_a_giv
 
 
 def test_the_stand_in_has_the_umasks_permissions_so_other_users_can_read_it(tmp_path):
-    umask = os.umask(0o022)
-    os.umask(umask)
-    root = tmp_path / "made"
-    generate_imagefolder(root, 2, 4, 0, image_size=(24, 32))
+    umask = os.umask(0o022)  # the usual one (under 0o077, the default of some, 0700 would be right)
+    try:
+        root = tmp_path / "made"
+        generate_imagefolder(root, 2, 4, 0, image_size=(24, 32))
+    finally:
+        os.umask(umask)
     for path in [root, *root.rglob("*")]:
-        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~umask, path
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
 
 
 def test_a_root_this_user_cannot_read_or_generate_in_is_an_error_naming_the_key_and_the_fix(open_tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import fcntl
+import functools
 import os
 import shutil
 from collections.abc import Iterator
@@ -60,16 +61,27 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
         return DatasetInfo(path, marker is not None, False)
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data
-    in_use = None
+    make = functools.partial(generate_imagefolder, path, classes, images_per_class, seed, difficulty=difficulty)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # where the locks are
-        in_use = _lock_file(path, "in-use")
-        # One run at a time checks and makes the stand-in (runs of a parallel sweep start together). A run
-        # holds its in-use lock shared while it trains, so one that would make it anew (other parameters)
-        # finds it held and stops; only this lock's holders take the in-use lock exclusively.
+        in_use = _stand_in_held(path, make)
+    except PermissionError as err:
+        raise DatasetError(f"dataset.root {path} holds no dataset, and the synthetic stand-in cannot be written "
+                           f"there ({err.strerror}: {err.filename}); set dataset.root to a folder this user can "
+                           "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)") from None
+    return DatasetInfo(path, True, generated_now=read_marker(path) != marker, in_use=in_use)
+
+
+def _stand_in_held(path: Path, make) -> IO | None:
+    """The stand-in `make()` makes at `path` (at once if it is there), and its in-use lock, held shared for the
+    run. One run at a time checks and makes it (the runs of a parallel sweep start together); one that would
+    make it anew (other parameters) while another run holds it stops, naming the fix. Only holders of the
+    making lock take the in-use lock exclusively."""
+    in_use = _lock_file(path, "in-use")
+    try:
         with _held(_lock_file(path, "making"), fcntl.LOCK_EX):
-            try:  # returns at once when this exact stand-in is already there
-                generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+            try:
+                make()
             except FileExistsError:  # our own stand-in, made with other parameters
                 if not _locked(in_use, fcntl.LOCK_EX | fcntl.LOCK_NB):
                     raise DatasetError(
@@ -78,18 +90,13 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
                         "(a sweep over dataset.synthetic_*: e.g. 'dataset.root=data/stand_in_"
                         "${dataset.synthetic_difficulty}'), or start this one once that run has ended") from None
                 shutil.rmtree(path)
-                generate_imagefolder(path, classes, images_per_class, seed, difficulty=difficulty)
+                make()
             _locked(in_use, fcntl.LOCK_SH)
-    except BaseException as err:
+    except BaseException:
         if in_use is not None:
             in_use.close()
-        if isinstance(err, PermissionError):
-            raise DatasetError(f"dataset.root {path} holds no dataset, and the synthetic stand-in cannot be written "
-                               f"there ({err.strerror}: {err.filename}); set dataset.root to a folder this user can "
-                               "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)"
-                               ) from None
         raise
-    return DatasetInfo(path, True, generated_now=read_marker(path) != marker, in_use=in_use)
+    return in_use
 
 
 def _lock_file(root: Path, kind: str) -> IO | None:
