@@ -9,7 +9,7 @@ import os
 # no AVX-512 machine saw, issue 29).
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-import pickle  # noqa: E402
+import multiprocessing  # noqa: E402
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,33 +55,41 @@ NOBODY = 65534
 
 def as_a_user_permissions_bind(function, *args):
     """What `function(*args)` returns, or the exception it raises, for a user whom file permissions bind:
-    this process when it is not root, else a forked child that has become nobody (root reads and writes
-    whatever chmod forbids). Files the function reads must lie where nobody may go (open_tmp_path)."""
+    this process when it is not root, else a new process (spawned: a fork of this one, whose threads may
+    hold locks as it forks, waited forever on one in CI) that becomes nobody before it calls the function
+    (root reads and writes whatever chmod forbids). Files the function reads must lie where nobody may go
+    (open_tmp_path); the function and its arguments must pickle."""
     if os.geteuid() != 0:
         try:
             return function(*args)
         except Exception as error:
             return error
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: it never returns into pytest
-        try:
-            os.close(read)
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                outcome = function(*args)
-            except Exception as error:
-                outcome = error
-            with os.fdopen(write, "wb") as pipe:
-                pickle.dump(outcome, pipe)
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        outcome = pickle.load(pipe)
-    os.waitpid(pid, 0)
-    return outcome
+    context = multiprocessing.get_context("spawn")
+    outcome, sent = context.Pipe(duplex=False)
+    child = context.Process(target=_as_nobody, args=(sent, function, args))
+    child.start()
+    sent.close()
+    try:
+        if not outcome.poll(AS_NOBODY_S):
+            raise TimeoutError(f"{function.__name__} as nobody gave no outcome in {AS_NOBODY_S} s")
+        return outcome.recv()
+    finally:
+        child.kill()
+        child.join()
+
+
+AS_NOBODY_S = 120
+
+
+def _as_nobody(sent, function, args):
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    try:
+        outcome = function(*args)
+    except Exception as error:
+        outcome = error
+    sent.send(outcome)
 
 
 @pytest.fixture(scope="session")

@@ -348,13 +348,14 @@ def test_a_file_this_user_cannot_read_is_skipped_and_listed(tiny_dataset, open_t
     locked = Path(source.files[Split.TRAIN][5][0])
     locked.chmod(0o000)
 
-    def read_all():
-        c = ctx()
-        return source(None, c).paths, c.skipped
-
-    paths, skipped = as_a_user_permissions_bind(read_all)
+    paths, skipped = as_a_user_permissions_bind(_paths_read_and_skipped, source)
     assert skipped == [(str(locked), "cannot read: Permission denied")]
     assert len(paths) == 4 * 16 - 1 and str(locked) not in paths
+
+
+def _paths_read_and_skipped(source: ImageFolder):
+    c = ctx()
+    return source(None, c).paths, c.skipped
 
 
 def test_a_dataset_that_lies_elsewhere_gives_the_same_batches(tiny_dataset, tmp_path):
