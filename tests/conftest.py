@@ -51,14 +51,15 @@ def open_tmp_path() -> Path:
 
 
 NOBODY = 65534
+AS_NOBODY_S = 120  # as_a_user_permissions_bind's wait for its child's outcome
 
 
 def as_a_user_permissions_bind(function, *args):
     """What `function(*args)` returns, or the exception it raises, for a user whom file permissions bind:
-    this process when it is not root, else a new process (spawned: a fork of this one, whose threads may
-    hold locks as it forks, waited forever on one in CI) that becomes nobody before it calls the function
-    (root reads and writes whatever chmod forbids). Files the function reads must lie where nobody may go
-    (open_tmp_path); the function and its arguments must pickle."""
+    this process when it is not root, else a new process that becomes nobody before it calls the function
+    (root reads and writes whatever chmod forbids). Spawned, not forked: a fork of this process, which has
+    threads, once waited forever in CI, as a fork may on what a thread held as it forked. Files the function
+    reads must lie where nobody may go (open_tmp_path); the function and its arguments must pickle."""
     if os.geteuid() != 0:
         try:
             return function(*args)
@@ -76,9 +77,6 @@ def as_a_user_permissions_bind(function, *args):
     finally:
         child.kill()
         child.join()
-
-
-AS_NOBODY_S = 120
 
 
 def _as_nobody(sent, function, args):
