@@ -11,6 +11,7 @@ import contextlib
 import json
 import shutil
 import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,7 +40,7 @@ from pipeline.orchestration.group_plan import (ModelSize, check_group_memory, ch
                                              choose_sub_slots, measure_sizes, plan_groups, with_measured_peaks)
 from pipeline.orchestration.driver import Convergence, Driver, RunContext
 from pipeline.orchestration.flotilla import DeliverySetup
-from pipeline.runtime.lifetime import (SHM_DIR, RunConsole, StopSignals, children_context, remove_stale_shm,
+from pipeline.runtime.lifetime import (SHM_DIR, RunConsole, StopSignals, children_context, remove_stale_files,
                                        standard_start_method)
 from pipeline.orchestration.link import Link
 from pipeline.orchestration.agent import NodeAgents, agent_key, agent_rates, registered_agents
@@ -103,9 +104,10 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     # child this host starts then starts the server.)
     if cfg.mode == Mode.train and not cfg.cluster.address:
         children_context()
-    left = remove_stale_shm()
+    left = remove_stale_files()
     if left:
-        console.print(f"[yellow]note[/] removed {len(left)} shared-memory entries that killed runs left in /dev/shm")
+        console.print(f"[yellow]note[/] removed {len(left)} entries that killed runs left in /dev/shm and "
+                      f"{tempfile.gettempdir()}")
     inputs = prepare_inputs(cfg)
     try:
         if cfg.mode == Mode.profile:
@@ -128,7 +130,7 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     for model in results.get("given_up", []):
         console.print(f"[red]given up[/]: {model} failed more than scheduler.max_failures="
                       f"{cfg.scheduler.max_failures} times (its failures are in results.json)")
-    remove_stale_shm()  # hand-off files of this run's hubs, all gone by now
+    remove_stale_files()  # hand-off files of this run's hubs, all gone by now
     return results
 
 

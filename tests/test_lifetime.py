@@ -4,9 +4,11 @@ behind; a model given up makes the run exit non-zero. One interrupted run serves
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.runtime.lifetime import REPEAT_S, StopSignals, remove_stale_semaphores, remove_stale_shm
+from pipeline.runtime.lifetime import REPEAT_S, StopSignals, remove_stale_files, remove_stale_semaphores
 from pipeline.run import run
 from tests.conftest import compose_config
 
@@ -88,9 +90,11 @@ def no_job_outlives_its_test():
 
 
 def leftovers(pids) -> list[str]:
-    """This run's entries in /dev/shm (they carry their owner's pid)."""
-    return [name for name in os.listdir("/dev/shm") for pid in pids
-            if name.startswith((f"ensemble-{pid}-", f"ensemble-out-{pid}-"))]
+    """This run's entries in /dev/shm and its rendezvous folders (they carry their owner's pid)."""
+    return ([name for name in os.listdir("/dev/shm") for pid in pids
+             if name.startswith((f"ensemble-{pid}-", f"ensemble-out-{pid}-"))] +
+            [name for name in os.listdir(tempfile.gettempdir()) for pid in pids
+             if name.startswith(f"ensemble-rendezvous-{pid}-")])
 
 
 def gone_within(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
@@ -159,13 +163,14 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
 
 def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_path):
     """SIGKILL to the driver (the OOM killer): its hubs, trainers and Dask workers exit within 10 s and
-    remove what the run had in /dev/shm."""
+    remove what the run had in /dev/shm and its rendezvous folder."""
     job = Job(command(data, tmp_path / "killed", "trainer.epochs=20"))
     job.wait_for("(epoch 1)")
     children = job.children()
     names = {child.name() for child in children}
     assert {"hub", "trainer"} <= names, names
     pids = [job.process.pid] + [child.pid for child in children]
+    assert any(name.startswith(f"ensemble-rendezvous-{job.process.pid}-") for name in leftovers(pids))
     assert leftovers(pids)  # the rings, while it runs
     job.process.kill()
     job.finish(timeout=30)
@@ -400,22 +405,27 @@ def test_a_stop_as_a_finished_shared_run_closes_ends_the_multirun(monkeypatch, t
             f"same jobs again with hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
 
 
-def test_stale_shared_memory_is_removed_only_when_its_owner_is_gone(tmp_path):
-    """What a run killed before its children could clean up is removed by the next run: entries of
-    dead owners only, never a live run's."""
+def test_stale_shared_memory_and_rendezvous_folders_are_removed_only_when_their_owner_is_gone():
+    """What a run killed before its children could clean up is removed by the next run: entries in
+    /dev/shm and rendezvous folders of dead owners only, never a live run's."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
     names = [f"ensemble-{dead_pid}-abcd1234-h0-main", f"ensemble-out-{dead_pid}-x-train-0-1-0-main",
              f"ensemble-{os.getpid()}-abcd1234-h0-main"]
     for name in names:
         Path("/dev/shm", name).write_bytes(b"x")
+    folders = [Path(tempfile.mkdtemp(prefix=f"ensemble-rendezvous-{pid}-")) for pid in (dead_pid, os.getpid())]
+    (folders[0] / "a-group").write_bytes(b"x")  # a group's file that its ranks, killed, did not remove
     try:
-        removed = remove_stale_shm()
-        assert set(names[:2]) <= set(removed) and names[2] not in removed
+        removed = remove_stale_files()
+        assert set(names[:2] + [folders[0].name]) <= set(removed) and not {names[2], folders[1].name} & set(removed)
         assert [name for name in names if Path("/dev/shm", name).exists()] == names[2:]
+        assert [folder.exists() for folder in folders] == [False, True]
     finally:
         for name in names:
             Path("/dev/shm", name).unlink(missing_ok=True)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_semaphores_no_live_process_holds_are_removed_and_held_ones_kept():

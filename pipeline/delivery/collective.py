@@ -10,7 +10,6 @@ import datetime
 import os
 import shutil
 import socket
-import tempfile
 import time
 import uuid
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from pipeline.runtime.hang import HangError
+from pipeline.runtime.lifetime import rendezvous_folder
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"  # Linux's loopback device, for gloo and NCCL
@@ -41,10 +41,11 @@ def use_interface(name: str) -> None:
 class LocalRendezvous:
     """Process groups whose ranks all run on this host meet through a file in a folder of the
     owner's own (mode 0700): no socket is opened. Each group gets a new file (a FileStore
-    holds one group's keys); `close` removes the folder once the groups are gone."""
+    holds one group's keys); `close` removes the folder once the groups are gone (the owner's
+    children, or the next run, if it is killed outright)."""
 
     def __init__(self):
-        self.folder = tempfile.mkdtemp(prefix="ensemble-rendezvous-")  # mode 0700
+        self.folder = rendezvous_folder()
 
     def next(self) -> str:
         return f"file://{self.folder}/{uuid.uuid4().hex}"

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import os
 import socket
 import ssl
+import tempfile
 import subprocess
 import sys
 import threading
@@ -49,8 +50,8 @@ from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.orchestration.link import Link, broke_the_link, serializer_for
 from pipeline.runtime.child import Child, messages
 from pipeline.runtime.hang import shared_out
-from pipeline.runtime.lifetime import (agent_stop_signals, children_context, remove_shm, remove_shm_of,
-                                       remove_stale_semaphores, remove_stale_shm)
+from pipeline.runtime.lifetime import (agent_stop_signals, children_context, remove_files_of, remove_shm,
+                                       remove_stale_files, remove_stale_semaphores)
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -268,7 +269,7 @@ class NodeProcesses:
                 # a hub in the middle of a split lets its batch tasks finish first (what it says now, the run no
                 # longer reads); one not yet serving has none
                 hub.stop(left if self.serving[rank].is_set() else 0)
-                remove_shm_of(hub.pid)  # hand-off files of batch tasks it never took
+                remove_files_of(hub.pid)  # hand-off files of batch tasks it never took
         finally:
             for hub in self.hubs.values():  # stopped already, unless the above raised
                 hub.stop()
@@ -559,9 +560,10 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO)
     agent_stop_signals()
-    left = remove_stale_shm() + remove_stale_semaphores()  # of an agent killed outright here, and its children
+    left = remove_stale_files() + remove_stale_semaphores()  # of an agent killed outright here, and its children
     if left:
-        log.info("node %d: removed what dead processes left in /dev/shm: %s", node, ", ".join(left))
+        log.info("node %d: removed what dead processes left in /dev/shm and %s: %s", node, tempfile.gettempdir(),
+                 ", ".join(left))
     use_interface(interface)  # before the fork server starts: every child inherits it
     children_context()  # the fork server of the flotillas' children imports torch while the workers start
 

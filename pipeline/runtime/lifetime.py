@@ -11,12 +11,13 @@
   hangup reaches the whole process group, and so does a SIGTERM from
   `timeout`, Slurm or systemd; the children ignore them and let the driver
   stop them in order (it kills those it no longer needs); a watch on the
-  parent makes them exit, removing what the run had in /dev/shm, if it dies
-  without a word (SIGKILL, the OOM killer).
+  parent makes them exit, removing what the run had in /dev/shm and its
+  rendezvous folders, if it dies without a word (SIGKILL, the OOM killer).
 * A node agent (`agent_stop_signals`): the same three signals end it in
   order, exit 0; its children are a run's children, as above.
-* The next run (`remove_stale_shm`): removes what a run killed outright left in
-  /dev/shm: entries whose owner process is gone (their names carry its pid). A
+* The next run (`remove_stale_files`): removes what a run killed outright left
+  in /dev/shm and its rendezvous folders in the temporary folder: those whose
+  owner process is gone (their names carry its pid). A
   node agent started again also removes the semaphores no live process holds
   (`remove_stale_semaphores`): a host killed outright leaves its agent's.
 """
@@ -29,9 +30,11 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 from multiprocessing import connection, forkserver
@@ -43,6 +46,9 @@ SHM_DIR = "/dev/shm"
 # (pipeline/delivery/ring.py) belong to the process that made them, hand-off files
 # (pipeline/data/handoff.py) to the process that takes them.
 SHM_ENTRY = re.compile(r"^ensemble-(?:out-)?(\d+)-")
+# Folders where process groups with every rank on this host meet (pipeline/delivery/collective.py), in the
+# temporary folder, are named ensemble-rendezvous-<pid of the process that made them>-...
+RENDEZVOUS_FOLDER = re.compile(r"^ensemble-rendezvous-(\d+)-")
 # What the fork server imports once, in order, so that the children forked from it need not (children_context).
 CHILD_PRELOAD = ["pipeline.runtime.fork_server", "torch", "torch._dynamo", "pipeline.training.trainer",
                  "pipeline.delivery.hub", "pipeline.training.rates"]
@@ -232,7 +238,7 @@ def _stop_now(signum: int) -> None:
         child.kill()
     for child in children:
         child.join(5)
-    remove_shm_of(os.getpid())
+    remove_files_of(os.getpid())
     os._exit(128 + signum)  # as a shell reports a process its signal ended
 
 
@@ -295,9 +301,10 @@ def _watch_parent(sentinel: int) -> None:
 
 
 def parent_gone() -> None:
-    """In a child whose parent died without a word: removes what the run had in /dev/shm and exits."""
-    remove_shm_of(mp.parent_process().pid)  # the parent's rings: it cannot remove them any more
-    remove_shm_of(os.getpid())  # hand-off files this process would have taken
+    """In a child whose parent died without a word: removes what the run had in /dev/shm and its
+    rendezvous folders, and exits."""
+    remove_files_of(mp.parent_process().pid)  # the parent's rings and folders: it cannot remove them any more
+    remove_files_of(os.getpid())  # hand-off files this process would have taken
     os._exit(1)
 
 
@@ -339,26 +346,44 @@ def _unlink(paths) -> list[str]:
     return removed
 
 
-def remove_shm_of(pid: int) -> None:
-    """Remove the /dev/shm entries owned by process `pid` (rings it made, hand-off files it takes)."""
-    remove_shm(f"ensemble-{pid}-")
-    remove_shm(f"ensemble-out-{pid}-")
+def remove_files_of(pid: int) -> list[str]:
+    """Remove what process `pid` owns in /dev/shm (rings it made, hand-off files it takes) and its
+    rendezvous folders; the names removed."""
+    return remove_shm(f"ensemble-{pid}-") + remove_shm(f"ensemble-out-{pid}-") + _remove_rendezvous_of(pid)
 
 
-def remove_stale_shm() -> list[str]:
-    """Remove what runs killed outright left in /dev/shm: this user's entries whose owner process is
-    gone. A live run's entries (its owner is alive) are never touched. Returns the names removed."""
+def rendezvous_folder() -> str:
+    """A new folder (mode 0700) of this process's in the temporary folder, named by its pid: one a
+    process killed outright leaves is removed by its children or the next run (remove_files_of)."""
+    return tempfile.mkdtemp(prefix=f"ensemble-rendezvous-{os.getpid()}-")
+
+
+def _remove_rendezvous_of(pid: int) -> list[str]:
+    pattern = os.path.join(glob.escape(tempfile.gettempdir()), f"ensemble-rendezvous-{pid}-*")
+    removed = []
+    for path in glob.glob(pattern):
+        shutil.rmtree(path, ignore_errors=True)  # another process may get there first
+        removed.append(os.path.basename(path))
+    return removed
+
+
+def remove_stale_files() -> list[str]:
+    """Remove what runs killed outright left in /dev/shm and their rendezvous folders: this user's
+    entries whose owner process is gone. A live run's (its owner is alive) are never touched.
+    Returns the names removed."""
     owners = set()
-    for path in glob.glob(os.path.join(SHM_DIR, "ensemble-*")):
-        match = SHM_ENTRY.match(os.path.basename(path))
-        try:
-            mine = os.stat(path, follow_symlinks=False).st_uid == os.getuid()
-        except FileNotFoundError:
-            continue
-        if match and mine:
-            owners.add(int(match.group(1)))
-    return [name for pid in sorted(owners) if not _alive(pid)
-            for prefix in (f"ensemble-{pid}-", f"ensemble-out-{pid}-") for name in remove_shm(prefix)]
+    for pattern, name in ((os.path.join(SHM_DIR, "ensemble-*"), SHM_ENTRY),
+                          (os.path.join(glob.escape(tempfile.gettempdir()), "ensemble-rendezvous-*"),
+                           RENDEZVOUS_FOLDER)):
+        for path in glob.glob(pattern):
+            match = name.match(os.path.basename(path))
+            try:
+                mine = os.stat(path, follow_symlinks=False).st_uid == os.getuid()
+            except FileNotFoundError:
+                continue
+            if match and mine:
+                owners.add(int(match.group(1)))
+    return [name for pid in sorted(owners) if not _alive(pid) for name in remove_files_of(pid)]
 
 
 def remove_stale_semaphores() -> list[str]:
