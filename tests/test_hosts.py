@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -341,15 +342,19 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
         rings = {name for name in left if name.startswith(f"ensemble-{agents[1].pid}-")}
         assert any("-cache-" not in name for name in rings), left  # a ring of its flotilla, its cache too
         assert {name for name in left if name.startswith("sem.mp-")}, left  # the lost host's semaphores
+        folders = {name for name in os.listdir(tempfile.gettempdir())
+                   if name.startswith(f"ensemble-rendezvous-{agents[1].pid}-")}  # its flotilla's
+        assert folders
         with open(tmp_path / "agent1-again.log", "w") as log:
             agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while registered_agents(client).get(1, {}).get("pid") != agent.pid:
             assert time.monotonic() < deadline and agent.poll() is None, (tmp_path / "agent1-again.log").read_text()
             time.sleep(0.2)
         said = (tmp_path / "agent1-again.log").read_text()
-        removed = set(re.search(r"node 1: removed what dead processes left in /dev/shm: (.*)", said)[1].split(", "))
-        assert rings <= removed and any(name.startswith("sem.mp-") for name in removed), said
-        assert not removed & set(os.listdir("/dev/shm"))
+        removed = set(re.search(r"node 1: removed what dead processes left in /dev/shm and \S+: (.*)",
+                                said)[1].split(", "))
+        assert rings | folders <= removed and any(name.startswith("sem.mp-") for name in removed), said
+        assert not removed & set(os.listdir("/dev/shm") + os.listdir(tempfile.gettempdir()))
         while "node 1 is back" not in log_path.read_text():  # the run, 7 epochs from its end, takes it back
             assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
             time.sleep(0.1)
