@@ -27,9 +27,9 @@ import multiprocessing as mp
 import os
 import socket
 import ssl
-import tempfile
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
