@@ -170,8 +170,9 @@ def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_
     names = {child.name() for child in children}
     assert {"hub", "trainer"} <= names, names
     pids = [job.process.pid] + [child.pid for child in children]
-    assert any(name.startswith(f"ensemble-rendezvous-{job.process.pid}-") for name in leftovers(pids))
-    assert leftovers(pids)  # the rings, while it runs
+    running = leftovers(pids)
+    assert any(name.startswith(f"ensemble-rendezvous-{job.process.pid}-") for name in running), running
+    assert any(not name.startswith("ensemble-rendezvous-") for name in running), running  # its rings
     job.process.kill()
     job.finish(timeout=30)
     alive = gone_within(children, 10)

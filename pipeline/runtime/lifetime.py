@@ -355,15 +355,22 @@ def remove_files_of(pid: int) -> list[str]:
 def rendezvous_folder() -> str:
     """A new folder (mode 0700) of this process's in the temporary folder, named by its pid: one a
     process killed outright leaves is removed by its children or the next run (remove_files_of)."""
-    return tempfile.mkdtemp(prefix=f"ensemble-rendezvous-{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=_rendezvous_prefix(os.getpid()))
+
+
+def _rendezvous_prefix(pid: int) -> str:
+    return f"ensemble-rendezvous-{pid}-"
 
 
 def _remove_rendezvous_of(pid: int) -> list[str]:
-    pattern = os.path.join(glob.escape(tempfile.gettempdir()), f"ensemble-rendezvous-{pid}-*")
+    """Remove process `pid`'s rendezvous folders; the names of those this call removed."""
     removed = []
-    for path in glob.glob(pattern):
-        shutil.rmtree(path, ignore_errors=True)  # another process may get there first
-        removed.append(os.path.basename(path))
+    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), _rendezvous_prefix(pid) + "*")):
+        try:
+            shutil.rmtree(path)
+            removed.append(os.path.basename(path))
+        except FileNotFoundError:  # another process got there first
+            pass
     return removed
 
 
