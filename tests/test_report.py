@@ -326,6 +326,26 @@ def test_sweep_lists_a_job_without_results(tmp_path):
     assert "<p>No best job: no job returned an objective.</p>" in (tmp_path / "sweep.html").read_text()
 
 
+def test_the_sweep_lists_a_job_json_it_cannot_read_and_says_why(tmp_path, capsys):
+    """A sweep folder that holds a job of an older version (its job.json without the overrides) or a
+    job.json that is not JSON: every job still has its row, those two say which file and what to do, and
+    neither is the best job. Fails if the summary stops at a KeyError (as it did) or drops those jobs."""
+    objective = {"of": "ensemble", "metric": "val_accuracy", "direction": "maximize"}
+    fake_job(tmp_path, 0, ["ensemble.models.0.optimizer.lr=0.1"],
+             {**input_bound(), "objective": {**objective, "value": 0.5}})
+    for number, text in ((1, json.dumps({"status": "completed", "objective": 0.9})), (2, "{not json")):
+        fake_job(tmp_path, number, [], {**input_bound(), "objective": {**objective, "value": 0.9}})
+        (tmp_path / str(number) / JOB_FILE).write_text(text)
+    SweepSummary().on_multirun_end(multirun_config(tmp_path))
+    assert capsys.readouterr().out.splitlines()[-1].startswith("best job: 0 ")
+    rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
+    assert [row["job"] for row in rows] == ["0", "1", "2"]
+    for row in rows[1:]:
+        assert row["verdict"] == (f"unreadable: {tmp_path / row['job'] / JOB_FILE} is not a job.json this "
+                                  "version writes (an older version's?): run the job again")
+        assert float(row["images_per_s"]) == 190  # its results.json is still read
+
+
 @pytest.mark.parametrize("metric, direction, best", [("val_accuracy", "maximize", "1"), ("val_loss", "minimize", "2")])
 def test_the_sweep_names_its_best_job_by_the_objectives_direction(tmp_path, capsys, metric, direction, best):
     """The job whose objective is best (highest accuracy, lowest loss), marked in sweep.html and said at the

@@ -126,7 +126,7 @@ def write_sweep_summary(sweep_dir: Path) -> tuple[Path, Path, str]:
 
 def read_jobs(sweep_dir: Path) -> list[Job]:
     """Every job folder (each has its job.json from the job's start), in job order."""
-    records = {path.parent: json.loads(path.read_text()) for path in sweep_dir.rglob(JOB_FILE)}
+    records = {path.parent: _read_record(path) for path in sweep_dir.rglob(JOB_FILE)}
     folders = sorted(records, key=_job_order)
     common = common_overrides([records[folder]["overrides"] for folder in folders])
     jobs = []
@@ -138,6 +138,21 @@ def read_jobs(sweep_dir: Path) -> list[Job]:
     return jobs
 
 
+def _read_record(path: Path) -> dict:
+    """A job's job.json; one this version did not write (before it held the overrides, or not JSON) is
+    listed as unreadable with what to do, so the summary still shows every job folder."""
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        record = None
+    if (isinstance(record, dict) and isinstance(record.get("overrides"), list)
+            and record.get("status") in ("running", "completed", "failed")
+            and (record["status"] != "failed" or "error" in record)):
+        return record
+    return {"overrides": [], "status": "unreadable",
+            "error": f"{path} is not a job.json this version writes (an older version's?): run the job again"}
+
+
 def _job_order(folder: Path) -> tuple:
     # Hydra numbers job folders 0, 1, ... 10: order them as numbers, not as text.
     return tuple(int(part) if part.isdigit() else part for part in folder.parts)
@@ -146,7 +161,7 @@ def _job_order(folder: Path) -> tuple:
 def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], str, tuple[str, str, str] | None]:
     """The job's measurements, its verdict (the report's bound, or why it has none) and what its objective
     measures."""
-    failed = f"failed: {record['error']}" if record["status"] == "failed" else None
+    failed = f"{record['status']}: {record['error']}" if record["status"] in ("failed", "unreadable") else None
     if not (folder / "results.json").is_file():
         return dict.fromkeys(METRICS), failed or "no results.json (the job is running, or was killed)", None
     results = json.loads((folder / "results.json").read_text())
