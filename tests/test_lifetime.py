@@ -1,6 +1,7 @@
 """A run's lifetime through the real command, with real signals: Ctrl-C stops it in order and it
 resumes to the same result as a run never stopped; SIGKILL leaves no process and no shared memory
 behind; a model given up makes the run exit non-zero. One interrupted run serves several checks."""
+import glob
 import json
 import os
 import select
@@ -90,11 +91,15 @@ def no_job_outlives_its_test():
 
 
 def leftovers(pids) -> list[str]:
-    """This run's entries in /dev/shm and its rendezvous folders (they carry their owner's pid)."""
+    """This run's entries in /dev/shm, its rendezvous folders (they carry their owner's pid) and its
+    multiprocessing folders (marked with their owner's pid)."""
+    temporary = glob.escape(tempfile.gettempdir())
     return ([name for name in os.listdir("/dev/shm") for pid in pids
              if name.startswith((f"ensemble-{pid}-", f"ensemble-out-{pid}-"))] +
             [name for name in os.listdir(tempfile.gettempdir()) for pid in pids
-             if name.startswith(f"ensemble-rendezvous-{pid}-")])
+             if name.startswith(f"ensemble-rendezvous-{pid}-")] +
+            [Path(mark).parent.name for pid in pids
+             for mark in glob.glob(os.path.join(temporary, "pymp-*", f"ensemble-owner-{pid}"))])
 
 
 def gone_within(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
@@ -172,7 +177,8 @@ def test_a_run_killed_outright_leaves_no_process_and_no_shared_memory(data, tmp_
     pids = [job.process.pid] + [child.pid for child in children]
     running = leftovers(pids)
     assert any(name.startswith(f"ensemble-rendezvous-{job.process.pid}-") for name in running), running
-    assert any(not name.startswith("ensemble-rendezvous-") for name in running), running  # its rings
+    assert any(name.startswith("pymp-") for name in running), running  # where its fork server listens
+    assert any(name.startswith("ensemble-") and "rendezvous" not in name for name in running), running  # rings
     job.process.kill()
     job.finish(timeout=30)
     alive = gone_within(children, 10)
@@ -406,9 +412,10 @@ def test_a_stop_as_a_finished_shared_run_closes_ends_the_multirun(monkeypatch, t
             f"same jobs again with hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
 
 
-def test_stale_shared_memory_and_rendezvous_folders_are_removed_only_when_their_owner_is_gone():
+def test_stale_shared_memory_and_temporary_folders_are_removed_only_when_their_owner_is_gone():
     """What a run killed before its children could clean up is removed by the next run: entries in
-    /dev/shm and rendezvous folders of dead owners only, never a live run's."""
+    /dev/shm, rendezvous folders and marked multiprocessing folders of dead owners only, never a live
+    run's."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
     names = [f"ensemble-{dead_pid}-abcd1234-h0-main", f"ensemble-out-{dead_pid}-x-train-0-1-0-main",
@@ -417,15 +424,20 @@ def test_stale_shared_memory_and_rendezvous_folders_are_removed_only_when_their_
         Path("/dev/shm", name).write_bytes(b"x")
     folders = [Path(tempfile.mkdtemp(prefix=f"ensemble-rendezvous-{pid}-")) for pid in (dead_pid, os.getpid())]
     (folders[0] / "a-group").write_bytes(b"x")  # a group's file that its ranks, killed, did not remove
+    mp_folders = [Path(tempfile.mkdtemp(prefix="pymp-")) for _ in range(3)]
+    for folder, owner in zip(mp_folders, (dead_pid, os.getpid())):  # the third, unmarked: not ours
+        (folder / f"ensemble-owner-{owner}").touch()
+        (folder / "listener-abcd1234").touch()  # its fork server's socket
     try:
         removed = remove_stale_files()
-        assert set(names[:2] + [folders[0].name]) <= set(removed) and not {names[2], folders[1].name} & set(removed)
+        assert set(names[:2] + [folders[0].name, mp_folders[0].name]) <= set(removed)
+        assert not {names[2], folders[1].name, mp_folders[1].name, mp_folders[2].name} & set(removed)
         assert [name for name in names if Path("/dev/shm", name).exists()] == names[2:]
-        assert [folder.exists() for folder in folders] == [False, True]
+        assert [folder.exists() for folder in folders + mp_folders] == [False, True, False, True, True]
     finally:
         for name in names:
             Path("/dev/shm", name).unlink(missing_ok=True)
-        for folder in folders:
+        for folder in folders + mp_folders:
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -12,12 +12,13 @@
   `timeout`, Slurm or systemd; the children ignore them and let the driver
   stop them in order (it kills those it no longer needs); a watch on the
   parent makes them exit, removing what the run had in /dev/shm and its
-  rendezvous folders, if it dies without a word (SIGKILL, the OOM killer).
+  folders in the temporary folder (rendezvous folders, multiprocessing's),
+  if it dies without a word (SIGKILL, the OOM killer).
 * A node agent (`agent_stop_signals`): the same three signals end it in
   order, exit 0; its children are a run's children, as above.
 * The next run (`remove_stale_files`): removes what a run killed outright left
-  in /dev/shm and its rendezvous folders in the temporary folder: those whose
-  owner process is gone (their names carry its pid). A
+  in /dev/shm and its folders in the temporary folder: those whose owner
+  process is gone (their names, or a mark in them, carry its pid). A
   node agent started again also removes the semaphores no live process holds
   (`remove_stale_semaphores`): a host killed outright leaves its agent's.
 """
@@ -37,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from multiprocessing import connection, forkserver
+from multiprocessing import connection, forkserver, util
 
 from rich.console import Console
 
@@ -49,6 +50,9 @@ SHM_ENTRY = re.compile(r"^ensemble-(?:out-)?(\d+)-")
 # Folders where process groups with every rank on this host meet (pipeline/delivery/collective.py), in the
 # temporary folder, are named ensemble-rendezvous-<pid of the process that made them>-...
 RENDEZVOUS_FOLDER = re.compile(r"^ensemble-rendezvous-(\d+)-")
+# multiprocessing's folder of a process (pymp-..., where its fork server listens) says nothing of its owner:
+# children_context leaves a mark there, a file named ensemble-owner-<pid of that process>.
+MP_FOLDER_MARK = re.compile(r"^ensemble-owner-(\d+)$")
 # What the fork server imports once, in order, so that the children forked from it need not (children_context).
 CHILD_PRELOAD = ["pipeline.runtime.fork_server", "torch", "torch._dynamo", "pipeline.training.trainer",
                  "pipeline.delivery.hub", "pipeline.training.rates"]
@@ -270,6 +274,8 @@ def children_context():
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # Its socket's folder, left if this process is killed outright, is then found by its owner's pid.
+    open(os.path.join(util.get_temp_dir(), _mp_folder_mark(os.getpid())), "a").close()
     return context
 
 
@@ -301,8 +307,8 @@ def _watch_parent(sentinel: int) -> None:
 
 
 def parent_gone() -> None:
-    """In a child whose parent died without a word: removes what the run had in /dev/shm and its
-    rendezvous folders, and exits."""
+    """In a child whose parent died without a word: removes what the run had in /dev/shm and the
+    temporary folder, and exits."""
     remove_files_of(mp.parent_process().pid)  # the parent's rings and folders: it cannot remove them any more
     remove_files_of(os.getpid())  # hand-off files this process would have taken
     os._exit(1)
@@ -347,9 +353,9 @@ def _unlink(paths) -> list[str]:
 
 
 def remove_files_of(pid: int) -> list[str]:
-    """Remove what process `pid` owns in /dev/shm (rings it made, hand-off files it takes) and its
-    rendezvous folders; the names removed."""
-    return remove_shm(f"ensemble-{pid}-") + remove_shm(f"ensemble-out-{pid}-") + _remove_rendezvous_of(pid)
+    """Remove what process `pid` owns in /dev/shm (rings it made, hand-off files it takes) and in the
+    temporary folder (its rendezvous folders, its multiprocessing folder); the names removed."""
+    return remove_shm(f"ensemble-{pid}-") + remove_shm(f"ensemble-out-{pid}-") + _remove_folders_of(pid)
 
 
 def rendezvous_folder() -> str:
@@ -362,10 +368,18 @@ def _rendezvous_prefix(pid: int) -> str:
     return f"ensemble-rendezvous-{pid}-"
 
 
-def _remove_rendezvous_of(pid: int) -> list[str]:
-    """Remove process `pid`'s rendezvous folders; the names of those this call removed."""
+def _mp_folder_mark(pid: int) -> str:
+    return f"ensemble-owner-{pid}"
+
+
+def _remove_folders_of(pid: int) -> list[str]:
+    """Remove process `pid`'s folders in the temporary folder: its rendezvous folders and the multiprocessing
+    folder marked as its; the names of those this call removed."""
+    temporary = glob.escape(tempfile.gettempdir())
+    folders = glob.glob(os.path.join(temporary, _rendezvous_prefix(pid) + "*")) + [
+        os.path.dirname(mark) for mark in glob.glob(os.path.join(temporary, "pymp-*", _mp_folder_mark(pid)))]
     removed = []
-    for path in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), _rendezvous_prefix(pid) + "*")):
+    for path in folders:
         try:
             shutil.rmtree(path)
             removed.append(os.path.basename(path))
@@ -375,13 +389,14 @@ def _remove_rendezvous_of(pid: int) -> list[str]:
 
 
 def remove_stale_files() -> list[str]:
-    """Remove what runs killed outright left in /dev/shm and their rendezvous folders: this user's
-    entries whose owner process is gone. A live run's (its owner is alive) are never touched.
+    """Remove what runs killed outright left in /dev/shm and in the temporary folder (remove_files_of):
+    this user's entries whose owner process is gone. A live run's (its owner is alive) are never touched.
     Returns the names removed."""
     owners = set()
+    temporary = glob.escape(tempfile.gettempdir())
     for pattern, name in ((os.path.join(SHM_DIR, "ensemble-*"), SHM_ENTRY),
-                          (os.path.join(glob.escape(tempfile.gettempdir()), "ensemble-rendezvous-*"),
-                           RENDEZVOUS_FOLDER)):
+                          (os.path.join(temporary, "ensemble-rendezvous-*"), RENDEZVOUS_FOLDER),
+                          (os.path.join(temporary, "pymp-*", "ensemble-owner-*"), MP_FOLDER_MARK)):
         for path in glob.glob(pattern):
             match = name.match(os.path.basename(path))
             try:
