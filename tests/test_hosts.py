@@ -461,10 +461,13 @@ def _a_run_started_while_a_host_is_cut_off_trains_on_the_others(hosts, overrides
 
 def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
         hosts, overrides, agents, client, tmp_path, restart, env):
-    """scheduler=shared: every model at once, on both nodes (B asks for 2 slots, a node's). Node 1's host
-    is lost after the first epoch: the 2 slots left cannot take the 4 the models ask for, so the run stops
-    in order, exit code 5, with one line saying how to resume it. Node 1's agent started again, that
-    command (on the driver's host) finishes the run, every model's epochs counted once. Returns that agent."""
+    """scheduler=shared: every model at once, on both nodes (B asks for 2 slots, a node's). Node 1's agent
+    is stopped after the first epoch, as systemd stops it (SIGTERM to its whole group): it ends at once
+    (its hub and trainers ignore SIGTERM: it kills them; it hung in multiprocessing's exit before),
+    exit 0, taking the flotilla's rings with it; the driver takes node 1 for lost. The 2 slots left cannot
+    take the 4 the models ask for, so the run stops in order, exit code 5, with one line saying how to
+    resume it. Node 1's agent started again, that command (on the driver's host) finishes the run, every
+    model's epochs counted once. Returns that agent."""
     import shlex
 
     from pipeline.orchestration.agent import registered_agents
@@ -479,8 +482,14 @@ def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_
         while "(epoch 1)" not in log_path.read_text():  # every model's first epoch: one flotilla, one line
             assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
             time.sleep(0.1)
-        os.killpg(agents[1].pid, signal.SIGKILL)
-        agents[1].wait()
+        flotilla = _children_named(agents[1:], ("hub", "trainer"))
+        said_before = (tmp_path / "agent1-again.log").read_text()
+        os.killpg(agents[1].pid, signal.SIGTERM)
+        assert agents[1].wait(30) == 0
+        said = (tmp_path / "agent1-again.log").read_text()[len(said_before):]
+        assert "node 1: stopping: closed the processes of 1 flotilla(s) here" in said and "Traceback" not in said
+        assert flotilla and not gone_within(flotilla, 5), flotilla
+        assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"ensemble-{agents[1].pid}-")]
         assert driver.wait(120) == 5, log_path.read_text()
     finally:
         driver.kill()

@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -570,7 +571,14 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     class Serving(_Agent):  # with this host's TLS files: the driver's links, the hubs' Dask clients
         pass
 
-    Serving.register("NodeProcesses", functools.partial(NodeProcesses, tls=tls))
+    served = weakref.WeakSet()  # the flotillas' processes here (NodeProcesses), left as the agent stops
+
+    def node_processes_here(*args, **kwargs) -> NodeProcesses:
+        processes = NodeProcesses(*args, tls=tls, **kwargs)
+        served.add(processes)
+        return processes
+
+    Serving.register("NodeProcesses", node_processes_here)
     Serving.register("HostRates", functools.partial(HostRates, tls=tls))
     server = Serving((host, 0), key, Link(host_s, tls)).get_server()
     resource = f"{node_resource(node)}={threads}"
@@ -595,9 +603,26 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
         server.serve_forever()
     finally:
         try:
+            _leave_runs(node, served)
             dask_workers.stop()  # needs the scheduler, which may be gone
         finally:
             remove_shm(cache_prefix(os.getpid()))  # the stores of runs this host served
+
+
+def _leave_runs(node: int, served) -> None:
+    """As an agent stops: the processes of the runs it serves end now, their rings and rendezvous folders
+    go, and their drivers take this host for lost (as one killed: its models resume from their checkpoints
+    elsewhere). They are killed first: they ignore SIGTERM, so multiprocessing's exit would wait for them
+    for ever, and a close under way (its driver gone: its hubs get timeouts.drain_s) would hold a
+    flotilla's close back as long."""
+    for child in mp.active_children():
+        child.kill()
+    flotillas = [processes for processes in list(served) if not processes.closed]
+    for processes in flotillas:
+        processes.close(within=0)
+    if flotillas:
+        log.info("node %d: stopping: closed the processes of %d flotilla(s) here; their runs take this node for "
+                 "lost", node, len(flotillas))
 
 
 class HostWorkers:
