@@ -320,7 +320,8 @@ def test_a_stand_in_a_run_trains_on_is_not_made_anew_under_it(tmp_path):
     """The runs of a parallel sweep over dataset.synthetic_* start together at one root: the second made its
     stand-in (other parameters) over the first's files as the first trained (seen under the joblib launcher:
     a traceback, or the first run's files deleted). While a run holds the stand-in, another is refused,
-    naming the fix; runs of the same stand-in share it; once none holds it, it is made anew."""
+    naming the fix; runs of the same stand-in share it, and so does a run that only reads it
+    (dataset.synthetic=never: it held nothing before); once none holds it, it is made anew."""
     from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
 
     root = tmp_path / "stand_in"
@@ -337,6 +338,12 @@ def test_a_stand_in_a_run_trains_on_is_not_made_anew_under_it(tmp_path):
     with pytest.raises(DatasetError, match=refused):  # `same` holds it still
         prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
     same.release()
+    reader = prepare_dataset(str(root), Synthetic.never, 2, 4, 0.0, 0)
+    assert reader.synthetic and not reader.generated_now
+    with pytest.raises(DatasetError, match=refused):
+        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+    assert {path: path.read_bytes() for path in root.rglob("*.jpg")} == files
+    reader.release()
     second = prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
     assert second.generated_now and read_marker(root)["difficulty"] == 1.0
     second.release()

@@ -58,9 +58,10 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
             raise DatasetError(f"dataset.root {path} is missing or empty; point dataset.root at an ImageFolder "
                                "tree (one sub-folder per class, e.g. 256_ObjectCategories) or set "
                                "dataset.synthetic=auto to generate a stand-in there")
-        return DatasetInfo(path, marker is not None, False)
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data
+    if synthetic == Synthetic.never:  # a stand-in made before: held as with auto, but never made anew
+        return DatasetInfo(path, True, False, in_use=_stand_in_held(path, None))
     make = functools.partial(generate_imagefolder, path, classes, images_per_class, seed, difficulty=difficulty)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # where the locks are
@@ -73,15 +74,16 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
 
 
 def _stand_in_held(path: Path, make) -> IO | None:
-    """The stand-in `make()` makes at `path` (at once if it is there), and its in-use lock, held shared for the
-    run. One run at a time checks and makes it (the runs of a parallel sweep start together); one that would
+    """The stand-in `make()` makes at `path` (at once if it is there; None: the one there), and its in-use
+    lock, held shared for the run. One run at a time checks and makes it (the runs of a parallel sweep start together); one that would
     make it anew (other parameters) while another run holds it stops, naming the fix. Only holders of the
     making lock take the in-use lock exclusively."""
     in_use = _lock_file(path, "in-use")
     try:
         with _held(_lock_file(path, "making"), fcntl.LOCK_EX):
             try:
-                make()
+                if make is not None:
+                    make()
             except FileExistsError:  # our own stand-in, made with other parameters
                 if not _locked(in_use, fcntl.LOCK_EX | fcntl.LOCK_NB):
                     raise DatasetError(
