@@ -1,5 +1,6 @@
 """Several hosts for real: a Dask scheduler, one node agent per host (python -m pipeline.node) and the
 driver, each on a test host of its own (a network namespace with its own address, tests/hosts.py)."""
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -345,6 +346,9 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
         folders = {name for name in os.listdir(tempfile.gettempdir())
                    if name.startswith(f"ensemble-rendezvous-{agents[1].pid}-")}  # its flotilla's
         assert folders
+        mp_folders = {Path(mark).parent.name for mark in glob.glob(  # the agent's own, its fork server's socket
+            os.path.join(glob.escape(tempfile.gettempdir()), "pymp-*", f"ensemble-owner-{agents[1].pid}"))}
+        assert mp_folders
         with open(tmp_path / "agent1-again.log", "w") as log:
             agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while registered_agents(client).get(1, {}).get("pid") != agent.pid:
@@ -353,7 +357,7 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
         said = (tmp_path / "agent1-again.log").read_text()
         removed = set(re.search(r"node 1: removed what dead processes left in /dev/shm and \S+: (.*)",
                                 said)[1].split(", "))
-        assert rings | folders <= removed and any(name.startswith("sem.mp-") for name in removed), said
+        assert rings | folders | mp_folders <= removed and any(name.startswith("sem.mp-") for name in removed), said
         assert not removed & set(os.listdir("/dev/shm") + os.listdir(tempfile.gettempdir()))
         while "node 1 is back" not in log_path.read_text():  # the run, 7 epochs from its end, takes it back
             assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()

@@ -74,10 +74,10 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
 
 
 def _stand_in_held(path: Path, make) -> IO | None:
-    """The stand-in `make()` makes at `path` (at once if it is there; None: the one there), and its in-use
-    lock, held shared for the run. One run at a time checks and makes it (the runs of a parallel sweep start together); one that would
-    make it anew (other parameters) while another run holds it stops, naming the fix. Only holders of the
-    making lock take the in-use lock exclusively."""
+    """The stand-in at `path`, made by `make()` (at once if it is there; None: never made, the one there is
+    held), and its in-use lock, held shared for the run. One run at a time checks and makes it (the runs of a
+    parallel sweep start together); one that would make it anew (other parameters) while another run holds
+    it stops, naming the fix. Only holders of the making lock take the in-use lock exclusively."""
     in_use = _lock_file(path, "in-use")
     try:
         with _held(_lock_file(path, "making"), fcntl.LOCK_EX):

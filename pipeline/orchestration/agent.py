@@ -617,12 +617,13 @@ def _leave_runs(node: int, served) -> None:
     flotilla's close back as long."""
     for child in mp.active_children():
         child.kill()
-    flotillas = [processes for processes in list(served) if not processes.closed]
-    for processes in flotillas:
-        processes.close(within=0)
-    if flotillas:
+    flotillas = list(served)
+    still_open = sum(not processes.closed for processes in flotillas)
+    for processes in flotillas:  # one already closing (its driver gone): its close is waited for, so it ends
+        processes.close(within=0)  # before the process does (its thread is a daemon)
+    if still_open:
         log.info("node %d: stopping: closed the processes of %d flotilla(s) here; their runs take this node for "
-                 "lost", node, len(flotillas))
+                 "lost", node, still_open)
 
 
 class HostWorkers:

@@ -364,20 +364,27 @@ def rendezvous_folder() -> str:
     return tempfile.mkdtemp(prefix=_rendezvous_prefix(os.getpid()))
 
 
-def _rendezvous_prefix(pid: int) -> str:
+def _rendezvous_prefix(pid: int | str) -> str:
     return f"ensemble-rendezvous-{pid}-"
 
 
-def _mp_folder_mark(pid: int) -> str:
+def _mp_folder_mark(pid: int | str) -> str:
     return f"ensemble-owner-{pid}"
+
+
+def _folder_globs(owner: int | str) -> tuple[str, str]:
+    """Glob patterns of the rendezvous folders of process `owner` (a pid, or "*": any) and of the marks in its
+    multiprocessing folders, in the temporary folder."""
+    temporary = glob.escape(tempfile.gettempdir())
+    return (os.path.join(temporary, _rendezvous_prefix(owner) + "*"),
+            os.path.join(temporary, "pymp-*", _mp_folder_mark(owner)))
 
 
 def _remove_folders_of(pid: int) -> list[str]:
     """Remove process `pid`'s folders in the temporary folder: its rendezvous folders and the multiprocessing
     folder marked as its; the names of those this call removed."""
-    temporary = glob.escape(tempfile.gettempdir())
-    folders = glob.glob(os.path.join(temporary, _rendezvous_prefix(pid) + "*")) + [
-        os.path.dirname(mark) for mark in glob.glob(os.path.join(temporary, "pymp-*", _mp_folder_mark(pid)))]
+    rendezvous, marks = _folder_globs(pid)
+    folders = glob.glob(rendezvous) + [os.path.dirname(mark) for mark in glob.glob(marks)]
     removed = []
     for path in folders:
         try:
@@ -393,10 +400,9 @@ def remove_stale_files() -> list[str]:
     this user's entries whose owner process is gone. A live run's (its owner is alive) are never touched.
     Returns the names removed."""
     owners = set()
-    temporary = glob.escape(tempfile.gettempdir())
-    for pattern, name in ((os.path.join(SHM_DIR, "ensemble-*"), SHM_ENTRY),
-                          (os.path.join(temporary, "ensemble-rendezvous-*"), RENDEZVOUS_FOLDER),
-                          (os.path.join(temporary, "pymp-*", "ensemble-owner-*"), MP_FOLDER_MARK)):
+    rendezvous, marks = _folder_globs("*")
+    for pattern, name in ((os.path.join(SHM_DIR, "ensemble-*"), SHM_ENTRY), (rendezvous, RENDEZVOUS_FOLDER),
+                          (marks, MP_FOLDER_MARK)):
         for path in glob.glob(pattern):
             match = name.match(os.path.basename(path))
             try:
