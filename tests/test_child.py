@@ -1,10 +1,12 @@
 """One class owns a child process (pipeline/runtime/child.py): its messages, its commands, its end."""
+import multiprocessing as mp
 import os
 import signal
 
 import pytest
 
 from pipeline.runtime.child import Child, messages
+from pipeline.runtime.lifetime import ChildrenStopped, stop_children
 
 BIG = 4 * 2**20  # bytes: far more than a pipe holds (64 KiB), so the send waits for the parent to read
 
@@ -68,6 +70,50 @@ def test_a_child_that_ends_without_a_word_is_named_with_how_and_a_command_to_it_
     with pytest.raises(RuntimeError, match=r"test-dying was killed \(SIGKILL\).* without a word"):
         child.receive(30)
     child.send("anyone there?")
+
+
+def _ignore_sigterm_and_echo(*, to_parent, from_parent):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as our children do (lifetime.child_started)
+    _echo(to_parent=to_parent, from_parent=from_parent)
+
+
+def _stop_children_then_start_one(to_test) -> None:
+    """In a process of its own (stop_children is for good): a child that ignores SIGTERM and waits for
+    commands, stop_children, then another start. Sends what it saw. (Spawned children: a fork server
+    would import torch first.)"""
+    spawn = mp.get_context("spawn")
+    waiting = Child(_ignore_sigterm_and_echo, (), "test-waiting", spawn)
+    waiting.send("ping")
+    assert waiting.receive(60) == "ping"  # it runs, SIGTERM ignored
+    stop_children()
+    waiting.process.join(30)
+    try:
+        Child(_echo, (), "test-late", spawn)
+        refused = None
+    except ChildrenStopped as err:
+        refused = str(err)
+    to_test.send((waiting.exitcode, refused, [child.name for child in mp.active_children()]))
+
+
+def test_a_stopping_process_kills_its_children_and_starts_none_after():
+    """stop_children (a node agent stopping) kills every child at once, though ours ignore SIGTERM, and a
+    start after it, from whatever thread (a call the agent still serves), is refused, naming the child.
+    The mistake it catches: a child started in the instant after the kill, which multiprocessing's exit
+    would wait for as long as it lives."""
+    spawn = mp.get_context("spawn")  # not the test process: it stops for good
+    received, to_test = spawn.Pipe(duplex=False)
+    process = spawn.Process(target=_stop_children_then_start_one, args=(to_test,))
+    process.start()
+    to_test.close()
+    try:
+        assert received.poll(120), "the process said nothing"
+        exitcode, refused, left = received.recv()
+    finally:
+        process.join(30)
+        process.kill()
+    assert exitcode == -signal.SIGKILL
+    assert refused == "test-late: this process is stopping; it starts no child" and left == []
+    assert process.exitcode == 0
 
 
 def test_joining_a_node_s_processes_and_a_flotilla_s_nodes_shares_one_timeout(monkeypatch):

@@ -126,11 +126,11 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
                         if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
             _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tls_files, tmp_path)
             _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path)
-            agents[1] = _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
+            _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
             _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path)
             _a_run_started_while_a_host_is_cut_off_trains_on_the_others(hosts, overrides, client, tmp_path)
-            agents[1] = _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
+            _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(
                 hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
         finally:
             # node 0's agent is stopped as systemd stops it; node 1's as an ssh session's hangup does: the signal
@@ -315,11 +315,12 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
     a failure and resumes from its last checkpoint once a slot is free; the others train on; the run finishes
     with every model's epochs counted once. The lost host left its rings and semaphores in /dev/shm: its
     agent, started again, removes them, and the run takes node 1 back (its model resumes there if node 1 is
-    back before a slot of node 0 frees). Returns that agent's process."""
+    back before a slot of node 0 frees). That agent takes the lost one's place in `agents` as it starts (the
+    test's teardown stops it whatever fails after)."""
     from pipeline.orchestration.agent import registered_agents
 
     folder, log_path = tmp_path / "lost", tmp_path / "lost.log"
-    agent1 = registered_agents(client)[1]
+    agent1, lost = registered_agents(client)[1], agents[1]
     before = set(os.listdir("/dev/shm"))
     with open(log_path, "w") as log:  # baseline: a flotilla per model, on one slot of one node
         driver = subprocess.Popen(hosts.command("driver", [
@@ -332,25 +333,26 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
         while len(first_epochs()) < 3:  # every model checkpointed after its first epoch, on its own slot
             assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
             time.sleep(0.1)
-        os.killpg(agents[1].pid, signal.SIGKILL)
-        agents[1].wait()
+        os.killpg(lost.pid, signal.SIGKILL)
+        lost.wait()
         while "node 1 lost" not in log_path.read_text():
             assert time.monotonic() < deadline and driver.poll() is None, log_path.read_text()
             time.sleep(0.1)
         # Started again while the run goes on (here, where the hosts share /dev/shm, before the driver's
         # own sweep at its end could remove the dead agent's rings).
         left = set(os.listdir("/dev/shm")) - before
-        rings = {name for name in left if name.startswith(f"ensemble-{agents[1].pid}-")}
+        rings = {name for name in left if name.startswith(f"ensemble-{lost.pid}-")}
         assert any("-cache-" not in name for name in rings), left  # a ring of its flotilla, its cache too
         assert {name for name in left if name.startswith("sem.mp-")}, left  # the lost host's semaphores
         folders = {name for name in os.listdir(tempfile.gettempdir())
-                   if name.startswith(f"ensemble-rendezvous-{agents[1].pid}-")}  # its flotilla's
+                   if name.startswith(f"ensemble-rendezvous-{lost.pid}-")}  # its flotilla's
         assert folders
         mp_folders = {Path(mark).parent.name for mark in glob.glob(  # the agent's own, its fork server's socket
-            os.path.join(glob.escape(tempfile.gettempdir()), "pymp-*", f"ensemble-owner-{agents[1].pid}"))}
+            os.path.join(glob.escape(tempfile.gettempdir()), "pymp-*", f"ensemble-owner-{lost.pid}"))}
         assert mp_folders
         with open(tmp_path / "agent1-again.log", "w") as log:
-            agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            agents[1] = agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                 start_new_session=True)
         while registered_agents(client).get(1, {}).get("pid") != agent.pid:
             assert time.monotonic() < deadline and agent.poll() is None, (tmp_path / "agent1-again.log").read_text()
             time.sleep(0.2)
@@ -374,7 +376,6 @@ def _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(hosts, override
     if resumed_on == 1:  # placed there after it was back
         formed = next(i for i, line in enumerate(lines) if re.match(r"flotilla 3 formed", line))
         assert lines.index(f"node 1 is back: its agent at {address} (pid {agent.pid}) takes flotillas again") < formed
-    return agent
 
 
 def _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path):
@@ -471,7 +472,7 @@ def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_
     exit 0, taking the flotilla's rings with it; the driver takes node 1 for lost. The 2 slots left cannot
     take the 4 the models ask for, so the run stops in order, exit code 5, with one line saying how to
     resume it. Node 1's agent started again, that command (on the driver's host) finishes the run, every
-    model's epochs counted once. Returns that agent."""
+    model's epochs counted once. That agent takes the stopped one's place in `agents` as it starts."""
     import shlex
 
     from pipeline.orchestration.agent import registered_agents
@@ -504,7 +505,8 @@ def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_
     interrupted = json.loads((folder / "results.json").read_text())["interrupted"]
     assert interrupted["lost_nodes"] == [1] and "no slot left can take A, B, C" in interrupted["cause"], interrupted
     with open(tmp_path / "agent1-stranded.log", "w") as log:
-        agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        agents[1] = agent = subprocess.Popen(restart, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
     while registered_agents(client).get(1, {}).get("pid") != agent.pid:
         assert time.monotonic() < deadline and agent.poll() is None, (tmp_path / "agent1-stranded.log").read_text()
         time.sleep(0.2)
@@ -517,7 +519,6 @@ def _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_
     assert {name: model["epochs"] for name, model in models.items()} == dict.fromkeys("ABC", 3)  # each once
     on_1 = {name for name, model in models.items() if model["failures"]}
     assert on_1 and all("node 1 lost" in models[name]["failures"][0] for name in on_1), models
-    return agent
 
 
 def _models_of_the_lost_node_resumed(log_path, folder, address, whys: tuple, epochs) -> list[int]:

@@ -51,8 +51,8 @@ from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.orchestration.link import Link, broke_the_link, serializer_for
 from pipeline.runtime.child import Child, messages
 from pipeline.runtime.hang import shared_out
-from pipeline.runtime.lifetime import (agent_stop_signals, children_context, remove_files_of, remove_shm,
-                                       remove_stale_files, remove_stale_semaphores)
+from pipeline.runtime.lifetime import (ChildrenStopped, agent_stop_signals, children_context, remove_files_of,
+                                       remove_shm, remove_stale_files, remove_stale_semaphores, stop_children)
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -571,14 +571,8 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
     class Serving(_Agent):  # with this host's TLS files: the driver's links, the hubs' Dask clients
         pass
 
-    served = weakref.WeakSet()  # the flotillas' processes here (NodeProcesses), left as the agent stops
-
-    def node_processes_here(*args, **kwargs) -> NodeProcesses:
-        processes = NodeProcesses(*args, tls=tls, **kwargs)
-        served.add(processes)
-        return processes
-
-    Serving.register("NodeProcesses", node_processes_here)
+    served = ServedFlotillas(node, tls)
+    Serving.register("NodeProcesses", served.node_processes)
     Serving.register("HostRates", functools.partial(HostRates, tls=tls))
     server = Serving((host, 0), key, Link(host_s, tls)).get_server()
     resource = f"{node_resource(node)}={threads}"
@@ -603,27 +597,47 @@ def serve(scheduler: str, node: int, workers: int, threads: int, host: str, inte
         server.serve_forever()
     finally:
         try:
-            _leave_runs(node, served)
+            served.leave()
             dask_workers.stop()  # needs the scheduler, which may be gone
         finally:
             remove_shm(cache_prefix(os.getpid()))  # the stores of runs this host served
 
 
-def _leave_runs(node: int, served) -> None:
-    """As an agent stops: the processes of the runs it serves end now, their rings and rendezvous folders
-    go, and their drivers take this host for lost (as one killed: its models resume from their checkpoints
-    elsewhere). They are killed first: they ignore SIGTERM, so multiprocessing's exit would wait for them
-    for ever, and a close under way (its driver gone: its hubs get timeouts.drain_s) would hold a
-    flotilla's close back as long."""
-    for child in mp.active_children():
-        child.kill()
-    flotillas = list(served)
-    still_open = sum(not processes.closed for processes in flotillas)
-    for processes in flotillas:  # one already closing (its driver gone): its close is waited for, so it ends
-        processes.close(within=0)  # before the process does (its thread is a daemon)
-    if still_open:
-        log.info("node %d: stopping: closed the processes of %d flotilla(s) here; their runs take this node for "
-                 "lost", node, still_open)
+class ServedFlotillas:
+    """In an agent: the flotillas' processes on this host (NodeProcesses) that drivers' calls made, each
+    call served in a thread of its own; `leave` ends them as the agent stops."""
+
+    def __init__(self, node: int, tls: TlsFiles | None):
+        self.node, self.tls = node, tls
+        self.lock = threading.Lock()  # calls add while the agent stops
+        self.served = weakref.WeakSet()
+        self.leaving = False
+
+    def node_processes(self, *args, **kwargs) -> NodeProcesses:
+        """A flotilla's processes here (the driver's `NodeProcesses` call); none once the agent stops."""
+        with self.lock:
+            if self.leaving:
+                raise ChildrenStopped(f"node {self.node}'s agent is stopping: it starts no flotilla")
+            processes = NodeProcesses(*args, tls=self.tls, **kwargs)
+            self.served.add(processes)
+            return processes
+
+    def leave(self) -> None:
+        """As the agent stops: the processes of the runs it serves end now, their rings and rendezvous
+        folders go, and their drivers take this host for lost (as one killed: its models resume from their
+        checkpoints elsewhere). Every child is killed first, and none starts after (stop_children): they
+        ignore SIGTERM, so multiprocessing's exit would wait for them for ever, and a close under way (its
+        driver gone: its hubs get timeouts.drain_s) would hold a flotilla's close back as long."""
+        with self.lock:
+            self.leaving = True
+            flotillas = list(self.served)
+        stop_children()
+        still_open = sum(not processes.closed for processes in flotillas)
+        for processes in flotillas:  # one already closing (its driver gone): its close is waited for, so it ends
+            processes.close(within=0)  # before the process does (its thread is a daemon)
+        if still_open:
+            log.info("node %d: stopping: closed the processes of %d flotilla(s) here; their runs take this node "
+                     "for lost", self.node, still_open)
 
 
 class HostWorkers:

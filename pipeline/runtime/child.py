@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from multiprocessing import connection
 
-from pipeline.runtime.lifetime import children_context, how_it_ended, parent_gone
+from pipeline.runtime.lifetime import ChildrenStopped, child_start, children_context, how_it_ended, parent_gone
 
 
 class Child:
@@ -29,9 +29,16 @@ class Child:
         from_parent, self._commands = context.Pipe(duplex=False)
         self.process = context.Process(target=target, args=args, name=name, daemon=True,
                                        kwargs={"to_parent": to_parent, "from_parent": from_parent})
-        self.process.start()
-        to_parent.close()  # the child's ends: our copies would keep its pipe from ending with it
-        from_parent.close()
+        try:
+            with child_start(name):
+                self.process.start()
+        except ChildrenStopped:
+            self._messages.close()
+            self._commands.close()
+            raise
+        finally:
+            to_parent.close()  # the child's ends: our copies would keep its pipe from ending with it
+            from_parent.close()
         self.talking = True  # until its pipe ends: it exited, or was killed
 
     @property

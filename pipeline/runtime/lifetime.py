@@ -237,13 +237,43 @@ def _stop_now(signum: int) -> None:
     are those this process started (hubs, trainers, rate measurements, a LocalCluster's Dask workers);
     multiprocessing's own helpers exit with it (the fork server, and the resource tracker, which then
     unlinks the semaphores the run registered)."""
-    children = mp.active_children()
-    for child in children:
-        child.kill()
+    children = stop_children()
     for child in children:
         child.join(5)
     remove_files_of(os.getpid())
     os._exit(128 + signum)  # as a shell reports a process its signal ended
+
+
+class ChildrenStopped(RuntimeError):
+    """This process is stopping (stop_children): it starts no child."""
+
+
+# a child's start and stop_children exclude each other; reentrant: the second signal's handler (_stop_now)
+# may run in the main thread in the middle of a start there
+_child_starts = threading.RLock()
+_children_stopped = False
+
+
+@contextlib.contextmanager
+def child_start(name: str):
+    """Around the start of a child process named `name`: refused (ChildrenStopped) once stop_children ran."""
+    with _child_starts:
+        if _children_stopped:
+            raise ChildrenStopped(f"{name}: this process is stopping; it starts no child")
+        yield
+
+
+def stop_children() -> list:
+    """This process is stopping: every child it started is killed now (ours ignore SIGTERM, and
+    multiprocessing's exit would wait for them), and none starts after, whichever thread asks (a call a
+    node agent is still serving): child_start refuses. Returns the children killed."""
+    global _children_stopped
+    with _child_starts:
+        _children_stopped = True
+        children = mp.active_children()
+        for child in children:
+            child.kill()
+    return children
 
 
 def standard_start_method() -> None:
