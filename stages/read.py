@@ -87,6 +87,7 @@ class ImageFolder(Stage):
         """One folder of classes, split per class by val_per_class."""
         self.split, self.split_source = self._choose_split(root)
         classes = self._class_files(root)
+        _check_no_empty_class(root, classes)
         self.class_names = list(classes)
         counts = [self._val_count(len(paths)) for paths in classes.values()]
         self._check_split(list(classes.values()), counts)
@@ -108,6 +109,7 @@ class ImageFolder(Stage):
         if (root / SPLIT_FILE).exists():
             raise StageError(f"{layout} and also declares a split in {root / SPLIT_FILE}; remove that file")
         trained, validated = self._class_files(train), self._class_files(val)
+        _check_no_empty_class(train, trained)
         unknown = sorted(set(validated) - set(trained))
         if unknown:
             raise StageError(f"{layout}, but class folder(s) {', '.join(unknown)} of {val} have none in {train} "
@@ -204,6 +206,17 @@ class ImageFolder(Stage):
             labels.append(label)
             paths.append(path)
         return Batch(data, np.asarray(labels, dtype=np.int64), paths)
+
+
+def _check_no_empty_class(folder: Path, classes: dict[str, list[str]]) -> None:
+    """A class folder without a file to train on is an error naming it (a copy cut short, most likely): its
+    class would be one more output that no image teaches. (No class with files: _scan says so instead.)"""
+    empty = [name for name, paths in classes.items() if not paths]
+    if empty and len(empty) < len(classes):
+        named = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+        raise StageError(f"class folder(s) {named} of {folder} hold no files to train on ({len(empty)} of "
+                         f"{len(classes)} classes; hidden files and folders inside a class folder are not read): "
+                         "add the class's images or remove its folder")
 
 
 def _split_folders(root: Path) -> tuple[Path, Path] | None:

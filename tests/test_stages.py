@@ -187,6 +187,27 @@ def test_a_folder_inside_a_class_folder_is_not_read_and_is_listed(tiny_dataset, 
     assert ImageFolder(root=str(tiny_dataset), batch_size=8).unread == []
 
 
+def test_a_class_folder_without_files_is_an_error_naming_it(tiny_dataset, tmp_path):
+    """A class folder with nothing to train on (a copy cut short; only hidden files, or only a folder) would
+    be one more output no image teaches: an error naming it, in one folder of classes and in train/ of a
+    dataset split in folders; one without validation images in val/ is no error."""
+    root = tmp_path / "caltech"
+    shutil.copytree(tiny_dataset, root)
+    (root / "000.empty").mkdir()
+    (root / "999.only_hidden" / "greg").mkdir(parents=True)
+    (root / "999.only_hidden" / ".DS_Store").write_bytes(b"x")
+    with pytest.raises(StageError, match=rf"^class folder\(s\) 000.empty, 999.only_hidden of {root} hold no files to "
+                                         r"train on \(2 of 6 classes; hidden files and folders inside a class folder "
+                                         r"are not read\): add the class's images or remove its folder$"):
+        ImageFolder(root=str(root), batch_size=8)
+    split = _split_in_folders(tiny_dataset, tmp_path / "imagenette")
+    (split / "val" / sorted(p.name for p in tiny_dataset.iterdir() if p.is_dir())[3]).mkdir()  # no validation images
+    assert ImageFolder(root=str(split), batch_size=8).num_items(Split.VAL) == 3 * 4
+    (split / "train" / "000.empty").mkdir()
+    with pytest.raises(StageError, match=rf"^class folder\(s\) 000.empty of {split / 'train'} hold no files"):
+        ImageFolder(root=str(split), batch_size=8)
+
+
 def test_classes_called_train_and_val_are_one_folder_of_classes(tmp_path):
     for name in ("train", "val"):
         (tmp_path / name).mkdir()
