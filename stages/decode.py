@@ -127,20 +127,38 @@ def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            notes = []
-            if data.startswith(PNG_MAGIC) and path.lower().endswith((".jpg", ".jpeg")):
-                notes.append("PNG data in a .jpg file, decoded as PNG")
-            if image.mode != "RGB":
-                notes.append(f"{image.format} {image.mode} converted to RGB")
-                image = image.convert("RGB")
-            if notes:
-                ctx.converted.append((path, "; ".join(notes)))
-            return np.asarray(image)
+            kind = f"{image.format} {image.mode}"
+            rgb, how = (np.asarray(image), None) if image.mode == "RGB" else _as_rgb(image)
     except UnidentifiedImageError:
         ctx.reject(path, "not an image (unrecognised format)")
+        return None
     except (OSError, ValueError, SyntaxError) as err:
         ctx.reject(path, f"corrupt or truncated image: {err}")
-    return None
+        return None
+    if rgb is None:
+        ctx.reject(path, f"{kind}: {how}")
+        return None
+    notes = [f"{kind} {how}"] if how else []
+    if data.startswith(PNG_MAGIC) and path.lower().endswith((".jpg", ".jpeg")):
+        notes.insert(0, "PNG data in a .jpg file, decoded as PNG")
+    if notes:
+        ctx.converted.append((path, "; ".join(notes)))
+    return rgb
+
+
+def _as_rgb(image: Image.Image) -> tuple[np.ndarray | None, str]:
+    """`image`, in a mode other than RGB, as 8-bit RGB (None: no 8-bit meaning is known), and how. 16-bit
+    grey keeps its scale, its high byte as Pillow does for 16-bit colour (its own conversion clips grey at
+    255: a white image); 32-bit integer or float grey converts only where its values lie in 0-255."""
+    if image.mode.startswith("I;16") or (image.mode == "I" and image.format == "PNG"):  # (older Pillow: I)
+        grey = (np.asarray(image).astype(np.uint16) >> 8).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=2), "scaled to 8 bits and converted to RGB"
+    if image.mode in ("I", "F"):
+        values = np.asarray(image)
+        if values.size and not 0 <= values.min() <= values.max() <= 255:
+            return None, (f"32-bit values from {values.min():g} to {values.max():g}, whose 8-bit scale is not known; "
+                          "save the image with 8 or 16 bits per channel")
+    return np.asarray(image.convert("RGB")), "converted to RGB"
 
 
 class DaliRejected(Exception):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import simplejpeg
+from PIL import Image
 
 from stages.augment import RandomResizedCropFlip
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split, StageError
@@ -305,6 +306,31 @@ def test_bad_files_are_skipped_and_listed_or_converted(bad_dataset, backend):
     assert "empty" in skipped[str(bad["empty"])] and "not an image" in skipped[str(bad["non_image"])]
     assert all(image.shape[2] == 3 for image in batch.data)
     assert len(batch.data) == 4 * 16 + 3
+
+
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
+def test_deep_grey_images_keep_their_scale_or_are_skipped_saying_why(tmp_path, backend):
+    """16-bit grey (PNG, TIFF: medical and satellite images) becomes 8-bit RGB by its high byte, as 16-bit
+    colour does, not by Pillow's own conversion, which clips at 255 (a white image); 32-bit grey converts
+    where its values lie in 0-255, and is skipped naming its range where they do not (no scale known)."""
+    ramp = np.arange(0, 65536, 257, dtype=np.uint16).reshape(16, 16)  # 0, 257, ..., 65535: 8-bit 0..255
+    folder = tmp_path / "001.deep"
+    folder.mkdir()
+    Image.fromarray(ramp).save(folder / "ramp16.png")
+    Image.fromarray(ramp).save(folder / "ramp16.tif")
+    Image.fromarray((ramp // 257).astype(np.int32)).save(folder / "small32.tif")
+    Image.fromarray(ramp.astype(np.float32)).save(folder / "wide32.tif")
+    batch, c = decode_all(tmp_path, backend)
+    expected = np.repeat((ramp // 257).astype(np.uint8)[..., None], 3, axis=2)
+    decoded = dict(zip(batch.paths, batch.data))
+    for name in ("ramp16.png", "ramp16.tif", "small32.tif"):
+        assert decoded[str(folder / name)].dtype == np.uint8
+        assert np.array_equal(decoded[str(folder / name)], expected), name
+    converted = dict(c.converted)
+    assert converted[str(folder / "ramp16.png")] == "PNG I;16 scaled to 8 bits and converted to RGB"
+    assert converted[str(folder / "small32.tif")] == "TIFF I converted to RGB"
+    assert c.skipped == [(str(folder / "wide32.tif"), "TIFF F: 32-bit values from 0 to 65535, whose 8-bit scale "
+                                                      "is not known; save the image with 8 or 16 bits per channel")]
 
 
 def test_dali_leaves_only_the_troublesome_files_to_the_per_file_path(bad_dataset, monkeypatch):
