@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import numpy as np
 import simplejpeg
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage, StageError
 
@@ -95,7 +95,7 @@ class Decode(Stage):
                 if colorspace in ("YCbCr", "Gray"):
                     if colorspace == "Gray":
                         ctx.converted.append((path, "grayscale JPEG expanded to RGB"))
-                    return self._decode_jpeg(data, height, width)
+                    return _oriented(self._decode_jpeg(data, height, width), _jpeg_orientation(data))
             except ValueError as err:
                 ctx.reject(path, f"corrupt or truncated JPEG: {err}")
                 return None
@@ -110,6 +110,51 @@ class Decode(Stage):
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=int(np.ceil(height * scale)),
                                           min_width=int(np.ceil(width * scale)))
         return simplejpeg.decode_jpeg(data, colorspace="RGB")
+
+
+# EXIF orientation (1: as stored) -> what shows the image upright, on an array of rows, columns, channels
+# (as DALI, OpenCV and Pillow's ImageOps.exif_transpose turn it; a camera held sideways stores it so)
+_ORIENT = {2: lambda a: a[:, ::-1], 3: lambda a: a[::-1, ::-1], 4: lambda a: a[::-1],
+           5: lambda a: a.swapaxes(0, 1), 6: lambda a: a[::-1].swapaxes(0, 1),
+           7: lambda a: a[::-1, ::-1].swapaxes(0, 1), 8: lambda a: a[:, ::-1].swapaxes(0, 1)}
+
+
+def _oriented(image: np.ndarray, orientation: int) -> np.ndarray:
+    """`image` turned upright by its EXIF orientation."""
+    turn = _ORIENT.get(orientation)
+    return image if turn is None else np.ascontiguousarray(turn(image))
+
+
+def _jpeg_orientation(data: bytes) -> int:
+    """The EXIF orientation (1-8) a JPEG's APP1 segment declares, read from its headers alone (Pillow's
+    parse costs a sixth of a small image's decode); 1 where it declares none."""
+    view, at = memoryview(data), 2
+    while at + 4 <= len(view) and view[at] == 0xFF:
+        marker = view[at + 1]
+        if marker == 0xFF:  # a fill byte
+            at += 1
+            continue
+        if marker in (0xD9, 0xDA):  # end of image, start of scan: no header follows
+            break
+        length = int.from_bytes(view[at + 2:at + 4], "big")
+        if marker == 0xE1 and view[at + 4:at + 10] == b"Exif\0\0":
+            return _tiff_orientation(view[at + 10:at + 2 + length])
+        at += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: memoryview) -> int:
+    """The orientation tag (0x0112) of an EXIF block's first IFD; 1 where it has none or it is malformed."""
+    order = {b"II": "little", b"MM": "big"}.get(bytes(tiff[:2]))
+    if order is None or len(tiff) < 8:
+        return 1
+    ifd = int.from_bytes(tiff[4:8], order)
+    entries = int.from_bytes(tiff[ifd:ifd + 2], order) if ifd + 2 <= len(tiff) else 0
+    for entry in range(ifd + 2, min(ifd + 2 + 12 * entries, len(tiff) - 11), 12):
+        if int.from_bytes(tiff[entry:entry + 2], order) == 0x0112:
+            value = int.from_bytes(tiff[entry + 8:entry + 10], order)
+            return value if 1 <= value <= 8 else 1
+    return 1
 
 
 def _sound_colour_jpeg(data: bytes) -> bool:
@@ -128,6 +173,7 @@ def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray
         with Image.open(io.BytesIO(data)) as image:
             image.load()
             kind = f"{image.format} {image.mode}"
+            ImageOps.exif_transpose(image, in_place=True)  # upright, as the JPEG path turns it
             rgb, how = (np.asarray(image), None) if image.mode == "RGB" else _as_rgb(image)
     except UnidentifiedImageError:
         ctx.reject(path, "not an image (unrecognised format)")
@@ -185,7 +231,7 @@ def _decode_with_dali(encoded: list[bytes], threads: int) -> list[np.ndarray]:
         @pipeline_def(batch_size=capacity, num_threads=threads, device_id=None, prefetch_queue_depth=1)
         def decode_pipeline():
             files = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-            return fn.decoders.image(files, device="cpu", output_type=types.RGB)
+            return fn.decoders.image(files, device="cpu", output_type=types.RGB, adjust_orientation=True)
 
         pipe = decode_pipeline()
         pipe.build()

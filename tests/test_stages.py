@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import simplejpeg
-from PIL import Image
+from PIL import Image, ImageOps
 
 from stages.augment import RandomResizedCropFlip
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split, StageError
@@ -331,6 +331,32 @@ def test_deep_grey_images_keep_their_scale_or_are_skipped_saying_why(tmp_path, b
     assert converted[str(folder / "small32.tif")] == "TIFF I converted to RGB"
     assert c.skipped == [(str(folder / "wide32.tif"), "TIFF F: 32-bit values from 0 to 65535, whose 8-bit scale "
                                                       "is not known; save the image with 8 or 16 bits per channel")]
+
+
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
+def test_photos_are_decoded_upright_by_their_exif_orientation_whatever_the_backend(tmp_path, backend):
+    """A camera held sideways stores its photo sideways and says so in EXIF (orientations 2-8: turns and
+    mirrors): every backend decodes it upright, as a viewer shows it (DALI did; simplejpeg and Pillow kept
+    it as stored, so the backends trained on different images), PNG with EXIF too."""
+    rows, columns = np.mgrid[0:24, 0:40]
+    stored = np.stack([rows * 10, columns * 6, (rows + columns) * 4], axis=2).astype(np.uint8)  # asymmetric
+    folder = tmp_path / "001.photos"
+    folder.mkdir()
+    for orientation in range(1, 9):
+        image = Image.fromarray(stored)
+        exif = image.getexif()
+        exif[0x0112] = orientation
+        image.save(folder / f"{orientation}.jpg", quality=95, exif=exif.tobytes())
+    image.save(folder / "8.png", exif=exif.tobytes())
+    batch, c = decode_all(tmp_path, backend)
+    decoded = dict(zip(batch.paths, batch.data))
+    for path in sorted(folder.iterdir()):
+        with Image.open(path) as image:
+            upright = np.asarray(ImageOps.exif_transpose(image).convert("RGB")).astype(int)
+        got = decoded[str(path)]
+        assert got.shape == upright.shape and np.abs(got.astype(int) - upright).mean() < 2, path.name
+        assert got.flags.c_contiguous
+    assert c.skipped == [] and c.converted == []
 
 
 def test_dali_leaves_only_the_troublesome_files_to_the_per_file_path(bad_dataset, monkeypatch):
