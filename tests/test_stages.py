@@ -426,6 +426,34 @@ def test_a_file_this_user_cannot_read_is_skipped_and_listed(tiny_dataset, open_t
     assert len(paths) == 4 * 16 - 1 and str(locked) not in paths
 
 
+def test_a_link_whose_target_is_missing_is_a_file_skipped_and_listed_saying_so(tiny_dataset, tmp_path):
+    """git-annex and DVC keep a dataset's files as links into their store: one not fetched points nowhere.
+    It is one of its class's files (it was left out unsaid), which a batch skips and lists saying what it
+    is, or stops the run naming (on_error=fail); a link to a file is read as the file."""
+    root = tmp_path / "annexed"
+    shutil.copytree(tiny_dataset, root)
+    first = sorted(p for p in root.iterdir() if p.is_dir())[0]
+    target = tmp_path / "annex" / "objects" / "SHA256E-s1234--ab.jpg"
+    (first / "not_fetched.jpg").symlink_to(target)
+    (first / "fetched.jpg").symlink_to(next(first.glob("*.jpg")))
+    source = ImageFolder(root=str(root), batch_size=1000, val_per_class=0)
+    assert source.num_items(Split.TRAIN) == 4 * 16 + 2
+    paths, skipped = _paths_read_and_skipped(source)
+    assert skipped == [(str(first / "not_fetched.jpg"), f"a symbolic link to {target}, which is missing (a git-annex "
+                                                         "or DVC file not fetched?)")]
+    assert len(paths) == 4 * 16 + 1 and str(first / "fetched.jpg") in paths
+    with pytest.raises(BadFileError, match=r"not_fetched.jpg: a symbolic link to .* \(on_error=fail"):
+        source(None, ctx(on_error="fail"))
+    # none fetched: the run would train on nothing
+    for path in root.rglob("*.jpg"):
+        path.unlink()
+        path.symlink_to(target)
+    with pytest.raises(StageError, match=rf"^dataset root {root}: every training file is a link whose target is "
+                                         rf"missing, as git-annex and DVC leave files not fetched \(e.g. .* -> "
+                                         rf"{target}\); fetch them \(git annex get, dvc pull\)"):
+        ImageFolder(root=str(root), batch_size=1000, val_per_class=0)
+
+
 def _paths_read_and_skipped(source: ImageFolder):
     c = ctx()
     return source(None, c).paths, c.skipped
