@@ -13,6 +13,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
@@ -25,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pipeline.config import (STATE_DIR, ConfigError, Mode, check, check_objective, check_output_dir,
                              expand_ensemble)
-from pipeline.data.dataset import DatasetInfo, prepare_dataset
+from pipeline.data.dataset import DatasetError, DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
                                     in_flight_window, node_threads, worker_count)
 from pipeline.data.graph import StageGraph, build_graph
@@ -59,7 +60,7 @@ from pipeline.training.rates import Measurement, RateHost, format_table, measure
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec, check_members, flatten, grouped
 from pipeline.training.trainer import TrainingSetup
-from stages.base import Split
+from stages.base import Batch, Split
 from stages.cache import GB
 
 PROBE_BATCHES = 3  # batches timed on one node before the first plan (FLEET policies; auto on several nodes)
@@ -134,12 +135,27 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     return results
 
 
-CACHE_SAMPLE = 32  # files decoded to estimate the decoded dataset's size
+SAMPLE = 32  # files decoded before the run: that some can be used, and the decoded dataset's size
+
+
+def _usable_sample(graph: StageGraph) -> Batch:
+    """SAMPLE files spread over the dataset, decoded (StageGraph.sample); where none can be used (a folder of
+    HEIC photos, of files not fetched), the run would skip every file and train on nothing: an error
+    naming why, before anything starts."""
+    batch, ctx = graph.sample(SAMPLE)
+    if batch.data or not ctx.skipped:
+        return batch
+    why = Counter(reason for _, reason in ctx.skipped).most_common()
+    path, reason = next((path, reason) for path, reason in ctx.skipped if reason == why[0][0])
+    raise DatasetError(f"dataset.root {graph.source.root}: none of the {len(ctx.skipped)} files sampled across it "
+                       f"can be used ({'; '.join(f'{n} {reason}' for reason, n in why[:3])}; e.g. {path}), so the "
+                       "run would skip every file and train on nothing: give it images Pillow reads (JPEG, PNG, "
+                       "WebP, TIFF, BMP), or set dataset.root to them")
 CACHE_SHARE_OF_SHM = 0.8  # of /dev/shm's free space: the rest is the rings' and hand-off files'
 CACHE_SHARE_OF_RAM = 0.5  # of the memory available: the rest is the trainers' and workers'
 
 
-def _plan_cache(cfg: DictConfig, graph: StageGraph) -> str | None:
+def _plan_cache(cfg: DictConfig, graph: StageGraph, sample: Batch) -> str | None:
     """The line that says what the graph's cache stage will hold, once checked against this host's
     memory: the decoded dataset's size is estimated from a sample, and the cache takes at most that.
     A budget this host cannot hold for its nodes is lowered to what it can, and the line says so."""
@@ -151,8 +167,8 @@ def _plan_cache(cfg: DictConfig, graph: StageGraph) -> str | None:
         return f"[bold]cache[/]    off ({key}=0): every epoch reads and decodes every file"
     source = graph.source
     files = source.num_items(Split.TRAIN) + source.num_items(Split.VAL)
-    dataset = (graph.cached_bytes_per_item(CACHE_SAMPLE) or 0) * files
-    size = f"{_gb(dataset)} (estimated from {min(CACHE_SAMPLE, files)} files)"
+    dataset = (graph.cached_bytes_per_item(sample) or 0) * files
+    size = f"{_gb(dataset)} (estimated from {min(SAMPLE, files)} files)"
     nodes_here = 0 if cfg.cluster.address else cfg.cluster.nodes  # other hosts' memory is not known here
     shm, ram = shutil.disk_usage(SHM_DIR).free, psutil.virtual_memory().available
     room, short = min((CACHE_SHARE_OF_SHM * shm, f"{CACHE_SHARE_OF_SHM:.0%} of the {_gb(shm)} free in {SHM_DIR}"),
@@ -246,9 +262,10 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
                               d.synthetic_difficulty, cfg.seed)
     try:
         graph = _graph(cfg, models)
+        sample = _usable_sample(graph)
         total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
         models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps)
-        return RunInputs(models, dataset, graph, _plan_cache(cfg, graph), total_steps)
+        return RunInputs(models, dataset, graph, _plan_cache(cfg, graph, sample), total_steps)
     except BaseException:
         dataset.release()
         raise

@@ -2,6 +2,7 @@
 worker dies."""
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import zlib
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from pipeline.data.dataset import DatasetError
 from pipeline.data.executor import Executor, cache_kept, dask_client
 from pipeline.data.graph import build_graph
 from pipeline.runtime.lifetime import remove_shm
@@ -79,8 +81,33 @@ def test_cached_batches_are_the_uncached_ones_and_later_epochs_read_and_decode_o
     assert len(store_files(graph)[0]) == files - unusable
 
 
+@pytest.mark.parametrize("budget_gb", [1, 0])
+def test_a_dataset_none_of_whose_sampled_files_can_be_used_stops_before_the_run_saying_why(tiny_dataset, tmp_path,
+                                                                                          budget_gb):
+    """The files sampled before the run (the cache's size estimate; with the cache off too): where none can
+    be used, e.g. iPhone photos in HEIC, which Pillow does not read, the run would skip every file and train
+    on nothing (it did, exit 0, accuracy nan): a DatasetError says why before anything starts. One usable
+    file is enough to go on: the run lists the others as it skips them."""
+    from pipeline.run import _usable_sample
+
+    root = tmp_path / "phone"
+    for name in ("001.cats", "002.dogs"):
+        (root / name).mkdir(parents=True)
+        for i in range(10):
+            (root / name / f"IMG_{i:04}.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + bytes(64))
+        (root / name / "IMG_0010.HEIC").write_bytes(b"")
+    with pytest.raises(DatasetError, match=rf"^dataset.root {root}: none of the 22 files sampled across it can be "
+                                           r"used \(20 not an image \(unrecognised format\); 2 empty file; e.g. "
+                                           rf"{root}/00\d.\w+/IMG_00\d\d.HEIC\), so the run would skip every file and "
+                                           r"train on nothing: give it images Pillow reads \(JPEG, PNG"):
+        _usable_sample(default_graph(root, budget_gb))
+    shutil.copy(next(tiny_dataset.rglob("*.jpg")), root / "002.dogs" / "IMG_0011.jpg")
+    assert len(_usable_sample(default_graph(root, budget_gb)).data) == 1
+
+
 def test_a_budget_smaller_than_the_dataset_holds_what_fits_and_keeps_it(tiny_dataset, remove_stores):
-    per_item = default_graph(tiny_dataset, 0).cached_bytes_per_item(64)
+    graph = default_graph(tiny_dataset, 0)
+    per_item = graph.cached_bytes_per_item(graph.sample(64)[0])
     files = 64
     budget_gb = 0.4 * per_item * files / 1024**3
     graph = default_graph(tiny_dataset, budget_gb)
@@ -184,26 +211,26 @@ def test_dask_workers_share_one_store_and_a_killed_worker_costs_a_recomputation(
 
 def test_the_first_lines_say_what_the_cache_holds_and_a_budget_the_host_cannot_hold_is_lowered(tiny_dataset,
                                                                                              monkeypatch):
-    import shutil
     from collections import namedtuple
 
     from pipeline.run import _plan_cache
 
     overrides = ["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never"]
-    per_item = default_graph(tiny_dataset, 0).cached_bytes_per_item(32)
+    sample = default_graph(tiny_dataset, 0).sample(32)[0]
+    per_item = default_graph(tiny_dataset, 0).cached_bytes_per_item(sample)
     dataset_gb = per_item * 64 / 1024**3
     for budget_gb, says in ((1, "on: the decoded dataset"), (dataset_gb / 4, "on, partly"), (0, "off")):
         cfg = compose_config([*overrides, f"pipeline.cache_gb={budget_gb}"])
-        line = _plan_cache(cfg, default_graph(tiny_dataset, budget_gb))
+        line = _plan_cache(cfg, default_graph(tiny_dataset, budget_gb), sample)
         assert says in line and "pipeline.stages.cache.budget_gb" in line, line
     assert "about 25% of the decoded dataset" in _plan_cache(compose_config(overrides),
-                                                             default_graph(tiny_dataset, dataset_gb / 4))
+                                                             default_graph(tiny_dataset, dataset_gb / 4), sample)
     # Two simulated nodes on this host, /dev/shm with room for one node's images only: each node's
     # budget is lowered to what the host allows, and the line says so.
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, int(per_item * 64 * 1.2)))
     graph = default_graph(tiny_dataset, 2)
-    line = _plan_cache(compose_config([*overrides, "cluster.nodes=2", "cluster.workers=2"]), graph)
+    line = _plan_cache(compose_config([*overrides, "cluster.nodes=2", "cluster.workers=2"]), graph, sample)
     assert "on, lowered: pipeline.stages.cache.budget_gb=2 per node, but this host allows" in line, line
     assert "for each of its 2 node(s) (80% of the" in line and "free in /dev/shm): it holds about 48%" in line, line
     assert "docker: --shm-size" in line

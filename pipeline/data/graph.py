@@ -78,21 +78,26 @@ class StageGraph:
     def cache(self) -> Cache | None:
         return self.stages[self.cache_name] if self.cache_name else None
 
-    def cached_bytes_per_item(self, sample: int) -> float | None:
-        """Shared memory the cache takes per file (pages counted as the cache counts them): the stages
-        before it run on `sample` files spread over the dataset. None without a cache, or when no sampled
-        file could be used."""
-        name = self.cache_name
-        if name is None:
-            return None
+    def sample(self, count: int) -> tuple[Batch, BatchContext]:
+        """`count` files spread over the dataset through the stages that make its images: those before the
+        cache, with one (what it keeps), else those feeding the first sink. Returns the batch, which leaves
+        out the files that could not be used, and its context, which names them (`skipped`)."""
         files = self.source.files[Split.TRAIN] + self.source.files[Split.VAL]
-        picks = [files[i] for i in np.linspace(0, len(files) - 1, min(sample, len(files))).astype(int)]
+        picks = [files[i] for i in np.linspace(0, len(files) - 1, min(count, len(files))).astype(int)]
         ctx = BatchContext(seed=0, split=Split.TRAIN, epoch=0, index=0, wanted=picks)  # the source reads these
+        until = self.inputs[self.cache_name] if self.cache_name else next(iter(self.sinks))
         batch = None
-        for stage_name, stage in self.feeding({self.inputs[name]}).stages.items():  # the stages before it, in order
+        for stage_name, stage in self.feeding({until}).stages.items():  # in order
             ctx.stage = stage_name
             batch = stage(batch, ctx)
-        return float(np.mean([stored_bytes(image) for image in batch.data])) if batch.data else None
+        return batch, ctx
+
+    def cached_bytes_per_item(self, sample: Batch) -> float | None:
+        """Shared memory the cache takes per file (pages counted as the cache counts them), from `sample`
+        (self.sample's batch). None without a cache, or when no sampled file could be used."""
+        if self.cache_name is None or not sample.data:
+            return None
+        return float(np.mean([stored_bytes(image) for image in sample.data]))
 
     @property
     def sinks(self) -> dict[str, Spec]:
