@@ -178,6 +178,9 @@ def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray
     except UnidentifiedImageError:
         ctx.reject(path, "not an image (unrecognised format)")
         return None
+    except Image.DecompressionBombError as err:  # a gigapixel scan: gigabytes decoded, in a worker
+        ctx.reject(path, f"too large to decode: {str(err).partition(', could be')[0]}; downscale it")
+        return None
     except (OSError, ValueError, SyntaxError) as err:
         ctx.reject(path, f"corrupt or truncated image: {err}")
         return None

@@ -334,6 +334,19 @@ def test_deep_grey_images_keep_their_scale_or_are_skipped_saying_why(tmp_path, b
 
 
 @pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
+def test_an_image_past_pillows_size_limit_is_skipped_saying_so(tmp_path, backend):
+    """Pillow refuses to open an image of more than 179 million pixels (a gigapixel scan: gigabytes once
+    decoded), raising an error of its own that stopped the run with a traceback: the file is skipped and
+    listed, saying why and what to do."""
+    (tmp_path / "001.scans").mkdir()
+    Image.new("L", (14000, 13000)).save(tmp_path / "001.scans" / "huge.png")  # 182 Mpx: 200 KB of PNG
+    batch, c = decode_all(tmp_path, backend)
+    ((path, reason),) = c.skipped
+    assert batch.paths == [] and path == str(tmp_path / "001.scans" / "huge.png")
+    assert re.fullmatch(r"too large to decode: .*\b182000000 pixels.*; downscale it", reason), reason
+
+
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
 def test_photos_are_decoded_upright_by_their_exif_orientation_whatever_the_backend(tmp_path, backend):
     """A camera held sideways stores its photo sideways and says so in EXIF (orientations 2-8: turns and
     mirrors): every backend decodes it upright, as a viewer shows it (DALI did; simplejpeg and Pillow kept
