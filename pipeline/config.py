@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import copy
 import enum
+import fcntl
 import importlib.util
 import itertools
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import IO, Any, Dict, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import to_absolute_path
@@ -43,6 +44,8 @@ AUTO = "auto"
 STATE_DIR = "state"  # in a run's folder: what resume= continues from
 # What a run leaves in its folder: a fresh run refuses a folder holding any (check_output_dir)
 RUN_OUTPUTS = ("results.json", STATE_DIR, "checkpoints")
+RUN_LOCK = ".run.lock"  # in a run's folder: locked (flock) by the process writing there, whose pid it holds
+_claimed: dict[Path, IO] = {}  # the folders this process writes to, with their locks held
 
 
 class ExitCode(enum.IntEnum):
@@ -479,21 +482,44 @@ def _set(fields: dict, path: tuple, value) -> None:
 
 
 def check_output_dir(path: Path, fresh: bool) -> None:
-    """The run's folder: writable, and for a `fresh` run (not resume=) holding no earlier run's outputs, which
-    the run would overwrite and whose checkpoints it would mix with its own (the older run's best one kept as
-    this run's, this run's pruned as older)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
-                          "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None
+    """The run's folder: writable, written by no other run going on now (two runs started in the same second
+    get Hydra's same default folder; a resume= of a run still going), and for a `fresh` run (not resume=)
+    holding no earlier run's outputs, which the run would overwrite and whose checkpoints it would mix with
+    its own (the older run's best one kept as this run's, this run's pruned as older). From here the folder
+    is this process's (its RUN_LOCK held) until release_output_dir, or the process's end, however it ends."""
+    path = path.resolve()
+    if path not in _claimed:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            lock = open(path / RUN_LOCK, "a+")
+        except OSError as err:
+            raise ConfigError(f"cannot write the run's output directory {path} ({err.strerror}); "
+                              "set hydra.run.dir (or hydra.sweep.dir for -m) to a writable folder") from None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip()
+            lock.close()
+            raise ConfigError(f"{path} is the folder of a run going on now{f' (pid {holder})' if holder else ''}: "
+                              "give each run a folder of its own (hydra.run.dir; runs started in the same second "
+                              "get the same default one), or wait for that run to end") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        _claimed[path] = lock
     if fresh and (held := earlier_run(path)):
         raise ConfigError(f"{path} holds an earlier run ({held}): give this run a folder of its own "
                           "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
                           f"continue a stopped run with resume={path}")
+
+
+def release_output_dir(path: Path) -> None:
+    """The run in `path` (check_output_dir) is over: another may write there."""
+    lock = _claimed.pop(path.resolve(), None)
+    if lock is not None:
+        lock.close()
 
 
 def earlier_run(path: Path) -> str:

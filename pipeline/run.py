@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipeline.config import (STATE_DIR, ConfigError, Mode, check, check_objective, check_output_dir,
-                             expand_ensemble)
+                             expand_ensemble, release_output_dir)
 from pipeline.data.dataset import DatasetError, DatasetInfo, prepare_dataset
 from pipeline.data.executor import (Executor, TlsFiles, cache_kept, connect, dask_client, dask_performance_report,
                                     in_flight_window, node_threads, worker_count)
@@ -98,7 +98,16 @@ def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
     stop = stop or StopSignals()
     if cfg.resume:
         output_dir = _resumed_folder(cfg)
-    check_output_dir(output_dir, fresh=not cfg.resume)
+    check_output_dir(output_dir, fresh=not cfg.resume)  # the folder is this run's until it returns
+    try:
+        return _run_in(output_dir, cfg, console, stop, parts, started)
+    finally:
+        release_output_dir(output_dir)
+
+
+def _run_in(output_dir: Path, cfg: DictConfig, console: RunConsole, stop: StopSignals,
+            parts: dict[str, list[str]] | None, started: float) -> dict:
+    """run, once its folder is checked and its own."""
     check(cfg)
     # This host starts a local run's children: their fork server imports torch on another core while this
     # process checks and plans. (With cluster.address, the agents, asked later, may start them: the first

@@ -7,7 +7,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from pipeline.config import RUN_OUTPUTS, ConfigError, check, check_output_dir, expand_ensemble
+from pipeline.config import (RUN_OUTPUTS, ConfigError, check, check_output_dir, expand_ensemble,
+                             release_output_dir)
 from tests.conftest import compose_config
 from tests.test_run import REPO
 
@@ -207,6 +208,41 @@ def test_the_command_refuses_an_earlier_runs_folder_before_hydra_writes_its_file
                                       "folder of its own (hydra.run.dir, or hydra.sweep.dir for -m), remove that "
                                       f"one to train there anew, or continue a stopped run with resume={earlier}")
     assert (earlier / ".hydra" / "config.yaml").read_text() == "the earlier run's\n"
+
+
+HOLD_FOLDER = """import sys
+from pathlib import Path
+from pipeline.config import check_output_dir
+check_output_dir(Path(sys.argv[1]), fresh=True)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_folder_another_run_writes_to_now_is_refused_until_that_run_ends(tmp_path):
+    """Two runs started in the same second get Hydra's same default folder, and resume= may name a run still
+    going: both would write the same results and checkpoints. The first holds its folder (a lock that its end,
+    however it ends, lets go): the second stops at once, exit 2, naming the holder's pid, before Hydra writes its
+    files there."""
+    folder = tmp_path / "outputs" / "2026-11-29" / "03-40-00"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_FOLDER, str(folder)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        (folder / ".hydra").mkdir()
+        (folder / ".hydra" / "config.yaml").write_text("the first run's\n")
+        refused = subprocess.run([sys.executable, "-m", "pipeline", "+ensemble=caltech256", f"hydra.run.dir={folder}"],
+                                 cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert refused.stderr.strip() == (f"error: {folder} is the folder of a run going on now (pid {holder.pid}): give "
+                                          "each run a folder of its own (hydra.run.dir; runs started in the same "
+                                          "second get the same default one), or wait for that run to end")
+        assert (folder / ".hydra" / "config.yaml").read_text() == "the first run's\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    check_output_dir(folder, fresh=True)  # its holder killed: the kernel let go of the lock
+    release_output_dir(folder)
 
 
 def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran(tmp_path, monkeypatch):
