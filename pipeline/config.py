@@ -45,7 +45,7 @@ STATE_DIR = "state"  # in a run's folder: what resume= continues from
 # What a run leaves in its folder: a fresh run refuses a folder holding any (check_output_dir)
 RUN_OUTPUTS = ("results.json", STATE_DIR, "checkpoints")
 RUN_LOCK = ".run.lock"  # in a run's folder: locked (flock) by the process writing there, whose pid it holds
-_claimed: dict[Path, IO] = {}  # the folders this process writes to, with their locks held
+_claimed: dict[Path, IO | None] = {}  # the folders this process writes to, with their locks held
 
 
 class ExitCode(enum.IntEnum):
@@ -502,14 +502,20 @@ def check_output_dir(path: Path, fresh: bool) -> None:
             holder = lock.read().strip()
             lock.close()
             raise ConfigError(f"{path} is the folder of a run going on now{f' (pid {holder})' if holder else ''}: "
-                              "give each run a folder of its own (hydra.run.dir; runs started in the same second "
-                              "get the same default one), or wait for that run to end") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"{os.getpid()}\n")
-        lock.flush()
+                              "give each run a folder of its own (hydra.run.dir, or hydra.sweep.dir for -m; runs "
+                              "started in the same second get the same default one), or wait for that run to "
+                              "end") from None
+        except OSError:  # a filesystem without locks (some NFS, Lustre without -o flock): nothing to hold
+            lock.close()
+            lock = None
+        else:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
         _claimed[path] = lock
     if fresh and (held := earlier_run(path)):
+        release_output_dir(path)  # not this run's: a process that goes on (a launcher's) must not hold it
         raise ConfigError(f"{path} holds an earlier run ({held}): give this run a folder of its own "
                           "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
                           f"continue a stopped run with resume={path}")

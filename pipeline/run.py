@@ -13,7 +13,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
@@ -145,6 +144,8 @@ def _run_in(output_dir: Path, cfg: DictConfig, console: RunConsole, stop: StopSi
 
 
 SAMPLE = 32  # files decoded before the run: that some can be used, and the decoded dataset's size
+CACHE_SHARE_OF_SHM = 0.8  # of /dev/shm's free space: the rest is the rings' and hand-off files'
+CACHE_SHARE_OF_RAM = 0.5  # of the memory available: the rest is the trainers' and workers'
 
 
 def _usable_sample(graph: StageGraph) -> Batch:
@@ -152,16 +153,13 @@ def _usable_sample(graph: StageGraph) -> Batch:
     HEIC photos, of files not fetched), the run would skip every file and train on nothing: an error
     naming why, before anything starts."""
     batch, ctx = graph.sample(SAMPLE)
-    if batch.data or not ctx.skipped:
+    if len(batch.labels) or not ctx.skipped:
         return batch
-    why = Counter(reason for _, reason in ctx.skipped).most_common()
-    path, reason = next((path, reason) for path, reason in ctx.skipped if reason == why[0][0])
+    said = "; ".join(f"{path}: {reason}" for path, reason in ctx.skipped[:3])
     raise DatasetError(f"dataset.root {graph.source.root}: none of the {len(ctx.skipped)} files sampled across it "
-                       f"can be used ({'; '.join(f'{n} {reason}' for reason, n in why[:3])}; e.g. {path}), so the "
-                       "run would skip every file and train on nothing: give it images Pillow reads (JPEG, PNG, "
+                       f"can be used ({said}{'; ...' if len(ctx.skipped) > 3 else ''}), so the run would skip every "
+                       "file and train on nothing: give it files it can read (images Pillow decodes: JPEG, PNG, "
                        "WebP, TIFF, BMP), or set dataset.root to them")
-CACHE_SHARE_OF_SHM = 0.8  # of /dev/shm's free space: the rest is the rings' and hand-off files'
-CACHE_SHARE_OF_RAM = 0.5  # of the memory available: the rest is the trainers' and workers'
 
 
 def _plan_cache(cfg: DictConfig, graph: StageGraph, sample: Batch) -> str | None:

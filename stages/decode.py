@@ -152,7 +152,9 @@ def _tiff_orientation(tiff: memoryview) -> int:
     entries = int.from_bytes(tiff[ifd:ifd + 2], order) if ifd + 2 <= len(tiff) else 0
     for entry in range(ifd + 2, min(ifd + 2 + 12 * entries, len(tiff) - 11), 12):
         if int.from_bytes(tiff[entry:entry + 2], order) == 0x0112:
-            value = int.from_bytes(tiff[entry + 8:entry + 10], order)
+            kind = int.from_bytes(tiff[entry + 2:entry + 4], order)
+            width = 4 if kind == 4 else 2  # a LONG where some writers put it, else the SHORT the standard says
+            value = int.from_bytes(tiff[entry + 8:entry + 8 + width], order)
             return value if 1 <= value <= 8 else 1
     return 1
 

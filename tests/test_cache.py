@@ -81,13 +81,24 @@ def test_cached_batches_are_the_uncached_ones_and_later_epochs_read_and_decode_o
     assert len(store_files(graph)[0]) == files - unusable
 
 
-@pytest.mark.parametrize("budget_gb", [1, 0])
+def graph_without_cache(root):
+    """The default graph with no cache stage: its crops take the decoded images."""
+    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={root}"])
+    stages = OmegaConf.to_container(cfg.pipeline.stages, resolve=True)
+    del stages["cache"]
+    for name in ("crop_main", "crop_alt"):
+        stages[name]["inputs"] = ["decode"]
+    return build_graph(stages, {"main", "alt"})
+
+
+@pytest.mark.parametrize("graph_of", [lambda root: default_graph(root, 1), lambda root: default_graph(root, 0),
+                                      graph_without_cache], ids=["cache", "cache off", "no cache stage"])
 def test_a_dataset_none_of_whose_sampled_files_can_be_used_stops_before_the_run_saying_why(tiny_dataset, tmp_path,
-                                                                                          budget_gb):
-    """The files sampled before the run (the cache's size estimate; with the cache off too): where none can
-    be used, e.g. iPhone photos in HEIC, which Pillow does not read, the run would skip every file and train
-    on nothing (it did, exit 0, accuracy nan): a DatasetError says why before anything starts. One usable
-    file is enough to go on: the run lists the others as it skips them."""
+                                                                                          graph_of):
+    """The files sampled before the run (the cache's size estimate; with the cache off, or no cache stage,
+    through to a sink): where none can be used, e.g. iPhone photos in HEIC, which Pillow does not read, the
+    run would skip every file and train on nothing (it did, exit 0, accuracy nan): a DatasetError says why
+    before anything starts. One usable file is enough to go on: the run lists the others as it skips them."""
     from pipeline.run import _usable_sample
 
     root = tmp_path / "phone"
@@ -96,13 +107,14 @@ def test_a_dataset_none_of_whose_sampled_files_can_be_used_stops_before_the_run_
         for i in range(10):
             (root / name / f"IMG_{i:04}.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic" + bytes(64))
         (root / name / "IMG_0010.HEIC").write_bytes(b"")
+    file = rf"{root}/00\d.\w+/IMG_00\d\d.HEIC: (not an image \(unrecognised format\)|empty file)"
     with pytest.raises(DatasetError, match=rf"^dataset.root {root}: none of the 22 files sampled across it can be "
-                                           r"used \(20 not an image \(unrecognised format\); 2 empty file; e.g. "
-                                           rf"{root}/00\d.\w+/IMG_00\d\d.HEIC\), so the run would skip every file and "
-                                           r"train on nothing: give it images Pillow reads \(JPEG, PNG"):
-        _usable_sample(default_graph(root, budget_gb))
+                                           rf"used \({file}; {file}; {file}; \.\.\.\), so the run would skip every "
+                                           r"file and train on nothing: give it files it can read \(images Pillow "
+                                           r"decodes: JPEG, PNG"):
+        _usable_sample(graph_of(root))
     shutil.copy(next(tiny_dataset.rglob("*.jpg")), root / "002.dogs" / "IMG_0011.jpg")
-    assert len(_usable_sample(default_graph(root, budget_gb)).data) == 1
+    assert len(_usable_sample(graph_of(root)).labels) == 1
 
 
 def test_a_budget_smaller_than_the_dataset_holds_what_fits_and_keeps_it(tiny_dataset, remove_stores):

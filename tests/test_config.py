@@ -234,9 +234,10 @@ def test_a_folder_another_run_writes_to_now_is_refused_until_that_run_ends(tmp_p
         refused = subprocess.run([sys.executable, "-m", "pipeline", "+ensemble=caltech256", f"hydra.run.dir={folder}"],
                                  cwd=REPO, capture_output=True, text=True, timeout=120)
         assert refused.returncode == 2, refused.stderr[-2000:]
-        assert refused.stderr.strip() == (f"error: {folder} is the folder of a run going on now (pid {holder.pid}): give "
-                                          "each run a folder of its own (hydra.run.dir; runs started in the same "
-                                          "second get the same default one), or wait for that run to end")
+        assert refused.stderr.strip() == (f"error: {folder} is the folder of a run going on now (pid {holder.pid}): "
+                                          "give each run a folder of its own (hydra.run.dir, or hydra.sweep.dir for "
+                                          "-m; runs started in the same second get the same default one), or wait "
+                                          "for that run to end")
         assert (folder / ".hydra" / "config.yaml").read_text() == "the first run's\n"
     finally:
         holder.kill()

@@ -677,6 +677,40 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
             remote.call()
 
 
+class Stopping:
+    """Served by a test agent: refuses as a stopping agent refuses to start a child."""
+
+    def call(self) -> None:
+        from pipeline.runtime.lifetime import ChildrenStopped
+
+        raise ChildrenStopped("hub-0-node1: this process is stopping; it starts no child")
+
+
+def test_a_call_an_agent_refuses_as_it_stops_is_a_lost_host():
+    """An agent that stops refuses to start what a driver asks for (lifetime.stop_children) an instant
+    before its links break: the driver takes that refusal as the host lost, as it takes the break (its
+    models resume elsewhere), not as a failure of the run (exit 1), and every call after it too."""
+    from pipeline.orchestration.agent import HostLost, _Agent, _proxy_type
+
+    class Agent(_Agent):
+        pass
+
+    Agent.register("Stopping", Stopping, proxytype=_proxy_type(Stopping))
+    served = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, None))
+    served.start()
+    try:
+        driver = Agent(served.address, AGENT_KEY.encode(), Link(8, None))
+        driver.connect()
+        remote = driver.Stopping()
+        host, port = served.address
+        for _ in range(2):
+            with pytest.raises(HostLost, match=rf"^the agent at {host}:{port} does not answer \(it is "
+                                               r"stopping\)$"):
+                remote.call()
+    finally:
+        served.shutdown()
+
+
 class Echoes:
     """Served by a test agent: gives back what it is given."""
 

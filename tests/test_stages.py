@@ -12,7 +12,7 @@ from PIL import Image, ImageOps
 
 from stages.augment import RandomResizedCropFlip
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Spec, Split, StageError
-from stages.decode import Decode, DaliRejected, _decode_with_dali
+from stages.decode import Decode, DaliRejected, _decode_with_dali, _jpeg_orientation
 from stages.read import SPLIT_FILE, ImageFolder, shuffle
 from stages.broadcast import Broadcast
 from tests.conftest import as_a_user_permissions_bind
@@ -327,10 +327,29 @@ def test_deep_grey_images_keep_their_scale_or_are_skipped_saying_why(tmp_path, b
         assert decoded[str(folder / name)].dtype == np.uint8
         assert np.array_equal(decoded[str(folder / name)], expected), name
     converted = dict(c.converted)
-    assert converted[str(folder / "ramp16.png")] == "PNG I;16 scaled to 8 bits and converted to RGB"
+    assert re.fullmatch(r"PNG I(;16)? scaled to 8 bits and converted to RGB", converted[str(folder / "ramp16.png")])
     assert converted[str(folder / "small32.tif")] == "TIFF I converted to RGB"
     assert c.skipped == [(str(folder / "wide32.tif"), "TIFF F: 32-bit values from 0 to 65535, whose 8-bit scale "
                                                       "is not known; save the image with 8 or 16 bits per channel")]
+
+
+def test_the_orientation_tag_is_read_as_writers_store_it_and_nonsense_is_as_stored():
+    """Big- and little-endian EXIF, the tag a SHORT (the standard's) or a LONG (some writers'); a segment
+    cut short, a value out of range, no EXIF: 1, the image as stored."""
+    def jpeg(order: str, kind: int, value: int, cut: int = 0) -> bytes:
+        b = "big" if order == "MM" else "little"
+        field = value.to_bytes(4 if kind == 4 else 2, b).ljust(4, b"\0")
+        tiff = (order.encode() + (42).to_bytes(2, b) + (8).to_bytes(4, b) + (1).to_bytes(2, b) +
+                (0x0112).to_bytes(2, b) + kind.to_bytes(2, b) + (1).to_bytes(4, b) + field + bytes(4))
+        app1 = b"Exif\0\0" + tiff[:len(tiff) - cut]
+        return b"\xff\xd8\xff\xe1" + (len(app1) + 2).to_bytes(2, "big") + app1 + b"\xff\xda\0\2"
+
+    for order in ("MM", "II"):
+        for kind in (3, 4):
+            assert _jpeg_orientation(jpeg(order, kind, 6)) == 6, (order, kind)
+    assert _jpeg_orientation(jpeg("MM", 3, 9)) == 1
+    assert _jpeg_orientation(jpeg("II", 3, 6, cut=12)) == 1
+    assert _jpeg_orientation(b"\xff\xd8\xff\xe0\0\4ab\xff\xda") == 1
 
 
 @pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])

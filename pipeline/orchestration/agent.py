@@ -331,6 +331,9 @@ def _state(pid: int) -> str:
         return "gone"
 
 
+AGENT_STOPPING = "it is stopping"  # why a host is lost whose agent refused a call as it stopped
+
+
 class HostLost(RuntimeError):
     """A node's agent no longer answers the driver: its host is gone (killed, powered off, cut off)."""
 
@@ -342,7 +345,8 @@ class HostLost(RuntimeError):
 
 def _proxy_type(served: type) -> type:
     """The driver's proxy of a `served` object in an agent, made by an `_Agent`: its connections to the agent
-    are the manager's Link, and a broken one is HostLost, as is every call after it."""
+    are the manager's Link, and a broken one is HostLost, as is every call after it; so is a call the agent
+    refused as it stops (ChildrenStopped: its links break an instant later)."""
 
     class Proxy(MakeProxyType(f"{served.__name__}Proxy", public_methods(served))):
         def _callmethod(self, methodname, args=(), kwds={}):
@@ -350,10 +354,11 @@ def _proxy_type(served: type) -> type:
             if manager.lost is None:
                 try:
                     return super()._callmethod(methodname, args, kwds)
-                except (EOFError, OSError) as err:
-                    if not broke_the_link(err):
+                except (EOFError, OSError, ChildrenStopped) as err:
+                    if not isinstance(err, ChildrenStopped) and not broke_the_link(err):
                         raise  # the agent's method raised it: the link is fine
-                    manager.lost = (f"silent for timeouts.host_s={manager.link.host_s:g} s"
+                    manager.lost = (AGENT_STOPPING if isinstance(err, ChildrenStopped) else
+                                    f"silent for timeouts.host_s={manager.link.host_s:g} s"
                                     if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}".rstrip(": "))
                     manager._state.value = State.SHUTDOWN  # its proxies' garbage collection must not try to reach it
             host, port = self._token.address
@@ -386,7 +391,10 @@ def node_processes(node: int, agents: dict[int, dict], drain_s: float, key: byte
     if agent is None:
         return NodeProcesses(node, drain_s, tls=tls), None
     manager, host = _connect(node, agent, key, Link(host_s, tls))
-    processes = manager.NodeProcesses(node, drain_s, host, host_s)
+    try:
+        processes = manager.NodeProcesses(node, drain_s, host, host_s)
+    except ChildrenStopped:
+        raise HostLost(agent["address"], AGENT_STOPPING, node) from None
     address, link_key = processes.watch_driver()
     return processes, manager.link.connect(address, authkey=link_key)
 

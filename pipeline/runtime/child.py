@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from multiprocessing import connection
 
-from pipeline.runtime.lifetime import ChildrenStopped, child_start, children_context, how_it_ended, parent_gone
+from pipeline.runtime.lifetime import child_start, children_context, how_it_ended, parent_gone
 
 
 class Child:
@@ -32,7 +32,7 @@ class Child:
         try:
             with child_start(name):
                 self.process.start()
-        except ChildrenStopped:
+        except BaseException:  # not started (refused, or failed): no pipe of it is kept
             self._messages.close()
             self._commands.close()
             raise

@@ -237,7 +237,7 @@ def _stop_now(signum: int) -> None:
     are those this process started (hubs, trainers, rate measurements, a LocalCluster's Dask workers);
     multiprocessing's own helpers exit with it (the fork server, and the resource tracker, which then
     unlinks the semaphores the run registered)."""
-    children = stop_children()
+    children = stop_children(wait_s=1.0)  # a start under way may wait on the fork server's imports
     for child in children:
         child.join(5)
     remove_files_of(os.getpid())
@@ -263,16 +263,21 @@ def child_start(name: str):
         yield
 
 
-def stop_children() -> list:
+def stop_children(wait_s: float | None = None) -> list:
     """This process is stopping: every child it started is killed now (ours ignore SIGTERM, and
     multiprocessing's exit would wait for them), and none starts after, whichever thread asks (a call a
-    node agent is still serving): child_start refuses. Returns the children killed."""
+    node agent is still serving): child_start refuses. A start under way is waited for, `wait_s` at most
+    (None: as long as it takes; past it, that child is left to its parent watch). Returns the children killed."""
     global _children_stopped
-    with _child_starts:
+    waited = _child_starts.acquire(timeout=-1 if wait_s is None else wait_s)
+    try:
         _children_stopped = True
         children = mp.active_children()
         for child in children:
             child.kill()
+    finally:
+        if waited:
+            _child_starts.release()
     return children
 
 
