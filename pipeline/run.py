@@ -175,7 +175,7 @@ def _plan_cache(cfg: DictConfig, graph: StageGraph, sample: Batch) -> str | None
     source = graph.source
     files = source.num_items(Split.TRAIN) + source.num_items(Split.VAL)
     dataset = (graph.cached_bytes_per_item(sample) or 0) * files
-    size = f"{_gb(dataset)} (estimated from {min(SAMPLE, files)} files)"
+    size = f"{_gb(dataset)} (estimated from {len(sample.labels)} files)"
     nodes_here = 0 if cfg.cluster.address else cfg.cluster.nodes  # other hosts' memory is not known here
     shm, ram = shutil.disk_usage(SHM_DIR).free, psutil.virtual_memory().available
     room, short = min((CACHE_SHARE_OF_SHM * shm, f"{CACHE_SHARE_OF_SHM:.0%} of the {_gb(shm)} free in {SHM_DIR}"),

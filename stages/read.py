@@ -47,8 +47,6 @@ class ImageFolder(Stage):
     split_source: str = field(init=False, default="")  # where it comes from, for messages
     # Folders inside class folders (relative to root; Caltech-256's 056.dog/greg): not read, said at the start
     unread: list[str] = field(init=False, default_factory=list)
-    # Links whose target is missing (git-annex or DVC files not fetched): files a batch skips, saying so
-    dangling: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -79,12 +77,6 @@ class ImageFolder(Stage):
             raise StageError(f"dataset root {root}: this user was refused {err.filename} ({err.strerror}); give "
                              "the dataset read access (chmod -R a+rX) or set dataset.root to a copy it can read"
                              ) from None
-        dangling = set(self.dangling)
-        if self.files[Split.TRAIN] and all(path in dangling for path, _ in self.files[Split.TRAIN]):
-            example = self.dangling[0]
-            raise StageError(f"dataset root {root}: every training file is a link whose target is missing, as "
-                             f"git-annex and DVC leave files not fetched (e.g. {example} -> {os.readlink(example)}); "
-                             "fetch them (git annex get, dvc pull) or set dataset.root to a copy of the images")
         if not self.files[Split.TRAIN]:
             where = f" in {folders[0]}" if folders else ""
             raise StageError(f"dataset root {root} holds no class folders with files{where}; expected "
@@ -130,16 +122,14 @@ class ImageFolder(Stage):
 
     def _class_files(self, folder: Path) -> dict[str, list[str]]:
         """Each class folder's files (not hidden), by class name, in name order, links to nothing among them
-        (listed in `dangling` too); a folder inside a class folder is not read, but listed in `unread`
-        (nothing is left out unsaid)."""
+        (git-annex or DVC files not fetched: a batch skips each, saying so); a folder inside a class folder is
+        not read, but listed in `unread` (nothing is left out unsaid)."""
         classes = {}
         for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
             with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file
                 entries = [entry for entry in entries if not entry.name.startswith(".")]
-            dangling = [entry.path for entry in entries  # links to nothing: neither file nor folder
-                        if entry.is_symlink() and not entry.is_file() and not entry.is_dir()]
-            self.dangling += dangling
-            classes[class_dir.name] = sorted([entry.path for entry in entries if entry.is_file()] + dangling)
+            classes[class_dir.name] = sorted(entry.path for entry in entries if entry.is_file() or (
+                entry.is_symlink() and not entry.is_dir()))  # a link to nothing: neither file nor folder
             self.unread += sorted(os.path.relpath(entry.path, self.root) for entry in entries if entry.is_dir())
         return classes
 

@@ -628,6 +628,24 @@ def test_an_agent_reaching_its_scheduler_on_loopback_takes_loopback():
     assert interface_for(LOOPBACK, other) == other
 
 
+@contextmanager
+def _agent_serving(served: type, tls_files=None):
+    """A test agent (a node agent's manager protocol, _Agent) serving `served` on loopback, started: its
+    class, which a driver connects with, and the agent; it is shut down after the block."""
+    from pipeline.orchestration.agent import _Agent, _proxy_type
+
+    class Agent(_Agent):
+        pass
+
+    Agent.register(served.__name__, served, proxytype=_proxy_type(served))
+    agent = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, tls_files))
+    agent.start()
+    try:
+        yield Agent, agent
+    finally:
+        agent.shutdown()
+
+
 class Refuses:
     """Served by a test agent: its method fails as a link of the agent's own does (marked as the agent's
     link failure, which must not read as the driver's once sent back)."""
@@ -648,15 +666,9 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
     import socket
 
     from pipeline.orchestration.link import broke_the_link
-    from pipeline.orchestration.agent import HostLost, _Agent, _proxy_type
+    from pipeline.orchestration.agent import HostLost
 
-    class Agent(_Agent):
-        pass
-
-    Agent.register("Refuses", Refuses, proxytype=_proxy_type(Refuses))
-    served = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, None))
-    served.start()
-    try:
+    with _agent_serving(Refuses) as (Agent, served):
         driver = Agent(served.address, AGENT_KEY.encode(), Link(8, None))
         driver.connect()
         remote = driver.Refuses()
@@ -669,8 +681,6 @@ def test_a_link_to_an_agent_breaks_on_silence_and_only_a_broken_link_is_a_lost_h
             assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
             assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 2  # then 3 probes 2 s apart
             assert link.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1  # no call waits on a delayed ACK
-    finally:
-        served.shutdown()
     host, port = served.address
     for _ in range(2):
         with pytest.raises(HostLost, match=rf"the agent at {host}:{port} does not answer \((EOFError|Connection)"):
@@ -690,15 +700,9 @@ def test_a_call_an_agent_refuses_as_it_stops_is_a_lost_host():
     """An agent that stops refuses to start what a driver asks for (lifetime.stop_children) an instant
     before its links break: the driver takes that refusal as the host lost, as it takes the break (its
     models resume elsewhere), not as a failure of the run (exit 1), and every call after it too."""
-    from pipeline.orchestration.agent import HostLost, _Agent, _proxy_type
+    from pipeline.orchestration.agent import HostLost
 
-    class Agent(_Agent):
-        pass
-
-    Agent.register("Stopping", Stopping, proxytype=_proxy_type(Stopping))
-    served = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, None))
-    served.start()
-    try:
+    with _agent_serving(Stopping) as (Agent, served):
         driver = Agent(served.address, AGENT_KEY.encode(), Link(8, None))
         driver.connect()
         remote = driver.Stopping()
@@ -707,8 +711,6 @@ def test_a_call_an_agent_refuses_as_it_stops_is_a_lost_host():
             with pytest.raises(HostLost, match=rf"^the agent at {host}:{port} does not answer \(it is "
                                                r"stopping\)$"):
                 remote.call()
-    finally:
-        served.shutdown()
 
 
 class Echoes:
@@ -762,17 +764,11 @@ def test_the_driver_agent_link_is_tls_with_the_clusters_certificates(encrypted, 
     """With the cluster's Dask certificates, what the driver and an agent say crosses the network encrypted
     (without them it crosses in clear: the check can fail); a message of many TLS records arrives whole; and a
     driver whose certificate another CA signed is refused in one line that names both ends' settings."""
-    from pipeline.orchestration.agent import _Agent, _connect, _proxy_type
+    from pipeline.orchestration.agent import _connect
     from tests.conftest import throwaway_tls
 
-    class Agent(_Agent):
-        pass
-
     files = tls[1] if encrypted else None
-    Agent.register("Echoes", Echoes, proxytype=_proxy_type(Echoes))
-    served = Agent((LOOPBACK, 0), AGENT_KEY.encode(), Link(None, files))
-    served.start()
-    try:
+    with _agent_serving(Echoes, files) as (Agent, served):
         with _recording_relay(served.address) as ((host, port), seen):
             manager = Agent((host, port), AGENT_KEY.encode(), Link(8, files))
             manager.connect()
@@ -786,5 +782,3 @@ def test_the_driver_agent_link_is_tls_with_the_clusters_certificates(encrypted, 
                 with pytest.raises(UserError, match=rf"node 0's agent at {host}:{port} and this driver do not accept "
                                                     r"each other's TLS certificate \(.+\): .*cluster.tls.*--tls-\*"):
                     _connect(0, {"address": f"{host}:{port}"}, AGENT_KEY.encode(), Link(8, driver))
-    finally:
-        served.shutdown()

@@ -476,14 +476,18 @@ def test_a_link_whose_target_is_missing_is_a_file_skipped_and_listed_saying_so(t
     assert len(paths) == 4 * 16 + 1 and str(first / "fetched.jpg") in paths
     with pytest.raises(BadFileError, match=r"not_fetched.jpg: a symbolic link to .* \(on_error=fail"):
         source(None, ctx(on_error="fail"))
-    # none fetched: the run would train on nothing
+    # none fetched: the run would train on nothing, and stops before it starts, saying what the files are
+    from pipeline.data.dataset import DatasetError
+    from pipeline.run import _usable_sample
+    from tests.test_cache import default_graph
+
     for path in root.rglob("*.jpg"):
         path.unlink()
         path.symlink_to(target)
-    with pytest.raises(StageError, match=rf"^dataset root {root}: every training file is a link whose target is "
-                                         rf"missing, as git-annex and DVC leave files not fetched \(e.g. .* -> "
-                                         rf"{target}\); fetch them \(git annex get, dvc pull\)"):
-        ImageFolder(root=str(root), batch_size=1000, val_per_class=0)
+    with pytest.raises(DatasetError, match=rf"^dataset.root {root}: none of the 32 files sampled across it can be "
+                                           rf"used \({root}/\S+\.jpg: a symbolic link to {target}, which is missing "
+                                           r"\(a git-annex or DVC file not fetched\?\); "):
+        _usable_sample(default_graph(root, 0))
 
 
 def _paths_read_and_skipped(source: ImageFolder):

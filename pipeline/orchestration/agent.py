@@ -51,8 +51,9 @@ from pipeline.delivery.messages import HubCommand, HubEvent, StopStreams
 from pipeline.orchestration.link import Link, broke_the_link, serializer_for
 from pipeline.runtime.child import Child, messages
 from pipeline.runtime.hang import shared_out
-from pipeline.runtime.lifetime import (ChildrenStopped, agent_stop_signals, children_context, remove_files_of,
-                                       remove_shm, remove_stale_files, remove_stale_semaphores, stop_children)
+from pipeline.runtime.lifetime import (ChildrenStopped, agent_stop_signals, child_start, children_context,
+                                       remove_files_of, remove_shm, remove_stale_files, remove_stale_semaphores,
+                                       stop_children)
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -617,29 +618,25 @@ class ServedFlotillas:
 
     def __init__(self, node: int, tls: TlsFiles | None):
         self.node, self.tls = node, tls
-        self.lock = threading.Lock()  # calls add while the agent stops
         self.served = weakref.WeakSet()
-        self.leaving = False
 
     def node_processes(self, *args, **kwargs) -> NodeProcesses:
-        """A flotilla's processes here (the driver's `NodeProcesses` call); none once the agent stops."""
-        with self.lock:
-            if self.leaving:
-                raise ChildrenStopped(f"node {self.node}'s agent is stopping: it starts no flotilla")
+        """A flotilla's processes here (the driver's `NodeProcesses` call); refused (ChildrenStopped) once the
+        agent stops, as a child's start is: every flotilla made is in `served` when `leave` reads it."""
+        with child_start(f"node {self.node}'s flotilla"):
             processes = NodeProcesses(*args, tls=self.tls, **kwargs)
             self.served.add(processes)
-            return processes
+        return processes
 
     def leave(self) -> None:
         """As the agent stops: the processes of the runs it serves end now, their rings and rendezvous
         folders go, and their drivers take this host for lost (as one killed: its models resume from their
-        checkpoints elsewhere). Every child is killed first, and none starts after (stop_children): they
-        ignore SIGTERM, so multiprocessing's exit would wait for them for ever, and a close under way (its
-        driver gone: its hubs get timeouts.drain_s) would hold a flotilla's close back as long."""
-        with self.lock:
-            self.leaving = True
-            flotillas = list(self.served)
+        checkpoints elsewhere). Every child is killed first, and neither a child nor a flotilla starts after
+        (stop_children): they ignore SIGTERM, so multiprocessing's exit would wait for them for ever, and a
+        close under way (its driver gone: its hubs get timeouts.drain_s) would hold a flotilla's close back
+        as long."""
         stop_children()
+        flotillas = list(self.served)  # none is added any more
         still_open = sum(not processes.closed for processes in flotillas)
         for processes in flotillas:  # one already closing (its driver gone): its close is waited for, so it ends
             processes.close(within=0)  # before the process does (its thread is a daemon)
