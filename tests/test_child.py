@@ -79,19 +79,29 @@ def _ignore_sigterm_and_echo(*, to_parent, from_parent):
 
 def _stop_children_then_start_one(to_test) -> None:
     """In a process of its own (stop_children is for good): a child that ignores SIGTERM and waits for
-    commands, stop_children, then another start. Sends what it saw. (Spawned children: a fork server
-    would import torch first.)"""
+    commands, a node's processes with it as their hub, stop_children, then another start and the node's
+    exit codes. Sends what it saw. (Spawned children: a fork server would import torch first.)"""
+    from pipeline.orchestration.agent import NodeProcesses
+
     spawn = mp.get_context("spawn")
     waiting = Child(_ignore_sigterm_and_echo, (), "test-waiting", spawn)
     waiting.send("ping")
     assert waiting.receive(60) == "ping"  # it runs, SIGTERM ignored
+    node = NodeProcesses(1, drain_s=1.0)
+    node.hubs[0] = waiting
+    assert node.hub_exit_codes() == {0: None}
     stop_children()
     waiting.process.join(30)
-    try:
-        Child(_echo, (), "test-late", spawn)
-        refused = None
-    except ChildrenStopped as err:
-        refused = str(err)
+    refused = []
+    for start_or_answer in (lambda: Child(_echo, (), "test-late", spawn), node.hub_exit_codes,
+                            node.trainer_exit_codes):
+        try:
+            start_or_answer()
+            refused.append(None)
+        except ChildrenStopped as err:
+            refused.append(str(err))
+    node.hubs.clear()  # (killed already)
+    node.close()  # its rendezvous folder
     to_test.send((waiting.exitcode, refused, [child.name for child in mp.active_children()]))
 
 
@@ -99,7 +109,9 @@ def test_a_stopping_process_kills_its_children_and_starts_none_after():
     """stop_children (a node agent stopping) kills every child at once, though ours ignore SIGTERM, and a
     start after it, from whatever thread (a call the agent still serves), is refused, naming the child.
     The mistake it catches: a child started in the instant after the kill, which multiprocessing's exit
-    would wait for as long as it lives."""
+    would wait for as long as it lives. A node's exit codes are refused after it too: its driver would
+    have failed the run on a hub "killed (SIGKILL)", by the agent, had it asked before the agent's links
+    broke (seen under load: the driver exited 1 instead of taking the host for lost)."""
     spawn = mp.get_context("spawn")  # not the test process: it stops for good
     received, to_test = spawn.Pipe(duplex=False)
     process = spawn.Process(target=_stop_children_then_start_one, args=(to_test,))
@@ -112,7 +124,8 @@ def test_a_stopping_process_kills_its_children_and_starts_none_after():
         process.join(30)
         process.kill()
     assert exitcode == -signal.SIGKILL
-    assert refused == "test-late: this process is stopping; it starts no child" and left == []
+    assert refused == ["test-late: this process is stopping; it starts no child",
+                       *["node 1's processes: this process is stopping; it killed them"] * 2] and left == []
     assert process.exitcode == 0
 
 

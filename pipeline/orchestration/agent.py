@@ -52,8 +52,8 @@ from pipeline.orchestration.link import Link, broke_the_link, serializer_for
 from pipeline.runtime.child import Child, messages
 from pipeline.runtime.hang import shared_out
 from pipeline.runtime.lifetime import (ChildrenStopped, agent_stop_signals, child_start, children_context,
-                                       remove_files_of, remove_shm, remove_stale_files, remove_stale_semaphores,
-                                       stop_children)
+                                       refuse_once_stopped, remove_files_of, remove_shm, remove_stale_files,
+                                       remove_stale_semaphores, stop_children)
 from pipeline.training.group import GroupSpec, StepInHand
 from pipeline.training.rates import HostHardware, Here, Measured, MeasuredBy, Measurement, RateError, measured_by_me
 from pipeline.training.trainer import ReleaseMember, SaveCheckpoint, TrainerSpec, trainer_main
@@ -206,12 +206,21 @@ class NodeProcesses:
                                  0 if unread else timeout)
 
     def hub_exit_codes(self) -> dict[int, int | None]:
-        """Hub rank -> its exit code (None: running)."""
-        return {rank: hub.exitcode for rank, hub in self.hubs.items()}
+        """Hub rank -> its exit code (None: running). Refused once this process stops (_exit_codes)."""
+        return self._exit_codes({rank: hub.exitcode for rank, hub in self.hubs.items()})
 
     def trainer_exit_codes(self) -> dict[str, list[tuple[str, int | None]]]:
-        """Group -> (process name, exit code) of each of its trainers here (None: running)."""
-        return {name: [(t.child.name, t.child.exitcode) for t in trainers] for name, trainers in self.trainers.items()}
+        """Group -> (process name, exit code) of each of its trainers here (None: running). Refused once this
+        process stops (_exit_codes)."""
+        return self._exit_codes({name: [(t.child.name, t.child.exitcode) for t in trainers]
+                                 for name, trainers in self.trainers.items()})
+
+    def _exit_codes(self, codes: dict) -> dict:
+        """`codes`, unless this process is stopping (stop_children: an agent stopped as a host's service is)
+        and so killed its children itself: its driver, told so, takes the host for lost, as it will an instant
+        later when the agent's links break, instead of failing the run on a hub "killed (SIGKILL)"."""
+        refuse_once_stopped(f"node {self.node}'s processes", "it killed them")
+        return codes
 
     def laggards(self) -> list[Laggard]:
         """Trainers here holding every buffer of one of their rings (read from the rings' semaphores)."""

@@ -258,9 +258,15 @@ _children_stopped = False
 def child_start(name: str):
     """Around the start of a child process named `name`: refused (ChildrenStopped) once stop_children ran."""
     with _child_starts:
-        if _children_stopped:
-            raise ChildrenStopped(f"{name}: this process is stopping; it starts no child")
+        refuse_once_stopped(name, "it starts no child")
         yield
+
+
+def refuse_once_stopped(what: str, why: str) -> None:
+    """Raises ChildrenStopped (`what`: this process is stopping; `why`) once stop_children ran: a child's start,
+    or an answer about children read after their kill (their exit codes would pass the kill off as their failure)."""
+    if _children_stopped:  # set before the kill: an exit code read after it finds it set
+        raise ChildrenStopped(f"{what}: this process is stopping; {why}")
 
 
 def stop_children(wait_s: float | None = None) -> list:
