@@ -9,7 +9,8 @@ import os
 # no AVX-512 machine saw, issue 29).
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
-import multiprocessing  # noqa: E402
+import fcntl  # noqa: E402
+import multiprocessing
 import shutil
 import tempfile
 from pathlib import Path
@@ -149,3 +150,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The suite runs in two processes (pytest-xdist, pyproject's addopts); a test marked `alone` runs with no
+    other test beside it, fixtures included: it checks what any run on this machine may touch (what dead
+    processes left in /dev/shm and the temporary folder, which every run's start removes). A lock every
+    other test shares, beside the workers' own temporary folders."""
+    if not hasattr(item.config, "workerinput"):  # one process: nothing runs beside a test
+        return (yield)
+    with open(Path(item.config.option.basetemp).parent / "alone.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        return (yield)

@@ -39,6 +39,7 @@ def _agent_command(hosts: Hosts, scheduler: str, node: int, tls_files) -> list[s
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the lost host's leftovers, which another test's run starting would remove first
 def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
     """Two agents, the scheduler and the driver, each on a host of its own (its own address; the host name
     resolves to loopback there, as on most Linux hosts). Each agent takes the address it reaches the

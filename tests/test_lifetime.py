@@ -412,6 +412,7 @@ def test_a_stop_as_a_finished_shared_run_closes_ends_the_multirun(monkeypatch, t
             f"same jobs again with hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
 
 
+@pytest.mark.alone  # a run starting beside it would remove the dead owner's entries first
 def test_stale_shared_memory_and_temporary_folders_are_removed_only_when_their_owner_is_gone():
     """What a run killed before its children could clean up is removed by the next run: entries in
     /dev/shm, rendezvous folders and marked multiprocessing folders of dead owners only, never a live
