@@ -442,6 +442,43 @@ def test_stale_shared_memory_and_temporary_folders_are_removed_only_when_their_o
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def _start_a_fork_server(to_test) -> None:
+    """In a spawned child: what a run does before its first child (children_context); sends its folder."""
+    from multiprocessing import util
+
+    from pipeline.runtime.lifetime import children_context
+
+    children_context()
+    to_test.send(util.get_temp_dir())
+
+
+def test_a_child_that_starts_children_leaves_its_parents_folder_to_its_parent():
+    """A multiprocessing child (a run inside a launcher's worker, a test's spawned helper) works in its parent's
+    multiprocessing folder: its fork server listens there. It must not mark that folder as its own: once the
+    child is gone, the next run's clean-up would remove the folder of a parent still alive (its fork server's
+    socket, its Manager's), and the parent's next child would fail to start (seen with the suite in two
+    processes)."""
+    import multiprocessing as mp
+    from multiprocessing import util
+
+    folder = util.get_temp_dir()  # this process's, which the child takes as its own
+    spawn = mp.get_context("spawn")
+    received, to_test = spawn.Pipe(duplex=False)
+    child = spawn.Process(target=_start_a_fork_server, args=(to_test,))
+    child.start()
+    to_test.close()
+    try:
+        assert received.poll(120), "the child said nothing"
+        assert received.recv() == folder
+    finally:
+        child.join(30)
+        child.kill()
+    assert child.exitcode == 0
+    assert not list(Path(folder).glob(f"ensemble-owner-{child.pid}"))
+    remove_stale_files()
+    assert Path(folder).is_dir()
+
+
 def test_semaphores_no_live_process_holds_are_removed_and_held_ones_kept():
     """A process killed outright together with its resource tracker (a host's agent and everything under it)
     leaves its named semaphores in /dev/shm: an agent started again there removes them, never one that a

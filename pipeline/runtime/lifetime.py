@@ -315,8 +315,11 @@ def children_context():
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    # Its socket's folder, left if this process is killed outright, is then found by its owner's pid.
-    open(os.path.join(util.get_temp_dir(), _mp_folder_mark(os.getpid())), "a").close()
+    # Its socket's folder, left if this process is killed outright, is then found by its owner's pid; marked by a
+    # process that no multiprocessing process started: such a child takes its parent's folder (children copy
+    # their parent's multiprocessing settings), which its mark would have had removed once the child was gone.
+    if mp.parent_process() is None:
+        open(os.path.join(util.get_temp_dir(), _mp_folder_mark(os.getpid())), "a").close()
     return context
 
 
