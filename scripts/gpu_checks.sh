@@ -15,7 +15,8 @@ step() { echo; echo "=== $(date +%T) +$((SECONDS - T0))s: $*"; }
 
 step "the GPU tests (run here for the first time: the compile test's second form, AdamW and Adam members graphed,
 the kept state cloned on the device and moved to the host on the writer's thread)"
-timeout "$(left 170)" python3 -m pytest -m gpu -q -p no:cacheprovider -p no:warnings -rA 2>&1 \
+# -n 0: one test process, so that no test's memory or timing meets another's on the one GPU
+timeout "$(left 170)" python3 -m pytest -m gpu -n 0 -q -p no:cacheprovider -p no:warnings -rA 2>&1 \
   | tee "$OUT/pytest-gpu.log" | tail -14
 
 step "the epoch boundary: the loop's wait with the states cloned on the device, against the copy per member"
