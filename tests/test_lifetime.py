@@ -479,6 +479,25 @@ def test_a_child_that_starts_children_leaves_its_parents_folder_to_its_parent():
     assert Path(folder).is_dir()
 
 
+def _resource_tracker_of(pid: int) -> int:
+    """The pid of process `pid`'s resource tracker (multiprocessing starts it with the first semaphore),
+    waited for: once, with the suite in two processes, none of the maker's children was it yet (what they
+    were is in the message, should it happen again)."""
+    deadline = time.monotonic() + 30
+    while True:
+        seen = []
+        for child in psutil.Process(pid).children():
+            try:
+                seen.append((child.pid, child.status(), " ".join(child.cmdline())))
+            except psutil.Error as err:
+                seen.append((child.pid, type(err).__name__, ""))
+        trackers = [child for child, _, command in seen if "resource_tracker" in command]
+        if trackers:
+            return trackers[0]
+        assert time.monotonic() < deadline, f"no resource tracker among process {pid}'s children: {seen}"
+        time.sleep(0.1)
+
+
 def test_semaphores_no_live_process_holds_are_removed_and_held_ones_kept():
     """A process killed outright together with its resource tracker (a host's agent and everything under it)
     leaves its named semaphores in /dev/shm: an agent started again there removes them, never one that a
@@ -489,8 +508,7 @@ def test_semaphores_no_live_process_holds_are_removed_and_held_ones_kept():
             "print(lock._semlock.name, flush=True); sys.stdin.read()")
     maker = subprocess.Popen([sys.executable, "-c", make], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     name = maker.stdout.readline().strip()
-    (tracker,) = [child.pid for child in psutil.Process(maker.pid).children()
-                  if "resource_tracker" in " ".join(child.cmdline())]
+    tracker = _resource_tracker_of(maker.pid)
     stale = Path("/dev/shm", "sem." + name.lstrip("/"))
     held = mp.get_context("forkserver").Lock()  # this process holds it
     live = Path("/dev/shm", "sem." + held._semlock.name.lstrip("/"))
