@@ -13,6 +13,7 @@ import fcntl  # noqa: E402
 import multiprocessing
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -152,14 +153,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_SIDE_BY_SIDE = pytest.StashKey()  # the lock a test holds while it runs beside the other test process's
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """The suite runs in two processes (pytest-xdist, pyproject's addopts); a test marked `alone` runs with no
-    other test beside it, fixtures included: it checks what any run on this machine may touch (what dead
-    processes left in /dev/shm and the temporary folder, which every run's start removes). A lock every
-    other test shares, beside the workers' own temporary folders."""
+    """The suite runs in two processes (pytest-xdist, pyproject's addopts): each test, fixtures included,
+    shares a lock beside the workers' temporary folders, which a test takes for itself where it must run
+    alone (the `alone` fixture)."""
     if not hasattr(item.config, "workerinput"):  # one process: nothing runs beside a test
         return (yield)
-    with open(Path(item.config.option.basetemp).parent / "alone.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
-        return (yield)
+    with open(Path(item.config.option.basetemp).parent / "side-by-side.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        item.stash[_SIDE_BY_SIDE] = lock
+        try:
+            return (yield)
+        finally:
+            del item.stash[_SIDE_BY_SIDE]
+
+
+@pytest.fixture
+def alone(request):
+    """A context manager: in it, no test runs in the other test process, which waits for the end of it
+    (once its own test is over). For a check of what any run on this machine may touch: what dead processes
+    left in /dev/shm and the temporary folder, which every run's start removes."""
+    @contextmanager
+    def section():
+        lock = request.node.stash.get(_SIDE_BY_SIDE, None)
+        if lock is None:
+            yield
+            return
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+
+    return section

@@ -39,8 +39,7 @@ def _agent_command(hosts: Hosts, scheduler: str, node: int, tls_files) -> list[s
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # the lost host's leftovers, which another test's run starting would remove first
-def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
+def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls, alone):
     """Two agents, the scheduler and the driver, each on a host of its own (its own address; the host name
     resolves to loopback there, as on most Linux hosts). Each agent takes the address it reaches the
     scheduler from and that address's interface for its process groups. The run, given only the scheduler's
@@ -127,8 +126,9 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls):
                         if name.startswith(tuple(f"ensemble-{pid}-" for pid in pids.values()))]
             _rates_are_measured_by_node_0s_agent(hosts, overrides, registered, agents, tls_files, tmp_path)
             _a_driver_killed_outright_leaves_nothing_running_at_the_agents(hosts, overrides, agents, tmp_path)
-            _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
-                hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
+            with alone():  # the lost host's leftovers, which another test's run starting would remove first
+                _a_lost_host_fails_its_models_and_the_run_goes_on_without_it(
+                    hosts, overrides, agents, client, tmp_path, _agent_command(hosts, address, 1, tls_files), env)
             _a_host_cut_off_is_lost_after_timeouts_host_s(hosts, overrides, agents, client, tmp_path)
             _a_run_started_while_a_host_is_cut_off_trains_on_the_others(hosts, overrides, client, tmp_path)
             _a_run_no_slot_left_can_take_stops_with_exit_5_and_resumes_once_the_host_is_back(

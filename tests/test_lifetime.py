@@ -412,34 +412,34 @@ def test_a_stop_as_a_finished_shared_run_closes_ends_the_multirun(monkeypatch, t
             f"same jobs again with hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
 
 
-@pytest.mark.alone  # a run starting beside it would remove the dead owner's entries first
-def test_stale_shared_memory_and_temporary_folders_are_removed_only_when_their_owner_is_gone():
+def test_stale_shared_memory_and_temporary_folders_are_removed_only_when_their_owner_is_gone(alone):
     """What a run killed before its children could clean up is removed by the next run: entries in
     /dev/shm, rendezvous folders and marked multiprocessing folders of dead owners only, never a live
     run's."""
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    names = [f"ensemble-{dead_pid}-abcd1234-h0-main", f"ensemble-out-{dead_pid}-x-train-0-1-0-main",
-             f"ensemble-{os.getpid()}-abcd1234-h0-main"]
-    for name in names:
-        Path("/dev/shm", name).write_bytes(b"x")
-    folders = [Path(tempfile.mkdtemp(prefix=f"ensemble-rendezvous-{pid}-")) for pid in (dead_pid, os.getpid())]
-    (folders[0] / "a-group").write_bytes(b"x")  # a group's file that its ranks, killed, did not remove
-    mp_folders = [Path(tempfile.mkdtemp(prefix="pymp-")) for _ in range(3)]
-    for folder, owner in zip(mp_folders, (dead_pid, os.getpid())):  # the third, unmarked: not ours
-        (folder / f"ensemble-owner-{owner}").touch()
-        (folder / "listener-abcd1234").touch()  # its fork server's socket
-    try:
-        removed = remove_stale_files()
-        assert set(names[:2] + [folders[0].name, mp_folders[0].name]) <= set(removed)
-        assert not {names[2], folders[1].name, mp_folders[1].name, mp_folders[2].name} & set(removed)
-        assert [name for name in names if Path("/dev/shm", name).exists()] == names[2:]
-        assert [folder.exists() for folder in folders + mp_folders] == [False, True, False, True, True]
-    finally:
+    with alone():  # a run starting beside it would remove the dead owner's entries first
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        dead_pid = int(dead.stdout)
+        names = [f"ensemble-{dead_pid}-abcd1234-h0-main", f"ensemble-out-{dead_pid}-x-train-0-1-0-main",
+                 f"ensemble-{os.getpid()}-abcd1234-h0-main"]
         for name in names:
-            Path("/dev/shm", name).unlink(missing_ok=True)
-        for folder in folders + mp_folders:
-            shutil.rmtree(folder, ignore_errors=True)
+            Path("/dev/shm", name).write_bytes(b"x")
+        folders = [Path(tempfile.mkdtemp(prefix=f"ensemble-rendezvous-{pid}-")) for pid in (dead_pid, os.getpid())]
+        (folders[0] / "a-group").write_bytes(b"x")  # a group's file that its ranks, killed, did not remove
+        mp_folders = [Path(tempfile.mkdtemp(prefix="pymp-")) for _ in range(3)]
+        for folder, owner in zip(mp_folders, (dead_pid, os.getpid())):  # the third, unmarked: not ours
+            (folder / f"ensemble-owner-{owner}").touch()
+            (folder / "listener-abcd1234").touch()  # its fork server's socket
+        try:
+            removed = remove_stale_files()
+            assert set(names[:2] + [folders[0].name, mp_folders[0].name]) <= set(removed)
+            assert not {names[2], folders[1].name, mp_folders[1].name, mp_folders[2].name} & set(removed)
+            assert [name for name in names if Path("/dev/shm", name).exists()] == names[2:]
+            assert [folder.exists() for folder in folders + mp_folders] == [False, True, False, True, True]
+        finally:
+            for name in names:
+                Path("/dev/shm", name).unlink(missing_ok=True)
+            for folder in folders + mp_folders:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def _start_a_fork_server(to_test) -> None:
