@@ -166,10 +166,7 @@ def pytest_runtest_protocol(item, nextitem):
     with open(Path(item.config.option.basetemp).parent / "side-by-side.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_SH)
         item.stash[_SIDE_BY_SIDE] = lock
-        try:
-            return (yield)
-        finally:
-            del item.stash[_SIDE_BY_SIDE]
+        return (yield)
 
 
 @pytest.fixture

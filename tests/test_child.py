@@ -77,11 +77,15 @@ def _ignore_sigterm_and_echo(*, to_parent, from_parent):
     _echo(to_parent=to_parent, from_parent=from_parent)
 
 
+def _ranks_killed():
+    raise RuntimeError("rates-g-0 was killed (SIGKILL)")  # as a measurement whose ranks were killed fails
+
+
 def _stop_children_then_start_one(to_test) -> None:
     """In a process of its own (stop_children is for good): a child that ignores SIGTERM and waits for
-    commands, a node's processes with it as their hub, stop_children, then another start and the node's
-    exit codes. Sends what it saw. (Spawned children: a fork server would import torch first.)"""
-    from pipeline.orchestration.agent import NodeProcesses
+    commands, a node's processes with it as their hub, stop_children, then another start, the node's exit
+    codes and a failed rate measurement's answer. Sends what it saw. (Spawned children: a fork server would import torch first.)"""
+    from pipeline.orchestration.agent import HostRates, NodeProcesses
 
     spawn = mp.get_context("spawn")
     waiting = Child(_ignore_sigterm_and_echo, (), "test-waiting", spawn)
@@ -94,7 +98,7 @@ def _stop_children_then_start_one(to_test) -> None:
     waiting.process.join(30)
     refused = []
     for start_or_answer in (lambda: Child(_echo, (), "test-late", spawn), node.hub_exit_codes,
-                            node.trainer_exit_codes):
+                            node.trainer_exit_codes, lambda: HostRates._answer(_ranks_killed)):
         try:
             start_or_answer()
             refused.append(None)
@@ -111,7 +115,8 @@ def test_a_stopping_process_kills_its_children_and_starts_none_after():
     The mistake it catches: a child started in the instant after the kill, which multiprocessing's exit
     would wait for as long as it lives. A node's exit codes are refused after it too: its driver would
     have failed the run on a hub "killed (SIGKILL)", by the agent, had it asked before the agent's links
-    broke (seen under load: the driver exited 1 instead of taking the host for lost)."""
+    broke (seen under load: the driver exited 1 instead of taking the host for lost); so is a rate
+    measurement's failure (its ranks killed, or refused a start)."""
     spawn = mp.get_context("spawn")  # not the test process: it stops for good
     received, to_test = spawn.Pipe(duplex=False)
     process = spawn.Process(target=_stop_children_then_start_one, args=(to_test,))
@@ -125,7 +130,8 @@ def test_a_stopping_process_kills_its_children_and_starts_none_after():
         process.kill()
     assert exitcode == -signal.SIGKILL
     assert refused == ["test-late: this process is stopping; it starts no child",
-                       *["node 1's processes: this process is stopping; it killed them"] * 2] and left == []
+                       *["node 1's processes: this process is stopping; it killed them"] * 2,
+                       "this host's rate measurement: this process is stopping; it killed its ranks"] and left == []
     assert process.exitcode == 0
 
 

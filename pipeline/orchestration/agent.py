@@ -330,6 +330,8 @@ class HostRates:
         except RateError as error:
             return RatesFailed(measured_by_me(), str(error), user_error=True)
         except Exception as error:  # a rank failed (its traceback is in the message), or a bug here
+            # unless the agent is stopping: it killed the ranks itself (its driver takes the host for lost)
+            refuse_once_stopped("this host's rate measurement", "it killed its ranks")
             text = str(error) if isinstance(error, RuntimeError) else traceback.format_exc()
             return RatesFailed(measured_by_me(), text, user_error=False)
 
@@ -364,13 +366,14 @@ def _proxy_type(served: type) -> type:
             if manager.lost is None:
                 try:
                     return super()._callmethod(methodname, args, kwds)
-                except (EOFError, OSError, ChildrenStopped) as err:
-                    if not isinstance(err, ChildrenStopped) and not broke_the_link(err):
+                except ChildrenStopped:
+                    manager.lost = AGENT_STOPPING
+                except (EOFError, OSError) as err:
+                    if not broke_the_link(err):
                         raise  # the agent's method raised it: the link is fine
-                    manager.lost = (AGENT_STOPPING if isinstance(err, ChildrenStopped) else
-                                    f"silent for timeouts.host_s={manager.link.host_s:g} s"
+                    manager.lost = (f"silent for timeouts.host_s={manager.link.host_s:g} s"
                                     if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}".rstrip(": "))
-                    manager._state.value = State.SHUTDOWN  # its proxies' garbage collection must not try to reach it
+                manager._state.value = State.SHUTDOWN  # its proxies' garbage collection must not try to reach it
             host, port = self._token.address
             raise HostLost(f"{host}:{port}", manager.lost) from None
 
