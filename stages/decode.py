@@ -93,6 +93,9 @@ class Decode(Stage):
             try:
                 height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
                 if colorspace in ("YCbCr", "Gray"):
+                    if (refusal := _past_pixel_limit(_jpeg_decoded_pixels(height, width, self.keep_side))):
+                        ctx.reject(path, refusal)
+                        return None
                     if colorspace == "Gray":
                         ctx.converted.append((path, "grayscale JPEG expanded to RGB"))
                     return _oriented(self._decode_jpeg(data, height, width), _jpeg_orientation(data))
@@ -160,15 +163,33 @@ def _tiff_orientation(tiff: memoryview) -> int:
     return 1
 
 
+def _jpeg_decoded_pixels(height: int, width: int, keep_side: int) -> int:
+    """At most how many pixels libjpeg-turbo decodes a `height` x `width` JPEG to when its shorter side
+    must keep `keep_side` (0: full size): it scales in eighths, the smallest that keeps both sides."""
+    eighths = min(8, max(1, -(-8 * keep_side // min(height, width)))) if keep_side else 8
+    return -(-height * eighths // 8) * -(-width * eighths // 8)
+
+
+def _past_pixel_limit(pixels: int) -> str | None:
+    """Why an image decoded to `pixels` is refused (None: it is not): past the size at which Pillow refuses
+    to open one (twice `PIL.Image.MAX_IMAGE_PIXELS`, 179 million by default: a gigapixel scan, gigabytes
+    once decoded in a worker), so that every backend refuses what Pillow refuses."""
+    limit = Image.MAX_IMAGE_PIXELS and 2 * Image.MAX_IMAGE_PIXELS
+    if limit and pixels > limit:
+        return f"too large to decode: Image size ({pixels} pixels) exceeds limit of {limit} pixels; downscale it"
+    return None
+
+
 def _sound_colour_jpeg(data: bytes) -> bool:
-    """A JPEG whose header parses, in YCbCr: what DALI decodes as is (grey and CMYK are noted on the
-    per-file path)."""
+    """A JPEG whose header parses, in YCbCr, within the pixel limit at full size: what DALI decodes as is
+    (grey and CMYK are noted, and large images refused, on the per-file path)."""
     if not data.startswith(JPEG_MAGIC):
         return False
     try:
-        return simplejpeg.decode_jpeg_header(data)[2] == "YCbCr"
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return False
+    return colorspace == "YCbCr" and not _past_pixel_limit(height * width)
 
 
 def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray | None:
@@ -181,7 +202,7 @@ def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray
     except UnidentifiedImageError:
         ctx.reject(path, "not an image (unrecognised format)")
         return None
-    except Image.DecompressionBombError as err:  # a gigapixel scan: gigabytes decoded, in a worker
+    except Image.DecompressionBombError as err:  # the words _past_pixel_limit's refusal repeats
         ctx.reject(path, f"too large to decode: {str(err).partition(', could be')[0]}; downscale it")
         return None
     except (OSError, ValueError, SyntaxError) as err:

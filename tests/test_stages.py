@@ -366,6 +366,29 @@ def test_an_image_past_pillows_size_limit_is_skipped_saying_so(tmp_path, backend
 
 
 @pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
+def test_a_jpeg_past_the_size_limit_is_skipped_by_every_backend_unless_decoded_smaller(tmp_path, backend,
+                                                                                        monkeypatch):
+    """Pillow's size limit held only for what Pillow decodes: simplejpeg and DALI decoded a gigapixel JPEG
+    whole (gigabytes in a worker). Every backend now refuses a JPEG past it, in Pillow's words; simplejpeg
+    keeps one it decodes at a reduced DCT scale to fewer pixels than the limit. (The limit lowered to
+    2,000 pixels: real gigapixel JPEGs take seconds and gigabytes to make.)"""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses past twice this
+    folder = tmp_path / "001.scans"
+    folder.mkdir()
+    for name, (height, width) in {"large.jpg": (50, 60), "small.jpg": (20, 40)}.items():
+        pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
+        (folder / name).write_bytes(simplejpeg.encode_jpeg(pixels))
+    batch, c = decode_all(tmp_path, backend)
+    assert batch.paths == [str(folder / "small.jpg")]
+    assert c.skipped == [(str(folder / "large.jpg"), "too large to decode: Image size (3000 pixels) exceeds "
+                                                     "limit of 2000 pixels; downscale it")]
+    if backend == "simplejpeg":  # a shorter side of 8 is kept at a quarter of the large: 13 x 15
+        source = ImageFolder(root=str(tmp_path), batch_size=1000, val_per_class=0)
+        batch = Decode(backend=backend, min_size=8)(source(None, c := ctx()), c)
+        assert sorted(image.shape for image in batch.data) == [(10, 20, 3), (13, 15, 3)] and c.skipped == []
+
+
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
 def test_photos_are_decoded_upright_by_their_exif_orientation_whatever_the_backend(tmp_path, backend):
     """A camera held sideways stores its photo sideways and says so in EXIF (orientations 2-8: turns and
     mirrors): every backend decodes it upright, as a viewer shows it (DALI did; simplejpeg and Pillow kept
