@@ -77,12 +77,14 @@ class RunInputs:
     cache_line: str | None  # what the cache stage will hold (none without one), checked against the memory
     total_steps: int  # the run's training steps (epochs x batches an epoch): the learning-rate schedules' length
 
-    def dataset_summary(self, name: str) -> dict:
+    def dataset_summary(self, name: str, skipped: set[str]) -> dict:
+        """What results.json says of the dataset, its files in `skipped` (their paths) could not be used."""
         source = self.graph.source
         return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
                 "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
                 "val_images": source.num_items(Split.VAL), "split": source.split_source,
-                "unread_folders": source.unread}
+                "unread_folders": source.unread,
+                "classes_without_training_images": source.classes_without(Split.TRAIN, skipped)}
 
 
 def run(cfg: DictConfig, output_dir: Path, stop: StopSignals | None = None,
@@ -128,7 +130,9 @@ def _run_in(output_dir: Path, cfg: DictConfig, console: RunConsole, stop: StopSi
             results["objective"] = objective_record(results, cfg.objective)
     finally:
         inputs.dataset.release()  # trained: a run after it may make its stand-in anew
-    results.update({"dataset": inputs.dataset_summary(cfg.dataset.name), "wall_s": time.perf_counter() - started,
+    skipped = {entry["path"] for entry in results["skipped"]}
+    results.update({"dataset": inputs.dataset_summary(cfg.dataset.name, skipped),
+                    "wall_s": time.perf_counter() - started,
                     "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)})
     write_json(output_dir / "results.json", results)
     print_summary(console, results)

@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Collection
 
 import numpy as np
 
@@ -174,6 +174,12 @@ class ImageFolder(Stage):
 
     def num_items(self, split: Split) -> int:
         return len(self.files[split])
+
+    def classes_without(self, split: Split, skipped: Collection[str]) -> list[str]:
+        """The classes every one of whose `split` files is in `skipped` (could not be used): without
+        training images, no model learns them."""
+        usable = {label for path, label in self.files[split] if path not in skipped}
+        return sorted({self.class_names[label] for _, label in self.files[split] if label not in usable})
 
     def num_batches(self, split: Split) -> int:
         return math.ceil(len(self.files[split]) / self.batch_size)

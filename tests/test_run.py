@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
+from pipeline.data.synthetic import write_bad_files
 from pipeline.run import run
 from pipeline.scheduler import Cluster, RateTable
 from pipeline.scheduler.topology import Topology, stream_rate
@@ -36,13 +38,21 @@ def shm_segments(pid=None):
 
 @pytest.fixture(scope="module")
 def full_run(bad_dataset, tmp_path_factory):
-    """Two epochs over a dataset with bad files; one model on 2 slots (DDP)."""
+    """Two epochs over a dataset with bad files, and a class whose one file is corrupt (last: 005.unreadable,
+    which makes 64 training files: 4 batches, each with enough rows for both DDP ranks whichever files are
+    skipped); one model on 2 slots (DDP)."""
+    root = tmp_path_factory.mktemp("data") / "bad"
+    shutil.copytree(bad_dataset[0], root)
+    (root / "005.unreadable").mkdir()
+    unreadable = write_bad_files(root / "005.unreadable")
+    for kind in [kind for kind in unreadable if kind != "corrupt"]:
+        unreadable.pop(kind).unlink()
     before = shm_segments(os.getpid())
     out = tmp_path_factory.mktemp("run")
-    cfg = compose_config(small(bad_dataset[0], "trainer.epochs=2", "trainer.record_checksums=true",
-                               "ensemble.models.0.slots=2"))
+    cfg = compose_config(small(root, "trainer.epochs=2", "trainer.record_checksums=true", "ensemble.models.0.slots=2"))
     results = run(cfg, out)
-    return results, out, bad_dataset[1], before
+    bad = {kind: root / path.relative_to(bad_dataset[0]) for kind, path in bad_dataset[1].items()}
+    return results, out, bad, unreadable, before
 
 
 def sent_on(results, flotilla, stream):
@@ -72,7 +82,7 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     given, every delivered image trained once an epoch, rates over step time only, the best checkpoint.
     A window other than two tasks a worker thread, a model's rate over its waits too or per slot, or a
     best checkpoint that is not the first of the highest accuracy, fails (each named at its check)."""
-    results, out, bad, _ = full_run
+    results, out, bad, unreadable, _ = full_run
     assert list(json.loads((out / "results.json").read_text())["scheduler"]["flotillas"]) == ["0"]
     # cluster.in_flight=auto as the run used it: two batch tasks a worker thread, what its hubs were given
     assert results["cluster"]["in_flight"] == 2 * results["cluster"]["threads"] == 4
@@ -112,7 +122,13 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     assert len(by_epoch) == 2 and results["pipeline"]["cpu_s_by_flotilla_epoch"] == {"0": by_epoch}
     assert sum(by_epoch) > tasks_cpu_s * (1 + 1e-9)  # every batch task's CPU, and the hubs' on top
     skipped = {s["path"] for s in results["skipped"]}
-    assert skipped == {str(bad[k]) for k in ("corrupt", "truncated", "empty", "non_image")}
+    assert skipped == {str(bad[k]) for k in ("corrupt", "truncated", "empty", "non_image")} | {
+        str(path) for path in unreadable.values()}
+    # A class no file of which decodes: the models have its output, which nothing trained; the run says so.
+    assert results["dataset"]["classes"] == 5 and results["dataset"]["train_images"] == 64
+    assert results["dataset"]["classes_without_training_images"] == ["005.unreadable"]
+    assert "every training image of class 005.unreadable was skipped: no model learned it" in (
+        out / "report.html").read_text()
     converted = {c["path"] for c in results["converted"]}
     assert converted == {str(bad[k]) for k in ("grayscale", "cmyk", "png_named_jpg")}
 

@@ -22,6 +22,10 @@ def print_summary(console: Console, results: dict) -> None:
         table.add_row("ensemble, best checkpoints",
                       "", "", "", "", _pct(kept["val_accuracy"]), "", "")
     console.print(table)
+    unlearned = results["dataset"]["classes_without_training_images"]
+    if unlearned:
+        console.print(f"[yellow]warning[/] {unlearned_classes(unlearned)}; fix those files (results.json: skipped) "
+                      "or take the class out of the dataset")
     objective = results.get("objective")
     if objective:  # a training run's: what it returns to a Hydra sweeper
         value = "none (nothing validated)" if objective["value"] is None else f"{objective['value']:.4f}"
@@ -34,6 +38,12 @@ def print_summary(console: Console, results: dict) -> None:
         stages.add_row(name, str(s["items"]), f"{s['cpu_s']:.2f}", _pct(s["cpu_share_pct"], 1),
                        _num(s["items"] / s["cpu_s"] if s["cpu_s"] > 1e-3 else None))
     console.print(stages)
+
+
+def unlearned_classes(classes: list[str]) -> str:
+    """What it means that every training image of `classes` was skipped."""
+    which = f"class {classes[0]}" if len(classes) == 1 else f"classes {', '.join(classes)}"
+    return f"every training image of {which} was skipped: no model learned {'it' if len(classes) == 1 else 'them'}"
 
 
 def _pct(value: float | None, scale: float = 100) -> str:
