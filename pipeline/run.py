@@ -78,7 +78,7 @@ class RunInputs:
     total_steps: int  # the run's training steps (epochs x batches an epoch): the learning-rate schedules' length
 
     def dataset_summary(self, name: str, skipped: set[str]) -> dict:
-        """What results.json says of the dataset, its files in `skipped` (their paths) could not be used."""
+        """What results.json says of the dataset, given the files that could not be used (`skipped`, paths)."""
         source = self.graph.source
         return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
                 "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),

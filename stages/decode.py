@@ -5,7 +5,7 @@ import enum
 import io
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import numpy as np
 import simplejpeg
@@ -93,26 +93,29 @@ class Decode(Stage):
             try:
                 height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
                 if colorspace in ("YCbCr", "Gray"):
-                    if (refusal := _past_pixel_limit(_jpeg_decoded_pixels(height, width, self.keep_side))):
+                    least = _least_size(height, width, self.keep_side)
+                    held = (height, width) if _held_whole(data) else simplejpeg.decode_jpeg_header(data, *least)[:2]
+                    if refusal := _past_pixel_limit(held[0] * held[1]):
                         ctx.reject(path, refusal)
                         return None
                     if colorspace == "Gray":
                         ctx.converted.append((path, "grayscale JPEG expanded to RGB"))
-                    return _oriented(self._decode_jpeg(data, height, width), _jpeg_orientation(data))
+                    image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=least[0], min_width=least[1])
+                    return _oriented(image, _jpeg_orientation(data))
             except ValueError as err:
                 ctx.reject(path, f"corrupt or truncated JPEG: {err}")
                 return None
         return _decode_with_pillow(data, path, ctx)
 
-    def _decode_jpeg(self, data: bytes, height: int, width: int) -> np.ndarray:
-        side = self.keep_side
-        if side:
-            # min_height/min_width let libjpeg-turbo scale in the DCT (1/8 steps):
-            # the shorter side stays >= side, the longer keeps the aspect ratio.
-            scale = side / min(height, width)
-            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=int(np.ceil(height * scale)),
-                                          min_width=int(np.ceil(width * scale)))
-        return simplejpeg.decode_jpeg(data, colorspace="RGB")
+
+def _least_size(height: int, width: int, keep_side: int) -> tuple[int, int]:
+    """The least height and width to decode a `height` x `width` JPEG to, its shorter side kept at `keep_side`
+    or more and its aspect ratio kept: libjpeg-turbo scales in the DCT, in eighths, to the smallest that
+    holds both. (0, 0) (`keep_side` 0): full size."""
+    if not keep_side:
+        return 0, 0
+    scale = keep_side / min(height, width)
+    return int(np.ceil(height * scale)), int(np.ceil(width * scale))
 
 
 # EXIF orientation (1: as stored) -> what shows the image upright, on an array of rows, columns, channels
@@ -128,10 +131,8 @@ def _oriented(image: np.ndarray, orientation: int) -> np.ndarray:
     return image if turn is None else np.ascontiguousarray(turn(image))
 
 
-def _jpeg_orientation(data: bytes) -> int:
-    """The EXIF orientation (1-8) a JPEG's APP1 segment declares, read from its headers alone; 1 where it
-    declares none. (Pillow's Image.open and getexif take 6x as long, 26 us a 44 KB file against 4 and a
-    716 us decode, and raise or return other types on a malformed block.)"""
+def _jpeg_headers(data: bytes) -> Iterator[tuple[int, memoryview]]:
+    """A JPEG's header segments, (marker, its bytes after the length), up to the first scan."""
     view, at = memoryview(data), 2
     while at + 4 <= len(view) and view[at] == 0xFF:
         marker = view[at + 1]
@@ -139,12 +140,31 @@ def _jpeg_orientation(data: bytes) -> int:
             at += 1
             continue
         if marker in (0xD9, 0xDA):  # end of image, start of scan: no header follows
-            break
+            return
         length = int.from_bytes(view[at + 2:at + 4], "big")
-        if marker == 0xE1 and view[at + 4:at + 10] == b"Exif\0\0":
-            return _tiff_orientation(view[at + 10:at + 2 + length])
+        yield marker, view[at + 4:at + 2 + length]
         at += 2 + length
+
+
+def _jpeg_orientation(data: bytes) -> int:
+    """The EXIF orientation (1-8) a JPEG's APP1 segment declares, read from its headers alone; 1 where it
+    declares none. (Pillow's Image.open and getexif take 6x as long, 26 us a 44 KB file against 4 and a
+    716 us decode, and raise or return other types on a malformed block.)"""
+    for marker, segment in _jpeg_headers(data):
+        if marker == 0xE1 and segment[:6] == b"Exif\0\0":
+            return _tiff_orientation(segment[6:])
     return 1
+
+
+FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # start-of-frame markers (the others: other segments)
+SEQUENTIAL_FRAMES = frozenset({0xC0, 0xC1, 0xC9})  # baseline, extended, arithmetic: decoded a band of rows at a time
+
+
+def _held_whole(data: bytes) -> bool:
+    """Whether libjpeg-turbo holds a JPEG whole as it decodes (its coefficients, at full size), whatever the
+    scale it outputs: a progressive frame (or lossless, hierarchical) rather than a sequential one."""
+    frame = next((marker for marker, _ in _jpeg_headers(data) if marker in FRAMES), None)
+    return frame is not None and frame not in SEQUENTIAL_FRAMES
 
 
 def _tiff_orientation(tiff: memoryview) -> int:
@@ -163,17 +183,10 @@ def _tiff_orientation(tiff: memoryview) -> int:
     return 1
 
 
-def _jpeg_decoded_pixels(height: int, width: int, keep_side: int) -> int:
-    """At most how many pixels libjpeg-turbo decodes a `height` x `width` JPEG to when its shorter side
-    must keep `keep_side` (0: full size): it scales in eighths, the smallest that keeps both sides."""
-    eighths = min(8, max(1, -(-8 * keep_side // min(height, width)))) if keep_side else 8
-    return -(-height * eighths // 8) * -(-width * eighths // 8)
-
-
 def _past_pixel_limit(pixels: int) -> str | None:
     """Why an image decoded to `pixels` is refused (None: it is not): past the size at which Pillow refuses
     to open one (twice `PIL.Image.MAX_IMAGE_PIXELS`, 179 million by default: a gigapixel scan, gigabytes
-    once decoded in a worker), so that every backend refuses what Pillow refuses."""
+    once decoded in a worker), so that no backend decodes past Pillow's limit."""
     limit = Image.MAX_IMAGE_PIXELS and 2 * Image.MAX_IMAGE_PIXELS
     if limit and pixels > limit:
         return f"too large to decode: Image size ({pixels} pixels) exceeds limit of {limit} pixels; downscale it"
@@ -202,7 +215,7 @@ def _decode_with_pillow(data: bytes, path: str, ctx: BatchContext) -> np.ndarray
     except UnidentifiedImageError:
         ctx.reject(path, "not an image (unrecognised format)")
         return None
-    except Image.DecompressionBombError as err:  # the words _past_pixel_limit's refusal repeats
+    except Image.DecompressionBombError as err:  # in the words of _past_pixel_limit's, for one message
         ctx.reject(path, f"too large to decode: {str(err).partition(', could be')[0]}; downscale it")
         return None
     except (OSError, ValueError, SyntaxError) as err:

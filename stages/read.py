@@ -176,8 +176,7 @@ class ImageFolder(Stage):
         return len(self.files[split])
 
     def classes_without(self, split: Split, skipped: Collection[str]) -> list[str]:
-        """The classes every one of whose `split` files is in `skipped` (could not be used): without
-        training images, no model learns them."""
+        """The classes every one of whose `split` files is in `skipped` (could not be used)."""
         usable = {label for path, label in self.files[split] if path not in skipped}
         return sorted({self.class_names[label] for _, label in self.files[split] if label not in usable})
 

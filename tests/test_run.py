@@ -127,8 +127,8 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     # A class no file of which decodes: the models have its output, which nothing trained; the run says so.
     assert results["dataset"]["classes"] == 5 and results["dataset"]["train_images"] == 64
     assert results["dataset"]["classes_without_training_images"] == ["005.unreadable"]
-    assert "every training image of class 005.unreadable was skipped: no model learned it" in (
-        out / "report.html").read_text()
+    assert "every training image of class 005.unreadable was skipped: a model trained on this dataset cannot " \
+           "learn it" in (out / "report.html").read_text()
     converted = {c["path"] for c in results["converted"]}
     assert converted == {str(bad[k]) for k in ("grayscale", "cmyk", "png_named_jpg")}
 

@@ -209,6 +209,22 @@ def test_a_class_folder_without_files_is_an_error_naming_it(tiny_dataset, tmp_pa
         ImageFolder(root=str(split), batch_size=8)
 
 
+def test_the_classes_every_training_file_of_which_was_skipped_are_named(tmp_path):
+    """Known only once its files are decoded: a class none of whose training files can be used (its
+    validation files do not count; one usable training file is enough)."""
+    for name in ("001.fine", "002.unreadable"):
+        (tmp_path / name).mkdir()
+        for i in range(5):
+            (tmp_path / name / f"{i}.jpg").write_bytes(b"x")
+    source = ImageFolder(root=str(tmp_path), batch_size=8, val_per_class=1)
+    unreadable = {path for path, label in source.files[Split.TRAIN] if label == 1}
+    val = {path for path, _ in source.files[Split.VAL]}
+    assert len(unreadable) == 4 and source.classes_without(Split.TRAIN, unreadable | val) == ["002.unreadable"]
+    one_left = set(sorted(unreadable)[1:])
+    assert source.classes_without(Split.TRAIN, val) == source.classes_without(Split.TRAIN, one_left) == []
+    assert source.classes_without(Split.VAL, val) == ["001.fine", "002.unreadable"]
+
+
 def test_classes_called_train_and_val_are_one_folder_of_classes(tmp_path):
     for name in ("train", "val"):
         (tmp_path / name).mkdir()
@@ -370,22 +386,25 @@ def test_a_jpeg_past_the_size_limit_is_skipped_by_every_backend_unless_decoded_s
                                                                                         monkeypatch):
     """Pillow's size limit held only for what Pillow decodes: simplejpeg and DALI decoded a gigapixel JPEG
     whole (gigabytes in a worker). Every backend now refuses a JPEG past it, in Pillow's words; simplejpeg
-    keeps one it decodes at a reduced DCT scale to fewer pixels than the limit. (The limit lowered to
-    2,000 pixels: real gigapixel JPEGs take seconds and gigabytes to make.)"""
+    keeps a sequential one it decodes at a reduced DCT scale to fewer pixels than the limit, never a
+    progressive one (libjpeg-turbo holds all of its coefficients whatever the scale). (The limit lowered
+    to 2,000 pixels: real gigapixel JPEGs take seconds and gigabytes to make.)"""
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses past twice this
     folder = tmp_path / "001.scans"
     folder.mkdir()
     for name, (height, width) in {"large.jpg": (50, 60), "small.jpg": (20, 40)}.items():
         pixels = np.random.default_rng(0).integers(0, 255, (height, width, 3), dtype=np.uint8)
         (folder / name).write_bytes(simplejpeg.encode_jpeg(pixels))
+    refusal = "too large to decode: Image size (3000 pixels) exceeds limit of 2000 pixels; downscale it"
     batch, c = decode_all(tmp_path, backend)
-    assert batch.paths == [str(folder / "small.jpg")]
-    assert c.skipped == [(str(folder / "large.jpg"), "too large to decode: Image size (3000 pixels) exceeds "
-                                                     "limit of 2000 pixels; downscale it")]
+    assert batch.paths == [str(folder / "small.jpg")] and c.skipped == [(str(folder / "large.jpg"), refusal)]
     if backend == "simplejpeg":  # a shorter side of 8 is kept at a quarter of the large: 13 x 15
+        large = simplejpeg.decode_jpeg((folder / "large.jpg").read_bytes())
+        Image.fromarray(large).save(folder / "progressive.jpg", progressive=True)
         source = ImageFolder(root=str(tmp_path), batch_size=1000, val_per_class=0)
         batch = Decode(backend=backend, min_size=8)(source(None, c := ctx()), c)
-        assert sorted(image.shape for image in batch.data) == [(10, 20, 3), (13, 15, 3)] and c.skipped == []
+        assert sorted(image.shape for image in batch.data) == [(10, 20, 3), (13, 15, 3)]
+        assert c.skipped == [(str(folder / "progressive.jpg"), refusal)]
 
 
 @pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])

@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.report import plots
 from pipeline.report.analysis import Analysis, analyse
 from pipeline.report.measurements import OPTIONAL, occupancy_stats, recorded, stall_split, trace_events
-from pipeline.report.summary import unlearned_classes
+from pipeline.report.summary import no_training_images
 from pipeline.runtime.files import write_whole
 
 SCHEMA_VERSION = 3  # 3: "streams" -> "hubs"; 2: "transport" -> "streams", actions name delivery.ring_depth
@@ -349,9 +349,9 @@ def _bad_files_section(results: dict) -> str:
     rows = [[s["path"], "skipped", s["reason"]] for s in skipped] + \
            [[c["path"], "converted", c["what"]] for c in converted]
     body = _table(["file", "", "why"], rows) if rows else "<p>None: every file decoded as it was.</p>"
-    unlearned = results.get("dataset", {}).get("classes_without_training_images")
-    if unlearned:
-        body = f"<p><strong>{escape(unlearned_classes(unlearned))}.</strong></p>{body}"
+    unusable = results.get("dataset", {}).get("classes_without_training_images")
+    if unusable:
+        body = f"<p><strong>{escape(no_training_images(unusable))}.</strong></p>{body}"
     return f"<h2>Skipped and converted files ({len(skipped)} skipped, {len(converted)} converted)</h2>{body}"
 
 

@@ -1,7 +1,9 @@
-"""The summary tables a run prints at its end: the ensemble's models and the pipeline's stages."""
+"""The summary a run prints at its end: the ensemble's models, the classes no usable image taught, the
+objective and the pipeline's stages."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -22,10 +24,10 @@ def print_summary(console: Console, results: dict) -> None:
         table.add_row("ensemble, best checkpoints",
                       "", "", "", "", _pct(kept["val_accuracy"]), "", "")
     console.print(table)
-    unlearned = results["dataset"]["classes_without_training_images"]
-    if unlearned:
-        console.print(f"[yellow]warning[/] {unlearned_classes(unlearned)}; fix those files (results.json: skipped) "
-                      "or take the class out of the dataset")
+    unusable = results["dataset"]["classes_without_training_images"]
+    if unusable:
+        console.print(f"[yellow]warning[/] {escape(no_training_images(unusable))}; fix those files (results.json: "
+                      "skipped) or take the class out of the dataset")
     objective = results.get("objective")
     if objective:  # a training run's: what it returns to a Hydra sweeper
         value = "none (nothing validated)" if objective["value"] is None else f"{objective['value']:.4f}"
@@ -40,10 +42,10 @@ def print_summary(console: Console, results: dict) -> None:
     console.print(stages)
 
 
-def unlearned_classes(classes: list[str]) -> str:
-    """What it means that every training image of `classes` was skipped."""
-    which = f"class {classes[0]}" if len(classes) == 1 else f"classes {', '.join(classes)}"
-    return f"every training image of {which} was skipped: no model learned {'it' if len(classes) == 1 else 'them'}"
+def no_training_images(classes: list[str]) -> str:
+    """The sentence that says every training file of `classes` was skipped, and what that means."""
+    which, them = (f"class {classes[0]}", "it") if len(classes) == 1 else (f"classes {', '.join(classes)}", "them")
+    return f"every training image of {which} was skipped: a model trained on this dataset cannot learn {them}"
 
 
 def _pct(value: float | None, scale: float = 100) -> str:
