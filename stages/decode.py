@@ -94,8 +94,11 @@ class Decode(Stage):
                 height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
                 if colorspace in ("YCbCr", "Gray"):
                     least = _least_size(height, width, self.keep_side)
-                    held = (height, width) if _held_whole(data) else simplejpeg.decode_jpeg_header(data, *least)[:2]
-                    if refusal := _past_pixel_limit(held[0] * held[1]):
+                    refusal = _past_pixel_limit(height * width)
+                    if refusal and not _held_whole(data):  # a sequential JPEG takes what it decodes to, maybe less
+                        decoded = simplejpeg.decode_jpeg_header(data, *least)
+                        refusal = _past_pixel_limit(decoded[0] * decoded[1])
+                    if refusal:
                         ctx.reject(path, refusal)
                         return None
                     if colorspace == "Gray":

@@ -84,7 +84,8 @@ def _ranks_killed():
 def _stop_children_then_start_one(to_test) -> None:
     """In a process of its own (stop_children is for good): a child that ignores SIGTERM and waits for
     commands, a node's processes with it as their hub, stop_children, then another start, the node's exit
-    codes and a failed rate measurement's answer. Sends what it saw. (Spawned children: a fork server would import torch first.)"""
+    codes and a failed rate measurement's answer. Sends what it saw. (Spawned children: a fork server would
+    import torch first.)"""
     from pipeline.orchestration.agent import HostRates, NodeProcesses
 
     spawn = mp.get_context("spawn")

@@ -218,7 +218,8 @@ class NodeProcesses:
     def _exit_codes(self, codes: dict) -> dict:
         """`codes`, unless this process is stopping (stop_children: an agent stopped as a host's service is)
         and so killed its children itself: its driver, told so, takes the host for lost, as it will an instant
-        later when the agent's links break, instead of failing the run on a hub "killed (SIGKILL)"."""
+        later when the agent's links break, instead of failing the run on a hub "killed (SIGKILL)". (Asked
+        after the codes are read: a code that shows the kill was read after the stop was set.)"""
         refuse_once_stopped(f"node {self.node}'s processes", "it killed them")
         return codes
 
