@@ -350,22 +350,39 @@ def test_deep_grey_images_keep_their_scale_or_are_skipped_saying_why(tmp_path, b
 
 
 def test_the_orientation_tag_is_read_as_writers_store_it_and_nonsense_is_as_stored():
-    """Big- and little-endian EXIF, the tag a SHORT (the standard's) or a LONG (some writers'); a segment
-    cut short, a value out of range, no EXIF: 1, the image as stored."""
-    def jpeg(order: str, kind: int, value: int, cut: int = 0) -> bytes:
+    """Big- and little-endian EXIF, the tag a SHORT (the standard's) or a LONG (some writers'); XMP's
+    tiff:Orientation, an attribute or an element, where EXIF has no tag (as Pillow reads them: the first
+    EXIF block, the last XMP packet); a segment cut short, a value out of range, neither: 1, as stored."""
+    def app1(body: bytes) -> bytes:
+        return b"\xff\xe1" + (len(body) + 2).to_bytes(2, "big") + body
+
+    def exif(order: str, kind: int, value: int, cut: int = 0) -> bytes:
         b = "big" if order == "MM" else "little"
         field = value.to_bytes(4 if kind == 4 else 2, b).ljust(4, b"\0")
         tiff = (order.encode() + (42).to_bytes(2, b) + (8).to_bytes(4, b) + (1).to_bytes(2, b) +
                 (0x0112).to_bytes(2, b) + kind.to_bytes(2, b) + (1).to_bytes(4, b) + field + bytes(4))
-        app1 = b"Exif\0\0" + tiff[:len(tiff) - cut]
-        return b"\xff\xd8\xff\xe1" + (len(app1) + 2).to_bytes(2, "big") + app1 + b"\xff\xda\0\2"
+        return app1(b"Exif\0\0" + tiff[:len(tiff) - cut])
+
+    def xmp(orientation: str) -> bytes:
+        return app1(b"http://ns.adobe.com/xap/1.0/\0<x:xmpmeta><rdf:Description " + orientation.encode() + b"/>")
+
+    def jpeg(*segments: bytes) -> bytes:
+        return b"\xff\xd8" + b"".join(segments) + b"\xff\xda\0\2"
 
     for order in ("MM", "II"):
         for kind in (3, 4):
-            assert _jpeg_orientation(jpeg(order, kind, 6)) == 6, (order, kind)
-    assert _jpeg_orientation(jpeg("MM", 3, 9)) == 1
-    assert _jpeg_orientation(jpeg("II", 3, 6, cut=12)) == 1
+            assert _jpeg_orientation(jpeg(exif(order, kind, 6))) == 6, (order, kind)
+    assert _jpeg_orientation(jpeg(exif("MM", 3, 9))) == 1
+    assert _jpeg_orientation(jpeg(exif("II", 3, 6, cut=12))) == 1
     assert _jpeg_orientation(b"\xff\xd8\xff\xe0\0\4ab\xff\xda") == 1
+    assert _jpeg_orientation(jpeg(xmp('tiff:Orientation="8"'))) == 8
+    assert _jpeg_orientation(jpeg(xmp("><tiff:Orientation>5</tiff:Orientation"))) == 5
+    assert _jpeg_orientation(jpeg(xmp('tiff:Orientation="6"'), xmp('tiff:Orientation="3"'))) == 3
+    assert _jpeg_orientation(jpeg(xmp('tiff:Orientation="6"'), xmp("tiff:Make='x'"))) == 1
+    assert _jpeg_orientation(jpeg(exif("II", 3, 1), xmp('tiff:Orientation="6"'))) == 1  # EXIF's tag counts
+    assert _jpeg_orientation(jpeg(exif("II", 3, 6, cut=12), xmp('tiff:Orientation="6"'))) == 6  # EXIF has none
+    assert _jpeg_orientation(jpeg(xmp('tiff:Orientation="7"'), exif("MM", 3, 6, cut=12))) == 7
+    assert _jpeg_orientation(jpeg(xmp('tiff:Orientation="9"'))) == 1
 
 
 @pytest.mark.parametrize("backend", ["simplejpeg", "pillow", "dali"])
@@ -411,7 +428,9 @@ def test_a_jpeg_past_the_size_limit_is_skipped_by_every_backend_unless_decoded_s
 def test_photos_are_decoded_upright_by_their_exif_orientation_whatever_the_backend(tmp_path, backend):
     """A camera held sideways stores its photo sideways and says so in EXIF (orientations 2-8: turns and
     mirrors): every backend decodes it upright, as a viewer shows it (DALI did; simplejpeg and Pillow kept
-    it as stored, so the backends trained on different images), PNG with EXIF too."""
+    it as stored, so the backends trained on different images), PNG with EXIF too. A JPEG whose editor
+    said it in XMP alone is turned too (Pillow did; simplejpeg and DALI kept it as stored), one whose EXIF
+    tag says 1 is not, whatever its XMP says (as Pillow reads them)."""
     rows, columns = np.mgrid[0:24, 0:40]
     stored = np.stack([rows * 10, columns * 6, (rows + columns) * 4], axis=2).astype(np.uint8)  # asymmetric
     folder = tmp_path / "001.photos"
@@ -422,6 +441,11 @@ def test_photos_are_decoded_upright_by_their_exif_orientation_whatever_the_backe
         exif[0x0112] = orientation
         image.save(folder / f"{orientation}.jpg", quality=95, exif=exif.tobytes())
     image.save(folder / "8.png", exif=exif.tobytes())
+    packet = '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:Description tiff:Orientation="{}"/></x:xmpmeta>'
+    for orientation in (3, 6, 7):
+        image.save(folder / f"xmp{orientation}.jpg", quality=95, xmp=packet.format(orientation).encode())
+    exif[0x0112] = 1
+    image.save(folder / "exif1-xmp6.jpg", quality=95, exif=exif.tobytes(), xmp=packet.format(6).encode())
     batch, c = decode_all(tmp_path, backend)
     decoded = dict(zip(batch.paths, batch.data))
     for path in sorted(folder.iterdir()):
