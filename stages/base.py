@@ -42,6 +42,39 @@ class Spec:
     def __str__(self) -> str:
         return self.kind.value + (f"{list(self.item_shape)}" if self.item_shape else "")
 
+    def broken_by(self, batch) -> str | None:
+        """How `batch`, a stage's output, is not what this spec promises the stages after it (None: it is):
+        a Batch of one label and one path per item, and items of this kind (files' bytes; RGB uint8 images,
+        height x width x 3; one uint8 array of every item, of this item shape)."""
+        if not isinstance(batch, Batch):
+            return f"returned {_described(batch)}, not a stages.base.Batch"
+        if not isinstance(batch.data, (list, np.ndarray)):
+            return f"made {_described(batch.data)}, not a list of items or one array of them"
+        if not len(batch.data) == len(batch.labels) == len(batch.paths):
+            return (f"made {len(batch.data)} items with {len(batch.labels)} labels and {len(batch.paths)} paths "
+                    "(a Batch has one label and one path per item)")
+        if self.kind is DataKind.TENSOR:
+            shape = (len(batch.labels), *(self.item_shape or ()))
+            data = batch.data
+            if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.shape == shape):
+                return f"made {_described(data)}, not the {self} it declares (one uint8 array of shape {list(shape)})"
+        elif self.kind is DataKind.IMAGES:
+            for path, item in zip(batch.paths, batch.data):
+                if not (isinstance(item, np.ndarray) and item.dtype == np.uint8 and item.ndim == 3
+                        and item.shape[2] == 3):
+                    return (f"made {_described(item)} of {path}, not the RGB image it declares (uint8, height x "
+                            "width x 3)")
+        elif not all(isinstance(item, bytes) for item in batch.data):
+            return "made items that are not bytes, not the encoded files it declares"
+        return None
+
+
+def _described(value) -> str:
+    """What a stage made, in a message: an array's dtype and shape, else its type."""
+    if isinstance(value, np.ndarray):
+        return f"an array of {value.dtype} {list(value.shape)}"
+    return f"a {type(value).__name__}"
+
 
 class OnError(enum.StrEnum):
     """What a data file that cannot be used does (config key `on_error`)."""

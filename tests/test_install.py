@@ -1,6 +1,7 @@
 """The project as pip installs it from its wheel (`pip install .`, `pip install git+...`), not from this
 checkout: what `python -m pipeline` needs beyond the Python modules (its config tree) must ship in the
-wheel, and a user's own ensemble file comes in through Hydra's --config-dir."""
+wheel, a user's own ensemble file comes in through Hydra's --config-dir, and a user's own stage from the folder
+the command runs in."""
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.test_graph import documented
 from tests.test_run import REPO
 
 pytestmark = pytest.mark.slow
@@ -21,7 +23,7 @@ ensemble:
     - {name: mine_resnet, input: main, model: {_target_: pipeline.training.models.resnet, depth: 10, width: 8}}
     - {name: mine_densenet, input: alt,
        model: {_target_: pipeline.training.models.densenet, depth: 10, growth_rate: 4, width: 8}}
-"""
+"""  # and configuration.md's own stage, as it wires it in
 
 
 def pip(*args: str) -> None:
@@ -29,10 +31,11 @@ def pip(*args: str) -> None:
                    timeout=300)
 
 
-def test_the_installed_wheel_runs_the_command_with_a_users_own_ensemble(tmp_path):
+def test_the_installed_wheel_runs_the_command_with_a_users_own_ensemble_and_stage(tmp_path):
     """The wheel built from the sources (offline: no build isolation, no index), installed into a folder of
     its own that comes first on the path; the command, run from a folder of the user's, trains a user's
-    ensemble file given with --config-dir over the shipped config tree. Fails if the wheel lacks the
+    ensemble file given with --config-dir over the shipped config tree, through the stage configuration.md
+    shows, from a module in that folder (Dask's workers import it too). Fails if the wheel lacks the
     config tree (Hydra finds no primary config) or a module, or if the run imports this checkout's code."""
     source = tmp_path / "source"
     source.mkdir()
@@ -45,9 +48,10 @@ def test_the_installed_wheel_runs_the_command_with_a_users_own_ensemble(tmp_path
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     pip("install", "--no-deps", "--no-index", "--target", str(tmp_path / "site"), str(wheel))
     (tmp_path / "mine" / "ensemble").mkdir(parents=True)
-    (tmp_path / "mine" / "ensemble" / "mine.yaml").write_text(OWN_ENSEMBLE)
+    (tmp_path / "mine" / "ensemble" / "mine.yaml").write_text(OWN_ENSEMBLE + documented("yaml"))
     user = tmp_path / "user"
     user.mkdir()
+    (user / "my_stages.py").write_text(documented("python"))
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     modules = ("pipeline", "stages", "hydra_plugins.pipeline_launcher.shared_launcher")
     where = subprocess.run([sys.executable, "-c", "import importlib, sys\nfor name in sys.argv[1:]: "
@@ -64,4 +68,6 @@ def test_the_installed_wheel_runs_the_command_with_a_users_own_ensemble(tmp_path
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     results = json.loads((user / "out" / "results.json").read_text())
     assert [(m["name"], m["epochs"]) for m in results["models"]] == [("mine_resnet", 1), ("mine_densenet", 1)]
+    stages, dataset = results["pipeline"]["stages"], results["dataset"]
+    assert stages["bright"]["items"] == stages["crop_main"]["items"] == dataset["train_images"] + dataset["val_images"]
     assert (user / "data").is_dir()  # the stand-in, at dataset.root's default, relative to where it ran

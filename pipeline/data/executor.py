@@ -34,7 +34,7 @@ from pipeline.data.handoff import HANDOFF_PREFIX, SharedArray
 from pipeline.runtime.errors import UserError
 from pipeline.runtime.hang import Patience, Stall
 from pipeline.runtime.lifetime import STOP_SIGNALS, remove_shm
-from stages.base import BadFileError, BatchContext, OnError, Split
+from stages.base import BatchContext, OnError, Split
 from stages.cache import Cache
 
 
@@ -47,8 +47,8 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
                            parts=parts, on_error=on_error, node=_worker_node())
     try:
         output = _GRAPHS[graph_id][0].run(context)
-    except BadFileError as err:  # the user's data, not a failed task: raised where the batch is taken
-        return BatchOutput({}, {}, bad_file=str(err))
+    except UserError as err:  # the user's data or stage, not a failed task: raised where the batch is taken
+        return BatchOutput({}, {}, user_error=err)
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
         for sink, batch in output.batches.items():
@@ -283,8 +283,8 @@ class Executor:
                     self._submit(then[0], then[1], ahead - total)
             future = self.pending.pop((split, epoch, index))
             output = self._result(future)
-            if output.bad_file:
-                raise BadFileError(output.bad_file)
+            if output.user_error:
+                raise output.user_error
             self.retained.append(future)
             for batch in output.batches.values():
                 if isinstance(batch.data, SharedArray):

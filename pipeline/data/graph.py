@@ -41,7 +41,7 @@ def _nbytes(batch: Batch | None) -> int:
 
 @dataclass
 class BatchOutput:
-    """What one batch task returns: a batch per sink, stage timings, bad files."""
+    """What one batch task returns: a batch per sink, stage timings, bad files; or what stopped it."""
 
     batches: dict[str, Batch]  # sink -> its batch
     timings: dict[str, StageTiming]
@@ -50,7 +50,9 @@ class BatchOutput:
     worker: str = ""  # where the batch task ran, and when (time.time()): the run's timeline
     started: float = 0.0
     ended: float = 0.0
-    bad_file: str | None = None  # on_error=fail met a bad file: what to tell the user, and nothing else
+    # What stopped the batch, the user's to fix (a bad file under on_error=fail, a stage's output not as it
+    # declares): raised where the batch is taken, and nothing else said
+    user_error: UserError | None = None
     cache_hits: int = 0  # with a cache stage: items the node's cache held, of
     cache_lookups: int = 0  # the items looked up there
 
@@ -87,9 +89,8 @@ class StageGraph:
         ctx = BatchContext(seed=0, split=Split.TRAIN, epoch=0, index=0, wanted=picks)  # the source reads these
         until = self.inputs[self.cache_name] if self.cache_name else next(iter(self.sinks))
         batch = None
-        for stage_name, stage in self.feeding({until}).stages.items():  # in order
-            ctx.stage = stage_name
-            batch = stage(batch, ctx)
+        for stage_name in self.feeding({until}).stages:  # in order
+            batch = self._through(stage_name, batch, ctx, f"the {len(picks)} files sampled at the run's start")
         return batch, ctx
 
     def cached_bytes_per_item(self, sample: Batch) -> float | None:
@@ -126,15 +127,15 @@ class StageGraph:
         outputs: dict[str, Batch] = {}
         timings: dict[str, StageTiming] = {}
         cache, lookup_s = self.cache, (0.0, 0.0)
+        making = f"{ctx.split.value} batch {ctx.index} of epoch {ctx.epoch}"
         if cache:  # before the source: what it holds is not read (the time is the cache stage's)
             wall, cpu = time.perf_counter(), time.thread_time()
             cache.lookup(self.source.items(ctx), ctx)
             lookup_s = (time.perf_counter() - wall, time.thread_time() - cpu)
         for name, stage in self.stages.items():
-            ctx.stage = name
             given = outputs[self.inputs[name]] if self.inputs[name] else None
             wall, cpu = time.perf_counter(), time.thread_time()
-            outputs[name] = stage(given, ctx)
+            outputs[name] = self._through(name, given, ctx, making)
             if stage is cache:
                 wall, cpu = wall - lookup_s[0], cpu - lookup_s[1]
             timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
@@ -143,6 +144,23 @@ class StageGraph:
         lookups = len(ctx.wanted) if cache and cache.budget_bytes else 0  # a cache turned off holds nothing
         return BatchOutput(batches, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
                            cache_lookups=lookups)
+
+    def _through(self, name: str, given: Batch | None, ctx: BatchContext, making: str) -> Batch:
+        """Stage `name`'s output for `given`, held to its output spec, which the stages after it (and the
+        trainers, after a sink) take as promised. A stage's error names the stage and what it was `making`."""
+        stage, ctx.stage = self.stages[name], name
+        try:
+            made = stage(given, ctx)
+        except UserError:
+            raise  # its message says what and how to fix it
+        except Exception as err:
+            err.add_note(f"in {CONFIG_ROOT}.{name} ({_declared(stage)}), making {making}")
+            raise
+        broken = self.specs[name].broken_by(made)
+        if broken:
+            raise GraphError(f"{CONFIG_ROOT}.{name}: {_declared(stage)} {broken}, making {making}; make its "
+                             "__call__ return what its output_spec declares")
+        return made
 
 
 def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> StageGraph:
@@ -186,12 +204,17 @@ def _instantiate(name: str, entry: dict[str, Any]) -> Stage:
         raise GraphError(f"{key}: {err}") from None
 
 
+def _declared(stage: Stage) -> str:
+    """The stage's class as `_target_` names it."""
+    return f"{type(stage).__module__}.{type(stage).__qualname__}"
+
+
 def _stage_class(target: str, key: str) -> type[Stage]:
     module_name, _, class_name = str(target).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError):
-        raise GraphError(f"{key}._target_: cannot import '{target}'; built-in stages are "
+    except (ImportError, AttributeError, ValueError) as err:  # its own words: a module of the user's may lack one
+        raise GraphError(f"{key}._target_: cannot import '{target}' ({err}); built-in stages are "
                          "stages.read.ImageFolder, stages.decode.Decode, stages.cache.Cache, "
                          "stages.augment.RandomResizedCropFlip, stages.broadcast.Broadcast") from None
     if not (isinstance(cls, type) and issubclass(cls, Stage)):

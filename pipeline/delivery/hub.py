@@ -20,15 +20,16 @@ import numpy as np
 
 from pipeline.data.executor import Executor, TlsFiles, connect, keep_sample
 from pipeline.data.graph import StageGraph
-from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
-                                        SplitDone, StopStreams)
+from pipeline.delivery.messages import (BatchPublished, HubFailed, HubHung, HubRefused, HubStopped, HubWaiting,
+                                        RunSplit, SplitDone, StopStreams)
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
 from pipeline.delivery.plan import HubPlan, StreamPlan
 from pipeline.runtime.child import tell_parent
+from pipeline.runtime.errors import UserError
 from pipeline.runtime.lifetime import child_started
 from pipeline.runtime.hang import HangError, Patience
-from stages.base import BadFileError, Batch, Split
+from stages.base import Batch, Split
 
 # multi_broadcast: a producer keeps this many in_flight's worth of batches it has used, so a stream up
 # to that far behind takes them instead of making them again (memory: that many batches per producer).
@@ -66,8 +67,8 @@ def hub_main(spec: HubSpec, abort, serving, *, to_parent, from_parent) -> None:
     child_started("hub")
     try:
         Hub(spec, to_parent, abort).serve(from_parent, serving)
-    except BadFileError as err:  # a user's data file, named: the driver raises it as it is
-        tell_parent(to_parent, BadFile(spec.hub.rank, str(err)))
+    except UserError as err:  # the user's data or stage, named: the driver raises it as it is
+        tell_parent(to_parent, HubRefused(spec.hub.rank, str(err)))
         raise SystemExit(1) from None
     except HangError as err:  # a known wait that ran out: its message says it all, no traceback needed
         tell_parent(to_parent, HubHung(spec.hub.rank, str(err)))

@@ -76,11 +76,12 @@ class HubHung:
 
 
 @dataclass(frozen=True)
-class BadFile:
-    """A data file under on_error=fail: the run stops naming it."""
+class HubRefused:
+    """The user's data or stage stopped a batch (a bad file under on_error=fail, a stage's output not as it
+    declares): the run stops with the message, as with any of the user's mistakes (a UserError)."""
 
     hub: int
     message: str
 
 
-HubEvent = BatchPublished | SplitDone | HubWaiting | HubStopped | HubFailed | HubHung | BadFile
+HubEvent = BatchPublished | SplitDone | HubWaiting | HubStopped | HubFailed | HubHung | HubRefused

@@ -18,17 +18,18 @@ from dataclasses import dataclass, replace
 from pipeline.data.executor import TlsFiles
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.hub import HubSpec
-from pipeline.delivery.messages import (BadFile, BatchPublished, HubFailed, HubHung, HubStopped, HubWaiting, RunSplit,
-                                        SplitDone, StopStreams)
+from pipeline.delivery.messages import (BatchPublished, HubFailed, HubHung, HubRefused, HubStopped, HubWaiting,
+                                        RunSplit, SplitDone, StopStreams)
 from pipeline.delivery.stream import MessageLayout
 from pipeline.delivery.plan import DeliveryPlan, HubPlan, Topology
+from pipeline.runtime.errors import UserError
 from pipeline.runtime.hang import HangError, Patience, shared_out
 from pipeline.runtime.lifetime import how_it_ended
 from pipeline.orchestration.agent import Laggard, node_processes
 from pipeline.training.reports import TrainerError, TrainerReport
 from pipeline.training.group import GroupSpec
 from pipeline.training.trainer import TrainerSpec, TrainingSetup
-from stages.base import BadFileError, OnError, Spec, Split
+from stages.base import OnError, Spec, Split
 
 
 @dataclass(frozen=True)
@@ -197,8 +198,8 @@ class Flotilla:
         if dead:  # what a hub said before it exited explains it best: take what is left of its words first
             events += [event for node in self.nodes.values() for event in node.hub_progress(0)]
         for event in events:
-            if isinstance(event, BadFile):
-                raise BadFileError(event.message)
+            if isinstance(event, HubRefused):
+                raise UserError(event.message)
             if isinstance(event, HubHung):
                 raise HangError(f"hub {event.hub} (node {self.plan.hubs[event.hub].node}): {event.message}")
             if isinstance(event, HubWaiting):

@@ -212,7 +212,7 @@ class _Synthetic(Stage):
     accepts: ClassVar[DataKind | None] = None
 
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
-        return Batch(self.images, self.labels, [])
+        return Batch(self.images, self.labels, [f"in memory, item {i}" for i in range(len(self.labels))])
 
 
 @dataclass
