@@ -2,13 +2,26 @@
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from stages.base import Batch, BatchContext, DataKind, Role, Spec, Stage
+
+FAULTS = {  # what each fault makes of a batch's (data, labels, paths)
+    "short": lambda data, labels, paths: (data[:, 1:], labels, paths),  # one row too few
+    "dtype": lambda data, labels, paths: (data.astype(np.float32), labels, paths),
+    "list": lambda data, labels, paths: (list(data), labels, paths),
+    "labels short": lambda data, labels, paths: (data, labels[1:], paths),
+    "labels a list": lambda data, labels, paths: (data, list(labels), paths),
+    "labels float": lambda data, labels, paths: (data, labels.astype(np.float64), paths),
+    "labels a column": lambda data, labels, paths: (data, labels[:, None], paths),
+    "no paths": lambda data, labels, paths: (data, labels, None),
+    "twice": lambda data, labels, paths: (np.concatenate([data, data]), np.concatenate([labels, labels]), paths * 2),
+}
 
 
 @dataclass
 class Faulty(Stage):
-    fault: str = "short"  # short: one row too few | dtype: float32 | list: a list of arrays | labels: one short
-    #                       | nothing: returns None | raise: a bug
+    fault: str = "short"  # one of FAULTS; "nothing": returns None; "raise": a bug
 
     role: ClassVar[Role] = Role.MAP
     accepts: ClassVar[DataKind | None] = DataKind.TENSOR
@@ -17,17 +30,8 @@ class Faulty(Stage):
         return input_spec
 
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
-        data, labels = batch.data, batch.labels
         if self.fault == "raise":
             raise ZeroDivisionError("a bug of the stage's own")
         if self.fault == "nothing":
             return None
-        if self.fault == "short":
-            data = data[:, 1:]
-        elif self.fault == "dtype":
-            data = data.astype("float32")
-        elif self.fault == "list":
-            data = list(data)
-        elif self.fault == "labels":
-            labels = labels[1:]
-        return Batch(data, labels, batch.paths)
+        return Batch(*FAULTS[self.fault](batch.data, batch.labels, batch.paths))

@@ -209,13 +209,19 @@ def test_the_documented_stage_of_ones_own_runs_in_the_graph_as_documented(stages
     ("dtype", r"made an array of float32 \[(\d+), 64, 64, 3\], not the tensor\[64, 64, 3\] it declares \(one uint8 "
               r"array of shape \[\1, 64, 64, 3\]\)"),
     ("list", r"made a list, not the tensor\[64, 64, 3\] it declares \(one uint8 array of shape \[\d+, 64, 64, 3\]\)"),
-    ("labels", r"made (\d+) items with \d+ labels and \1 paths \(a Batch has one label and one path per item\)"),
+    ("labels short", r"made (\d+) items with \d+ labels and \1 paths \(a Batch has one label and one path per item\)"),
+    ("labels a list", r"made labels that are a list, not one int64 array of a label per item"),
+    ("labels float", r"made labels that are an array of float64 \[\d+\], not one int64 array of a label per item"),
+    ("labels a column", r"made labels that are an array of int64 \[\d+, 1\], not one int64 array of a label per item"),
+    ("no paths", r"made paths that are a NoneType, not a list of a path per item"),
+    ("twice", r"made 112 items, more than a batch holds \(64\)"),
     ("nothing", r"returned a NoneType, not a stages.base.Batch"),
 ])
 def test_a_stage_whose_output_is_not_what_it_declares_is_named_at_its_first_batch(stages, fault, made):
     """A stage's output is what the stages after it (and the trainers) take as its output_spec declares: one
     that makes something else stops the run naming the stage, what it made and the batch (before, a shape
-    one row short failed in the hub's ring copy, with numpy's words and no stage named)."""
+    one row short failed in the hub's ring copy, with numpy's words and no stage named; float labels were cut
+    to integers there)."""
     stages["faulty"] = {"_target_": "tests.faulty_stage.Faulty", "inputs": ["crop_main"], "fault": fault}
     stages["main"]["inputs"] = ["faulty"]
     graph = build_graph(without_cache(stages), {"main", "alt"})
@@ -239,12 +245,34 @@ def test_images_and_files_are_held_to_their_kind():
     labels, paths = np.zeros(2, dtype=np.int64), ["a.jpg", "b.jpg"]
     rgb = np.zeros((5, 7, 3), dtype=np.uint8)
     images = Spec(DataKind.IMAGES)
-    assert images.broken_by(Batch([rgb, rgb], labels, paths)) is None
-    assert images.broken_by(Batch([rgb, rgb[..., 0]], labels, paths)) == (
+    assert images.broken_by(Batch([rgb, rgb], labels, paths), 2) is None
+    assert images.broken_by(Batch([], labels[:0], []), 2) is None  # every file of the batch skipped
+    assert images.broken_by(Batch([rgb, rgb[..., 0]], labels, paths), 2) == (
         "made an array of uint8 [5, 7] of b.jpg, not the RGB image it declares (uint8, height x width x 3)")
-    assert images.broken_by(Batch([rgb, rgb.astype(np.float32)], labels, paths)).startswith(
+    assert images.broken_by(Batch([rgb, rgb.astype(np.float32)], labels, paths), 2).startswith(
         "made an array of float32 [5, 7, 3] of b.jpg")
     encoded = Spec(DataKind.ENCODED)
-    assert encoded.broken_by(Batch([b"\xff\xd8", b""], labels, paths)) is None
-    assert encoded.broken_by(Batch([b"\xff\xd8", "text"], labels, paths)) == (
+    assert encoded.broken_by(Batch([b"\xff\xd8", b""], labels, paths), 2) is None
+    assert encoded.broken_by(Batch([b"\xff\xd8", "text"], labels, paths), 2) == (
         "made items that are not bytes, not the encoded files it declares")
+    assert Spec(DataKind.TENSOR, (5, 7, 3)).broken_by(Batch(None, labels, paths), 2) == (
+        "made a NoneType, not a list of items or one array of them")
+
+
+def test_a_stage_that_declares_no_spec_or_a_tensor_without_its_shape_is_refused(stages, monkeypatch):
+    stages["faulty"] = {"_target_": "tests.faulty_stage.Faulty", "inputs": ["crop_main"]}
+    stages["main"]["inputs"] = ["faulty"]
+    for declared in (None, Spec(DataKind.TENSOR), Spec(DataKind.TENSOR, (64, 64))):
+        monkeypatch.setattr("tests.faulty_stage.Faulty.output_spec", lambda self, given: declared)
+        assert errors_for(stages) == (f"pipeline.stages.faulty: tests.faulty_stage.Faulty.output_spec returned "
+                                      f"{declared!r}, not a stages.base.Spec of what it makes (a tensor's with its "
+                                      "item shape, (height, width, 3))")
+
+
+def test_a_built_in_stage_that_breaks_its_spec_is_a_bug_not_the_users_mistake(stages, monkeypatch):
+    graph = build_graph(without_cache(stages), {"main", "alt"})
+    monkeypatch.setattr(graph.stages["crop_alt"], "size", 47)  # it makes 47 px where it declared 48
+    with pytest.raises(RuntimeError, match=r"^pipeline.stages.crop_alt: stages.augment.RandomResizedCropFlip made an "
+                                           r"array of uint8 \[\d+, 47, 47, 3\], not the tensor\[48, 48, 3\] .* \(a bug "
+                                           r"in the project's own stage\)$"):
+        batch_of(graph)

@@ -358,7 +358,7 @@ def test_the_orientation_tag_is_read_as_writers_store_it_and_nonsense_is_as_stor
 
     def exif(order: str, kind: int, value: int, cut: int = 0) -> bytes:
         b = "big" if order == "MM" else "little"
-        field = value.to_bytes(4 if kind == 4 else 2, b).ljust(4, b"\0")
+        field = value.to_bytes({1: 1, 4: 4, 9: 4}.get(kind, 2), b).ljust(4, b"\0")
         tiff = (order.encode() + (42).to_bytes(2, b) + (8).to_bytes(4, b) + (1).to_bytes(2, b) +
                 (0x0112).to_bytes(2, b) + kind.to_bytes(2, b) + (1).to_bytes(4, b) + field + bytes(4))
         return app1(b"Exif\0\0" + tiff[:len(tiff) - cut])
@@ -370,8 +370,9 @@ def test_the_orientation_tag_is_read_as_writers_store_it_and_nonsense_is_as_stor
         return b"\xff\xd8" + b"".join(segments) + b"\xff\xda\0\2"
 
     for order in ("MM", "II"):
-        for kind in (3, 4):
+        for kind in (3, 4, 8, 9):  # SHORT, LONG, and their signed kinds
             assert _jpeg_orientation(jpeg(exif(order, kind, 6))) == 6, (order, kind)
+        assert _jpeg_orientation(jpeg(exif(order, 1, 6), xmp('tiff:Orientation="3"'))) == 1  # a BYTE: no number
     assert _jpeg_orientation(jpeg(exif("MM", 3, 9))) == 1
     assert _jpeg_orientation(jpeg(exif("II", 3, 6, cut=12))) == 1
     assert _jpeg_orientation(b"\xff\xd8\xff\xe0\0\4ab\xff\xda") == 1

@@ -48,7 +48,7 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
     try:
         output = _GRAPHS[graph_id][0].run(context)
     except UserError as err:  # the user's data or stage, not a failed task: raised where the batch is taken
-        return BatchOutput({}, {}, user_error=err)
+        return BatchOutput({}, {}, user_error=str(err))  # (its message: a user's subclass may not unpickle)
     output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
     if share_as:
         for sink, batch in output.batches.items():
@@ -283,8 +283,8 @@ class Executor:
                     self._submit(then[0], then[1], ahead - total)
             future = self.pending.pop((split, epoch, index))
             output = self._result(future)
-            if output.user_error:
-                raise output.user_error
+            if output.user_error is not None:
+                raise UserError(output.user_error)
             self.retained.append(future)
             for batch in output.batches.values():
                 if isinstance(batch.data, SharedArray):

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.runtime.errors import UserError
-from stages.base import Batch, BatchContext, Role, Spec, Split, Stage, StageError
+from stages.base import Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
 from stages.cache import Cache, stored_bytes
 from stages.read import ImageFolder
 
@@ -51,8 +51,8 @@ class BatchOutput:
     started: float = 0.0
     ended: float = 0.0
     # What stopped the batch, the user's to fix (a bad file under on_error=fail, a stage's output not as it
-    # declares): raised where the batch is taken, and nothing else said
-    user_error: UserError | None = None
+    # declares): its message, raised as a UserError where the batch is taken, and nothing else said
+    user_error: str | None = None
     cache_hits: int = 0  # with a cache stage: items the node's cache held, of
     cache_lookups: int = 0  # the items looked up there
 
@@ -90,7 +90,8 @@ class StageGraph:
         until = self.inputs[self.cache_name] if self.cache_name else next(iter(self.sinks))
         batch = None
         for stage_name in self.feeding({until}).stages:  # in order
-            batch = self._through(stage_name, batch, ctx, f"the {len(picks)} files sampled at the run's start")
+            batch = self._through(stage_name, batch, ctx, f"the {len(picks)} files sampled at the run's start",
+                                  len(picks))
         return batch, ctx
 
     def cached_bytes_per_item(self, sample: Batch) -> float | None:
@@ -128,6 +129,7 @@ class StageGraph:
         timings: dict[str, StageTiming] = {}
         cache, lookup_s = self.cache, (0.0, 0.0)
         making = f"{ctx.split.value} batch {ctx.index} of epoch {ctx.epoch}"
+        most = -(-self.source.batch_size // ctx.parts)  # the task's share of a full batch
         if cache:  # before the source: what it holds is not read (the time is the cache stage's)
             wall, cpu = time.perf_counter(), time.thread_time()
             cache.lookup(self.source.items(ctx), ctx)
@@ -135,7 +137,7 @@ class StageGraph:
         for name, stage in self.stages.items():
             given = outputs[self.inputs[name]] if self.inputs[name] else None
             wall, cpu = time.perf_counter(), time.thread_time()
-            outputs[name] = self._through(name, given, ctx, making)
+            outputs[name] = self._through(name, given, ctx, making, most)
             if stage is cache:
                 wall, cpu = wall - lookup_s[0], cpu - lookup_s[1]
             timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
@@ -145,9 +147,10 @@ class StageGraph:
         return BatchOutput(batches, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
                            cache_lookups=lookups)
 
-    def _through(self, name: str, given: Batch | None, ctx: BatchContext, making: str) -> Batch:
-        """Stage `name`'s output for `given`, held to its output spec, which the stages after it (and the
-        trainers, after a sink) take as promised. A stage's error names the stage and what it was `making`."""
+    def _through(self, name: str, given: Batch | None, ctx: BatchContext, making: str, most: int) -> Batch:
+        """Stage `name`'s output for `given`, held to its output spec (and to `most` items), which the stages
+        after it and the trainers take as promised. A stage's error names the stage and what it was `making`:
+        a user's stage that breaks its promise is the user's to mend, one of the project's a bug."""
         stage, ctx.stage = self.stages[name], name
         try:
             made = stage(given, ctx)
@@ -156,10 +159,12 @@ class StageGraph:
         except Exception as err:
             err.add_note(f"in {CONFIG_ROOT}.{name} ({_declared(stage)}), making {making}")
             raise
-        broken = self.specs[name].broken_by(made)
+        broken = self.specs[name].broken_by(made, most)
         if broken:
-            raise GraphError(f"{CONFIG_ROOT}.{name}: {_declared(stage)} {broken}, making {making}; make its "
-                             "__call__ return what its output_spec declares")
+            where = f"{CONFIG_ROOT}.{name}: {_declared(stage)} {broken}, making {making}"
+            if type(stage).__module__.partition(".")[0] in ("stages", "pipeline"):
+                raise RuntimeError(f"{where} (a bug in the project's own stage)")
+            raise GraphError(f"{where}; make its __call__ return what its output_spec declares")
         return made
 
 
@@ -178,7 +183,7 @@ def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> St
                 f"{CONFIG_ROOT}.{name}.inputs: '{upstream}' produces {specs[upstream]} but "
                 f"{type(stage).__name__} accepts {stage.accepts.value}; "
                 f"feed it from a stage that produces {stage.accepts.value}")
-        specs[name] = stage.output_spec(specs[upstream] if upstream else None)
+        specs[name] = _promised(name, stage, stage.output_spec(specs[upstream] if upstream else None))
     _check_ends(stages, inputs, consumed)
     _check_cache(stages, inputs)
     _tell_consumer_needs({name: stages[name] for name in reversed(order)}, inputs)
@@ -204,6 +209,17 @@ def _instantiate(name: str, entry: dict[str, Any]) -> Stage:
         raise GraphError(f"{key}: {err}") from None
 
 
+def _promised(name: str, stage: Stage, spec) -> Spec:
+    """`spec`, what the stage's output_spec returned, if it says what a batch holds: a Spec, a tensor's with
+    its item shape (height, width, 3), which the sink's readers are built for."""
+    shaped = isinstance(spec, Spec) and (spec.kind is not DataKind.TENSOR or (
+        spec.item_shape is not None and len(spec.item_shape) == 3 and spec.item_shape[2] == 3))
+    if not shaped:
+        raise GraphError(f"{CONFIG_ROOT}.{name}: {_declared(stage)}.output_spec returned {spec!r}, not a "
+                         "stages.base.Spec of what it makes (a tensor's with its item shape, (height, width, 3))")
+    return spec
+
+
 def _declared(stage: Stage) -> str:
     """The stage's class as `_target_` names it."""
     return f"{type(stage).__module__}.{type(stage).__qualname__}"
@@ -213,7 +229,7 @@ def _stage_class(target: str, key: str) -> type[Stage]:
     module_name, _, class_name = str(target).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:  # its own words: a module of the user's may lack one
+    except (ImportError, AttributeError, ValueError) as err:  # why: a user's module may import what is not installed
         raise GraphError(f"{key}._target_: cannot import '{target}' ({err}); built-in stages are "
                          "stages.read.ImageFolder, stages.decode.Decode, stages.cache.Cache, "
                          "stages.augment.RandomResizedCropFlip, stages.broadcast.Broadcast") from None

@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline.data.executor import Executor, TlsFiles, connect, keep_sample
 from pipeline.data.graph import StageGraph
-from pipeline.delivery.messages import (BatchPublished, HubFailed, HubHung, HubRefused, HubStopped, HubWaiting,
+from pipeline.delivery.messages import (BatchPublished, HubFailed, HubHung, HubStopped, HubUserError, HubWaiting,
                                         RunSplit, SplitDone, StopStreams)
 from pipeline.delivery.ring import Ring
 from pipeline.delivery.stream import MessageKind
@@ -67,8 +67,8 @@ def hub_main(spec: HubSpec, abort, serving, *, to_parent, from_parent) -> None:
     child_started("hub")
     try:
         Hub(spec, to_parent, abort).serve(from_parent, serving)
-    except UserError as err:  # the user's data or stage, named: the driver raises it as it is
-        tell_parent(to_parent, HubRefused(spec.hub.rank, str(err)))
+    except UserError as err:  # the user's data or stage, named: the driver stops the run with its message
+        tell_parent(to_parent, HubUserError(spec.hub.rank, str(err)))
         raise SystemExit(1) from None
     except HangError as err:  # a known wait that ran out: its message says it all, no traceback needed
         tell_parent(to_parent, HubHung(spec.hub.rank, str(err)))

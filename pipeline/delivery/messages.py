@@ -76,7 +76,7 @@ class HubHung:
 
 
 @dataclass(frozen=True)
-class HubRefused:
+class HubUserError:
     """The user's data or stage stopped a batch (a bad file under on_error=fail, a stage's output not as it
     declares): the run stops with the message, as with any of the user's mistakes (a UserError)."""
 
@@ -84,4 +84,4 @@ class HubRefused:
     message: str
 
 
-HubEvent = BatchPublished | SplitDone | HubWaiting | HubStopped | HubFailed | HubHung | HubRefused
+HubEvent = BatchPublished | SplitDone | HubWaiting | HubStopped | HubFailed | HubHung | HubUserError

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pipeline.data.executor import TlsFiles
 from pipeline.data.graph import StageGraph
 from pipeline.delivery.hub import HubSpec
-from pipeline.delivery.messages import (BatchPublished, HubFailed, HubHung, HubRefused, HubStopped, HubWaiting,
+from pipeline.delivery.messages import (BatchPublished, HubFailed, HubHung, HubStopped, HubUserError, HubWaiting,
                                         RunSplit, SplitDone, StopStreams)
 from pipeline.delivery.stream import MessageLayout
 from pipeline.delivery.plan import DeliveryPlan, HubPlan, Topology
@@ -197,9 +197,10 @@ class Flotilla:
                 if code not in (None, 0)]
         if dead:  # what a hub said before it exited explains it best: take what is left of its words first
             events += [event for node in self.nodes.values() for event in node.hub_progress(0)]
+        refused = [event for event in events if isinstance(event, HubUserError)]
+        if refused:  # first: a peer in a collective with the hub that stopped for it may fail after it
+            raise UserError(refused[0].message)
         for event in events:
-            if isinstance(event, HubRefused):
-                raise UserError(event.message)
             if isinstance(event, HubHung):
                 raise HangError(f"hub {event.hub} (node {self.plan.hubs[event.hub].node}): {event.message}")
             if isinstance(event, HubWaiting):
