@@ -42,25 +42,27 @@ class Spec:
     def __str__(self) -> str:
         return self.kind.value + (f"{list(self.item_shape)}" if self.item_shape else "")
 
-    def broken_by(self, batch, most: int) -> str | None:
+    def broken_by(self, batch, most: int, classes: int) -> str | None:
         """How `batch`, a stage's output, is not what this spec promises the stages after it (None: it is):
-        a Batch of at most `most` items (what a batch of its task holds), one int64 label and one path each, the
-        items of this kind (files' bytes; RGB uint8 images, height x width x 3; one uint8 array of every
-        item, of this item shape)."""
+        a Batch of at most `most` items (what a batch task holds), each with a path (str) and a label (one
+        int64 array of them, each one of the `classes`), the items of this kind (files' bytes; RGB uint8
+        images, height x width x 3; one uint8 array of every item, of this item shape)."""
         if not isinstance(batch, Batch):
             return f"returned {_described(batch)}, not a stages.base.Batch"
-        if not isinstance(batch.data, (list, np.ndarray)):
+        if not (isinstance(batch.data, list) or isinstance(batch.data, np.ndarray) and batch.data.ndim):
             return f"made {_described(batch.data)}, not a list of items or one array of them"
         labels = batch.labels
         if not (isinstance(labels, np.ndarray) and labels.dtype == np.int64 and labels.ndim == 1):
             return f"made labels that are {_described(labels)}, not one int64 array of a label per item"
-        if not isinstance(batch.paths, list):
-            return f"made paths that are {_described(batch.paths)}, not a list of a path per item"
+        if not (isinstance(batch.paths, list) and all(isinstance(path, str) for path in batch.paths)):
+            return f"made paths that are {_described(batch.paths)}, not a list of a path (str) per item"
         if not len(batch.data) == len(labels) == len(batch.paths):
             return (f"made {len(batch.data)} items with {len(labels)} labels and {len(batch.paths)} paths "
                     "(a Batch has one label and one path per item)")
         if len(labels) > most:
-            return f"made {len(labels)} items, more than a batch holds ({most})"
+            return f"made {len(labels)} items, more than a batch task holds ({most})"
+        if len(labels) and not 0 <= labels.min() <= labels.max() < classes:
+            return f"made labels from {labels.min()} to {labels.max()}, not class indices of the {classes} classes"
         if self.kind is DataKind.TENSOR:
             shape = (len(batch.labels), *(self.item_shape or ()))
             data = batch.data

@@ -192,9 +192,10 @@ def _tiff_orientation(tiff: memoryview) -> int | None:
     for entry in range(ifd + 2, min(ifd + 2 + 12 * entries, len(tiff) - 11), 12):
         if int.from_bytes(tiff[entry:entry + 2], order) == 0x0112:
             kind = int.from_bytes(tiff[entry + 2:entry + 4], order)
-            # The SHORT the standard says, a LONG where some writers put it, or their signed kinds; another
-            # kind (BYTE, a string) is no number to Pillow: the image as stored
-            width = {3: 2, 8: 2, 4: 4, 9: 4}.get(kind)
+            # The SHORT the standard says, a LONG where some writers put it, or their signed kinds (and SBYTE);
+            # a BYTE or a string is no number to Pillow: the image as stored. (Pillow reads a float or a
+            # rational too, which no writer puts there: taken as stored here.)
+            width = {3: 2, 8: 2, 4: 4, 9: 4, 6: 1}.get(kind)
             return int.from_bytes(tiff[entry + 8:entry + 8 + width], order) if width else 0
     return None
 

@@ -213,8 +213,10 @@ def test_the_documented_stage_of_ones_own_runs_in_the_graph_as_documented(stages
     ("labels a list", r"made labels that are a list, not one int64 array of a label per item"),
     ("labels float", r"made labels that are an array of float64 \[\d+\], not one int64 array of a label per item"),
     ("labels a column", r"made labels that are an array of int64 \[\d+, 1\], not one int64 array of a label per item"),
-    ("no paths", r"made paths that are a NoneType, not a list of a path per item"),
-    ("twice", r"made 112 items, more than a batch holds \(64\)"),
+    ("no paths", r"made paths that are a NoneType, not a list of a path \(str\) per item"),
+    ("paths not str", r"made paths that are a list, not a list of a path \(str\) per item"),
+    ("twice", r"made 112 items, more than a batch task holds \(64\)"),
+    ("labels past the classes", r"made labels from 4 to 7, not class indices of the 4 classes"),
     ("nothing", r"returned a NoneType, not a stages.base.Batch"),
 ])
 def test_a_stage_whose_output_is_not_what_it_declares_is_named_at_its_first_batch(stages, fault, made):
@@ -227,8 +229,8 @@ def test_a_stage_whose_output_is_not_what_it_declares_is_named_at_its_first_batc
     graph = build_graph(without_cache(stages), {"main", "alt"})
     with pytest.raises(GraphError) as err:
         batch_of(graph, epoch=2)
-    assert re.fullmatch(rf"pipeline.stages.faulty: tests.faulty_stage.Faulty {made}, making train batch 0 of "
-                        "epoch 2; make its __call__ return what its output_spec declares", str(err.value)), err.value
+    assert re.fullmatch(rf"pipeline.stages.faulty \(tests.faulty_stage.Faulty\), making train batch 0 of epoch 2: "
+                        rf"{made}; make its __call__ return what its output_spec declares", str(err.value)), err.value
 
 
 def test_an_error_a_stage_raises_keeps_its_traceback_and_names_the_stage_and_batch(stages):
@@ -239,40 +241,66 @@ def test_an_error_a_stage_raises_keeps_its_traceback_and_names_the_stage_and_bat
         batch_of(graph, Split.VAL, epoch=1)
     assert err.value.__notes__ == ["in pipeline.stages.faulty (tests.faulty_stage.Faulty), making val batch 0 of "
                                    "epoch 1"]
+    stages["faulty"]["fault"] = "refuse"  # the user's error, named where it was met
+    with pytest.raises(GraphError) as err:
+        batch_of(build_graph(stages, {"main", "alt"}), Split.VAL, epoch=1)
+    assert str(err.value) == ("pipeline.stages.faulty (tests.faulty_stage.Faulty), making val batch 0 of epoch 1: "
+                              "this batch cannot be brightened; lower strength")
 
 
 def test_images_and_files_are_held_to_their_kind():
     labels, paths = np.zeros(2, dtype=np.int64), ["a.jpg", "b.jpg"]
     rgb = np.zeros((5, 7, 3), dtype=np.uint8)
     images = Spec(DataKind.IMAGES)
-    assert images.broken_by(Batch([rgb, rgb], labels, paths), 2) is None
-    assert images.broken_by(Batch([], labels[:0], []), 2) is None  # every file of the batch skipped
-    assert images.broken_by(Batch([rgb, rgb[..., 0]], labels, paths), 2) == (
+    assert images.broken_by(Batch([rgb, rgb], labels, paths), 2, 1) is None
+    assert images.broken_by(Batch([], labels[:0], []), 2, 1) is None  # every file of the batch skipped
+    assert images.broken_by(Batch([rgb, rgb[..., 0]], labels, paths), 2, 1) == (
         "made an array of uint8 [5, 7] of b.jpg, not the RGB image it declares (uint8, height x width x 3)")
-    assert images.broken_by(Batch([rgb, rgb.astype(np.float32)], labels, paths), 2).startswith(
+    assert images.broken_by(Batch([rgb, rgb.astype(np.float32)], labels, paths), 2, 1).startswith(
         "made an array of float32 [5, 7, 3] of b.jpg")
     encoded = Spec(DataKind.ENCODED)
-    assert encoded.broken_by(Batch([b"\xff\xd8", b""], labels, paths), 2) is None
-    assert encoded.broken_by(Batch([b"\xff\xd8", "text"], labels, paths), 2) == (
+    assert encoded.broken_by(Batch([b"\xff\xd8", b""], labels, paths), 2, 1) is None
+    assert encoded.broken_by(Batch([b"\xff\xd8", "text"], labels, paths), 2, 1) == (
         "made items that are not bytes, not the encoded files it declares")
-    assert Spec(DataKind.TENSOR, (5, 7, 3)).broken_by(Batch(None, labels, paths), 2) == (
-        "made a NoneType, not a list of items or one array of them")
+    tensor = Spec(DataKind.TENSOR, (5, 7, 3))
+    for data, made in ((None, "a NoneType"), (np.array(3), "an array of int64 []")):
+        assert tensor.broken_by(Batch(data, labels, paths), 2, 1) == (
+            f"made {made}, not a list of items or one array of them")
+    assert tensor.broken_by(Batch(np.zeros((2, 5, 7, 3), np.uint8), labels - 1, paths), 2, 1) == (
+        "made labels from -1 to -1, not class indices of the 1 classes")
 
 
 def test_a_stage_that_declares_no_spec_or_a_tensor_without_its_shape_is_refused(stages, monkeypatch):
     stages["faulty"] = {"_target_": "tests.faulty_stage.Faulty", "inputs": ["crop_main"]}
     stages["main"]["inputs"] = ["faulty"]
-    for declared in (None, Spec(DataKind.TENSOR), Spec(DataKind.TENSOR, (64, 64))):
+    for declared in (None, Spec(DataKind.TENSOR), Spec(DataKind.TENSOR, (64, 64)), Spec(DataKind.TENSOR, 64),
+                     Spec("tensor", (64, 64, 3)), Spec(DataKind.TENSOR, (64.0, 64.0, 3))):
         monkeypatch.setattr("tests.faulty_stage.Faulty.output_spec", lambda self, given: declared)
         assert errors_for(stages) == (f"pipeline.stages.faulty: tests.faulty_stage.Faulty.output_spec returned "
                                       f"{declared!r}, not a stages.base.Spec of what it makes (a tensor's with its "
-                                      "item shape, (height, width, 3))")
+                                      "item shape: (height, width, 3), positive ints)")
+
+
+def test_a_sink_that_hands_out_no_square_tensor_is_refused(stages):
+    """A model is built for one image side: a sink of decoded images of any size, or of oblong ones, cannot
+    feed it (image_sizes failed with a TypeError)."""
+    images = {**stages, "alt": {"_target_": "tests.faulty_stage.ImagesSink", "inputs": ["cache"]}}
+    del images["crop_alt"]
+    assert errors_for(images) == ("pipeline.stages.alt: tests.faulty_stage.ImagesSink is a sink making images; a sink "
+                                  "hands the models square images of one size (a tensor of (side, side, 3)): feed it "
+                                  "from a crop")
+    stages["oblong"] = {"_target_": "tests.faulty_stage.Oblong", "inputs": ["crop_main"]}
+    stages["main"]["inputs"] = ["oblong"]
+    assert errors_for(stages) == ("pipeline.stages.main: stages.broadcast.Broadcast is a sink making tensor[64, 32, "
+                                  "3]; a sink hands the models square images of one size (a tensor of (side, side, "
+                                  "3)): feed it from a crop")
 
 
 def test_a_built_in_stage_that_breaks_its_spec_is_a_bug_not_the_users_mistake(stages, monkeypatch):
     graph = build_graph(without_cache(stages), {"main", "alt"})
     monkeypatch.setattr(graph.stages["crop_alt"], "size", 47)  # it makes 47 px where it declared 48
-    with pytest.raises(RuntimeError, match=r"^pipeline.stages.crop_alt: stages.augment.RandomResizedCropFlip made an "
-                                           r"array of uint8 \[\d+, 47, 47, 3\], not the tensor\[48, 48, 3\] .* \(a bug "
-                                           r"in the project's own stage\)$"):
+    bug = (r"^pipeline.stages.crop_alt \(stages.augment.RandomResizedCropFlip\), making train batch 0 of epoch 0: "
+           r"made an array of uint8 \[\d+, 47, 47, 3\], not the tensor\[48, 48, 3\] .* \(a bug in the project's own "
+           r"stage\)$")
+    with pytest.raises(RuntimeError, match=bug):
         batch_of(graph)

@@ -172,8 +172,8 @@ def test_cli_a_users_mistake_is_one_message_and_exit_code_2(tiny_dataset, bad_da
                      r"001_900\d\.jpg: .*\(on_error=fail; set on_error=skip"),
         "stage output": (small(tiny_dataset, "trainer.epochs=1", "pipeline.stages.alt.inputs=[faulty]",
                                "+pipeline.stages.faulty={_target_: tests.faulty_stage.Faulty, inputs: [crop_alt]}"),
-                         r"pipeline.stages.faulty: tests.faulty_stage.Faulty made an array of uint8 "
-                         r"\[\d+, 23, 24, 3\], not the tensor\[24, 24, 3\] it declares .*; make its __call__ return"),
+                         r"pipeline.stages.faulty \(tests.faulty_stage.Faulty\), making train batch 0 of epoch 0: made "
+                         r"an array of uint8 \[\d+, 23, 24, 3\], not the tensor\[24, 24, 3\] .*; make its __call__"),
         "member": (small(tiny_dataset, "ensemble.models.2.model._target_=mypkg.nets.Small"),
                    r"ensemble member densenet40_k12: model \(mypkg.nets.Small\): cannot import mypkg.nets.Small"),
         "output folder": (["+ensemble=caltech256", f"hydra.run.dir={blocker / 'out'}"],

@@ -3,6 +3,7 @@ driver before any Dask work; `run` pushes one batch through it."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,12 +11,16 @@ from typing import Any
 import numpy as np
 
 from pipeline.runtime.errors import UserError
-from stages.base import Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
+from stages.base import BadFileError, Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
 from stages.cache import Cache, stored_bytes
 from stages.read import ImageFolder
 
 CONFIG_ROOT = "pipeline.stages"
 RESERVED = ("_target_", "inputs")
+BUILT_IN = ("stages.read.ImageFolder", "stages.decode.Decode", "stages.cache.Cache",
+            "stages.augment.RandomResizedCropFlip", "stages.broadcast.Broadcast")
+# The project's own stages, and profile mode's stand-ins: one that breaks its promise is a bug, not the user's
+OWN_MODULES = {target.rpartition(".")[0] for target in BUILT_IN} | {"pipeline.report.profile_run"}
 
 
 class GraphError(UserError):
@@ -90,8 +95,8 @@ class StageGraph:
         until = self.inputs[self.cache_name] if self.cache_name else next(iter(self.sinks))
         batch = None
         for stage_name in self.feeding({until}).stages:  # in order
-            batch = self._through(stage_name, batch, ctx, f"the {len(picks)} files sampled at the run's start",
-                                  len(picks))
+            batch = self.through(stage_name, batch, ctx, f"the {len(picks)} files sampled at the run's start",
+                                 len(picks))
         return batch, ctx
 
     def cached_bytes_per_item(self, sample: Batch) -> float | None:
@@ -137,7 +142,7 @@ class StageGraph:
         for name, stage in self.stages.items():
             given = outputs[self.inputs[name]] if self.inputs[name] else None
             wall, cpu = time.perf_counter(), time.thread_time()
-            outputs[name] = self._through(name, given, ctx, making, most)
+            outputs[name] = self.through(name, given, ctx, making, most)
             if stage is cache:
                 wall, cpu = wall - lookup_s[0], cpu - lookup_s[1]
             timings[name] = StageTiming(time.perf_counter() - wall, time.thread_time() - cpu,
@@ -147,24 +152,27 @@ class StageGraph:
         return BatchOutput(batches, timings, ctx.skipped, ctx.converted, cache_hits=len(ctx.held),
                            cache_lookups=lookups)
 
-    def _through(self, name: str, given: Batch | None, ctx: BatchContext, making: str, most: int) -> Batch:
-        """Stage `name`'s output for `given`, held to its output spec (and to `most` items), which the stages
-        after it and the trainers take as promised. A stage's error names the stage and what it was `making`:
-        a user's stage that breaks its promise is the user's to mend, one of the project's a bug."""
+    def through(self, name: str, given: Batch | None, ctx: BatchContext, making: str, most: int) -> Batch:
+        """Stage `name`'s output for `given`, held to its output spec (at most `most` items, labels of the
+        dataset's classes), which the stages after it and the trainers take as promised. A stage's error
+        names the stage and what it was `making`: a user's stage that breaks its promise is the user's to
+        mend, one of the project's a bug."""
         stage, ctx.stage = self.stages[name], name
+        where = f"{CONFIG_ROOT}.{name} ({_declared(stage)}), making {making}"
         try:
             made = stage(given, ctx)
-        except UserError:
-            raise  # its message says what and how to fix it
+        except BadFileError:
+            raise  # it names the file and the fix
+        except UserError as err:
+            raise GraphError(f"{where}: {err}") from None
         except Exception as err:
-            err.add_note(f"in {CONFIG_ROOT}.{name} ({_declared(stage)}), making {making}")
+            err.add_note(f"in {where}")
             raise
-        broken = self.specs[name].broken_by(made, most)
+        broken = self.specs[name].broken_by(made, most, len(self.source.class_names))
+        if broken and type(stage).__module__ in OWN_MODULES:
+            raise RuntimeError(f"{where}: {broken} (a bug in the project's own stage)")
         if broken:
-            where = f"{CONFIG_ROOT}.{name}: {_declared(stage)} {broken}, making {making}"
-            if type(stage).__module__.partition(".")[0] in ("stages", "pipeline"):
-                raise RuntimeError(f"{where} (a bug in the project's own stage)")
-            raise GraphError(f"{where}; make its __call__ return what its output_spec declares")
+            raise GraphError(f"{where}: {broken}; make its __call__ return what its output_spec declares")
         return made
 
 
@@ -202,21 +210,31 @@ def _instantiate(name: str, entry: dict[str, Any]) -> Stage:
         raise GraphError(f"{key}.{unknown[0]}: {cls.__name__} has no field '{unknown[0]}'; "
                          f"its fields are: {', '.join(allowed) or '(none)'}")
     try:
-        return cls(**given)
-    except TypeError as err:  # a required field is missing
+        inspect.signature(cls).bind(**given)
+    except TypeError as err:  # a required field is missing (bound first: a TypeError the stage raises is a bug)
         raise GraphError(f"{key}: {err}; {cls.__name__}'s fields are: {', '.join(allowed)}") from None
+    try:
+        return cls(**given)
     except StageError as err:
         raise GraphError(f"{key}: {err}") from None
 
 
-def _promised(name: str, stage: Stage, spec) -> Spec:
-    """`spec`, what the stage's output_spec returned, if it says what a batch holds: a Spec, a tensor's with
-    its item shape (height, width, 3), which the sink's readers are built for."""
-    shaped = isinstance(spec, Spec) and (spec.kind is not DataKind.TENSOR or (
-        spec.item_shape is not None and len(spec.item_shape) == 3 and spec.item_shape[2] == 3))
+def _promised(name: str, stage: Stage, spec: object) -> Spec:
+    """`spec`, what the stage's output_spec returned, if it says what a batch holds: a Spec of a DataKind, a
+    tensor's with its item shape (height, width, 3) in positive ints; a sink's a square tensor's, whose side
+    the models that read it are built for."""
+    tensor = isinstance(spec, Spec) and spec.kind is DataKind.TENSOR
+    shape = spec.item_shape if tensor else None
+    shaped = isinstance(spec, Spec) and isinstance(spec.kind, DataKind) and (not tensor or (
+        isinstance(shape, tuple) and len(shape) == 3 and shape[2] == 3
+        and all(type(n) is int and n > 0 for n in shape)))
     if not shaped:
         raise GraphError(f"{CONFIG_ROOT}.{name}: {_declared(stage)}.output_spec returned {spec!r}, not a "
-                         "stages.base.Spec of what it makes (a tensor's with its item shape, (height, width, 3))")
+                         "stages.base.Spec of what it makes (a tensor's with its item shape: (height, width, 3), "
+                         "positive ints)")
+    if stage.role is Role.SINK and not (tensor and shape[0] == shape[1]):
+        raise GraphError(f"{CONFIG_ROOT}.{name}: {_declared(stage)} is a sink making {spec}; a sink hands the "
+                         "models square images of one size (a tensor of (side, side, 3)): feed it from a crop")
     return spec
 
 
@@ -231,8 +249,7 @@ def _stage_class(target: str, key: str) -> type[Stage]:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as err:  # why: a user's module may import what is not installed
         raise GraphError(f"{key}._target_: cannot import '{target}' ({err}); built-in stages are "
-                         "stages.read.ImageFolder, stages.decode.Decode, stages.cache.Cache, "
-                         "stages.augment.RandomResizedCropFlip, stages.broadcast.Broadcast") from None
+                         f"{', '.join(BUILT_IN)}") from None
     if not (isinstance(cls, type) and issubclass(cls, Stage)):
         raise GraphError(f"{key}._target_: '{target}' is not a Stage (subclass stages.base.Stage)")
     return cls

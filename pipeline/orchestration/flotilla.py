@@ -197,9 +197,9 @@ class Flotilla:
                 if code not in (None, 0)]
         if dead:  # what a hub said before it exited explains it best: take what is left of its words first
             events += [event for node in self.nodes.values() for event in node.hub_progress(0)]
-        refused = [event for event in events if isinstance(event, HubUserError)]
-        if refused:  # first: a peer in a collective with the hub that stopped for it may fail after it
-            raise UserError(refused[0].message)
+        user_errors = [event for event in events if isinstance(event, HubUserError)]
+        if user_errors:  # first: a peer in a collective with the hub that stopped for it may fail after it
+            raise UserError(user_errors[0].message)
         for event in events:
             if isinstance(event, HubHung):
                 raise HangError(f"hub {event.hub} (node {self.plan.hubs[event.hub].node}): {event.message}")

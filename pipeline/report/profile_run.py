@@ -243,8 +243,9 @@ def _fetch_outputs(graph: StageGraph, seed: int, on_error: str, count: int) -> l
         ctx = BatchContext(seed=seed, split=Split.TRAIN, epoch=0, index=index, on_error=on_error)
         outputs: dict[str, Batch] = {}
         for name in fetch:  # topological order
-            ctx.stage = name
-            outputs[name] = graph.stages[name](outputs[graph.inputs[name]] if graph.inputs[name] else None, ctx)
+            given = outputs[graph.inputs[name]] if graph.inputs[name] else None
+            outputs[name] = graph.through(name, given, ctx, f"train batch {index} of epoch 0",
+                                          graph.source.batch_size)
         held.append({name: outputs[name] for name in feeding})
     return held
 
