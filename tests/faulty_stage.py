@@ -24,10 +24,15 @@ FAULTS = {  # what each fault makes of a batch's (data, labels, paths)
 
 @dataclass
 class Faulty(Stage):
-    fault: str = "short"  # one of FAULTS; "nothing": returns None; "raise": a bug; "refuse": a StageError
+    fault: str = "short"  # one of FAULTS; "nothing": returns None; "raise": a bug; "refuse": a StageError;
+    #                       "init": a bug as it is made
 
     role: ClassVar[Role] = Role.MAP
     accepts: ClassVar[DataKind | None] = DataKind.TENSOR
+
+    def __post_init__(self) -> None:
+        if self.fault == "init":
+            len(self.fault.encode()[0])  # a TypeError of its own
 
     def output_spec(self, input_spec: Spec | None) -> Spec:
         return input_spec

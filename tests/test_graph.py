@@ -136,6 +136,13 @@ def test_unknown_field_lists_the_valid_ones(stages):
     assert "pipeline.stages.crop_main.sise" in message and "size" in message
 
 
+def test_a_type_error_a_stage_raises_as_it_is_made_is_its_own_not_a_missing_field(stages):
+    stages["faulty"] = {"_target_": "tests.faulty_stage.Faulty", "inputs": ["crop_main"], "fault": "init"}
+    stages["main"]["inputs"] = ["faulty"]
+    with pytest.raises(TypeError, match="object of type 'int' has no len"):
+        build_graph(stages, {"main", "alt"})
+
+
 def test_missing_required_field(stages):
     del stages["crop_main"]["size"]
     assert "pipeline.stages.crop_main" in errors_for(stages)
