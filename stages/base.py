@@ -43,10 +43,10 @@ class Spec:
         return self.kind.value + (f"{list(self.item_shape)}" if self.item_shape else "")
 
     def broken_by(self, batch, most: int, classes: int) -> str | None:
-        """How `batch`, a stage's output, is not what this spec promises the stages after it (None: it is):
-        a Batch of at most `most` items (what a batch task holds), each with a path (str) and a label (one
-        int64 array of them, each one of the `classes`), the items of this kind (files' bytes; RGB uint8
-        images, height x width x 3; one uint8 array of every item, of this item shape)."""
+        """How `batch`, a stage's output, is not what this spec promises the stages after it (None: it is),
+        as a whole (a few looks, whatever its size): a Batch of at most `most` items (what a batch task
+        holds), a list of paths and one int64 array of labels, one of each per item, each label one of the
+        `classes`; a tensor's one uint8 array of every item, of this item shape."""
         if not isinstance(batch, Batch):
             return f"returned {_described(batch)}, not a stages.base.Batch"
         if not (isinstance(batch.data, list) or isinstance(batch.data, np.ndarray) and batch.data.ndim):
@@ -54,7 +54,7 @@ class Spec:
         labels = batch.labels
         if not (isinstance(labels, np.ndarray) and labels.dtype == np.int64 and labels.ndim == 1):
             return f"made labels that are {_described(labels)}, not one int64 array of a label per item"
-        if not (isinstance(batch.paths, list) and all(isinstance(path, str) for path in batch.paths)):
+        if not isinstance(batch.paths, list):
             return f"made paths that are {_described(batch.paths)}, not a list of a path (str) per item"
         if not len(batch.data) == len(labels) == len(batch.paths):
             return (f"made {len(batch.data)} items with {len(labels)} labels and {len(batch.paths)} paths "
@@ -64,17 +64,25 @@ class Spec:
         if len(labels) and not 0 <= labels.min() <= labels.max() < classes:
             return f"made labels from {labels.min()} to {labels.max()}, not class indices of the {classes} classes"
         if self.kind is DataKind.TENSOR:
-            shape = (len(batch.labels), *(self.item_shape or ()))
+            shape = (len(labels), *self.item_shape)
             data = batch.data
             if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.shape == shape):
                 return f"made {_described(data)}, not the {self} it declares (one uint8 array of shape {list(shape)})"
-        elif self.kind is DataKind.IMAGES:
+        return None
+
+    def items_broken_by(self, batch: Batch) -> str | None:
+        """How an item of `batch`, whole as `broken_by` holds it, is not what this spec promises: a path that
+        is not a str, an image not RGB uint8 (height x width x 3), a file not bytes. A look at each item: work
+        per image, so the graph asks it of a user's stages only."""
+        if not all(isinstance(path, str) for path in batch.paths):
+            return f"made paths that are {_described(batch.paths)}, not a list of a path (str) per item"
+        if self.kind is DataKind.IMAGES:
             for path, item in zip(batch.paths, batch.data):
                 if not (isinstance(item, np.ndarray) and item.dtype == np.uint8 and item.ndim == 3
                         and item.shape[2] == 3):
                     return (f"made {_described(item)} of {path}, not the RGB image it declares (uint8, height x "
                             "width x 3)")
-        elif not all(isinstance(item, bytes) for item in batch.data):
+        elif self.kind is DataKind.ENCODED and not all(isinstance(item, bytes) for item in batch.data):
             return "made items that are not bytes, not the encoded files it declares"
         return None
 

@@ -200,6 +200,7 @@ def test_the_documented_stage_of_ones_own_runs_in_the_graph_as_documented(stages
     before, after = batch_of(plain)["main"], batch_of(graph)["main"]
     assert after.paths == before.paths and after.data.shape == before.data.shape
     assert np.array_equal(batch_of(graph)["main"].data, after.data)
+    assert graph.proven == set(graph.stages) - {"bright"}  # the project's own looked at once, the user's each time
     pixels = before.data.reshape(len(before.paths), -1)
     lit = (60 < pixels) & (pixels < 190)  # clear of rounding's share near 0 and of clipping at 255
     factors = [a[m].astype(float) / b[m] for a, b, m in zip(after.data.reshape(len(lit), -1), pixels, lit)]
@@ -259,15 +260,16 @@ def test_images_and_files_are_held_to_their_kind():
     labels, paths = np.zeros(2, dtype=np.int64), ["a.jpg", "b.jpg"]
     rgb = np.zeros((5, 7, 3), dtype=np.uint8)
     images = Spec(DataKind.IMAGES)
-    assert images.broken_by(Batch([rgb, rgb], labels, paths), 2, 1) is None
-    assert images.broken_by(Batch([], labels[:0], []), 2, 1) is None  # every file of the batch skipped
-    assert images.broken_by(Batch([rgb, rgb[..., 0]], labels, paths), 2, 1) == (
+    for whole in (Batch([rgb, rgb], labels, paths), Batch([], labels[:0], [])):  # the latter: every file skipped
+        assert images.broken_by(whole, 2, 1) is None and images.items_broken_by(whole) is None
+    assert images.items_broken_by(Batch([rgb, rgb[..., 0]], labels, paths)) == (
         "made an array of uint8 [5, 7] of b.jpg, not the RGB image it declares (uint8, height x width x 3)")
-    assert images.broken_by(Batch([rgb, rgb.astype(np.float32)], labels, paths), 2, 1).startswith(
+    assert images.items_broken_by(Batch([rgb, rgb.astype(np.float32)], labels, paths)).startswith(
         "made an array of float32 [5, 7, 3] of b.jpg")
     encoded = Spec(DataKind.ENCODED)
-    assert encoded.broken_by(Batch([b"\xff\xd8", b""], labels, paths), 2, 1) is None
-    assert encoded.broken_by(Batch([b"\xff\xd8", "text"], labels, paths), 2, 1) == (
+    files = Batch([b"\xff\xd8", b""], labels, paths)
+    assert encoded.broken_by(files, 2, 1) is None and encoded.items_broken_by(files) is None
+    assert encoded.items_broken_by(Batch([b"\xff\xd8", "text"], labels, paths)) == (
         "made items that are not bytes, not the encoded files it declares")
     tensor = Spec(DataKind.TENSOR, (5, 7, 3))
     for data, made in ((None, "a NoneType"), (np.array(3), "an array of int64 []")):

@@ -72,6 +72,9 @@ class StageGraph:
     stages: dict[str, Stage]  # in topological order
     inputs: dict[str, str | None]  # each stage's input stage (None for the source)
     specs: dict[str, Spec]  # each stage's output spec
+    # The project's own stages whose output kept its promise once (on the driver's sample, say: the set travels
+    # with the graph); their tests hold them to it after that
+    proven: set[str] = field(default_factory=set, repr=False)
 
     @property
     def source(self) -> ImageFolder:
@@ -154,26 +157,36 @@ class StageGraph:
 
     def through(self, name: str, given: Batch | None, ctx: BatchContext, making: str, most: int) -> Batch:
         """Stage `name`'s output for `given`, held to its output spec (at most `most` items, labels of the
-        dataset's classes), which the stages after it and the trainers take as promised. A stage's error
-        names the stage and what it was `making`: a user's stage that breaks its promise is the user's to
-        mend, one of the project's a bug."""
+        dataset's classes), which the stages after it and the trainers take as promised: a user's stage's
+        every batch, item by item; the project's own stages' first batch, as a whole (their tests hold
+        them to it). A stage's error names the stage and what it was `making`: a user's stage that breaks
+        its promise is the user's to mend, one of the project's a bug."""
         stage, ctx.stage = self.stages[name], name
-        where = f"{CONFIG_ROOT}.{name} ({_declared(stage)}), making {making}"
         try:
             made = stage(given, ctx)
         except BadFileError:
             raise  # it names the file and the fix
         except UserError as err:
-            raise GraphError(f"{where}: {err}") from None
+            raise GraphError(f"{self._where(name, making)}: {err}") from None
         except Exception as err:
-            err.add_note(f"in {where}")
+            err.add_note(f"in {self._where(name, making)}")
             raise
-        broken = self.specs[name].broken_by(made, most, len(self.source.class_names))
-        if broken and type(stage).__module__ in OWN_MODULES:
-            raise RuntimeError(f"{where}: {broken} (a bug in the project's own stage)")
+        if name in self.proven:
+            return made
+        spec, own = self.specs[name], type(stage).__module__ in OWN_MODULES
+        broken = spec.broken_by(made, most, len(self.source.class_names)) or (not own and spec.items_broken_by(made))
         if broken:
-            raise GraphError(f"{where}: {broken}; make its __call__ return what its output_spec declares")
+            broken = f"{self._where(name, making)}: {broken}"
+            if own:
+                raise RuntimeError(f"{broken} (a bug in the project's own stage)")
+            raise GraphError(f"{broken}; make its __call__ return what its output_spec declares")
+        if own:
+            self.proven.add(name)
         return made
+
+    def _where(self, name: str, making: str) -> str:
+        """Stage `name` and what it was making, for its errors (made only for them: `through` is per batch)."""
+        return f"{CONFIG_ROOT}.{name} ({_declared(self.stages[name])}), making {making}"
 
 
 def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> StageGraph:
