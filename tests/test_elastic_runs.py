@@ -102,7 +102,12 @@ def test_a_model_on_its_plateau_gives_a_slot_to_one_whose_loss_still_falls(tiny_
     held = lambda model, flotilla: {tuple(b["slot"]) for b in gantt if (b["group"], b["flotilla"]) == (model, flotilla)}
     assert sorted((b["group"], b["flotilla"]) for b in gantt) == [
         ("old", 0), ("old", 0), ("old", 2), ("young", 1), ("young", 3), ("young", 3)]
-    assert len(held("young", 3) & held("old", 0)) == 1
+    # one of them beside old's second stint; both (assign_slots takes a node's lowest free slots) when old had
+    # finished before young grew (seen with the cores busy: old trained all its epochs while young was in its
+    # second)
+    old_done = next(b["end"] for b in gantt if (b["group"], b["flotilla"]) == ("old", 2)) <= next(
+        b["start"] for b in gantt if (b["group"], b["flotilla"]) == ("young", 3))
+    assert len(held("young", 3) & held("old", 0)) == (2 if old_done else 1)
     bars = sorted((tuple(b["slot"]), b["start"], b["end"]) for b in gantt)
     for (slot, _, end), (next_slot, start, _) in zip(bars, bars[1:]):
         assert slot != next_slot or end <= start
