@@ -46,6 +46,16 @@ class ReadsValues(SmallNet):
         return super().forward(x)
 
 
+def counts_out_channels(out_channels, **kwargs):
+    """A callable whose **kwargs go to a class that does not take num_classes (MONAI's DenseNet121)."""
+    return CountsOutChannels(out_channels, **kwargs)
+
+
+class CountsOutChannels(SmallNet):
+    def __init__(self, out_channels: int, channels: int = 4):
+        super().__init__(out_channels, channels)
+
+
 def not_a_module(num_classes):
     return "a string"
 
@@ -144,6 +154,21 @@ def test_the_project_gives_num_classes_and_image_size_where_the_callable_takes_t
     assert build_module(declared(), CLASSES, 16).head[-1].out_features == CLASSES
     small, large = (build_module(member("r"), CLASSES, side) for side in (32, 64))
     assert small.features[0][0].kernel_size == (3, 3) and large.features[0][0].kernel_size == (7, 7)
+
+
+
+def test_a_callable_whose_kwargs_refuse_num_classes_is_called_as_declared():
+    """Offered through **kwargs, num_classes is withdrawn when they refuse it (MONAI's DenseNet121 failed so
+    with the class count set as its out_channels); the same seed builds the same weights; a wrong count of its
+    own is the dry check's error, naming the dataset's."""
+    spec = declared(model={"_target_": "tests.test_members.counts_out_channels", "out_channels": CLASSES,
+                           "channels": 5})
+    module = build_module(spec, CLASSES, 16)
+    assert module.head[-1].out_features == CLASSES and module.branch.out_channels == 5
+    assert torch.equal(build_module(spec, CLASSES, 16).branch.weight, module.branch.weight)
+    wrong = declared(model={"_target_": "tests.test_members.counts_out_channels", "out_channels": CLASSES + 1})
+    with pytest.raises(MemberError, match=f"shape \\(2, {CLASSES}\\) for the dataset's {CLASSES} classes"):
+        check_members([wrong], CLASSES, {"main": 16}, STEPS)
 
 
 @pytest.mark.parametrize("optimizer, buffers", [

@@ -165,7 +165,16 @@ def build_module(m: ModelSpec, num_classes: int, image_size: int):
             given["image_size"] = image_size
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(m.seed)
-            module = _instantiate(m.model, **given)
+            try:
+                module = _instantiate(m.model, **given)
+            except Exception as err:
+                # offered through **kwargs, which do not all take it (MONAI's DenseNet121 hands them to a class
+                # that counts classes as out_channels): the callable is called as it was declared
+                if "num_classes" not in given or not _refused_keyword(err, "num_classes"):
+                    raise
+                del given["num_classes"]
+                torch.manual_seed(m.seed)
+                module = _instantiate(m.model, **given)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"it returned a {type(module).__name__}, not a torch.nn.Module")
     return module
@@ -363,6 +372,16 @@ def _accepts(target, parameter: str, by_kwargs: bool = False) -> bool:
         return False
     return parameter in parameters or by_kwargs and any(
         p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _refused_keyword(err: BaseException, parameter: str) -> bool:
+    """Whether `err`, or what it wraps (Hydra's instantiate wraps what the target raised), is Python's refusal
+    of the keyword argument `parameter`."""
+    while err is not None:
+        if isinstance(err, TypeError) and f"unexpected keyword argument '{parameter}'" in str(err):
+            return True
+        err = err.__cause__
+    return False
 
 
 def _instantiate(config: dict, *args, **given):
