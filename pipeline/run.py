@@ -433,8 +433,10 @@ def _mlflow(cfg: DictConfig, output_dir: Path, models: list[ModelSpec]) -> Mlflo
 
 
 def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:
-    """pipeline.stages as a graph that feeds the models' inputs."""
-    return build_graph(OmegaConf.to_container(cfg.pipeline.stages, resolve=True, enum_to_str=True),
+    """pipeline.stages as a graph that feeds the models' inputs, dataset.root read from where the command ran
+    (under hydra.job.chdir=true a job runs in its own folder)."""
+    here = OmegaConf.merge(cfg, {"dataset": {"root": to_absolute_path(cfg.dataset.root)}})
+    return build_graph(OmegaConf.to_container(here.pipeline.stages, resolve=True, enum_to_str=True),
                        {m.input for m in models})
 
 

@@ -1,6 +1,7 @@
 """Config composition: the schema catches mistakes with the key's full name."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -247,22 +248,29 @@ def test_a_folder_another_run_writes_to_now_is_refused_until_that_run_ends(tmp_p
 
 
 def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran(tmp_path, monkeypatch):
-    """Under hydra.job.chdir=true a job runs in its own folder: the TLS files, the agents' secret and a local
-    MLflow store named relative to where the command ran are still found there (not looked for, or made
-    anew for each job, in the job's folder)."""
+    """Under hydra.job.chdir=true a job runs in its own folder: the dataset, the TLS files, the agents' secret
+    and a local MLflow store named relative to where the command ran are still found there (not looked for,
+    or made anew for each job, in the job's folder). The dataset's was not: its stage read dataset.root from
+    the job's folder, and a run with a relative root stopped ("dataset root data does not exist")."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
     from pipeline.data.executor import TlsFiles
     from pipeline.measure.tracking import launch_relative
     from pipeline.orchestration.agent import agent_key
+    from pipeline.run import _graph
 
     for name in ("ca.pem", "cert.pem", "key.pem"):
         (tmp_path / name).write_text("PEM")
     (tmp_path / "agent.key").write_text("k" * 32)
     (tmp_path / "agent.key").chmod(0o600)
+    for label in ("a", "b"):  # (the graph lists files; nothing reads them here)
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(4):
+            (tmp_path / "data" / label / f"{i}.jpg").touch()
     cfg = compose_config(["+ensemble=caltech256", "cluster.address=tls://10.0.0.1:8786", "cluster.tls.ca_file=ca.pem",
-                          "cluster.tls.cert=cert.pem", "cluster.tls.key=key.pem"], with_hydra=True)
+                          "cluster.tls.cert=cert.pem", "cluster.tls.key=key.pem", "dataset.root=data"],
+                         with_hydra=True)
     with open_dict(cfg):
         cfg.hydra.runtime.cwd = str(tmp_path)
     (tmp_path / "multirun" / "0").mkdir(parents=True)
@@ -271,6 +279,10 @@ def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran
     HydraConfig.instance().set_config(cfg)
     try:
         check(cfg)
+        source = _graph(cfg, expand_ensemble(cfg.ensemble, cfg.seed)).source
+        assert source.class_names == ["a", "b"] and {Path(path).parent.parent for path, _ in source.files["train"]} == {
+            tmp_path / "data"}
+        assert cfg.dataset.root == "data"  # as the user gave it: results.json and resume= compare it
         assert TlsFiles.configured(cfg.cluster.tls) == TlsFiles(*(str(tmp_path / n) for n in ("ca.pem", "cert.pem",
                                                                                                 "key.pem")))
         assert agent_key("agent.key", "cluster.agent_key_file") == b"k" * 32
