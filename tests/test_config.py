@@ -40,7 +40,8 @@ def test_members_take_the_ensembles_optimizer_under_their_own_keys():
                                               "++ensemble.models.3.optimizer.momentum=0.5"]).ensemble, 0)
     assert members[0].optimizer == {"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "momentum": 0.9,
                                     "weight_decay": 5e-4, "nesterov": True}
-    assert members[0].lr_scheduler == {"_target_": "pipeline.training.members.cosine", "_partial_": True}
+    assert members[0].lr_scheduler == {"_target_": "pipeline.training.members.cosine", "_partial_": True,
+                                       "warmup_fraction": 0.0}
     assert members[0].loss == {"_target_": "torch.nn.CrossEntropyLoss"}
     assert members[1].optimizer == {"_target_": "torch.optim.AdamW", "lr": 0.05}
     assert members[2].loss == {"_target_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.1}

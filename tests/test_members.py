@@ -3,6 +3,7 @@ nobody here wrote train, checkpoint and resume as the built-in families do; a de
 train is one MemberError naming the member and key, found before a run starts."""
 import copy
 import io
+import math
 import warnings
 from dataclasses import replace
 from types import SimpleNamespace
@@ -100,6 +101,9 @@ def declared(name="u", model=None, **keys) -> ModelSpec:
      r"schedule is stepped after every training step with no argument; declare one that counts steps"),
     (declared(lr_scheduler={"_target_": "tests.test_members.BrokenSchedule"}),
      r"lr_scheduler \(tests.test_members.BrokenSchedule\): no rate for step 1"),
+    (declared(lr_scheduler={"_target_": "pipeline.training.members.cosine", "warmup_fraction": 1}),
+     r"lr_scheduler \(pipeline.training.members.cosine\): warmup_fraction is the share of the run's steps that warm "
+     r"up: in \[0, 1\), got 1"),
     (declared(loss={"_target_": "torch.nn.CrossEntropyLoss", "reduction": "none"}),
      r"loss .*it must return one mean loss"),
 ])
@@ -120,6 +124,26 @@ def test_every_shipped_preset_builds(preset):
     key = preset.split("/")[0]
     check_members([declared(**{key: OmegaConf.to_container(OmegaConf.load(CONF / f"{preset}.yaml"))})], CLASSES,
                   {"main": 16}, STEPS)
+
+
+@pytest.mark.parametrize("total, fraction, factors", [
+    (10, 0.3, [1 / 4, 2 / 4, 3 / 4, 1, 0.5 * (1 + math.cos(math.pi / 7))]),  # then cosine over the other 7 steps
+    (10, 0.0, [1, 0.5 * (1 + math.cos(math.pi / 10))]),  # the default: no warm-up
+    (2, 0.99, [1 / 2, 1, 0]),  # the cosine keeps a step
+])
+def test_the_built_in_schedule_warms_up_then_anneals_to_zero(total, fraction, factors):
+    """pipeline.training.members.cosine: a linear warm-up over the first warmup_fraction of the run's steps,
+    from 1/warm-up steps of each rate to the rate, then cosine annealing to 0 at the run's last step."""
+    from pipeline.training.members import cosine
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    schedule = cosine(optimizer, total, fraction)
+    rates = [optimizer.param_groups[0]["lr"]]
+    for _ in range(total):
+        optimizer.step()
+        schedule.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates[:len(factors)] == pytest.approx([0.1 * f for f in factors]) and rates[-1] == pytest.approx(0)
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup: int = 2):

@@ -2,6 +2,7 @@
 vmap, train as they would apart, keep their own optimisers, leave the array and checkpoint as plain modules;
 a module vmap rejects packs, and the run says why."""
 import io
+import math
 from dataclasses import replace
 
 import pytest
@@ -185,6 +186,26 @@ def test_a_module_vmap_rejects_packs_and_the_run_says_why():
     _say_unfused(checked, console)
     lines = console.export_text().splitlines()
     assert len(lines) == 1 and lines[0].startswith("note m0, m1 (Branches(channels=4)) pack, never fuse: vmap: ")
+
+
+def test_members_warmed_up_alike_fuse_by_hfta_and_step_their_own_schedule():
+    """The built-in cosine's warm-up (warmup_fraction) in one family: HFTA's array steps one schedule for its
+    members, so those of one warm-up share an array (m0, m2) and the other trains alone; in one array of
+    three, vmap fuses all, each member on its own schedule. Fused or apart, each member's rate and weights
+    are the same. Fails if m0 and m1 shared an HFTA array (m1 would warm up on m0's schedule)."""
+    resnet = {"_target_": "pipeline.training.models.resnet", "depth": 10, "width": 4}
+    models = tuple(replace(m, lr_scheduler={**m.lr_scheduler, "warmup_fraction": fraction}) for m, fraction in
+                   zip(members(SGD, [{}, {}, {}], resnet), (0.2, 0.0, 0.2)))
+    kinds = {size: [(type(unit).__name__, unit.names) for unit in group_step(models, size).units] for size in (2, 3)}
+    assert kinds == {2: [("_Array", ("m0", "m2")), ("_Solo", ("m1",))], 3: [("_Stacked", ("m0", "m2", "m1"))]}
+    fused, apart = group_step(models, array_size=2), group_step(models, array_size=1)
+    for x, y in batches(2):
+        fused.train({"main": (x, y)})
+        apart.train({"main": (x, y)})
+    warmed, annealed = 0.1 * 3 / 5, 0.1 * 0.5 * (1 + math.cos(math.pi * 2 / 20))  # step 2 of 20: of 4 warm-up steps
+    assert [fused.rate(name) for name in ("m0", "m1", "m2")] == pytest.approx([warmed, annealed, warmed])
+    assert [apart.rate(name) for name in ("m0", "m1", "m2")] == pytest.approx([warmed, annealed, warmed])
+    assert_same_members(fused, apart, ("m0", "m1", "m2"))
 
 
 @pytest.mark.parametrize("optimizer, model, kind", [

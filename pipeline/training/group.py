@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph, stage
 from pipeline.training.members import (ModelSpec, array_fusion, build_loss, build_module, build_optimizer,
-                                       build_schedule, grouped, target_of)
+                                       build_schedule, canonical, grouped, target_of)
 
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -98,12 +98,21 @@ class GroupSpec:
         return max(map(len, grouped(self.members, lambda m: m.fuses_with).values()))
 
     def units(self) -> list[tuple[ModelSpec, ...]]:
-        """What steps as one: fused arrays (a family's members, `array_size` at a time, those HFTA takes
-        first, so that as few arrays as can be fuse by vmap, the slower), the rest alone."""
+        """What steps as one: fused arrays of a family's members, `array_size` at a time, the rest alone.
+        Members HFTA takes that share a schedule (an HFTA array steps one) fill arrays of their own first;
+        what is left of the family is chunked as it comes, so that as few arrays as can fuse by vmap, the
+        slower."""
         size = max(1, self.array_size)
-        families = grouped(self.members, lambda m: m.fuses_with).values()
-        ordered = [sorted(f, key=lambda m: m.fusion != "hfta") for f in families]  # a stable sort
-        return [tuple(f[i:i + size]) for f in ordered for i in range(0, len(f), size)]
+        units = []
+        for family in grouped(self.members, lambda m: m.fuses_with).values():
+            rest = []
+            for alike in grouped([m for m in family if m.fusion == "hfta"], lambda m: canonical(m.schedule)).values():
+                whole = len(alike) - len(alike) % size
+                units += [tuple(alike[i:i + size]) for i in range(0, whole, size)]
+                rest += alike[whole:]
+            rest += [m for m in family if m.fusion != "hfta"]
+            units += [tuple(rest[i:i + size]) for i in range(0, len(rest), size)]
+        return units
 
     def without(self, names: set[str]) -> GroupSpec:
         return replace(self, members=tuple(m for m in self.members if m.name not in names))

@@ -45,6 +45,7 @@ HFTA_MODELS = ("pipeline.training.models.resnet", "pipeline.training.models.dens
 HFTA_OPTIMIZER = "torch.optim.SGD"
 HFTA_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
 COSINE = "pipeline.training.members.cosine"
+COSINE_KEYS = {"_target_", "_partial_", "warmup_fraction"}  # an array's members share one schedule: the same keys
 CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
 CONF = Path(__file__).resolve().parents[1] / "conf"  # the shipped config tree: its presets are the defaults
 
@@ -101,11 +102,15 @@ class ModelSpec:
         optimizer = self.optimizer
         if (self.model["_target_"] in HFTA_MODELS and optimizer["_target_"] == HFTA_OPTIMIZER
                 and set(optimizer) <= HFTA_OPTIMIZER_KEYS and optimizer.get("nesterov")
-                and {key: value for key, value in self.lr_scheduler.items() if key != "_partial_"} == {
-                    "_target_": COSINE}
+                and self.lr_scheduler["_target_"] == COSINE and set(self.lr_scheduler) <= COSINE_KEYS
                 and self.loss == {"_target_": CROSS_ENTROPY}):
             return "hfta"
         return "vmap"
+
+    @property
+    def schedule(self) -> dict:
+        """Its learning-rate schedule's config as it decides the rates (`_partial_` aside)."""
+        return {key: value for key, value in self.lr_scheduler.items() if key != "_partial_"}
 
     def describe(self) -> str:
         """E.g. "resnet(depth=10, width=16)"."""
@@ -126,8 +131,10 @@ def with_defaults(name: str, model: dict, input: str = "main", seed: int = 0, sl
 
 
 def array_fusion(unit) -> str:
-    """How an array of these members fuses: "hfta" where every member takes it, else "vmap"."""
-    return "hfta" if all(m.fusion == "hfta" for m in unit) else "vmap"
+    """How an array of these members fuses: "hfta" where every member takes it and their schedule is one (the
+    array steps one; GroupSpec.units puts members of one schedule together), else "vmap"."""
+    one_schedule = len({canonical(m.schedule) for m in unit}) == 1
+    return "hfta" if one_schedule and all(m.fusion == "hfta" for m in unit) else "vmap"
 
 
 def grouped(models, key) -> dict[str, list[ModelSpec]]:
@@ -143,13 +150,23 @@ def member_seed(run_seed: int, name: str) -> int:
     return zlib.crc32(f"{run_seed}/{name}".encode())
 
 
-def cosine(optimizer, total_steps: int):
-    """The default schedule: cosine annealing of every rate to 0 over the run's steps."""
+def cosine(optimizer, total_steps: int, warmup_fraction: float = 0.0):
+    """The default schedule: cosine annealing of every rate to 0 over the run's steps, after a linear warm-up
+    over their first `warmup_fraction` (from 1/(w + 1) of the rate over its w steps, to the rate)."""
     import torch
 
+    if not 0 <= warmup_fraction < 1:
+        raise ValueError(f"warmup_fraction is the share of the run's steps that warm up: in [0, 1), got "
+                         f"{warmup_fraction}")
     total = max(1, total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total)))
+    warmup = int(warmup_fraction * total)  # (below total: the cosine has a step)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        return 0.5 * (1 + math.cos(math.pi * min(step - warmup, total - warmup) / (total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def build_module(m: ModelSpec, num_classes: int, image_size: int):
