@@ -32,8 +32,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeline.config import (ENSEMBLE, ExitCode, JobFailed, MemberConf, Mode, ObjectiveConf, check_objective,
-                             check_sweeper, expand_ensemble)
+from pipeline.config import (ENSEMBLE, MEMBER_DEFAULTS, ExitCode, JobFailed, MemberConf, Mode, ObjectiveConf,
+                             check_objective, check_sweeper, expand_ensemble)
 from pipeline.measure.objective import objective_record
 from pipeline.measure.recorder import write_json
 from pipeline.measure.tracking import CSV_FILE, FOLDER as TRACKING
@@ -129,7 +129,9 @@ def combine(jobs: dict[int, DictConfig]) -> SharedRun:
     cfg = copy.deepcopy(jobs[min(jobs)])
     with open_dict(cfg):
         cfg.pop("hydra", None)  # the launcher's: each job keeps its own
-        cfg.ensemble.models = specs  # each complete: the ensemble's defaults are already in it
+        cfg.ensemble.models = specs  # each complete: its job's defaults are already in it, and no other's
+        for key in MEMBER_DEFAULTS:  # may add to it (a key job 0's optimiser sets, the other job's lacks)
+            cfg.ensemble[key] = {"_target_": cfg.ensemble[key]["_target_"]}
         cfg.ensemble.grid = {}
         cfg.objective = OmegaConf.structured(ObjectiveConf(of=ENSEMBLE))  # each job's is its own
     return SharedRun(cfg, members)

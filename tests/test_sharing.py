@@ -65,6 +65,22 @@ def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():
     assert shared.cfg.objective.of == "ensemble" and "hydra" not in shared.cfg
 
 
+def test_each_jobs_members_keep_their_own_jobs_ensemble_settings_and_no_others():
+    """Job 0 smooths the ensemble's labels, job 1 does not: one shared run, and job 1's members train without
+    smoothing as its own run would. The shared run kept job 0's ensemble-level loss, which the members' own
+    (complete) losses were merged over again: job 1's members were trained as job 0's, label smoothing too,
+    and its objective told of them."""
+    jobs = numbered({0: job("++ensemble.loss.label_smoothing=0.1"), 1: job()})
+    assert batches(jobs) == [[0, 1]]
+    shared = combine(jobs)
+    members = {m.name: m for m in expand_ensemble(shared.cfg.ensemble, shared.cfg.seed)}
+    for number, cfg in jobs.items():
+        for m in expand_ensemble(cfg.ensemble, cfg.seed):
+            trained = members[shared.members[number][m.name]]
+            assert (trained.loss, trained.optimizer, trained.lr_scheduler) == (m.loss, m.optimizer, m.lr_scheduler)
+    assert members["j1.resnet10_w16"].loss == {"_target_": "torch.nn.CrossEntropyLoss"}
+
+
 def test_a_jobs_results_name_its_members_as_it_does_and_leave_the_other_jobs_out():
     """Job 1's view of a shared run where each version of resnet10_w16 trained alone and the three
     members both jobs share packed as group0: its rows and GPU memory peaks under its own names, job 0's
