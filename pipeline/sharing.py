@@ -152,9 +152,8 @@ def job_results(shared: dict, run: SharedRun, number: int, cfg: DictConfig, shar
     ensemble = results["ensemble"] = copy.deepcopy(shared["parts"][str(number)])
     if ensemble["kept"]:
         ensemble["kept"]["epochs"] = {names[name]: epochs for name, epochs in ensemble["kept"]["epochs"].items()}
-    if "given_up" in shared:  # slot groups: a job's member is given up with its group
-        results["given_up"] = [names[m["name"]] for m in shared["models"]
-                               if m["name"] in names and m["group"] in shared["given_up"]]
+    if "given_up" in shared:
+        results["given_up"] = [names[name] for name in shared["given_up"] if name in names]
     results["objective"] = objective_record(results, cfg.objective)
     results["config"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     results["shared_run"] = {"folder": str(shared_dir), "jobs": sorted(run.members),

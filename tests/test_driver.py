@@ -380,3 +380,17 @@ def test_a_trainer_that_exited_cleanly_is_awaited_for_its_last_report_and_a_dead
     assert kept == [done]
     assert list(flotilla.failed_members()) == ["killed"]
     assert "trainer-killed-0 (training a model) was killed (SIGKILL)" in flotilla.failed_members()["killed"]
+
+
+def test_the_models_of_a_group_given_up_are_listed_by_name_but_not_one_that_had_converged(tmp_path, monkeypatch):
+    """A packed group (a, b, c) fails more than max_failures times (0 here) after b converged and left it: a
+    and c are given up (results.json `given_up`, exit code 3's line), by model as the docs promise; d trains
+    on. The list named the slot group ("g0"), which is no model of the run."""
+    from pipeline.scheduler import TrainerFailed
+
+    driver = driver_of([GroupSpec("g0", (spec("a"), spec("b"), spec("c"))), GroupSpec("d", (spec("d"),))],
+                       tmp_path, monkeypatch)
+    driver.scheduler.max_failures = 0
+    driver.converged.add("b")
+    driver.scheduler.handle(TrainerFailed(1.0, "g0", driver.assigned["g0"][0]))
+    assert driver.given_up == ["a", "c"]

@@ -537,8 +537,10 @@ class Driver:
 
     @property
     def given_up(self) -> list[str]:
-        """Groups the scheduler gave up after their allowed failures."""
-        return sorted(name for name, state in self.scheduler.groups.items() if state.status == FAILED)
+        """The models given up with their slot group once it failed more than allowed (not those that had
+        converged and left it)."""
+        return sorted(m.name for name, state in self.scheduler.groups.items() if state.status == FAILED
+                      for m in self.groups[name].members if m.name not in self.converged)
 
     def resume(self) -> list:
         """Take back the state a stopped or crashed run saved in `state_dir`; the decisions that go on
