@@ -1,6 +1,7 @@
 """Successive halving inside a run (scheduler.halving): the rule on hand-written metrics, the driver carrying
 it out, and a real run whose culled members train no further epochs."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -41,6 +42,15 @@ def test_a_loss_ranks_lowest_first_and_a_late_member_is_judged_against_every_ear
                                                       "on (scheduler.halving.eta=2)"}
     assert list(loss.culled(["b"], {**metrics, "b": [0.9, 0.6]})) == []  # 2nd of 3: the best 2 go on
     assert list(loss.culled(["d"], {**metrics, "b": [0.9, 0.6], "d": [0.9, 0.65]})) == ["d"]  # 3rd of 4
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_diverged_member_ranks_last_wherever_it_stands(order):
+    """A NaN loss (a member diverged) ranks below every number: b and c are culled, d (second best) goes on,
+    whatever order the members come in. NaN compares false with all, and the sort kept it or not by place."""
+    loss = Halving(eta=2, min_epochs=1, metric="val_loss", higher_is_better=False)
+    metrics = dict(list({"a": [0.5], "b": [math.nan], "c": [0.7], "d": [0.6]}.items())[::order])
+    assert sorted(loss.culled(list(metrics), metrics)) == ["b", "c"]
 
 
 def val(model, epoch, accuracy):

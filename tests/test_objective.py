@@ -1,5 +1,7 @@
 """The value a run returns to a Hydra sweeper (objective.of, objective.metric), read from results the
 test writes by hand."""
+import math
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -26,6 +28,17 @@ def results(kept: dict | None) -> dict:
 ])
 def test_a_member_counts_its_best_epoch_and_the_ensemble_its_kept_checkpoints(of, metric, value):
     assert objective_value(results({"val_accuracy": 0.75, "val_loss": 0.6}), of, metric) == value
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_diverged_members_nan_loss_is_never_the_best(order):
+    """A member whose loss became NaN (it diverged) is no member's or the run's best, wherever it stands:
+    min() returned the NaN when it came first, and the run then returned nothing (a failed Optuna trial)."""
+    models = [{"name": "x", "val_accuracy": [0.1, 0.1], "val_loss": [math.nan, math.nan]},
+              {"name": "y", "val_accuracy": [0.5, 0.6], "val_loss": [0.9, math.nan]}][::order]
+    run = {"models": models, "ensemble": {"kept": None}}
+    assert objective_value(run, "best_member", Metric.val_loss) == 0.9
+    assert objective_value(run, "y", Metric.val_loss) == 0.9 and objective_value(run, "x", Metric.val_loss) is None
 
 
 def test_the_ensemble_without_a_checkpoint_of_every_member_counts_their_last_epochs():

@@ -41,6 +41,22 @@ def test_ensemble_accuracy_waits_for_every_model_then_averages_softmax():
     assert recorder.ensemble_accuracy == {0: 1.0}
 
 
+def test_a_diverged_member_leaves_the_ensemble_to_the_others():
+    """c diverged (NaN logits, so NaN softmax): a and b's mean gets both images right, and so does the
+    ensemble of all three, each epoch's and the one of best checkpoints; c's own loss stays NaN. A NaN in the
+    sum made every image's argmax class 0 (accuracy 0.5 here: the share of class 0)."""
+    recorder = RunRecorder([spec("a"), spec("b"), spec("c")], dict.fromkeys("abc", 1), dict.fromkeys("abc", 32))
+    for name, probs in (("a", [[0.6, 0.4], [0.6, 0.4]]), ("b", [[0.9, 0.1], [0.0, 1.0]]),
+                        ("c", [[math.nan, math.nan], [math.nan, math.nan]])):
+        recorder.joined(alone(name), 0, ("cpu",), 0)
+        recorder.add_report(val_event(name, probs))
+        recorder.checkpointed(name, 1)
+    ensemble = recorder.as_dict(wall_s=1.0)["ensemble"]
+    assert ensemble["val_accuracy"] == [1.0] and ensemble["final_val_accuracy"] == 1.0
+    assert ensemble["kept"]["val_accuracy"] == 1.0
+    assert math.isnan(recorder.as_dict(wall_s=1.0)["models"][2]["val_loss"][0])
+
+
 def test_ensemble_beats_its_best_member_when_their_mistakes_differ():
     """Five images, each one wrong in one model only, sure when right and less sure when wrong: the mean
     softmax gets all five right, the best member (b) 4 of 5. The ensemble taken as one member's softmax or

@@ -21,6 +21,9 @@ class Metric(enum.StrEnum):
         return "maximize" if self is Metric.val_accuracy else "minimize"
 
     def best(self, values: list[float]) -> float:
+        """The best of `values`, leaving out a NaN (a diverged member's loss), which max and min return or
+        not by where it stands; NaN when every one is."""
+        values = [value for value in values if not math.isnan(value)] or [math.nan]
         return max(values) if self is Metric.val_accuracy else min(values)
 
 

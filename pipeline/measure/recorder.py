@@ -462,8 +462,8 @@ class RunRecorder:
         if report.model in models:
             if epoch not in record.recent_probs:  # resumed from before its last checkpoint: the first stands
                 return None
-            total = total - record.recent_probs[epoch]
-        total, models = total + report.probs, models | {report.model}
+            total = total - _counted(record.recent_probs[epoch])
+        total, models = total + _counted(report.probs), models | {report.model}
         if len(models) < size:
             pending[epoch] = (total, models)
             return False
@@ -476,7 +476,7 @@ class RunRecorder:
         validation accuracy), against the best of those members. None until every member has one."""
         if not records or any(r.best_probs is None for r in records):
             return None
-        total = np.sum([r.best_probs for r in records], axis=0)
+        total = np.sum([_counted(r.best_probs) for r in records], axis=0)
         return {"val_accuracy": self._accuracy(total), "val_loss": self._loss(total, len(records)),
                 "best_model_val_accuracy": max(r.best_checkpoint[1] for r in records),
                 "epochs": {r.model.name: r.best_checkpoint[0] for r in records}}
@@ -500,7 +500,8 @@ class RunRecorder:
         """What the ensemble of `records` measured: by epoch, at its members' last epochs, and kept."""
         finals = [r.val_accuracy[max(r.val_accuracy)] for r in records if r.val_accuracy]
         last = [r.last_probs for r in records if r.last_probs is not None]
-        final = np.sum(last, axis=0) if len(last) == len(records) else None  # every model's last epoch
+        # every model's last epoch
+        final = np.sum([_counted(p) for p in last], axis=0) if len(last) == len(records) else None
         return {
             "val_accuracy": [accuracy[e] for e in sorted(accuracy)],
             "val_loss": [loss[e] for e in sorted(loss)],
@@ -558,3 +559,11 @@ def write_json(path: Path, results: dict) -> None:
 
 def _json(content) -> str:
     return json.dumps(content, indent=2, default=str)
+
+
+def _counted(probs: np.ndarray) -> np.ndarray:
+    """A member's validation softmax as an ensemble counts it: a row that is not finite (a diverged member's
+    NaN logits) as the uniform one, which predicts nothing, so the other members decide that image (a NaN
+    in the sum made every image's argmax class 0). The member's own accuracy and loss keep what it made."""
+    finite = np.isfinite(probs).all(axis=1, keepdims=True)
+    return probs if finite.all() else np.where(finite, probs, np.float32(1 / probs.shape[1]))

@@ -35,7 +35,8 @@ class Halving:
                 continue
             rung = {name: values[epochs - 1] for name, values in metrics.items() if len(values) >= epochs}
             sign = -1 if self.higher_is_better else 1
-            order = sorted(rung, key=lambda name: (sign * rung[name], name))  # best first; ties by name
+            # best first, a NaN (a diverged member's loss) last; ties by name
+            order = sorted(rung, key=lambda name: (math.isnan(rung[name]), sign * rung[name], name))
             kept, rank = math.ceil(len(order) / self.eta), order.index(member) + 1
             if rank > kept:
                 culled[member] = (f"culled at epoch {epochs}: {self.metric} {rung[member]:.4g} ranks {rank} of "
