@@ -20,6 +20,7 @@ and one that finished writes their folders again.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import itertools
@@ -30,6 +31,7 @@ import zlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.config import (ENSEMBLE, MEMBER_DEFAULTS, ExitCode, JobFailed, MemberConf, Mode, ObjectiveConf,
@@ -85,15 +87,34 @@ def batches(jobs: dict[int, DictConfig]) -> list[list[int]]:
     shared: dict[str, list[int]] = {}
     alone = []
     for number, cfg in jobs.items():
-        # halving ranks a run's members against each other, by the run's objective metric: not across jobs
-        if cfg.mode == Mode.train and not cfg.resume and not cfg.scheduler.halving.eta and _checks(cfg):
-            settings = {key: value for key, value in OmegaConf.to_container(cfg).items()
-                        if key not in (*JOB_KEYS, "hydra")}
-            settings["hydra.job.env_set"] = env_set(cfg)
-            shared.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(number)
-        else:
-            alone.append([number])
+        with as_job(cfg):  # its values as its own run reads them (`seed: ${hydra:job.num}` differs by job)
+            # halving ranks a run's members against each other, by the run's objective metric: not across jobs
+            if cfg.mode == Mode.train and not cfg.resume and not cfg.scheduler.halving.eta and _checks(cfg):
+                settings = {key: value for key, value in OmegaConf.to_container(task_config(cfg), resolve=True).items()
+                            if key not in JOB_KEYS}
+                settings["hydra.job.env_set"] = env_set(cfg)
+                shared.setdefault(json.dumps(settings, sort_keys=True, default=str), []).append(number)
+            else:
+                alone.append([number])
     return sorted([*shared.values(), *alone], key=min)
+
+
+@contextlib.contextmanager
+def as_job(cfg: DictConfig):
+    """Within: the job's Hydra config is the one set, as Hydra's run_job sets it (a task's config may read it:
+    `${hydra:job.num}`); then the one before. (Setting it leaves the job's `hydra` node read-only, as run_job
+    does.)"""
+    held = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        yield
+    finally:
+        HydraConfig.instance().cfg = held
+
+
+def task_config(cfg: DictConfig) -> DictConfig:
+    """The config a job's task is given: all but its `hydra` node."""
+    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
 
 
 def env_set(cfg: DictConfig) -> dict[str, str]:
@@ -116,7 +137,9 @@ def combine(jobs: dict[int, DictConfig]) -> SharedRun:
     trained: dict[str, str] = {}  # a member's settings but its name -> its name in the shared run
     for number, cfg in jobs.items():
         members[number] = {}
-        for spec in expand_ensemble(cfg.ensemble, cfg.seed):
+        with as_job(cfg):
+            expanded = expand_ensemble(cfg.ensemble, cfg.seed)
+        for spec in expanded:
             settings = {key: asdict(spec)[key] for key in MEMBER_KEYS}
             key = json.dumps({**settings, "name": None}, sort_keys=True, default=str)
             if key in trained and trained[key] not in members[number].values():
@@ -128,7 +151,10 @@ def combine(jobs: dict[int, DictConfig]) -> SharedRun:
             specs.append(MemberConf(**{**settings, "name": name}))
     cfg = copy.deepcopy(jobs[min(jobs)])
     with open_dict(cfg):
-        cfg.pop("hydra", None)  # the launcher's: each job keeps its own
+        cfg.pop("hydra", None)  # each job keeps its own
+    with as_job(jobs[min(jobs)]):  # what it reads of a job's Hydra config, read as the jobs' own runs read it
+        OmegaConf.resolve(cfg)  # (alike: batches); the shared run has none set
+    with open_dict(cfg):
         cfg.ensemble.models = specs  # each complete: its job's defaults are already in it, and no other's
         for key in MEMBER_DEFAULTS:  # may add to it (a key job 0's optimiser sets, the other job's lacks)
             cfg.ensemble[key] = {"_target_": cfg.ensemble[key]["_target_"]}

@@ -43,6 +43,17 @@ def test_jobs_share_a_run_when_only_their_ensembles_and_objectives_differ():
     assert batches(jobs) == [[0, 2, 4], [1], [3], [5], [6], [7], [8], [9], [10, 11]]
 
 
+def test_a_setting_that_reads_the_jobs_hydra_config_is_read_as_the_jobs_own_run_reads_it():
+    """`seed: ${hydra:job.num}` gives each job its own seed: jobs 0 and 1 differ (each its own run) and a run
+    of job 1's is seeded 1, read without a job's Hydra config set (a shared run has none). The jobs were
+    compared as written (alike: one run), and reading the seed raised "HydraConfig was not set"."""
+    jobs = numbered({n: job(f"ensemble.models.0.optimizer.lr={lr}", "seed=${hydra:job.num}")
+                     for n, lr in enumerate((0.1, 0.05))})
+    assert batches(jobs) == [[0], [1]]
+    shared = combine({1: jobs[1]})
+    assert shared.cfg.seed == 1 and shared.members[1]["resnet10_w16"] == "j1.resnet10_w16"
+
+
 def test_a_shared_run_holds_each_jobs_members_and_trains_what_jobs_share_once():
     """Two jobs differing in resnet10_w16's rate: the shared run holds both of its versions and the three
     members the sweep left alone once, each with the seed its job's own run would give it. A member

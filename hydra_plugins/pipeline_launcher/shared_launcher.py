@@ -6,7 +6,6 @@ JobReturn, as under Hydra's basic launcher, which runs the jobs that cannot shar
 (No `from __future__ import annotations`: Hydra imports plugin modules outside sys.modules, where
 dataclasses cannot resolve string annotations.)"""
 
-import contextlib
 import functools
 import json
 import logging
@@ -21,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, env_override, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -260,29 +259,18 @@ def _own_run(cfg: DictConfig) -> tuple:
     job ran alone ("stopped" or "finished"), or None (a job split from a shared run holds none: its run is
     the shared one; a job given resume= goes on with that run, wherever it is)."""
     from pipeline.run import run_of
+    from pipeline.sharing import as_job, task_config
 
     own = _job_dir(cfg)
-    with _as_job(cfg):  # the task's config may read the job's Hydra config, as under run_job
-        task = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # the config its task is given
-        return own, None if cfg.resume else run_of(own, task)
+    with as_job(cfg):  # the task's config may read the job's Hydra config, as under run_job
+        return own, None if cfg.resume else run_of(own, task_config(cfg))
 
 
 def _job_dir(cfg: DictConfig) -> Path:
     """The folder Hydra's run_job gives the job, found as run_job finds it: with the job's Hydra config set,
     which a subdir may read (`${hydra:job.num}`)."""
     from pipeline.report.sweep import sweep_dir
+    from pipeline.sharing import as_job
 
-    with _as_job(cfg):
+    with as_job(cfg):
         return sweep_dir(cfg) / str(cfg.hydra.sweep.subdir)
-
-
-@contextlib.contextmanager
-def _as_job(cfg: DictConfig):
-    """Within: the job's Hydra config is the one set, as run_job sets it; then the launcher's again. (Setting it
-    leaves the job's `hydra` node read-only, as run_job does.)"""
-    held = HydraConfig.instance().cfg
-    HydraConfig.instance().set_config(cfg)
-    try:
-        yield
-    finally:
-        HydraConfig.instance().cfg = held
