@@ -355,7 +355,6 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     s, t = cfg.scheduler, cfg.timeouts
     image_sizes = {m.name: graph.image_sizes[m.input] for m in models}
     recorder = RunRecorder(models, {name: size.params for name, size in plan.sizes.items()}, image_sizes, parts)
-    training_started = time.perf_counter()
     with dask_client(cfg.cluster.address, cfg.cluster.workers, cfg.cluster.threads_per_worker, nodes, tls,
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \
@@ -400,7 +399,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                 for name, state in scheduler.groups.items()))
         stop.defer()
         driver.run(first, stop)
-    training_s = time.perf_counter() - training_started
+    training_s = driver.now()  # the scheduler's clock: a resumed run's goes on from the stopped one's
     if stop.requested.is_set():
         results["interrupted"] = {"cause": signal.Signals(stop.signum).name, "resume": f"resume={output_dir}"}
     elif driver.stranded:  # hosts were lost: what is left cannot train the rest
