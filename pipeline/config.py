@@ -322,6 +322,16 @@ def check(cfg: DictConfig) -> None:
     if not 0 <= cfg.scheduler.min_active_fraction <= 1:
         raise ConfigError(f"scheduler.min_active_fraction={cfg.scheduler.min_active_fraction}: give a fraction in "
                           "[0, 1]; FLEET uses 0.8")
+    s = cfg.scheduler
+    if s.target_accuracy is not None and not 0 < s.target_accuracy <= 1:
+        raise ConfigError(f"scheduler.target_accuracy={s.target_accuracy}: give the share of validation images "
+                          "right, in (0, 1] (e.g. 0.9 for 90%), or null for no target")
+    if s.patience < 0:
+        raise ConfigError(f"scheduler.patience={s.patience}: give the epochs without a gain of min_delta after "
+                          "which a model stops, or 0 for no such rule")
+    if not 0 <= s.min_delta < 1:
+        raise ConfigError(f"scheduler.min_delta={s.min_delta}: give the smallest gain in validation accuracy that "
+                          "counts, in [0, 1) (e.g. 0.005 for half a point)")
     if cfg.scheduler.halving.eta != 0 and cfg.scheduler.halving.eta < 2:
         raise ConfigError(f"scheduler.halving.eta={cfg.scheduler.halving.eta}: give 2 or more (the best 1/eta of "
                           "a rung's members go on), or 0 for no halving")

@@ -147,6 +147,10 @@ def test_a_value_outside_its_choices_is_refused_naming_the_key_and_the_choices(o
     ("scheduler.halving.eta=1", "scheduler.halving.eta=1: give 2 or more (the best 1/eta of a rung's members go on)"),
     ("scheduler.halving.eta=-2", "scheduler.halving.eta=-2: give 2 or more"),
     ("scheduler.halving.min_epochs=0", "scheduler.halving.min_epochs=0: the first rung comes after at least one"),
+    ("scheduler.target_accuracy=90", "scheduler.target_accuracy=90.0: give the share of validation images right, "
+                                     "in (0, 1] (e.g. 0.9 for 90%)"),  # as a percent: no model would ever reach it
+    ("scheduler.patience=-1", "scheduler.patience=-1: give the epochs without a gain"),  # crashed after an epoch
+    ("scheduler.min_delta=-0.01", "scheduler.min_delta=-0.01: give the smallest gain"),
 ])
 def test_values_the_types_let_through_are_checked_once_before_a_run(override, message):
     with pytest.raises(ConfigError) as err:

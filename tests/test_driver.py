@@ -394,3 +394,11 @@ def test_the_models_of_a_group_given_up_are_listed_by_name_but_not_one_that_had_
     driver.converged.add("b")
     driver.scheduler.handle(TrainerFailed(1.0, "g0", driver.assigned["g0"][0]))
     assert driver.given_up == ["a", "c"]
+
+
+def test_a_gain_of_exactly_min_delta_counts_whatever_the_floats():
+    """Patience 1, min_delta 0.005 (one image of 200): 0.80 -> 0.805 and 0.81 -> 0.815 are both such a gain.
+    In floating point 0.815 - 0.81 falls short of 0.005, and that model stopped where the other went on."""
+    rule = Convergence(12, None, 1, 0.005)
+    assert rule.reason([0.80, 0.805]) is None and rule.reason([0.81, 0.815]) is None
+    assert rule.reason([0.81, 0.814]) == "no gain of 0.5% in 1 epochs"
