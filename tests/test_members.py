@@ -112,6 +112,8 @@ def test_a_declaration_that_cannot_train_is_one_error_naming_the_member_and_key(
     with pytest.raises(MemberError, match=rf"^ensemble member u: {message}") as err:
         check_members([member("fine"), spec], CLASSES, {"main": 16}, STEPS)
     assert "\n" not in str(err.value) and "fix ensemble.models' u." in str(err.value)
+    key = str(err.value).split(": ")[1].split(" ")[0]
+    assert (f"or ensemble.{key} " in str(err.value)) == (key != "model")  # where the ensemble's keys may be wrong
 
 
 @pytest.mark.parametrize("preset", sorted(f"{p.parent.name}/{p.stem}" for key in ("optimizer", "lr_scheduler", "loss")

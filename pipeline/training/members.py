@@ -359,8 +359,10 @@ def _declared(m: ModelSpec, key: str):
         while err.__cause__ is not None:  # Hydra's instantiate wraps what the target raised
             err = err.__cause__
         reason = " ".join(str(err).split()) or type(err).__name__
-        raise MemberError(f"ensemble member {m.name}: {key} ({target}): {reason}; fix ensemble.models' "
-                          f"{m.name}.{key} (docs/configuration.md, Members)", m.name, reason) from None
+        # (an optimiser's, schedule's or loss's keys may come from the ensemble's, which the member refines)
+        where = f"{m.name}.{key}" + ("" if key == "model" else f", or ensemble.{key}")
+        raise MemberError(f"ensemble member {m.name}: {key} ({target}): {reason}; fix ensemble.models' {where} "
+                          "(docs/configuration.md, ensemble)", m.name, reason) from None
 
 
 def target_of(config: dict):
