@@ -7,7 +7,6 @@ memory) and closes it whatever happens; a stop request (Ctrl-C, SIGTERM:
 StopSignals) ends it in order, and `resume=<run folder>` continues it."""
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import signal
@@ -359,8 +358,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                      cfg.cluster.dashboard) as client, \
             cache_kept(client, graph), \
             dask_performance_report(client, output_dir / DASK_REPORT, console), \
-            contextlib.closing(Tracker(output_dir, models, cfg.tracking.tensorboard,
-                                       _mlflow(cfg, output_dir, models))) as tracker, \
+            Tracker(output_dir, models, cfg.tracking.tensorboard,
+                    _mlflow(cfg, output_dir, models, console)) as tracker, \
             Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                      console=console) as progress:
         if cfg.cluster.dashboard and not cfg.cluster.address:
@@ -399,6 +398,8 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
                 for name, state in scheduler.groups.items()))
         stop.defer()
         driver.run(first, stop)
+        if stop.requested.is_set() or driver.stranded:  # to be resumed
+            tracker.status = "KILLED"
     training_s = driver.now()  # the scheduler's clock: a resumed run's goes on from the stopped one's
     if stop.requested.is_set():
         results["interrupted"] = {"cause": signal.Signals(stop.signum).name, "resume": f"resume={output_dir}"}
@@ -426,9 +427,10 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
     return results
 
 
-def _mlflow(cfg: DictConfig, output_dir: Path, models: list[ModelSpec]) -> MlflowRuns | None:
+def _mlflow(cfg: DictConfig, output_dir: Path, models: list[ModelSpec], console: Console) -> MlflowRuns | None:
     t = cfg.tracking
-    return MlflowRuns(launch_relative(t.mlflow), t.mlflow_experiment, output_dir, models) if t.mlflow else None
+    return MlflowRuns(launch_relative(t.mlflow), t.mlflow_experiment, output_dir, models, console.print) \
+        if t.mlflow else None
 
 
 def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:

@@ -36,14 +36,12 @@ def epoch(loss, accuracy, lr=0.1):
 
 def test_tensorboard_reads_a_run_per_member_and_the_csv_a_row_per_member_epoch(tmp_path):
     models = [member("a"), member("b", lr=0.05)]
-    tracker = Tracker(tmp_path, models, tensorboard=True)
-    tracker.epoch("a", 1, epoch(2.0, 0.4))
-    tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
-    tracker.epoch("a", 2, epoch(1.5, 0.6))
-    tracker.close()
-    resumed = Tracker(tmp_path, models, tensorboard=True)  # a resumed run appends
-    resumed.epoch("b", 2, epoch(2.0, 0.5, lr=0.025))
-    resumed.close()
+    with Tracker(tmp_path, models, tensorboard=True) as tracker:
+        tracker.epoch("a", 1, epoch(2.0, 0.4))
+        tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
+        tracker.epoch("a", 2, epoch(1.5, 0.6))
+    with Tracker(tmp_path, models, tensorboard=True) as resumed:  # a resumed run appends
+        resumed.epoch("b", 2, epoch(2.0, 0.5, lr=0.025))
     folder = tmp_path / FOLDER
     runs = {}
     for name in ("a", "b"):
@@ -76,13 +74,11 @@ def test_tensorboard_s_hparams_dashboard_compares_every_job_s_members_by_setting
         models = [member("a", lr=lr), member("b", lr=lr / 2)]
         models[1].optimizer["nesterov"] = False
         models[0].lr_scheduler["eta_min"] = None if job == 0 else 0.001  # a None is left out, not text
-        tracker = Tracker(sweep / str(job), models, tensorboard=True)
-        tracker.epoch("a", 1, epoch(2.0, 0.4 + lr))
-        tracker.epoch("b", 1, epoch(2.0, 0.3 + lr))
-        tracker.close()
-        resumed = Tracker(sweep / str(job), models, tensorboard=True)
-        resumed.epoch("a", 2, epoch(1.5, 0.6 + lr))
-        resumed.close()
+        with Tracker(sweep / str(job), models, tensorboard=True) as tracker:
+            tracker.epoch("a", 1, epoch(2.0, 0.4 + lr))
+            tracker.epoch("b", 1, epoch(2.0, 0.3 + lr))
+        with Tracker(sweep / str(job), models, tensorboard=True) as resumed:
+            resumed.epoch("a", 2, epoch(1.5, 0.6 + lr))
     runs = plugin_event_multiplexer.EventMultiplexer()
     runs.AddRunsFromDirectory(str(sweep))
     runs.Reload()
@@ -119,15 +115,18 @@ def test_mlflow_holds_a_run_per_member_under_the_run_s_with_its_settings_and_epo
 
     uri, models = f"file://{tmp_path / 'mlruns'}", [member("a", lr=0.1), member("b", lr=0.05)]
     run_dir = tmp_path / "run"
-    tracker = Tracker(run_dir, models, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
-    tracker.epoch("a", 1, epoch(2.0, 0.4))
-    tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
-    tracker.close()
-    resumed = Tracker(run_dir, models, tensorboard=False, mlflow=MlflowRuns(uri, "search", run_dir, models))
-    resumed.epoch("a", 2, epoch(1.5, 0.6))
-    resumed.close()
+    said = []
+    with Tracker(run_dir, models, tensorboard=False,
+                 mlflow=MlflowRuns(uri, "search", run_dir, models, said.append)) as tracker:
+        tracker.epoch("a", 1, epoch(2.0, 0.4))
+        tracker.epoch("b", 1, epoch(2.5, 0.3, lr=0.05))
+        tracker.status = "KILLED"  # stopped: resume= goes on
     client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     [experiment] = [e for e in client.search_experiments() if e.name == "search"]
+    assert {r.info.status for r in client.search_runs([experiment.experiment_id])} == {"KILLED"}
+    with Tracker(run_dir, models, tensorboard=False,
+                 mlflow=MlflowRuns(uri, "search", run_dir, models, said.append)) as resumed:
+        resumed.epoch("a", 2, epoch(1.5, 0.6))
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
     assert sorted(runs) == ["a", "b", "run"]
     assert {runs[n].data.tags["mlflow.parentRunId"] for n in "ab"} == {runs["run"].info.run_id}
@@ -136,7 +135,53 @@ def test_mlflow_holds_a_run_per_member_under_the_run_s_with_its_settings_and_epo
     history = lambda name, tag: [(m.step, m.value) for m in client.get_metric_history(runs[name].info.run_id, tag)]
     assert sorted(history("a", "val/accuracy")) == [(1, 0.4), (2, 0.6)] and history("b", "train/lr") == [(1, 0.05)]
     assert history("a", "val/loss") == []
-    assert all(r.info.status == "FINISHED" for r in runs.values())
+    assert all(r.info.status == "FINISHED" for r in runs.values()) and said == []
+
+
+def test_an_mlflow_store_that_fails_as_the_run_trains_is_said_once_and_the_run_goes_on(tmp_path):
+    """The store goes away after epoch 1 (its folder removed: MLflow's own error on the next log): one
+    warning naming it and the files that hold the metrics; the epochs after are in the CSV, and the run
+    ends without an error. A run that fails ends its MLflow runs FAILED. MLflow's error used to end the
+    training run, and a failed or stopped run's MLflow runs ended FINISHED."""
+    mlflow = pytest.importorskip("mlflow")
+    import shutil
+
+    from pipeline.measure.tracking import MlflowRuns
+
+    models, said = [member("a")], []
+    uri = f"file://{tmp_path / 'mlruns'}"
+    with Tracker(tmp_path / "run", models, tensorboard=False,
+                 mlflow=MlflowRuns(uri, "search", tmp_path / "run", models, said.append)) as tracker:
+        tracker.epoch("a", 1, epoch(2.0, 0.4))
+        shutil.rmtree(tmp_path / "mlruns")
+        tracker.epoch("a", 2, epoch(1.5, 0.6))
+        tracker.epoch("a", 3, epoch(1.2, 0.7))
+    (warning,) = said
+    assert f"MLflow at {uri} failed (" in warning and "every epoch's metrics are in tracking/metrics.csv" in warning
+    rows = list(csv.DictReader((tmp_path / "run" / FOLDER / CSV_FILE).open()))
+    assert [r["epoch"] for r in rows] == ["1", "2", "3"]
+    uri = f"file://{tmp_path / 'other'}"
+    with pytest.raises(RuntimeError, match="a trainer crashed"):
+        with Tracker(tmp_path / "run2", models, tensorboard=False,
+                     mlflow=MlflowRuns(uri, "search", tmp_path / "run2", models, said.append)) as tracker:
+            tracker.epoch("a", 1, epoch(2.0, 0.4))
+            raise RuntimeError("a trainer crashed")
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    assert {r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])} \
+        == {"FAILED"}
+
+
+def test_an_mlflow_server_that_does_not_answer_as_the_run_starts_is_one_line_naming_the_key(tmp_path, monkeypatch):
+    """Nothing listens at the URI: the run stops before it trains, naming tracking.mlflow and the fix, with
+    MLflow's reason; it raised MLflow's own exception, a traceback."""
+    pytest.importorskip("mlflow")
+    from pipeline.measure.tracking import MlflowRuns, TrackingError
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # (MLflow retries for minutes by default)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with pytest.raises(TrackingError, match=r"^tracking.mlflow=http://127.0.0.1:9: MLflow could not start the run's "
+                                            r"runs there \(.+\); start its tracking server, or set tracking.mlflow=null$"):
+        MlflowRuns("http://127.0.0.1:9", "search", tmp_path, [member("a")], print)
 
 
 def test_mlflow_asked_for_where_it_is_not_installed_is_one_line_naming_the_key(monkeypatch):

@@ -19,10 +19,12 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 from hydra.utils import to_absolute_path
 
+from pipeline.runtime.errors import UserError
 from pipeline.runtime.files import write_whole
 from pipeline.training.members import ModelSpec, flatten
 
@@ -65,24 +67,47 @@ def launch_relative(uri: str) -> str:
     return uri
 
 
-class MlflowRuns:
-    """A run's MLflow runs: one parent, a child per member, created as members first report."""
+class TrackingError(UserError):
+    """tracking.mlflow names a store the run cannot log to as it starts."""
 
-    def __init__(self, uri: str, experiment: str, run_dir: Path, models: list[ModelSpec]):
+
+class MlflowRuns:
+    """A run's MLflow runs: one parent, a child per member, created as members first report. A store that
+    fails once the run trains (a server gone) is said, once, and the run goes on without it: the CSV and
+    TensorBoard's files hold every epoch. Each run ends FINISHED, KILLED (stopped: resume= logs on into it)
+    or FAILED."""
+
+    def __init__(self, uri: str, experiment: str, run_dir: Path, models: list[ModelSpec],
+                 say: Callable[[str], None]):
         from mlflow.tracking import MlflowClient  # optional: config.check makes sure it imports
 
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client, self.uri, self.say, self.lost = MlflowClient(tracking_uri=uri), uri, say, False
         self.ids_file = run_dir / FOLDER / MLFLOW_IDS
         self.models = {m.name: m for m in models}
         self.ids = json.loads(self.ids_file.read_text()) if self.ids_file.exists() else {"members": {}}
         if "experiment" not in self.ids:
-            found = self.client.get_experiment_by_name(experiment)
-            self.ids["experiment"] = found.experiment_id if found else self.client.create_experiment(experiment)
-            self.ids["parent"] = self.client.create_run(self.ids["experiment"], run_name=run_dir.name,
-                                                        tags={"run_folder": str(run_dir)}).info.run_id
+            try:
+                found = self.client.get_experiment_by_name(experiment)
+                self.ids["experiment"] = found.experiment_id if found else self.client.create_experiment(experiment)
+                self.ids["parent"] = self.client.create_run(self.ids["experiment"], run_name=run_dir.name,
+                                                            tags={"run_folder": str(run_dir)}).info.run_id
+            except Exception as err:  # MLflow's own errors, or its connection's
+                raise TrackingError(f"tracking.mlflow={uri}: MLflow could not start the run's runs there "
+                                    f"({_said(err)}); start its tracking server, or set tracking.mlflow=null"
+                                    ) from None
             self._save()
 
     def epoch(self, model: str, epoch: int, metrics: dict[str, float | None]) -> None:
+        if self.lost:
+            return
+        try:
+            self._log(model, epoch, metrics)
+        except Exception as err:  # the run trains on: its metrics are in its own files
+            self.lost = True
+            self.say(f"[yellow]warning[/] MLflow at {self.uri} failed ({_said(err)}): nothing more is logged "
+                     f"there this run; every epoch's metrics are in {FOLDER}/{CSV_FILE} (and TensorBoard's files)")
+
+    def _log(self, model: str, epoch: int, metrics: dict[str, float | None]) -> None:
         from mlflow.entities import Metric, Param
 
         run = self.ids["members"].get(model)
@@ -97,16 +122,32 @@ class MlflowRuns:
         self.client.log_batch(run, metrics=[Metric(TAGS[key], value, now, epoch)
                                             for key, value in metrics.items() if value is not None])
 
-    def close(self) -> None:
-        for run in [*self.ids["members"].values(), self.ids["parent"]]:
-            self.client.set_terminated(run)
+    def close(self, status: str) -> None:
+        """Each run ends with `status`: FINISHED, KILLED or FAILED."""
+        if self.lost:
+            return
+        try:
+            for run in [*self.ids["members"].values(), self.ids["parent"]]:
+                self.client.set_terminated(run, status)
+        except Exception as err:
+            self.say(f"[yellow]warning[/] MLflow at {self.uri} failed ({_said(err)}): its runs stay RUNNING there")
 
     def _save(self) -> None:
         self.ids_file.parent.mkdir(parents=True, exist_ok=True)
         write_whole(self.ids_file, json.dumps(self.ids, indent=1))
 
 
+def _said(err: BaseException) -> str:
+    """An error's words on one line (MLflow's span many: the request, its retries)."""
+    return " ".join(str(err).split())[:300] or type(err).__name__
+
+
 class Tracker:
+    """Used as a context: on leaving it, the files are closed and MLflow's runs end, FAILED where it is left
+    by an exception, else as `status` says (the run sets KILLED when stopped)."""
+
+    status = "FINISHED"
+
     def __init__(self, run_dir: Path, models: list[ModelSpec], tensorboard: bool, mlflow: MlflowRuns | None = None):
         self.models = {m.name: m for m in models}
         self.folder = run_dir / FOLDER
@@ -144,9 +185,12 @@ class Tracker:
                 writer.add_scalar(tag, metrics[key], epoch)
         writer.flush()
 
-    def close(self) -> None:
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
         for writer in self._writers.values():
             writer.close()
         self._file.close()
         if self._mlflow:
-            self._mlflow.close()
+            self._mlflow.close("FAILED" if kind else self.status)
