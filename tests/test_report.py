@@ -368,6 +368,8 @@ def test_the_sweep_names_its_best_job_by_the_objectives_direction(tmp_path, caps
     html = (tmp_path / "sweep.html").read_text()
     assert f"<p>B{line[1:]}.</p>" in html
     assert html.count('<tr class="best">') == 1 and f'<tr class="best"><td><a href="{best}/report.html">' in html
+    rows = {row["job"]: row for row in csv.DictReader((tmp_path / "sweep.csv").open())}
+    assert rows["4"]["objective"] == "" and rows["4"]["verdict"] == "failed: JobFailed: ..."  # it returned none
 
 
 def test_jobs_whose_objectives_measure_different_things_have_no_best(tmp_path, capsys):

@@ -169,10 +169,11 @@ def _job_metrics(folder: Path, record: dict) -> tuple[dict[str, float | None], s
     accuracy = results.get("ensemble", {}).get("final_val_accuracy")
     objective = results.get("objective") or {}
     measure = tuple(objective.get(key) for key in ("of", "metric", "direction"))
-    if None in measure or record["status"] != "completed":  # what a failed job returned is no candidate
+    returned = record["status"] == "completed"  # a failed job (a member given up) returned nothing to Hydra
+    if None in measure or not returned:
         measure = None
     return {
-        "objective": objective.get("value"),
+        "objective": objective.get("value") if returned else None,
         "images_per_s": analysis.images_per_s,
         "cpu_s_per_epoch": analysis.cpu_s_per_epoch,
         "mean_stall_pct": analysis.mean_stall_pct,
