@@ -242,6 +242,19 @@ def _resumed_folder(cfg: DictConfig) -> Path:
     return folder
 
 
+def _check_slots_kept(resume: str, state_dir: Path, slots: dict[Slot, str]) -> None:
+    """A stopped run's flotillas form again on the slots they had: the machine must still offer them (with
+    trainer.slots=auto, a host with fewer GPUs, or CUDA_VISIBLE_DEVICES naming fewer, does not)."""
+    driver = state_dir / "driver.json"
+    if not driver.is_file():  # stopped before its scheduler began: nothing holds a slot
+        return
+    held = json.loads(driver.read_text())["scheduler"]["slots"]
+    if any(Slot(*map(int, key.split("/"))) not in slots for key in held):
+        raise ConfigError(f"resume={resume}: that run trained on {len(held)} slots, and here are {len(slots)}: resume "
+                          "it where its devices are (trainer.slots=auto counts the GPUs this host shows: "
+                          "CUDA_VISIBLE_DEVICES; with node agents, each host's)")
+
+
 @dataclass(frozen=True)
 class TrainingPlan:
     """What mode=train decides before it starts anything (plan_training): the hosts and slots, who
@@ -314,6 +327,8 @@ def plan_training(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console:
                                                measured, where)
     if per_device != cfg.trainer.slots_per_device:  # grouping=auto measured more processes on a device faster
         device_kind, slots, _ = laid_out(per_device)
+    if cfg.resume:
+        _check_slots_kept(cfg.resume, state_dir, slots)
     if device_kind == DeviceKind.cuda and not agents:  # (an agent's host is not known here)
         trainers_share = (1 - CACHE_SHARE_OF_RAM) * psutil.virtual_memory().available
         check_host_memory(groups, sizes, len(slots), int(trainers_share))

@@ -362,3 +362,18 @@ def test_the_paper_ensembles_structure_trains_on_two_cpu_slots(tiny_dataset, tmp
     for name, group in results["groups"].items():
         faster = "fused" if measured[name]["fused"] > measured[name]["packed"] else "packed"
         assert (group["mode"] != "packed") == (faster == "fused"), (name, group["mode"], measured[name])
+
+
+def test_a_run_resumed_where_its_slots_are_not_is_one_error_saying_where_to_resume_it(tmp_path):
+    """The stopped run trained on GPUs 0 and 1; here (trainer.slots=auto, one GPU visible) is one slot: a
+    config error before anything starts. Its flotillas formed again on slots this machine lacks, and the run
+    failed with a KeyError. A machine with the same or more slots resumes it."""
+    from pipeline.config import ConfigError
+    from pipeline.run import _check_slots_kept
+    from pipeline.scheduler.cluster import Slot
+
+    (tmp_path / "driver.json").write_text(json.dumps({"scheduler": {"slots": {"0/0": "busy", "0/1": "free"}}}))
+    with pytest.raises(ConfigError, match=r"^resume=out: that run trained on 2 slots, and here are 1: resume it where "
+                                          r"its devices are \(trainer.slots=auto counts the GPUs"):
+        _check_slots_kept("out", tmp_path, {Slot(0, 0): "cuda:0"})
+    _check_slots_kept("out", tmp_path, {Slot(0, i): f"cuda:{i}" for i in range(4)})
