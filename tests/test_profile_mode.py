@@ -91,3 +91,26 @@ def test_slow_trainer_and_fast_pipeline_is_compute_bound(tiny_dataset, tmp_path)
     assert report["verdict"]["bound"] == "compute" and report["verdict"]["model"] == "wide"
     assert results["models"][0]["data_stall_pct"] < 10
     assert report["actions"][0]["override"] == "ensemble.models.0.slots=2"
+
+
+def test_the_files_pass_reads_and_decodes_what_the_pipeline_pass_left_in_the_cache(tiny_dataset):
+    """The pipeline pass fills the cache with the batches the differential passes then take: the files
+    pass must read and decode each of them again (the graph without its cache stage), and make the same
+    images. It ran through the cache, which served them: its "files" rate timed no file."""
+    from pipeline.report.profile_run import _uncached_graph
+    from pipeline.runtime.lifetime import remove_shm
+    from stages.base import BatchContext, Split
+    from tests.test_cache import default_graph
+
+    graph = default_graph(tiny_dataset, 1)
+    ctx = lambda: BatchContext(seed=5, split=Split.TRAIN, epoch=0, index=0)
+    try:
+        graph.run(ctx())  # the pipeline pass
+        cached, files = graph.feeding({"main"}).run(ctx()), _uncached_graph(graph, "main").run(ctx())
+    finally:
+        graph.cache.close()
+        for prefix in graph.cache.prefixes():
+            remove_shm(prefix)
+    assert cached.cache_hits == 8 and cached.timings["decode"].items == 0  # what the files pass did before
+    assert "cache" not in files.timings and files.timings["decode"].items == 8 and files.cache_hits == 0
+    assert (files.batches["main"].data == cached.batches["main"].data).all()

@@ -96,7 +96,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, tot
             measured = {}
             for kind, pass_graph in (("synthetic", _synthetic_graph(graph, sink, len(graph.source.class_names))),
                                      ("cached", _cached_graph(graph, sink, decoded)),
-                                     ("files", graph.feeding({sink}))):
+                                     ("files", _uncached_graph(graph, sink))):
                 with Executor(client, pass_graph, cfg.seed, cfg.on_error, in_flight, drain_s=drain_s,
                               patience=patience) as executor:
                     feed = _ahead(_batches(executor, warmup + steps), cfg.delivery.ring_depth)
@@ -248,6 +248,20 @@ def _fetch_outputs(graph: StageGraph, seed: int, on_error: str, count: int) -> l
                                           graph.source.batch_size)
         held.append({name: outputs[name] for name in feeding})
     return held
+
+
+def _uncached_graph(graph: StageGraph, sink: str) -> StageGraph:
+    """The stages feeding `sink` but the cache, whose consumer reads its input instead: each batch read and
+    decoded from its files (the pipeline pass before filled the cache with the very batches this pass takes,
+    which it then served, and the files pass timed no file)."""
+    sub = graph.feeding({sink})
+    cache = sub.cache_name
+    if cache is None:
+        return sub
+    return StageGraph({name: stage for name, stage in sub.stages.items() if name != cache},
+                      {name: sub.inputs[cache] if given == cache else given
+                       for name, given in sub.inputs.items() if name != cache},
+                      {name: spec for name, spec in sub.specs.items() if name != cache})
 
 
 def _cached_graph(graph: StageGraph, sink: str, decoded: list[dict[str, Batch]]) -> _PassGraph:
