@@ -34,10 +34,9 @@ def make_results(rate: float, stage_wall: dict[str, float], models: list[tuple[s
     return {
         "dataset": {"name": "handmade", "train_images": images, "val_images": 0},
         "cluster": {"address": "local", "workers": workers, "in_flight": 2 * workers},  # auto: 2 a thread
-        "epochs": 1,
         "wall_s": 30.0,
         "models": [{"name": name, "input": "main", "slots": 1, "images_per_s": speed, "data_stall_pct": stall,
-                    "val_accuracy": [0.4, 0.6]} for name, speed, stall in models],
+                    "val_accuracy": [0.4, 0.6], "epochs": 2} for name, speed, stall in models],
         "ensemble": {"val_accuracy": [0.5, 0.7], "final_val_accuracy": 0.7},
         "pipeline": {"train_images": images, "images_per_s": rate, "cpu_s_per_epoch": 0.8 * sum(stage_wall.values()),
                      "stages": {name: {"wall_s": wall, "cpu_s": 0.8 * wall, "items": images}
@@ -81,6 +80,14 @@ def test_predictions_never_pass_the_slowest_trainer():
     workers = analyse(results).actions[0]
     assert workers.predicted_images_per_s == pytest.approx(250)
     assert "capped by the slowest trainer" in workers.text
+
+
+def test_no_action_promises_less_than_today_s_rate():
+    """400 img/s reach a pace-setter that computes 250 (a profile pass runs uncapped; flotillas add up) and
+    waits 20%, the workers 90% busy: input-bound, but any speed-up of the input is capped at 250, below
+    today's rate. Such actions said "about 0.6x input rate"; none is offered."""
+    analysis = analyse(make_results(400, {"read": 1.0, "decode": 2.0, "crop": 1.5}, [("resnet", 250, 20.0)]))
+    assert analysis.verdict.bound == "input" and analysis.actions == []
 
 
 def test_compute_bound_despite_fast_models_waiting_for_the_slow_one():
@@ -484,7 +491,7 @@ def test_report_of_a_real_run(tiny_dataset, tmp_path):
     assert {s["name"] for s in report["stages"]} == {"read", "decode", "cache", "crop_main", "crop_alt", "main",
                                                      "alt"}
     assert report["workers"]["threads"] == 2 and report["workers"]["busy_source"] == "measured"
-    assert len(report["models"]) == 4
+    assert len(report["models"]) == 4 and report["run"]["epochs"] == 2  # (it read a key results.json lacks: null)
     # with CPU per epoch, the timeline, ring occupancy, the slots over time
     assert paths.html.read_text().count("data:image/png;base64,") == 7
     # One node, one hub (single_broadcast): its ring, and its prefetch queue of batch tasks.

@@ -14,8 +14,9 @@ BUSY_THRESHOLD_PCT = 70.0  # worker threads busier than this: the stages themsel
 # What each built-in stage's user can change when that stage limits the input.
 STAGE_KNOBS = {
     "stages.read.ImageFolder": "faster storage, or a local copy of dataset.root",
-    "stages.decode.Decode": "pipeline.decode_backend=simplejpeg, or a smaller pipeline.image_size so that "
-                            "simplejpeg decodes at a reduced DCT scale",
+    "stages.decode.Decode": "pipeline.cache_gb large enough for the decoded dataset, so that epochs after the "
+                            "first decode nothing; the simplejpeg backend, if another is in use; or a smaller "
+                            "pipeline.image_size, which simplejpeg decodes at a reduced DCT scale",
     "stages.augment.RandomResizedCropFlip": "a smaller crop size",
 }
 
@@ -101,6 +102,9 @@ def analyse(results: dict) -> Analysis:
     models = _model_rows(results.get("models", []))
     stalls = [m.data_stall_pct for m in models if m.data_stall_pct is not None]
     verdict, actions = _verdict_and_actions(results, rate, stages, models, workers)
+    # an action capped at or below today's rate (the pace-setter computes no faster: the input rate adds up
+    # several flotillas', or a profile pass's runs uncapped) promises nothing
+    actions = [a for a in actions if a.predicted_factor is None or a.predicted_factor > 1]
     return Analysis(rate, pipeline.get("cpu_s_per_epoch"), stages, models,
                     sum(stalls) / len(stalls) if stalls else None, workers, verdict, actions)
 

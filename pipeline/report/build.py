@@ -69,8 +69,9 @@ def report_dict(results: dict, analysis: Analysis, dask_report: str | None = Non
         "ensemble": {key: results.get("ensemble", {}).get(key) for key in ("val_accuracy", "final_val_accuracy")},
         "bad_files": {"skipped": results.get("skipped", []), "converted": results.get("converted", [])},
         "run": {"mode": results.get("mode", "train"),
-                **{key: results.get(key) for key in ("wall_s", "epochs", "dataset", "devices", "cluster",
-                                                     "interrupted", "given_up")}},
+                "epochs": max((m.get("epochs", 0) for m in results.get("models", [])), default=None),
+                **{key: results.get(key) for key in ("wall_s", "dataset", "devices", "cluster", "interrupted",
+                                                     "given_up")}},
         "measurements_missing": [key for key in OPTIONAL if key not in recorded(results)],
         "dask_report": dask_report,
     }
