@@ -466,6 +466,51 @@ def test_fleet_e_phases_move_slots_from_a_plateaued_model_to_one_still_improving
     assert of(Stop, scheduler.handle(EpochFinished(21.0, "a", 2, {"train_loss": 3.92}))) == []
 
 
+def test_fleet_e_restarts_a_model_only_for_slots_the_planner_would_give_it():
+    """a's rates dip at 2 slots (100, 95, 180, 240: noise, or a CPU host where 2 slots are slower than 1).
+    The planner adds a slot only while one more is faster, so a restart lands on 1 slot again: a stays. It
+    was stopped "resized" after every epoch (its best rate, 240 on 4, was within reach of no plan), each time
+    paying a checkpoint and a start."""
+    scheduler = Scheduler(["a"], Cluster(1, 4), FleetE())
+    first = scheduler.handle(RatesMeasured(0.0, "a", (100.0, 95.0, 180.0, 240.0)))
+    assert {d.group: len(d.slots) for d in of(AssignSlots, first)} == {"a": 1}
+    assert [of(Stop, scheduler.handle(EpochFinished(10.0 * epoch, "a", epoch))) for epoch in (1, 2, 3)] == [[]] * 3
+
+
+def test_fleet_e_with_join_running_restarts_a_resized_model_on_more_slots_not_into_a_stream():
+    """join_running: a, restarting to take the slots c left, formed a flotilla of its own on 3 slots. It
+    joined b's stream again on its fewest (1), where it was stopped "resized" once more, every epoch, the
+    other slots idle."""
+    scheduler = Scheduler(list("abc"), Cluster(1, 4, cores_per_node=4, prep_seconds_per_image=0.02),
+                          FleetE(join_running=True), epochs=30, images_per_epoch=10000)
+    first = started(scheduler, {m: (100.0, 180.0, 250.0, 300.0) for m in "abc"})
+    assert {d.group: len(d.slots) for d in of(AssignSlots, first)} == {"c": 2, "a": 1, "b": 1}
+
+    def freed(at: float) -> list:
+        return [d for slot, state in list(scheduler.slots.items()) if state == "releasing"
+                for d in scheduler.handle(SlotFreed(at, slot))]
+
+    scheduler.handle(GroupConverged(1.0, "c"))
+    freed(1.5)
+    assert of(Stop, scheduler.handle(EpochFinished(2.0, "a", 1))) == [Stop(1, "a", "resized", flotilla_ends=False)]
+    replanned = scheduler.handle(EpochFinished(3.0, "b", 1)) + freed(3.5)
+    assert [f.members for f in of(FormFlotilla, replanned)] == [{"a": 3}]
+    assert of(Stop, scheduler.handle(EpochFinished(4.0, "a", 2))) == []
+
+
+def test_fleet_e_takes_no_slot_from_a_model_on_its_plateau_for_another_on_its_plateau():
+    """phase_threshold 0.1: b's loss levels off first, then a's. Neither still improves, so neither
+    gives its second slot away. a gave one up "plateau" for b, whose plateau had already held it to its
+    fewest slots (its rate there 0 in the planning table counted as a gain), and the slot stayed idle."""
+    scheduler = Scheduler(["a", "b"], Cluster(1, 4), FleetE(phase_threshold=0.1))
+    first = started(scheduler, {"a": (100.0, 190.0, 195.0, 200.0), "b": (100.0, 190.0, 270.0, 340.0)})
+    assert {d.group: len(d.slots) for d in of(AssignSlots, first)} == {"a": 2, "b": 2}
+    scheduler.handle(EpochFinished(10.0, "b", 1, {"train_loss": 4.0}))
+    scheduler.handle(EpochFinished(10.0, "a", 1, {"train_loss": 1.0}))
+    assert of(Stop, scheduler.handle(EpochFinished(20.0, "b", 2, {"train_loss": 3.9}))) == []
+    assert of(Stop, scheduler.handle(EpochFinished(20.0, "a", 2, {"train_loss": 0.99}))) == []
+
+
 def test_loss_curves_level_off_at_convergence_and_the_lower_bound_holds_for_every_schedule():
     for epochs in (2, 10, 60):
         curve = loss_curve(epochs)

@@ -31,6 +31,7 @@ class GroupState:
     flotilla: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # of the last epoch
     loss_drop: float | None = None  # of the training loss in the last epoch, as a fraction of the loss before
+    resized: bool = False  # stopped to restart on more slots: it joins no running stream (there: its fewest)
 
 
 @dataclass
@@ -204,7 +205,7 @@ class Scheduler:
         checkpoint = Checkpoint(state.flotilla, event.group, event.epoch)
         restart = self._restart_reason(event.group)
         if restart:
-            state.status = WAITING
+            state.status, state.resized = WAITING, restart == "resized"
             return [checkpoint, *self._leave(event.group, restart)]
         return [checkpoint]
 
@@ -368,7 +369,8 @@ class Scheduler:
                 or (self.policy.waits_for_idle_cluster and self.flotillas)):
             return []
         table = self._planning_table()
-        decisions = self._join(waiting, free, table) if self.policy.join_running else []
+        joining = [m for m in waiting if not self.groups[m].resized]
+        decisions = self._join(joining, free, table) if self.policy.join_running and joining else []
         if decisions:
             waiting = [m for m in waiting if self.groups[m].status == WAITING]
             free = [s for s, state in self.slots.items() if state == FREE]
@@ -390,7 +392,7 @@ class Scheduler:
             decisions += [AssignSlots(flotilla_id, m, placement[m]) for m in members]
             for m in members:
                 state = self.groups[m]
-                state.status, state.flotilla = RUNNING, flotilla_id
+                state.status, state.flotilla, state.resized = RUNNING, flotilla_id, False
                 for slot in placement[m]:
                     self.slots[slot] = BUSY
                 decisions.append(Start(flotilla_id, m, resume_epoch=state.checkpoint_epoch))
