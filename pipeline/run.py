@@ -430,7 +430,7 @@ def train(cfg: DictConfig, inputs: RunInputs, output_dir: Path, console: Console
         "devices": {"kind": plan.device_kind, "slots": len(slots)},
         "cluster": {"address": cfg.cluster.address or "local", "workers": plan.workers, "threads": threads,
                     "in_flight": max(in_flight.values()),  # a producer's window (nodes differ: the largest)
-                    "worker_busy_pct": recorder.worker_busy_pct(training_s, cfg.cluster.threads_per_worker)},
+                    "worker_busy_pct": recorder.worker_busy_pct(training_s)},
         "scheduler": {"policy": cfg.scheduler.policy, "decisions": driver.log,
                       "gantt": [bar.to_json() for bar in driver.gantt.bars],
                       "cluster": {"nodes": nodes, "slots_per_node": cluster.slots_per_node,

@@ -151,3 +151,16 @@ def test_a_part_of_the_ensemble_is_judged_on_its_own_members(tmp_path):
     assert parts["x"]["val_accuracy"] == [0.5] and parts["x"]["best_model_val_accuracy"] == 1.0
     assert parts["x"]["val_loss"] == pytest.approx([-(math.log(1.3 / 2) + math.log(0.9 / 2)) / 2], rel=1e-6)
     assert parts["y"]["best_model_val_accuracy"] == 1.0
+
+
+def test_a_workers_busy_share_is_over_its_own_threads():
+    """A remote cluster's workers have threads of their own (`dask worker --nthreads 4`, or one per core):
+    2 s of batch tasks in 1 s of training on a worker of 4 threads is 50% busy. Over the local cluster's
+    cluster.threads_per_worker (1) it was 200%, and the verdict said the workers limit the input."""
+    from pipeline.data.graph import BatchOutput
+
+    recorder = RunRecorder([spec("m")], {"m": 1}, {"m": 32})
+    for started in (0.0, 0.5):
+        recorder.add_batch(BatchOutput({}, {}, worker="worker w", worker_threads=4, started=started,
+                                       ended=started + 1.0), train=True)
+    assert recorder.worker_busy_pct(1.0) == {"worker w": 50.0}

@@ -49,7 +49,9 @@ def run_batch(graph_id: str, seed: int, sequence: int, split: Split, epoch: int,
         output = _GRAPHS[graph_id][0].run(context)
     except UserError as err:  # the user's data or stage, not a failed task: raised where the batch is taken
         return BatchOutput({}, {}, user_error=str(err))  # (its message: a user's subclass may not unpickle)
-    output.worker, output.started, output.ended = f"worker {get_worker().name}", started, time.time()
+    worker = get_worker()
+    output.worker, output.worker_threads = f"worker {worker.name}", worker.state.nthreads
+    output.started, output.ended = started, time.time()
     if share_as:
         for sink, batch in output.batches.items():
             batch.data = SharedArray.write(f"{share_as}-{sink}", batch.data)

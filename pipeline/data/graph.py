@@ -53,6 +53,7 @@ class BatchOutput:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     converted: list[tuple[str, str]] = field(default_factory=list)
     worker: str = ""  # where the batch task ran, and when (time.time()): the run's timeline
+    worker_threads: int = 1  # its threads: the worker's busy share is over them
     started: float = 0.0
     ended: float = 0.0
     # What stopped the batch, the user's to fix (a bad file under on_error=fail, a stage's output not as it

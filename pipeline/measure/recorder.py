@@ -92,6 +92,7 @@ class RunRecorder:
         self.stages: dict[str, StageTiming] = defaultdict(StageTiming)
         self.stage_walls: dict[str, list[float]] = defaultdict(list)  # per batch, for latency percentiles
         self.worker_task_s: dict[str, float] = defaultdict(float)  # time each Dask worker spent in batch tasks
+        self.worker_threads: dict[str, int] = {}  # each one's threads (a remote cluster's: its workers' own)
         self.recent: deque = deque(maxlen=RECENT_BATCHES)  # (worker seconds, images produced) per batch task
         # flotilla -> epoch of its sequence -> preprocessing CPU seconds (its batch tasks' and hubs')
         self.cpu_by_epoch: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
@@ -127,6 +128,7 @@ class RunRecorder:
             self.recent.append((sum(timing.wall_s for timing in output.timings.values()), produced))
             self._span(output.worker, "task", output.started, output.ended)
             self.worker_task_s[output.worker] += output.ended - output.started
+            self.worker_threads[output.worker] = output.worker_threads
             if train:
                 self.train_images += produced
             new = [(p, r) for p, r in output.skipped if p not in self.skipped]
@@ -332,7 +334,8 @@ class RunRecorder:
                           for part, pending in self.part_pending.items()},
                 "origin": self.origin, "timeline": self.timeline,
                 "stages": {name: asdict(t) for name, t in self.stages.items()}, "stage_walls": self.stage_walls,
-                "worker_task_s": self.worker_task_s, "skipped": self.skipped, "converted": self.converted,
+                "worker_task_s": self.worker_task_s, "worker_threads": self.worker_threads,
+                "skipped": self.skipped, "converted": self.converted,
                 "checksums": self.checksums, "train_images": self.train_images, "delivery": self.delivery,
                 "queues": self.queues, "cpu_by_epoch": self.cpu_by_epoch, "cache_by_epoch": self.cache_by_epoch,
                 "plans": self.plans}
@@ -381,6 +384,7 @@ class RunRecorder:
             self.stages.update({name: StageTiming(**t) for name, t in state["stages"].items()})
             self.stage_walls.update(state["stage_walls"])
             self.worker_task_s.update(state["worker_task_s"])
+            self.worker_threads.update(state.get("worker_threads", {}))  # (absent from older runs': 1 each)
             self.skipped, self.converted, self.checksums = state["skipped"], state["converted"], state["checksums"]
             self.delivery = {int(f): info for f, info in state["delivery"].items()}
             self.queues = state["queues"]
@@ -417,9 +421,11 @@ class RunRecorder:
             return {str(f): {**plan, "measured_images_per_s": min(measured[f], default=None)}
                     for f, plan in sorted(self.plans.items())}
 
-    def worker_busy_pct(self, wall_s: float, threads_per_worker: int) -> dict[str, float]:
-        """Share of the training time each worker's threads spent in batch tasks."""
-        return {worker: 100 * busy / (wall_s * threads_per_worker) for worker, busy in self.worker_task_s.items()}
+    def worker_busy_pct(self, wall_s: float) -> dict[str, float]:
+        """Share of the training time each worker's threads spent in batch tasks (each worker's own count:
+        cluster.threads_per_worker is the local cluster's; a remote worker may have any)."""
+        return {worker: 100 * busy / (wall_s * self.worker_threads.get(worker, 1))
+                for worker, busy in self.worker_task_s.items()}
 
     def _span(self, lane: str, what: str, start: float, end: float) -> None:
         if len(self.timeline) < MAX_TIMELINE_SPANS:

@@ -119,7 +119,7 @@ def profile_run(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, tot
         "devices": {"kind": device, "slots": 1},
         "cluster": {"address": cfg.cluster.address or "local", "workers": workers, "threads": threads,
                     "in_flight": in_flight,
-                    "worker_busy_pct": recorder.worker_busy_pct(pass_s, cfg.cluster.threads_per_worker)},
+                    "worker_busy_pct": recorder.worker_busy_pct(pass_s)},
         **recorder.as_dict(pass_s),
         "differential": differential,
     }
