@@ -102,6 +102,17 @@ def test_compute_bound_despite_fast_models_waiting_for_the_slow_one():
     assert action.predicted_factor == pytest.approx(2.0)
 
 
+def test_a_grid_members_slots_action_counts_every_member_its_declaration_makes():
+    """resnet_w16 and resnet_w32 are one declaration's grid members (ensemble.grid over the width): its
+    slots key doubles both, so the action needs 2 more slots, not 1, and says whom it changes."""
+    results = make_results(50, STAGES, [("resnet_w16", 50, 2.0), ("resnet_w32", 40, 2.0), ("other", 200, 30.0)])
+    results["config"]["ensemble"]["models"] = [{"name": "resnet"}, {"name": "other"}]
+    [action] = analyse(results).actions
+    assert action.override == "ensemble.models.0.slots=2"
+    assert "(each of the 2 members its declaration makes: resnet_w16, resnet_w32)" in action.text
+    assert action.text.endswith("needs 2 more free slot(s)")
+
+
 def test_compute_bound_prediction_is_capped_by_the_next_slowest_model():
     results = make_results(50, STAGES, [("slow", 50, 2.0), ("fast", 70, 30.0)])
     action = analyse(results).actions[0]

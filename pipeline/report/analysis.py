@@ -248,8 +248,12 @@ def _compute_bound(results: dict, limiter: ModelRow, models: list[ModelRow],
     factor = predicted / limiter.images_per_s
     key = _slots_key(results, limiter.name)
     change = f"{key or f'slots of model {limiter.name}'}={slots}"
-    text = (f"{change}: {limiter.name} trains data-parallel on {slots} slots -> flotilla about {factor:.1f}x "
-            f"({predicted:.1f} img/s, capped by {limit}); needs {slots - limiter.slots} more free slot(s)")
+    # a grid's members share their declaration's key: each of them takes the slots
+    alike = [m.name for m in models if key and _slots_key(results, m.name) == key]
+    each = f" (each of the {len(alike)} members its declaration makes: {', '.join(alike)})" if len(alike) > 1 else ""
+    text = (f"{change}: {limiter.name} trains data-parallel on {slots} slots{each} -> flotilla about {factor:.1f}x "
+            f"({predicted:.1f} img/s, capped by {limit}); needs {max(len(alike), 1) * (slots - limiter.slots)} "
+            "more free slot(s)")
     return verdict, [Action(change, text, factor, predicted, change if key else None)]
 
 
