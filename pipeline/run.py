@@ -282,7 +282,7 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
     check_objective(cfg.objective, models)
     d = cfg.dataset
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
-                              d.synthetic_difficulty, cfg.seed)
+                              d.synthetic_difficulty)
     try:
         graph = _graph(cfg, models)
         sample = _usable_sample(graph)

@@ -143,12 +143,12 @@ def test_nothing_is_left_behind(full_run):
 def test_missing_or_empty_root_without_synthetic_is_an_error(tmp_path):
     for root in (tmp_path / "missing", tmp_path):
         with pytest.raises(DatasetError, match="missing or empty; point dataset.root"):
-            prepare_dataset(str(root), Synthetic.never, 3, 4, 0.0, 0)
+            prepare_dataset(str(root), Synthetic.never, 3, 4, 0.0)
 
 
 def test_synthetic_stand_in_is_generated_once_and_labelled(tmp_path):
-    first = prepare_dataset(str(tmp_path / "c256"), Synthetic.auto, 3, 4, 0.0, 0)
-    again = prepare_dataset(str(tmp_path / "c256"), Synthetic.auto, 3, 4, 0.0, 0)
+    first = prepare_dataset(str(tmp_path / "c256"), Synthetic.auto, 3, 4, 0.0)
+    again = prepare_dataset(str(tmp_path / "c256"), Synthetic.auto, 3, 4, 0.0)
     assert first.synthetic and first.generated_now and again.synthetic and not again.generated_now
     assert len(list((tmp_path / "c256").glob("*/*.jpg"))) == 12
 

@@ -13,7 +13,7 @@ from pipeline.data import synthetic
 from pipeline.data.synthetic import generate_imagefolder, read_marker, write_bad_files
 from stages.base import Split
 from stages.read import SPLIT_FILE, ImageFolder
-from tests.conftest import as_a_user_permissions_bind
+from tests.conftest import as_a_user_permissions_bind, compose_config
 
 NUM_CLASSES, IMAGES_PER_CLASS, SEED = 10, 40, 7
 
@@ -260,7 +260,6 @@ def test_the_default_ensembles_stand_in_validates_on_30_images_a_class_and_a_giv
         tmp_path):
     """The split is the stand-in's alone: the same config on a dataset the user gives keeps 10%."""
     from pipeline.data.dataset import Synthetic, prepare_dataset
-    from tests.conftest import compose_config
 
     cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tmp_path / 'c256'}"])
     assert cfg.dataset.val_per_class is None and cfg.dataset.synthetic_images_per_class == 129
@@ -271,14 +270,14 @@ def test_the_default_ensembles_stand_in_validates_on_30_images_a_class_and_a_giv
     given = tmp_path / "given"
     generate_imagefolder(given, 2, 129, 0, image_size=(24, 32), val_per_class=None)
     (given / synthetic.MARKER).unlink()
-    info = prepare_dataset(str(given), Synthetic.auto, 2, 129, 0.0, 0)
+    info = prepare_dataset(str(given), Synthetic.auto, 2, 129, 0.0)
     assert (info.root, info.synthetic) == (given, False)
     read = ImageFolder(root=str(given), batch_size=64, val_per_class=stages["read"]["val_per_class"])
     assert (read.num_items(Split.TRAIN), read.num_items(Split.VAL)) == (2 * 116, 2 * 13)
 
     # The stand-in the run makes at an empty root (its call, as pipeline/run.py makes it): 30 a class.
     made = tmp_path / "made"
-    assert prepare_dataset(str(made), Synthetic.auto, 2, 129, 0.0, 0).synthetic
+    assert prepare_dataset(str(made), Synthetic.auto, 2, 129, 0.0).synthetic
     read = ImageFolder(root=str(made), batch_size=64, val_per_class=stages["read"]["val_per_class"])
     assert (read.num_items(Split.TRAIN), read.num_items(Split.VAL)) == (2 * 99, 2 * 30)
 
@@ -325,25 +324,44 @@ def test_a_stand_in_a_run_trains_on_is_not_made_anew_under_it(tmp_path):
     from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
 
     root = tmp_path / "stand_in"
-    first = prepare_dataset(str(root), Synthetic.auto, 2, 4, 0.0, 0)
+    first = prepare_dataset(str(root), Synthetic.auto, 2, 4, 0.0)
     files = {path: path.read_bytes() for path in root.rglob("*.jpg")}
     refused = (r"holds the synthetic stand-in made with other parameters, and another run trains on it.*"
                r"'dataset.root=data/stand_in_\$\{dataset.synthetic_difficulty\}'")
     with pytest.raises(DatasetError, match=refused):
-        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0)
     assert {path: path.read_bytes() for path in root.rglob("*.jpg")} == files
-    same = prepare_dataset(str(root), Synthetic.auto, 2, 4, 0.0, 0)
+    same = prepare_dataset(str(root), Synthetic.auto, 2, 4, 0.0)
     assert same.synthetic and not same.generated_now
     first.release()
     with pytest.raises(DatasetError, match=refused):  # `same` holds it still
-        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0)
     same.release()
-    reader = prepare_dataset(str(root), Synthetic.never, 2, 4, 0.0, 0)
+    reader = prepare_dataset(str(root), Synthetic.never, 2, 4, 0.0)
     assert reader.synthetic and not reader.generated_now
     with pytest.raises(DatasetError, match=refused):
-        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+        prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0)
     assert {path: path.read_bytes() for path in root.rglob("*.jpg")} == files
     reader.release()
-    second = prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0, 0)
+    second = prepare_dataset(str(root), Synthetic.auto, 2, 4, 1.0)
     assert second.generated_now and read_marker(root)["difficulty"] == 1.0
     second.release()
+
+
+def test_the_runs_seed_leaves_the_stand_in_as_it_is(tmp_path):
+    """seed=0 and seed=1 (a sweep over seeds, in parallel here: the first run still holds the stand-in):
+    one stand-in for both, as its dataset.synthetic_* values make it; the seed fixes shuffles,
+    augmentations and initial weights. The run's seed made the stand-in anew (other class names, other
+    images), and a parallel sweep over seeds failed on the one in use."""
+    from pipeline.run import prepare_inputs
+
+    cfgs = [compose_config(["+ensemble=caltech256", f"dataset.root={tmp_path / 'd'}", "dataset.synthetic_classes=2",
+                            "dataset.synthetic_images_per_class=6", f"seed={seed}"]) for seed in (0, 1)]
+    first = prepare_inputs(cfgs[0])
+    try:
+        second = prepare_inputs(cfgs[1])
+        second.dataset.release()
+    finally:
+        first.dataset.release()
+    assert first.dataset.generated_now and not second.dataset.generated_now
+    assert first.graph.source.files == second.graph.source.files

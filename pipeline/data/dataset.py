@@ -44,8 +44,11 @@ class DatasetInfo:
             self.in_use.close()
 
 
-def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int, difficulty: float,
-                    seed: int) -> DatasetInfo:
+STAND_IN_SEED = 0  # the stand-in is one dataset per dataset.synthetic_* values, whatever the run's seed
+
+
+def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int,
+                    difficulty: float) -> DatasetInfo:
     path = Path(to_absolute_path(root))
     try:
         empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
@@ -62,7 +65,8 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
         return DatasetInfo(path, False, False)  # real data
     if synthetic == Synthetic.never:  # a stand-in made before: held as with auto, but never made anew
         return DatasetInfo(path, True, False, in_use=_stand_in_held(path, None))
-    make = functools.partial(generate_imagefolder, path, classes, images_per_class, seed, difficulty=difficulty)
+    make = functools.partial(generate_imagefolder, path, classes, images_per_class, STAND_IN_SEED,
+                             difficulty=difficulty)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)  # where the locks are
         in_use = _stand_in_held(path, make)
