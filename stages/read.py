@@ -18,6 +18,9 @@ SPLIT_FILE = "split.json"  # a dataset's own split, {"val_per_class": <fraction 
 # go by (as timm's datasets find them); any other folder beside them (test/) is not read.
 TRAIN_FOLDERS = ("train", "training")
 VAL_FOLDERS = ("val", "valid", "validation")
+# What Windows writes into folders of pictures (thumbnail caches, folder settings): never an image, not read as
+# the hidden files of other systems are not (it took a validation place, then was skipped every epoch)
+SYSTEM_FILES = frozenset({"thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini"})
 DEFAULT_VAL_PER_CLASS = 0.1  # the split of a dataset that declares none
 
 
@@ -121,13 +124,14 @@ class ImageFolder(Stage):
                       Split.VAL: [(path, labels[name]) for name, paths in validated.items() for path in paths]}
 
     def _class_files(self, folder: Path) -> dict[str, list[str]]:
-        """Each class folder's files (not hidden), by class name, in name order, links to nothing among them
+        """Each class folder's files (not hidden, nor a file the system writes there), by class name, in name order, links to nothing among them
         (git-annex or DVC files not fetched: a batch skips each, saying so); a folder inside a class folder is
         not read, but listed in `unread` (nothing is left out unsaid)."""
         classes = {}
         for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
             with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file
-                entries = [entry for entry in entries if not entry.name.startswith(".")]
+                entries = [entry for entry in entries if not entry.name.startswith(".")
+                           and entry.name.lower() not in SYSTEM_FILES]
             classes[class_dir.name] = sorted(entry.path for entry in entries if entry.is_file() or (
                 entry.is_symlink() and not entry.is_dir()))  # a link to nothing: neither file nor folder
             self.unread += sorted(os.path.relpath(entry.path, self.root) for entry in entries if entry.is_dir())

@@ -1,5 +1,6 @@
 """Stage behaviour, and a suite every stage must pass: the output matches the
 declared spec, the same seed gives the same bytes, the stage pickles."""
+import os
 import pickle
 import re
 import shutil
@@ -186,6 +187,21 @@ def test_a_folder_inside_a_class_folder_is_not_read_and_is_listed(tiny_dataset, 
     assert source.unread == [f"{dog.name}/greg"]
     assert source.num_items(Split.TRAIN) + source.num_items(Split.VAL) == 4 * 16  # greg's file is not among them
     assert ImageFolder(root=str(tiny_dataset), batch_size=8).unread == []
+
+
+def test_the_files_windows_writes_into_picture_folders_are_not_read(tiny_dataset, tmp_path):
+    """Thumbs.db and desktop.ini in every class folder (a dataset copied from Windows): not among the
+    class's files, as hidden files are not. They were: each took a place in the split (a validation one,
+    at times, leaving a class none), then was skipped as no image every epoch, and stopped a run under
+    on_error=fail."""
+    root = tmp_path / "copied"
+    shutil.copytree(tiny_dataset, root)
+    for folder in (p for p in root.iterdir() if p.is_dir()):
+        (folder / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+        (folder / "desktop.ini").write_text("[.ShellClassInfo]\n")
+    relative = lambda base: {split: [(os.path.relpath(path, base), label) for path, label in files]
+                             for split, files in ImageFolder(root=str(base), batch_size=8).files.items()}
+    assert relative(root) == relative(tiny_dataset)  # the same split, file for file
 
 
 def test_a_class_folder_without_files_is_an_error_naming_it(tiny_dataset, tmp_path):
