@@ -55,7 +55,7 @@ from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.memory import measure_peaks
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
-from pipeline.training.group import GroupSpec
+from pipeline.training.group import GroupSpec, Precision
 from pipeline.training.members import ModelSpec, check_members, flatten, grouped
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Batch, Split
@@ -287,7 +287,8 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
         graph = _graph(cfg, models)
         sample = _usable_sample(graph)
         total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
-        models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps)
+        models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps,
+                               autocast=cfg.trainer.precision != Precision.fp32)
         return RunInputs(models, dataset, graph, _plan_cache(cfg, graph, sample), total_steps)
     except BaseException:
         dataset.release()
@@ -553,10 +554,12 @@ def _group(cfg: DictConfig, models: list[ModelSpec], graph: StageGraph, sizes: d
 
 
 def _say_unfused(models: list[ModelSpec], console: Console) -> None:
-    """Members of one module and loss that cannot fuse (they pack instead), and why: vmap's error."""
-    for members in grouped(models, lambda m: m.family).values():
-        why = members[0].unfusable
-        if len(members) > 1 and why:
+    """Members of one module and loss that cannot fuse (they pack instead), and why: vmap's error, or its
+    lack of autocast."""
+    for family in grouped(models, lambda m: m.family).values():
+        if len(family) < 2:
+            continue
+        for why, members in grouped([m for m in family if m.unfusable], lambda m: m.unfusable).items():
             console.print(f"[yellow]note[/] {', '.join(m.name for m in members)} ({members[0].describe()}) pack, "
                           f"never fuse: {why}")
 

@@ -99,18 +99,19 @@ class GroupSpec:
 
     def units(self) -> list[tuple[ModelSpec, ...]]:
         """What steps as one: fused arrays of a family's members, `array_size` at a time, the rest alone.
-        Members HFTA takes that share a schedule (an HFTA array steps one) fill arrays of their own first;
-        what is left of the family is chunked as it comes, so that as few arrays as can fuse by vmap, the
-        slower."""
+        Members HFTA takes that share a schedule (an HFTA array steps one) fill arrays of their own first.
+        Where the family has members HFTA cannot take, what is left of it is chunked as it comes, so that as
+        few arrays as can fuse by vmap, the slower; else each schedule's last members form an HFTA array."""
         size = max(1, self.array_size)
         units = []
         for family in grouped(self.members, lambda m: m.fuses_with).values():
+            others = [m for m in family if m.fusion != "hfta"]
             rest = []
             for alike in grouped([m for m in family if m.fusion == "hfta"], lambda m: canonical(m.schedule)).values():
-                whole = len(alike) - len(alike) % size
+                whole = len(alike) - len(alike) % size if others else len(alike)
                 units += [tuple(alike[i:i + size]) for i in range(0, whole, size)]
                 rest += alike[whole:]
-            rest += [m for m in family if m.fusion != "hfta"]
+            rest += others
             units += [tuple(rest[i:i + size]) for i in range(0, len(rest), size)]
         return units
 
