@@ -589,3 +589,80 @@ def test_units_on_streams_fork_from_the_staging_stream_and_join_it_even_when_a_s
     step.release("c")  # stream 0 empty, stream 1 with b and d: d moves
     step.train({"main": (x, y)})
     assert events[2:4] == ["b on s1", "d on s0"]
+
+
+class Plain(torch.nn.Module):
+    """No batch norm (whose statistics are each rank's own): DDP's ranks and one process compute one gradient."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                        torch.nn.Flatten(), torch.nn.Linear(4, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _plain(slots: int) -> ModelSpec:
+    from dataclasses import replace
+
+    return replace(member("m", slots=slots), model={"_target_": "tests.test_trainer.Plain"},
+                   optimizer={"_target_": "torch.optim.SGD", "lr": 0.5})
+
+
+def _odd_batch():
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(5, 3, 8, 8, generator=generator), torch.tensor([0, 1, 2, 0, 1])
+
+
+def _ddp_rank(rank: int, address: str, weighted: bool, results) -> None:
+    """One rank of a model on 2 slots: one step on its rows of a batch of 5 (3 and 2), as the trainer
+    weighs them (or not); rank 0 puts the weights it ends with."""
+    from pipeline.training.group import join_process_group, rank_rows, shard_weight
+
+    try:
+        collectives = join_process_group(address, rank, 2, torch.device("cpu"), 60.0, "m")
+        group = GroupStep(GroupSpec("m", (_plain(2),)), 3, {"main": 8}, "cpu", 10, world=2)
+        x, y = _odd_batch()
+        rows = rank_rows(rank, 2)
+        weight = shard_weight(len(y[rows]), 2, len(y)) if weighted else 1.0
+        with collectives():
+            group.train({"main": (x[rows], y[rows])}, weight=weight)
+        if rank == 0:
+            results.put({key: tensor.numpy() for key, tensor in group.state("m")["model"].items()})
+    except BaseException as err:
+        results.put(repr(err))
+
+
+@pytest.mark.slow
+def test_a_data_parallel_step_on_an_uneven_batch_weighs_every_image_as_one_process_does():
+    """A batch of 5 on 2 slots: rank 0 trains 3 rows, rank 1 two. Each rank's loss weighted by its rows
+    over an even share, DDP's average of the ranks' gradients is one process's gradient on the 5: the
+    weights after a step are the same. DDP's plain average weighed rank 1's images 1/4 each and rank 0's
+    1/6 (and every batch of 64 on 3 slots so)."""
+    from pipeline.delivery.collective import LocalRendezvous
+
+    alone = GroupStep(GroupSpec("m", (_plain(1),)), 3, {"main": 8}, "cpu", 10)
+    alone.train({"main": _odd_batch()})
+    expected = {key: tensor.numpy() for key, tensor in alone.state("m")["model"].items()}
+    context = mp.get_context("spawn")
+    got = {}
+    for weighted in (True, False):
+        rendezvous, results = LocalRendezvous(), context.Queue()
+        address = rendezvous.next()
+        ranks = [context.Process(target=_ddp_rank, args=(rank, address, weighted, results), daemon=True)
+                 for rank in (0, 1)]
+        try:
+            for process in ranks:
+                process.start()
+            got[weighted] = results.get(timeout=120)
+        finally:
+            for process in ranks:
+                process.join(30)
+                if process.is_alive():
+                    process.kill()
+            rendezvous.close()
+        assert isinstance(got[weighted], dict), got[weighted]
+    for key, tensor in expected.items():
+        np.testing.assert_allclose(got[True][key], tensor, rtol=1e-5, atol=1e-6, err_msg=key)
+    assert not all(np.allclose(got[False][key], tensor, rtol=1e-5, atol=1e-6) for key, tensor in expected.items())

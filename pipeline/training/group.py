@@ -48,6 +48,11 @@ def rank_rows(rank: int, world: int) -> slice:
     return slice(rank, None, world)
 
 
+def shard_weight(rows: int, world: int, batch_rows: int) -> float:
+    """A data-parallel rank's weight on its rows' mean loss (GroupStep.train): its rows over an even share."""
+    return rows * world / batch_rows
+
+
 class Precision(enum.StrEnum):
     """trainer.precision: the dtype of forward and backward (weights and optimiser stay fp32)."""
 
@@ -669,11 +674,14 @@ class GroupStep:
         # no cast cache: a CUDA graph's capture forbids it, and each weight is cast once a step anyway
         return self.torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
-    def train(self, batches: dict[str, tuple]) -> dict[str, object]:
-        """One step of every member on its sink's (x, y); each member's loss, a 0-d tensor on the device."""
+    def train(self, batches: dict[str, tuple], weight: float = 1.0) -> dict[str, object]:
+        """One step of every member on its sink's (x, y); each member's loss, a 0-d tensor on the device.
+        `weight`: a data-parallel rank's rows over an even share of the batch. DDP averages the ranks'
+        gradients, each of its own rows' mean loss: weighted so, every image of an uneven batch (64 on 3
+        slots, an epoch's odd last batch) counts as much as it does in one process."""
         with self._compiling("train", batches):
             staged = stage(self.static_inputs, batches)
-            stepped = self._each_unit(lambda unit: self._train_unit(unit, *staged[unit.input]))
+            stepped = self._each_unit(lambda unit: self._train_unit(unit, *staged[unit.input], weight))
             return {name: loss for names, unit_losses in stepped for name, loss in zip(names, unit_losses)}
 
     def _each_unit(self, work) -> list:
@@ -721,20 +729,22 @@ class GroupStep:
         taken, self.compile_s = self.compile_s, 0.0
         return taken
 
-    def _train_unit(self, unit, x, y, static: bool) -> tuple:
+    def _train_unit(self, unit, x, y, static: bool, weight: float) -> tuple:
         with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():
-            losses = unit.graph(x, y) if static and unit.graph else self._step(unit, x, y)
+            losses = unit.graph(x, y) if static and unit.graph else self._step(unit, x, y, weight)
             for schedule in unit.schedules:
                 schedule.step()  # fills the rate tensor a graph reads
         return unit.names, losses
 
-    def _step(self, unit, x, y):
-        """The unit's eager step (what a graph captures); its losses, on the device."""
+    def _step(self, unit, x, y, weight: float = 1.0):
+        """The unit's eager step (what a graph captures, at weight 1: graphs take no DDP); its losses, on the
+        device."""
         with self._autocast():  # autocast is per thread: entered where the unit steps
             losses = unit.losses(x, y)
         for optimizer in unit.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        unit.scaler.scale(losses.sum()).backward()  # members' parameters are disjoint: own gradients
+        total = losses.sum() if weight == 1.0 else losses.sum() * weight
+        unit.scaler.scale(total).backward()  # members' parameters are disjoint: own gradients
         for optimizer in unit.optimizers:
             unit.scaler.step(optimizer)
         unit.scaler.update()

@@ -35,7 +35,7 @@ from pipeline.runtime.child import tell_parent
 from pipeline.runtime.files import write_whole, written_whole
 from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import (GroupSpec, GroupStep, Precision, StepInHand, join_process_group, least_batch,
-                                     rank_rows)
+                                     rank_rows, shard_weight)
 from pipeline.training.reports import (CheckpointSaved, ResumedEarlier, TrainerDone, TrainerError, TrainReport,
                                       ValReport)
 
@@ -349,7 +349,7 @@ class Trainer:
         self.steps_begun += 1
         inputs = {sink: (self.step.normalise(x), y) for sink, (x, y) in copied.items()}
         with self.collectives():
-            losses = self.step.train(inputs)
+            losses = self.step.train(inputs, weight=shard_weight(rows_here, self.world, count))
         for name, loss in losses.items():
             self.loss_sums[name] += loss * rows_here  # stays on the device: read once, at the end of the split
 
