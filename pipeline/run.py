@@ -55,7 +55,7 @@ from pipeline.scheduler.policies import PolicyName
 from pipeline.scheduler.topology import Topology
 from pipeline.training.memory import measure_peaks
 from pipeline.training.rates import Measurement, RateHost, format_table, measure_rate_table, save_table
-from pipeline.training.group import GroupSpec, Precision
+from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec, check_members, flatten, grouped
 from pipeline.training.trainer import TrainingSetup
 from stages.base import Batch, Split
@@ -288,7 +288,7 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
         sample = _usable_sample(graph)
         total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
         models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps,
-                               autocast=cfg.trainer.precision != Precision.fp32)
+                               cfg.trainer.precision)
         return RunInputs(models, dataset, graph, _plan_cache(cfg, graph, sample), total_steps)
     except BaseException:
         dataset.release()

@@ -216,7 +216,7 @@ def test_under_autocast_members_vmap_would_fuse_pack_and_the_run_says_why():
     resnet = {"_target_": "pipeline.training.models.resnet", "depth": 10, "width": 4}
     sgd = members(SGD, [{}, {"lr": 0.05}], resnet)
     adamw = tuple(replace(m, name=f"a{i}", optimizer=ADAMW) for i, m in enumerate(members(SGD, [{}, {}])))
-    checked = check_members([*sgd, *adamw], CLASSES, {"main": SIDE}, 20, autocast=True)
+    checked = check_members([*sgd, *adamw], CLASSES, {"main": SIDE}, 20, "bf16")
     assert [m.unfusable for m in checked[:2]] == [None, None]
     assert all(m.unfusable and m.unfusable.startswith("vmap applies no autocast") for m in checked[2:])
     assert [type(u).__name__ for u in group_step(tuple(checked), 2).units] == ["_Array", "_Solo", "_Solo"]
@@ -226,6 +226,10 @@ def test_under_autocast_members_vmap_would_fuse_pack_and_the_run_says_why():
         "note a0, a1 (SmallNet(channels=4)) pack, never fuse: vmap applies no autocast: fused by it, a member "
         "would train in fp32, not in trainer.precision's dtype as it does packed"]
     assert [m.unfusable for m in check_members([*sgd, *adamw], CLASSES, {"main": SIDE}, 20)] == [None] * 4
+    # fp16: an HFTA array's one gradient scaler would skip every member's step for one member's overflow
+    fp16 = check_members([*sgd, *adamw], CLASSES, {"main": SIDE}, 20, "fp16")
+    assert [type(u).__name__ for u in group_step(tuple(fp16), 2).units] == ["_Solo"] * 4
+    assert fp16[0].unfusable.startswith("trainer.precision=fp16: an array has one gradient scaler")
 
 
 @pytest.mark.parametrize("optimizer, model, kind", [

@@ -49,6 +49,8 @@ COSINE_KEYS = {"_target_", "_partial_", "warmup_fraction"}  # an array's members
 CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
 VMAP_NO_AUTOCAST = ("vmap applies no autocast: fused by it, a member would train in fp32, not in "
                     "trainer.precision's dtype as it does packed")
+HFTA_ONE_SCALER = ("trainer.precision=fp16: an array has one gradient scaler, and one member's overflow would skip "
+                   "every member's step")
 CONF = Path(__file__).resolve().parents[1] / "conf"  # the shipped config tree: its presets are the defaults
 
 
@@ -270,7 +272,7 @@ def build_loss(m: ModelSpec):
 
 
 def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
-                  total_steps: int, autocast: bool = False) -> list[ModelSpec]:
+                  total_steps: int, precision: str = "fp32") -> list[ModelSpec]:
     """Build each member's declaration, dry, before a run starts anything: its module and one forward of two
     images, whose logits must be [2, num_classes] (once per shape); its optimiser, schedule (over the run's
     `total_steps`, stepped once) and loss on them.
@@ -278,8 +280,9 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
     reads values) is tried on the CPU, whose error is the one that counts. Raises a MemberError naming
     the member and key. Returns the members, each marked `unfusable` where vmap rejects its module: two
     of them, with its loss, take a training step and an evaluation as a fused array (once per family of two
-    or more); with `autocast` (trainer.precision bf16 or fp16), every member HFTA does not take, which vmap
-    would fuse in fp32 (vmap applies no autocast)."""
+    or more); under trainer.`precision` bf16 or fp16, every member HFTA does not take, which vmap would fuse
+    in fp32 (vmap applies no autocast), and under fp16 every member (an HFTA array has one gradient scaler:
+    one member's overflow would skip its array-mates' steps)."""
     import torch
 
     logits_of_shape, unfusable = {}, {}
@@ -304,8 +307,9 @@ def check_members(members: list[ModelSpec], num_classes: int, image_sizes: dict[
             except MemberError as err:
                 unfusable[m.family] = err.reason
     checked = [replace(m, unfusable=unfusable.get(m.family)) for m in members]
-    if autocast:  # packed or alone, such a member trains in the autocast dtype: fused, it would not
-        checked = [replace(m, unfusable=VMAP_NO_AUTOCAST) if m.fusion == "vmap" and may_fuse[m.family] > 1
+    if precision != "fp32":  # packed or alone, each member trains as it would by itself: fused, it would not
+        why = {"vmap": VMAP_NO_AUTOCAST, "hfta": HFTA_ONE_SCALER if precision == "fp16" else None}
+        checked = [replace(m, unfusable=why[m.fusion]) if why[m.fusion] and may_fuse[m.family] > 1
                    and not m.unfusable else m for m in checked]
     return checked
 
