@@ -300,14 +300,14 @@ def test_a_root_this_user_cannot_read_or_generate_in_is_an_error_naming_the_key_
     unreadable.mkdir()
     (unreadable / "001.class").mkdir()
     unreadable.chmod(0o000)
-    error = as_a_user_permissions_bind(prepare_dataset, str(unreadable), Synthetic.auto, 2, 4, 0.0, 0)
+    error = as_a_user_permissions_bind(prepare_dataset, str(unreadable), Synthetic.auto, 2, 4, 0.0)
     assert isinstance(error, DatasetError), error
     assert f"dataset.root {unreadable} cannot be read by this user (Permission denied" in str(error)
     assert "chmod -R a+rX" in str(error)
 
     read_only = open_tmp_path / "read-only"
     read_only.mkdir(mode=0o555)
-    error = as_a_user_permissions_bind(prepare_dataset, str(read_only / "c256"), Synthetic.auto, 2, 4, 0.0, 0)
+    error = as_a_user_permissions_bind(prepare_dataset, str(read_only / "c256"), Synthetic.auto, 2, 4, 0.0)
     assert isinstance(error, DatasetError), error
     assert (f"dataset.root {read_only / 'c256'} holds no dataset, and the synthetic stand-in cannot be written "
             "there (Permission denied") in str(error)
