@@ -277,6 +277,14 @@ def test_an_optimiser_whose_update_a_cuda_graph_can_hold_is_built_so_on_a_gpu_on
                                     torch.device("cuda")) is None
     assert graph_safe_arguments(declared(optimizer={"_target_": target, "lr": 0.01, "foreach": False}),
                                 torch.device("cuda")) == on_gpu
+    # OneCycleLR cycles the momentum (betas) too, which the fused kernels take as numbers: a graph would replay
+    # the momentum of the step it captured, so such a member steps eagerly; without cycle_momentum it is captured
+    one_cycle = {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "max_lr": 0.1}
+    assert graph_safe_arguments(declared(optimizer={"_target_": target, "lr": 0.01}, lr_scheduler=one_cycle),
+                                torch.device("cuda")) is None
+    assert graph_safe_arguments(declared(optimizer={"_target_": target, "lr": 0.01},
+                                         lr_scheduler={**one_cycle, "cycle_momentum": False}),
+                                torch.device("cuda")) == on_gpu
     how = lambda kind: SimpleNamespace(device_kind=kind, cuda_graphs=True, image_sizes={"main": 16}, num_classes=3,
                                        batch_size=8, precision="fp32", compile=False)
     keys = {kind: cache_key(GroupSpec("g", (spec,)), how(kind), {"device_kind": kind}) for kind in ("cuda", "cpu")}

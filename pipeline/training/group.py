@@ -286,12 +286,17 @@ def graph_safe_arguments(model: ModelSpec, device) -> dict | None:
     rate from a tensor the schedule fills, as a CUDA graph of the step needs (pipeline/training/graphs.py):
     SGD's fused kernel; Adam's and AdamW's, capturable (their step counts kept on the device). None: it steps
     eagerly (a CPU, another optimiser, or one declared with `foreach` or `differentiable`, which fused
-    kernels exclude, or declared not fused or not capturable)."""
+    kernels exclude, or declared not fused or not capturable; or a schedule that moves the momentum or betas
+    as well as the rate, OneCycleLR's and CyclicLR's cycle_momentum, which the fused kernels take as numbers:
+    a graph would replay the momentum of the step it captured)."""
     import torch
 
-    declared = model.optimizer
+    declared, schedule = model.optimizer, model.lr_scheduler
     if (device.type != "cuda" or declared.get("foreach") or declared.get("differentiable")
             or declared.get("fused") is False or declared.get("capturable") is False):
+        return None
+    if target_of(schedule) in (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_scheduler.CyclicLR) \
+            and schedule.get("cycle_momentum", True):
         return None
     kind = target_of(model.optimizer)
     if kind is torch.optim.SGD:
