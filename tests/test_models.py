@@ -158,6 +158,18 @@ def test_training_estimate_counts_what_each_op_saves_for_backward_once_per_image
     assert kept_state_bytes(ConvReluLinear(), momentum) == 2 * parameter_bytes  # a copy keeps no gradients
 
 
+def test_training_estimate_counts_what_only_training_saves():
+    """Dropout after the relu keeps a mask per image in a training step (and its output, which the linear
+    saves instead of relu's): counted as a step saves them. Measured in eval mode, dropout saved nothing,
+    and a model with dropout was estimated at what it needs without."""
+    with_dropout = torch.nn.Sequential(torch.nn.Conv2d(3, 2, 3, padding=1), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                       torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 5))
+    per_image = 4 * (3 * 4 * 4 + 2 * 4 * 4)  # as ConvReluLinear: the conv's input, relu's output
+    mask = 4 * 2 * 4 * 4  # its scaled noise, a float per element (on a CPU)
+    dropped = 4 * 2 * 4 * 4  # dropout's output, the linear's input
+    assert estimate_training_bytes(with_dropout, 4, 8, 0).activations == 8 * (per_image + mask + dropped)
+
+
 def test_training_estimate_leaves_modes_and_statistics_alone():
     model = small_model(SMALL_DENSENET).train()
     frozen_norm = model.features[1].new_features[0].eval()

@@ -94,8 +94,9 @@ def estimate_training_bytes(model: nn.Module, image_size: int, batch_size: int,
     Counts parameters, their gradients, the optimiser's state (given: what
     pipeline.training.members.optimizer_state_bytes counts), the module's
     other buffers, and the activations autograd saves for backward. Those are
-    measured exactly for one image, by a forward pass that records every
-    tensor saved for backward (each storage once), and scaled by batch_size.
+    measured exactly per image, by a training forward pass of two images that
+    records every tensor saved for backward (each storage once), and scaled by
+    batch_size.
     It is an estimate of the retained memory, so a lower bound of the peak:
     it leaves out the transient gradients and buffers of the backward pass,
     workspaces (cuDNN, oneDNN) and allocator slack: on CPU, the peak resident
@@ -149,8 +150,29 @@ def _saved_activation_bytes_per_image(model: nn.Module, image_size: int) -> int:
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
-        _forward_one_image(model, image_size)
-    return sum(storage.nbytes() for storage in saved_storages.values())
+        _training_forward(model, image_size, TRAINING_IMAGES)
+    return sum(storage.nbytes() for storage in saved_storages.values()) // TRAINING_IMAGES
+
+
+TRAINING_IMAGES = 2  # the fewest batch norm can train on where a feature map is 1x1
+
+
+def _training_forward(model: nn.Module, image_size: int, images: int) -> None:
+    """`images` zero images through `model` in training mode, as a step saves for backward (dropout's masks,
+    which eval mode leaves out, too); its buffers (batch norm's running statistics) as they were found."""
+    first_parameter = next(model.parameters())
+    batch = torch.zeros(images, 3, image_size, image_size, dtype=first_parameter.dtype, device=first_parameter.device)
+    buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.train()
+        model(batch)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+        with torch.no_grad():
+            for buffer, kept in buffers:
+                buffer.copy_(kept)
 
 
 def _forward_one_image(model: nn.Module, image_size: int) -> None:
