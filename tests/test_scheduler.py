@@ -511,6 +511,24 @@ def test_fleet_e_takes_no_slot_from_a_model_on_its_plateau_for_another_on_its_pl
     assert of(Stop, scheduler.handle(EpochFinished(20.0, "a", 2, {"train_loss": 0.99}))) == []
 
 
+def test_a_flotilla_joined_on_a_leavers_slot_counts_that_slot_once():
+    """fleet_l with join_running, 5 slots: a converges and f joins on its slot; b converges: 4 of the
+    flotilla's 5 slots are active, 0.8, so it runs on (min_active_fraction 0.8). Counted per member, a's
+    and f's slot was two, 4 of 6, and c, d, e and f were stopped."""
+    scheduler = Scheduler(list("abcdef"), Cluster(1, 5), make_policy("fleet_l", 0.8, join_running=True))
+    formed = started(scheduler, {m: (100.0,) * 5 for m in "abcdef"})
+    (flotilla,) = {d.flotilla for d in of(AssignSlots, formed)}
+    waiting = [m for m in "abcdef" if scheduler.groups[m].status == "waiting"]
+    first = next(m for m in "abcdef" if m not in waiting)
+    scheduler.handle(GroupConverged(1.0, first))
+    joined = [d for slot, state in list(scheduler.slots.items()) if state == "releasing"
+              for d in scheduler.handle(SlotFreed(1.5, slot))]
+    assert [d.group for d in of(AssignSlots, joined)] == waiting  # on the slot the leaver freed
+    second = next(m for m in "abcdef" if m not in (first, *waiting))
+    stopped = scheduler.handle(GroupConverged(2.0, second))
+    assert [d.reason for d in of(Stop, stopped)] == ["converged"] and len(scheduler.flotillas[flotilla].active) == 4
+
+
 def test_loss_curves_level_off_at_convergence_and_the_lower_bound_holds_for_every_schedule():
     for epochs in (2, 10, 60):
         curve = loss_curve(epochs)

@@ -46,7 +46,8 @@ class FlotillaState:
 
     @property
     def slots(self) -> int:
-        return sum(len(s) for s in self.members.values())
+        """The slots it runs on: each once, a joiner's taken from a member that left too."""
+        return len({slot for slots in self.members.values() for slot in slots})
 
     @property
     def active_slots(self) -> int:
