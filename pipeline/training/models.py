@@ -129,7 +129,7 @@ def estimate_step_flops(model: nn.Module, image_size: int) -> float:
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     try:
         with torch.no_grad():
-            _forward_one_image(model, image_size)
+            _forward(model, image_size)
     finally:
         for hook in hooks:
             hook.remove()
@@ -150,44 +150,30 @@ def _saved_activation_bytes_per_image(model: nn.Module, image_size: int) -> int:
         return tensor
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
-        _training_forward(model, image_size, TRAINING_IMAGES)
+        _forward(model, image_size, TRAINING_IMAGES, training=True)
     return sum(storage.nbytes() for storage in saved_storages.values()) // TRAINING_IMAGES
 
 
 TRAINING_IMAGES = 2  # the fewest batch norm can train on where a feature map is 1x1
 
 
-def _training_forward(model: nn.Module, image_size: int, images: int) -> None:
-    """`images` zero images through `model` in training mode, as a step saves for backward (dropout's masks,
-    which eval mode leaves out, too); its buffers (batch norm's running statistics) as they were found."""
+def _forward(model: nn.Module, image_size: int, images: int = 1, training: bool = False) -> None:
+    """`images` zero images through `model`, where its parameters are: in eval mode, or in training mode as a
+    step runs, saving for backward what it saves (dropout's masks too). Every module's mode and every buffer
+    (batch norm's running statistics) are left as they were found."""
     first_parameter = next(model.parameters())
     batch = torch.zeros(images, 3, image_size, image_size, dtype=first_parameter.dtype, device=first_parameter.device)
     buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
     modes = {module: module.training for module in model.modules()}
     try:
-        model.train()
+        model.train(training)
         model(batch)
     finally:
-        for module, training in modes.items():
-            module.training = training
+        for module, was in modes.items():
+            module.training = was
         with torch.no_grad():
             for buffer, kept in buffers:
                 buffer.copy_(kept)
-
-
-def _forward_one_image(model: nn.Module, image_size: int) -> None:
-    """A zero image through `model`, where its parameters are, in eval mode (batch norm cannot train
-    on one value per channel, and must not update its running statistics here); every module's
-    mode is left as it was found."""
-    first_parameter = next(model.parameters())
-    image = torch.zeros(1, 3, image_size, image_size, dtype=first_parameter.dtype, device=first_parameter.device)
-    modes = {module: module.training for module in model.modules()}
-    try:
-        model.eval()
-        model(image)
-    finally:
-        for module, training in modes.items():
-            module.training = training
 
 
 def _nbytes(tensors) -> int:
