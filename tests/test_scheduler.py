@@ -397,7 +397,7 @@ def test_fleet_e_plans_longest_first_one_slot_each_and_shares_streams_only_where
     assert share_streams({"fast1": 1, "fast2": 1, "slow": 1}, table, cluster) == [{"slow": 1},
                                                                                  {"fast1": 1, "fast2": 1}]
     # fewer models than slots: leftover slots go where they cut time per unit of work most (the slow one)
-    assert spread_slots({"slow": 1, "fast1": 1}, table, cluster, [4]) == {"slow": 2, "fast1": 2}
+    assert spread_slots({"slow": 1, "fast1": 1}, table, [4]) == {"slow": 2, "fast1": 2}
 
 
 def elastic_run(policy: FleetE, start_s: float = 0.0, **work) -> tuple[Scheduler, list]:

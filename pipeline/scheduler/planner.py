@@ -211,8 +211,7 @@ def longest_first(pending: list[str], table: RateTable, cluster: Cluster) -> lis
     return sorted(pending, key=lambda m: table.rate(m, table.slot_counts(m, k)[0]))
 
 
-def spread_slots(members: dict[str, int], table: RateTable, cluster: Cluster,
-                 free_nodes: list[int]) -> dict[str, int]:
+def spread_slots(members: dict[str, int], table: RateTable, free_nodes: list[int]) -> dict[str, int]:
     """Slots left over go, one at a time, to the member whose time per unit
     of work drops most with one more slot, while one still fits."""
     members = dict(members)

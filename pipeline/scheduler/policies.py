@@ -143,7 +143,7 @@ class FleetE:
             slots = table.slot_counts(group, cluster.slots_per_node)[0]
             if fits([*members.values(), slots], nodes):
                 members[group] = slots
-        return share_streams(spread_slots(members, table, cluster, nodes), table, cluster, self.tolerance)
+        return share_streams(spread_slots(members, table, nodes), table, cluster, self.tolerance)
 
     def join(self, pending: list[str], table: RateTable, cluster: Cluster, free_slots: list[Slot],
              running: dict[int, tuple[int, dict[str, int]]]) -> dict[str, int]:
@@ -186,14 +186,14 @@ class FleetE:
     def _gains(self, group: str, now: int, most: int, table: RateTable, slots_per_node: int,
                images_left: float | None = None) -> bool:
         """Whether `group` on up to `most` slots beats its rate on `now` by `min_gain`, and saves more
-        than its start on `images_left` (if given). Its rate there is the one the planner would give it
-        (spread_slots adds a slot only while one more is faster), not the best count it cannot reach: on
-        rates that dip (1 slot faster than 2), that restarted it every epoch on as many slots as before."""
+        than its start on `images_left` (if given). Its rate there is at the count the planner would give it
+        (spread_slots), not the best count it cannot reach: on rates that dip (1 slot faster than 2), that
+        restarted it every epoch on as many slots as before."""
         counts = table.slot_counts(group, min(most, slots_per_node))
-        reached = counts[0] if counts else 0
-        while reached + 1 in counts and table.rate(group, reached + 1) > table.rate(group, reached):
-            reached += 1
-        best, rate = table.rate(group, reached) if counts else 0.0, table.rate(group, now)
+        if not counts:
+            return False
+        best = table.rate(group, spread_slots({group: counts[0]}, table, [min(most, slots_per_node)])[group])
+        rate = table.rate(group, now)
         if rate <= 0 or best <= (1 + self.min_gain) * rate:  # (0: on its plateau, held to fewer slots)
             return False
         return images_left is None or images_left / rate - images_left / best > table.start(group)
