@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -207,12 +207,16 @@ class _Synthetic(Stage):
 
     images: np.ndarray
     labels: np.ndarray
+    paths: list[str] = field(init=False)  # its items named once: a batch's share of the pass is none
 
     role: ClassVar[Role] = Role.SINK
     accepts: ClassVar[DataKind | None] = None
 
+    def __post_init__(self) -> None:
+        self.paths = [f"in memory, item {i}" for i in range(len(self.labels))]
+
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
-        return Batch(self.images, self.labels, [f"in memory, item {i}" for i in range(len(self.labels))])
+        return Batch(self.images, self.labels, list(self.paths))
 
 
 @dataclass
