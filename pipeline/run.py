@@ -284,7 +284,7 @@ def prepare_inputs(cfg: DictConfig) -> RunInputs:
     dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
                               d.synthetic_difficulty)
     try:
-        graph = _graph(cfg, models)
+        graph = _graph(cfg, models, dataset.root)
         sample = _usable_sample(graph)
         total_steps = cfg.trainer.epochs * graph.source.num_batches(Split.TRAIN)
         models = check_members(models, len(graph.source.class_names), graph.image_sizes, total_steps,
@@ -449,10 +449,10 @@ def _mlflow(cfg: DictConfig, output_dir: Path, models: list[ModelSpec], console:
         if t.mlflow else None
 
 
-def _graph(cfg: DictConfig, models: list[ModelSpec]) -> StageGraph:
-    """pipeline.stages as a graph that feeds the models' inputs, dataset.root read from where the command ran
-    (under hydra.job.chdir=true a job runs in its own folder)."""
-    here = OmegaConf.merge(cfg, {"dataset": {"root": to_absolute_path(cfg.dataset.root)}})
+def _graph(cfg: DictConfig, models: list[ModelSpec], root: Path) -> StageGraph:
+    """pipeline.stages as a graph that feeds the models' inputs, its dataset.root `root`: prepare_dataset's,
+    read from where the command ran (under hydra.job.chdir=true a job runs in its own folder)."""
+    here = OmegaConf.merge(cfg, {"dataset": {"root": str(root)}})
     return build_graph(OmegaConf.to_container(here.pipeline.stages, resolve=True, enum_to_str=True),
                        {m.input for m in models})
 

@@ -263,6 +263,7 @@ def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran
     from pipeline.data.executor import TlsFiles
     from pipeline.measure.tracking import launch_relative
     from pipeline.orchestration.agent import agent_key
+    from pipeline.data.dataset import prepare_dataset
     from pipeline.run import _graph
 
     for name in ("ca.pem", "cert.pem", "key.pem"):
@@ -284,9 +285,12 @@ def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran
     HydraConfig.instance().set_config(cfg)
     try:
         check(cfg)
-        source = _graph(cfg, expand_ensemble(cfg.ensemble, cfg.seed)).source
-        assert source.class_names == ["a", "b"] and {Path(path).parent.parent for path, _ in source.files["train"]} == {
-            tmp_path / "data"}
+        d = cfg.dataset  # as prepare_inputs finds the dataset and builds its graph
+        dataset = prepare_dataset(d.root, d.synthetic, d.synthetic_classes, d.synthetic_images_per_class,
+                                  d.synthetic_difficulty)
+        source = _graph(cfg, expand_ensemble(cfg.ensemble, cfg.seed), dataset.root).source
+        folders = {Path(path).parent.parent for path, _ in source.files["train"]}
+        assert not dataset.synthetic and source.class_names == ["a", "b"] and folders == {tmp_path / "data"}
         assert cfg.dataset.root == "data"  # as the user gave it: results.json and resume= compare it
         assert TlsFiles.configured(cfg.cluster.tls) == TlsFiles(*(str(tmp_path / n) for n in ("ca.pem", "cert.pem",
                                                                                                 "key.pem")))
