@@ -124,9 +124,9 @@ class ImageFolder(Stage):
                       Split.VAL: [(path, labels[name]) for name, paths in validated.items() for path in paths]}
 
     def _class_files(self, folder: Path) -> dict[str, list[str]]:
-        """Each class folder's files (not hidden, nor a file the system writes there), by class name, in name order, links to nothing among them
-        (git-annex or DVC files not fetched: a batch skips each, saying so); a folder inside a class folder is
-        not read, but listed in `unread` (nothing is left out unsaid)."""
+        """Each class folder's files (not hidden, nor one the system writes there), by class name, in name
+        order, links to nothing among them (git-annex or DVC files not fetched: a batch skips each, saying
+        so); a folder inside a class folder is not read, but listed in `unread` (nothing is left out unsaid)."""
         classes = {}
         for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
             with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file

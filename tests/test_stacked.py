@@ -198,7 +198,7 @@ def test_members_warmed_up_alike_fuse_by_hfta_and_step_their_own_schedule():
     models = tuple(replace(m, lr_scheduler={**m.lr_scheduler, "warmup_fraction": fraction}) for m, fraction in
                    zip(members(SGD, [{}, {}, {}], resnet), (0.2, 0.0, 0.2)))
     kinds = {size: [(type(unit).__name__, unit.names) for unit in group_step(models, size).units] for size in (2, 3)}
-    assert kinds == {2: [("_Array", ("m0", "m2")), ("_Solo", ("m1",))], 3: [("_Array", ("m0", "m2")), ("_Solo", ("m1",))]}
+    assert kinds == {size: [("_Array", ("m0", "m2")), ("_Solo", ("m1",))] for size in (2, 3)}
     fused, apart = group_step(models, array_size=2), group_step(models, array_size=1)
     for x, y in batches(2):
         fused.train({"main": (x, y)})

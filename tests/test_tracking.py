@@ -179,8 +179,9 @@ def test_an_mlflow_server_that_does_not_answer_as_the_run_starts_is_one_line_nam
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # (MLflow retries for minutes by default)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    with pytest.raises(TrackingError, match=r"^tracking.mlflow=http://127.0.0.1:9: MLflow could not start the run's "
-                                            r"runs there \(.+\); start its tracking server, or set tracking.mlflow=null$"):
+    with pytest.raises(TrackingError, match=r"^tracking.mlflow=http://127.0.0.1:9: MLflow could not start the "
+                                            r"run's runs there \(.+\); start its tracking server, or set "
+                                            r"tracking.mlflow=null$"):
         MlflowRuns("http://127.0.0.1:9", "search", tmp_path, [member("a")], print)
 
 

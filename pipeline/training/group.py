@@ -108,16 +108,16 @@ class GroupSpec:
         Where the family has members HFTA cannot take, what is left of it is chunked as it comes, so that as
         few arrays as can fuse by vmap, the slower; else each schedule's last members form an HFTA array."""
         size = max(1, self.array_size)
+        chunks = lambda members: [tuple(members[i:i + size]) for i in range(0, len(members), size)]
         units = []
         for family in grouped(self.members, lambda m: m.fuses_with).values():
             others = [m for m in family if m.fusion != "hfta"]
             rest = []
             for alike in grouped([m for m in family if m.fusion == "hfta"], lambda m: canonical(m.schedule)).values():
                 whole = len(alike) - len(alike) % size if others else len(alike)
-                units += [tuple(alike[i:i + size]) for i in range(0, whole, size)]
+                units += chunks(alike[:whole])
                 rest += alike[whole:]
-            rest += others
-            units += [tuple(rest[i:i + size]) for i in range(0, len(rest), size)]
+            units += chunks(rest + others)
         return units
 
     def without(self, names: set[str]) -> GroupSpec:
@@ -748,7 +748,7 @@ class GroupStep:
             losses = unit.losses(x, y)
         for optimizer in unit.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        total = losses.sum() if weight == 1.0 else losses.sum() * weight
+        total = losses.sum() if weight == 1.0 else losses.sum() * weight  # (at 1, no extra kernel to launch)
         unit.scaler.scale(total).backward()  # members' parameters are disjoint: own gradients
         for optimizer in unit.optimizers:
             unit.scaler.step(optimizer)

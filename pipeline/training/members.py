@@ -45,7 +45,7 @@ HFTA_MODELS = ("pipeline.training.models.resnet", "pipeline.training.models.dens
 HFTA_OPTIMIZER = "torch.optim.SGD"
 HFTA_OPTIMIZER_KEYS = {"_target_", "_partial_", "lr", "momentum", "weight_decay", "nesterov"}
 COSINE = "pipeline.training.members.cosine"
-COSINE_KEYS = {"_target_", "_partial_", "warmup_fraction"}  # an array's members share one schedule: the same keys
+COSINE_KEYS = {"_target_", "warmup_fraction"}  # what HFTA's array steps for its members (one schedule for all)
 CROSS_ENTROPY = "torch.nn.CrossEntropyLoss"
 VMAP_NO_AUTOCAST = ("vmap applies no autocast: fused by it, a member would train in fp32, not in "
                     "trainer.precision's dtype as it does packed")
@@ -106,7 +106,7 @@ class ModelSpec:
         optimizer = self.optimizer
         if (self.model["_target_"] in HFTA_MODELS and optimizer["_target_"] == HFTA_OPTIMIZER
                 and set(optimizer) <= HFTA_OPTIMIZER_KEYS and optimizer.get("nesterov")
-                and self.lr_scheduler["_target_"] == COSINE and set(self.lr_scheduler) <= COSINE_KEYS
+                and self.schedule["_target_"] == COSINE and set(self.schedule) <= COSINE_KEYS
                 and self.loss == {"_target_": CROSS_ENTROPY}):
             return "hfta"
         return "vmap"
