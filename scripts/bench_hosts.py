@@ -75,6 +75,7 @@ def agents(hosts: Hosts, address: str, workers: list[int], folder: Path):
     """One agent per entry of `workers` (node i with workers[i] Dask workers), registered: their processes."""
     from distributed import Client
 
+    from pipeline.data.executor import scheduler_workers
     from pipeline.orchestration.agent import registered_agents
 
     env = {**os.environ, "PIPELINE_AGENT_KEY": KEY}
@@ -102,7 +103,7 @@ def agents(hosts: Hosts, address: str, workers: list[int], folder: Path):
             log.close()
         with Client(address, timeout="30s") as client:  # the next layout starts from no worker
             deadline = time.monotonic() + 60
-            while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+            while scheduler_workers(client) and time.monotonic() < deadline:
                 time.sleep(0.2)
 
 

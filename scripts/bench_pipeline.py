@@ -37,6 +37,7 @@ import numpy as np
 import psutil
 from PIL import Image
 
+from pipeline.data.executor import scheduler_workers
 from pipeline.data.graph import StageGraph, build_graph
 from pipeline.data.synthetic import generate_imagefolder
 from pipeline.delivery.stream import MessageKind, MessageLayout
@@ -280,7 +281,7 @@ def decode_bound(client, root: Path, size: int) -> dict:
     allocator settings, the other worker idle), batch by batch, every file once per pass
     after a warm pass; the median of BOUND_PASSES passes."""
     graph = make_graph(root, size)
-    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    worker = sorted(scheduler_workers(client))[0]
     per_core = client.submit(_decode_rate, graph, pure=False, workers=[worker]).result()
     return {"images_per_s_per_core": per_core, "cores": WORKERS, "images_per_s": per_core * WORKERS,
             "keep_side": graph.stages["decode"].keep_side}

@@ -5,9 +5,10 @@ import re
 import signal
 import zlib
 
+import dask
 import pytest
 
-from pipeline.data.executor import Executor, dask_client
+from pipeline.data.executor import Executor, dask_client, node_workers, scheduler_workers
 from pipeline.data.graph import build_graph
 from stages.base import Split
 
@@ -237,12 +238,16 @@ def test_a_nodes_executor_puts_its_graph_on_that_nodes_workers_only(tiny_dataset
     (so that it never waits on another host's workers: one cut off and not yet removed would hold it up
     for Dask's connect timeout, then fail it), the scheduler keeps it for node 0's workers that join later,
     and it is gone everywhere once the executor is. (The mistake this catches: Dask's broadcast of the
-    plugin to every worker, or a plugin that sets itself up on any node.)"""
+    plugin to every worker, or a plugin that sets itself up on any node.) Node 0's workers are found on every
+    asking, however often the client refreshes its cached copy of the scheduler's state: read from that copy,
+    an asking raced the refresh and found no worker, so the graph went nowhere and the batch task failed."""
     graph = build_graph(stages(tiny_dataset), {"out"})
     held = lambda: sorted(__import__("pipeline.data.executor", fromlist=["_GRAPHS"])._GRAPHS)  # runs on a worker
     plugins = lambda dask_scheduler: sorted(dask_scheduler.worker_plugins)
-    with dask_client(None, 2, 1, nodes=2) as client:
-        by_name = {info["name"]: address for address, info in client.scheduler_info(n_workers=-1)["workers"].items()}
+    with dask.config.set({"distributed.client.scheduler-info-interval": "2ms"}), \
+            dask_client(None, 2, 1, nodes=2) as client:
+        by_name = {info["name"]: address for address, info in scheduler_workers(client).items()}
+        assert all(node_workers(client, 0) == [by_name["n0-w0"]] for _ in range(500))
         with Executor(client, graph, 0, "skip", 2, node=0) as executor:
             list(executor.batches(Split.TRAIN, 0))
             on_workers = client.run(held)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.data.executor import scheduler_workers
 from pipeline.delivery.collective import LOOPBACK
 from pipeline.orchestration.link import Link
 from pipeline.orchestration.agent import AGENT_KEY_ENV
@@ -150,9 +151,9 @@ def test_node_agents_on_hosts_of_their_own(tiny_dataset, tmp_path, tls, alone):
         assert "Traceback" not in said and "Dask workers ended" not in said, said  # not started again as it stopped
         assert len(node1_group) > 2 and not gone_within(node1_group, 10)  # the agent, its Dask workers, fork server
         deadline = time.monotonic() + 30
-        while client.scheduler_info()["workers"] and time.monotonic() < deadline:
+        while scheduler_workers(client) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not client.scheduler_info()["workers"]  # the agents took their Dask workers with them
+        assert not scheduler_workers(client)  # the agents took their Dask workers with them
 
 
 def _process_group(pgid: int) -> list:
@@ -583,7 +584,7 @@ def test_a_lost_node_loses_its_dask_workers_and_returns_with_a_new_agent_that_an
         agents = {0: {"address": "127.0.0.1:2", "pid": 2}, 1: lost}
         hosts = NodeAgents(client, agents)
         hosts.lose(1)
-        assert sorted(client.scheduler_info()["workers"]) == by_node[0] and len(by_node[1]) == 1
+        assert sorted(scheduler_workers(client)) == by_node[0] and len(by_node[1]) == 1
         client.set_metadata([AGENTS, "1"], lost)
         assert hosts.returned(1) is None  # the lost agent itself
         silent = {"address": f"{LOOPBACK}:{closed.getsockname()[1]}", "pid": 3}

@@ -171,11 +171,19 @@ def remove_node_workers(client: Client, node: int) -> None:
     client.run_on_scheduler(remove)
 
 
+def scheduler_workers(client: Client) -> dict[str, dict]:
+    """Address -> what the scheduler knows of that worker (name, resources, nthreads), asked of the scheduler
+    now. Not `client.scheduler_info()`: it returns the client's cached copy, which the client's own periodic
+    refresh (every `distributed.client.scheduler-info-interval`, asking for no workers) can overwrite between
+    the fresh answer and its return: a read then finds no workers at all."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def node_workers(client: Client, node: int | None) -> list[str] | None:
     """The addresses of node `node`'s Dask workers (None: every worker, as Dask takes it)."""
     if node is None:
         return None
-    return [address for address, info in client.scheduler_info(n_workers=-1)["workers"].items()
+    return [address for address, info in scheduler_workers(client).items()
             if node_resource(node) in (info.get("resources") or {})]
 
 
@@ -309,7 +317,7 @@ class Executor:
             lambda dask_scheduler: (lambda ts: (ts.state, ts.processing_on and ts.processing_on.name) if ts
                                     else ("unknown", None))(dask_scheduler.tasks.get(key)))
         workers = {info.get("name", address): sorted(info.get("resources") or {})
-                   for address, info in self.client.scheduler_info(n_workers=-1)["workers"].items()}
+                   for address, info in scheduler_workers(self.client).items()}
         task = f"batch task {key}"
         if state == "processing":
             return f"{task} runs on worker {worker} and has not finished: a stage is stuck (a file read that hangs?)"
@@ -461,7 +469,7 @@ def dask_performance_report(client: Client, path: Path, console: Console):
 def node_threads(client: Client, nodes: int) -> dict[int, int]:
     """Worker threads of each node; every node must have some."""
     threads = {node: 0 for node in range(nodes)}
-    for info in client.scheduler_info(n_workers=-1)["workers"].values():
+    for info in scheduler_workers(client).values():
         for node in range(nodes):
             if node_resource(node) in (info.get("resources") or {}):
                 threads[node] += info["nthreads"]
