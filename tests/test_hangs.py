@@ -20,15 +20,20 @@ pytestmark = pytest.mark.slow
 COLLECTIVE_S = 2.0
 
 
-def _rank(kind, rank, address, stalled, results):
-    """Rank 1 joins the process group, then never enters the collective; rank 0 does and reports."""
+def _rank(kind, rank, address, imported, stalled, results):
+    """Rank 1 joins the process group, then never enters the collective; rank 0 does and reports.
+    The ranks meet once all four have imported: the rendezvous has the same 2 s, and on 2 busy cores
+    one process's imports can take that much longer than its peer's."""
     import torch
+
+    from pipeline.delivery.collective import StreamLink, init_process_group, make_groups
+    from pipeline.training.group import GroupSpec, GroupStep, join_process_group
+    from tests.conftest import member
 
     started = time.monotonic()
     try:
+        imported.wait(60)
         if kind == "exchange":  # a stream's hubs (pipeline/delivery/hub.py)
-            from pipeline.delivery.collective import StreamLink, init_process_group, make_groups
-
             init_process_group(address, rank, 2, "cpu", COLLECTIVE_S, "the test's hubs")
             shapes = {"main": (4, 4, 3)}
             link = StreamLink(make_groups(((0, 1),), COLLECTIVE_S)[0], (0, 1), shapes, 2, gather=False, device="cpu",
@@ -36,9 +41,6 @@ def _rank(kind, rank, address, stalled, results):
             batch = {"main": (np.zeros((2, 4, 4, 3), np.uint8), np.zeros(2, np.int64))}
             step = lambda: link.broadcast(rank, 0, batch)
         else:  # a model on two slots (pipeline/training/trainer.py)
-            from pipeline.training.group import GroupSpec, GroupStep, join_process_group
-            from tests.conftest import member
-
             model = member("m", width=4, weight_decay=0.0, slots=2)
             collectives = join_process_group(address, rank, 2, torch.device("cpu"), COLLECTIVE_S, "m")
             group = GroupStep(GroupSpec("m", (model,)), 2, {"main": 16}, "cpu", 10, world=2)
@@ -64,8 +66,8 @@ def test_a_collective_a_peer_never_joins_fails_naming_it_and_the_timeout_key():
 
     rendezvous = LocalRendezvous()
     context = mp.get_context("spawn")
-    stalled, results = context.Event(), context.Queue()
-    processes = [context.Process(target=_rank, args=(kind, rank, address, stalled, results), daemon=True)
+    imported, stalled, results = context.Barrier(4), context.Event(), context.Queue()
+    processes = [context.Process(target=_rank, args=(kind, rank, address, imported, stalled, results), daemon=True)
                  for kind, address in (("exchange", rendezvous.next()), ("ddp", rendezvous.next())) for rank in (0, 1)]
     try:
         for process in processes:

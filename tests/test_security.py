@@ -120,8 +120,8 @@ def _listening(process: psutil.Process) -> set[str]:
 @pytest.mark.slow
 def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path, monkeypatch):
     """Two simulated nodes, so the hubs exchange over gloo, and a DDP model (gloo between its
-    trainers). Once the driver has a trainer's first report (every process of the run is up and in
-    its process groups), the sockets the run's process tree listens on are all on loopback, its
+    trainers). Once the driver has DDP model B's first report (every process of the run is up and in
+    its process groups: A's alone could come before B's trainers had met), the sockets the run's process tree listens on are all on loopback, its
     rings are private, and its process groups met through files in a private folder."""
     from pipeline.orchestration.flotilla import Flotilla
     from pipeline.run import run
@@ -132,7 +132,7 @@ def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path, monkeypatc
 
     def poll_and_look(self, timeout=None):
         reports = poll(self, timeout)
-        if not seen and any(isinstance(r, TrainReport) for r in reports):
+        if not seen and any(isinstance(r, TrainReport) and r.model == "B" for r in reports):
             tree = [psutil.Process(), *psutil.Process().children(recursive=True)]
             seen["listening"] = {p.pid: _listening(p) for p in tree}
             seen["roles"] = {p.pid: p.name for p in mp.active_children()}
