@@ -170,6 +170,20 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture
+def remove_stores():
+    """Takes a graph made in the test's own process: its cache is closed and its shared memory removed
+    once the test is over, whatever way it ends."""
+    from pipeline.runtime.lifetime import remove_shm
+
+    graphs = []
+    yield graphs.append
+    for graph in graphs:
+        graph.cache.close()
+        for prefix in graph.cache.prefixes():
+            remove_shm(prefix)
+
+
+@pytest.fixture
 def alone(request):
     """A context manager: in it, no test runs in the other test process, which waits for the end of it
     (once its own test is over). For a check of what any run on this machine may touch: what dead processes

@@ -32,16 +32,6 @@ def store_files(graph):
     return set(images), sum(os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512 for name in images)
 
 
-@pytest.fixture
-def remove_stores():
-    graphs = []
-    yield graphs.append
-    for graph in graphs:
-        graph.cache.close()
-        for prefix in graph.cache.prefixes():
-            remove_shm(prefix)
-
-
 def epochs(graph, count, dataset_split=(Split.TRAIN, Split.VAL)):
     """Every batch of `count` epochs made in this process: (epoch, split, index) -> what the
     sinks got, and the cache's and the stages' counts."""

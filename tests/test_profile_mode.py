@@ -88,52 +88,43 @@ def test_slow_trainer_and_fast_pipeline_is_compute_bound(tiny_dataset, tmp_path)
     assert report["actions"][0]["override"] == "ensemble.models.0.slots=2"
 
 
-def test_the_files_pass_reads_and_decodes_what_the_pipeline_pass_left_in_the_cache(tiny_dataset):
+def test_the_files_pass_reads_and_decodes_what_the_pipeline_pass_left_in_the_cache(tiny_dataset, remove_stores):
     """The pipeline pass fills the cache with the batches the differential passes then take: the files
     pass must read and decode each of them again (the graph without its cache stage), and make the same
     images. It ran through the cache, which served them: its "files" rate timed no file."""
     from pipeline.report.profile_run import _uncached_graph
-    from pipeline.runtime.lifetime import remove_shm
     from stages.base import BatchContext, Split
     from tests.test_cache import default_graph
 
     graph = default_graph(tiny_dataset, 1)
+    remove_stores(graph)
     ctx = lambda: BatchContext(seed=5, split=Split.TRAIN, epoch=0, index=0)
-    try:
-        graph.run(ctx())  # the pipeline pass
-        cached, files = graph.feeding({"main"}).run(ctx()), _uncached_graph(graph, "main").run(ctx())
-    finally:
-        graph.cache.close()
-        for prefix in graph.cache.prefixes():
-            remove_shm(prefix)
+    graph.run(ctx())  # the pipeline pass
+    cached, files = graph.feeding({"main"}).run(ctx()), _uncached_graph(graph, "main").run(ctx())
     assert cached.cache_hits == 8 and cached.timings["decode"].items == 0  # what the files pass did before
     assert "cache" not in files.timings and files.timings["decode"].items == 8 and files.cache_hits == 0
     assert (files.batches["main"].data == cached.batches["main"].data).all()
 
 
-def test_the_cached_pass_runs_every_stage_after_the_fetch_stages_and_the_synthetic_pass_none(tiny_dataset):
+def test_the_cached_pass_runs_every_stage_after_the_fetch_stages_and_the_synthetic_pass_none(tiny_dataset,
+                                                                                            remove_stores):
     """Where the differential split puts a stage's cost follows from which stages each pass runs: a stage
     after decoding (here one planted after the cache) runs in the cached pass and the files pass, so its
     cost lands in preprocessing, not in fetch; read and decode run in the files pass only (the cached pass
     hands out decode's outputs held in memory, under its name, from no input). The passes overlap training,
     as a run does, so a stage's cost is not read back from their rates."""
     from pipeline.report.profile_run import _cached_graph, _fetch_outputs, _synthetic_graph, _uncached_graph
-    from pipeline.runtime.lifetime import remove_shm
     from stages.base import BatchContext, Split
     from tests.test_cache import default_graph
 
     graph = default_graph(tiny_dataset, 1, "+pipeline.stages.slow={_target_:tests.slow_stage.SlowDown,"
                                            "inputs:[cache],seconds:0}", "pipeline.stages.crop_main.inputs=[slow]")
+    remove_stores(graph)
     ctx = BatchContext(seed=5, split=Split.TRAIN, epoch=0, index=0)
-    try:
-        timings = {kind: pass_graph.run(ctx).timings for kind, pass_graph in (
-            ("synthetic", _synthetic_graph(graph, "main", len(graph.source.class_names))),
-            ("cached", _cached_graph(graph, "main", _fetch_outputs(graph, 5, "skip", 2))),
-            ("files", _uncached_graph(graph, "main")))}
-    finally:
-        graph.cache.close()
-        for prefix in graph.cache.prefixes():
-            remove_shm(prefix)
+    timings = {kind: pass_graph.run(ctx).timings for kind, pass_graph in (
+        ("synthetic", _synthetic_graph(graph, "main", len(graph.source.class_names))),
+        ("cached", _cached_graph(graph, "main", _fetch_outputs(graph, 5, "skip", 2))),
+        ("files", _uncached_graph(graph, "main")))}
     ran = {kind: set(timed) for kind, timed in timings.items()}
     after_fetch = {"slow", "crop_main", "main"}
     assert after_fetch <= ran["cached"] and "read" not in ran["cached"], ran

@@ -121,8 +121,9 @@ def _listening(process: psutil.Process) -> set[str]:
 def test_a_local_run_listens_on_loopback_only(tiny_dataset, tmp_path, monkeypatch):
     """Two simulated nodes, so the hubs exchange over gloo, and a DDP model (gloo between its
     trainers). Once the driver has DDP model B's first report (every process of the run is up and in
-    its process groups: A's alone could come before B's trainers had met), the sockets the run's process tree listens on are all on loopback, its
-    rings are private, and its process groups met through files in a private folder."""
+    its process groups: A's alone could come before B's trainers had met), the sockets the run's
+    process tree listens on are all on loopback, its rings are private, and its process groups met
+    through files in a private folder."""
     from pipeline.orchestration.flotilla import Flotilla
     from pipeline.run import run
     from pipeline.training.reports import TrainReport
