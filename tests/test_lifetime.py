@@ -123,7 +123,7 @@ def data(tmp_path_factory) -> Path:
 def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_path):
     """scheduler=shared, a checkpoint every 2 epochs: Ctrl-C (SIGINT to the process group) after epoch 3.
     The run checkpoints epoch 3 anyway, writes results marked interrupted, leaves no process and no
-    shared memory, exits 130 within 15 s with one resume line and no traceback. Resumed, it trains the
+    shared memory, exits 130 within timeouts.stop_s and the run's close with one resume line and no traceback. Resumed, it trains the
     epochs left on the very batches a run never stopped trains them on, and its results match."""
     settings = ["trainer.epochs=5", "scheduler.checkpoint_every=2", "trainer.record_checksums=true"]
     stopped = tmp_path / "stopped"
@@ -135,7 +135,7 @@ def test_ctrl_c_stops_in_order_and_resume_ends_as_a_run_never_stopped(data, tmp_
     output = job.finish(timeout=60)
     took = time.monotonic() - signalled
     assert job.process.returncode == 130, output[-3000:]
-    assert took < 15, took
+    assert took < 10 + 20, took  # timeouts.stop_s's default, then results, report, Dask's close
     assert not gone_within(children, 1), "processes of the run outlived it"
     assert not leftovers([job.process.pid] + [c.pid for c in children])
     assert "Traceback" not in output, output[-3000:]
@@ -242,7 +242,8 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_its_hangup_is_ignor
     # Both at once on 2 cores: the stop's checkpoints get longer than timeouts.stop_s's default share (5 s)
     hung, master = on_a_terminal(tmp_path / "hung", [], "trainer.epochs=20", "timeouts.stop_s=60")
     ignoring = ["sh", "-c", """trap '' HUP; exec "$@" """, "sh"]
-    kept, kept_master = on_a_terminal(tmp_path / "kept", ignoring, "trainer.epochs=4")
+    # 8 epochs: it must still be running when the hangup comes, after both runs' first epoch
+    kept, kept_master = on_a_terminal(tmp_path / "kept", ignoring, "trainer.epochs=8")
     try:
         seen = {master: b"", kept_master: b""}  # each terminal's, read as it comes (a full one holds its run)
         while not all(b"val accuracy" in text for text in seen.values()):  # each run's first epoch's line
@@ -277,7 +278,7 @@ def test_a_run_whose_terminal_hangs_up_stops_in_order_unless_its_hangup_is_ignor
         assert f"epoch{model['epochs']}.pt" in saved, (model["name"], model["epochs"], saved)
     assert not gone_within(children, 10) and not leftovers([hung.pid] + [c.pid for c in children])
     results = json.loads((tmp_path / "kept" / "results.json").read_text())
-    assert "interrupted" not in results and {m["epochs"] for m in results["models"]} == {4}
+    assert "interrupted" not in results and {m["epochs"] for m in results["models"]} == {8}
 
 
 def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
@@ -294,7 +295,7 @@ def test_a_second_ctrl_c_stops_at_once(data, tmp_path):
     os.killpg(job.process.pid, signal.SIGINT)
     job.finish(timeout=60)
     assert job.process.returncode == 130
-    assert time.monotonic() - signalled < 5  # the orderly stop would wait 15 s for the trainer
+    assert time.monotonic() - signalled < 10  # the orderly stop would wait 15 s for the trainer
     assert not gone_within(children, 10)
 
 
