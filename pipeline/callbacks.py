@@ -1,11 +1,11 @@
-"""Hydra callbacks: checks that must run before Hydra itself touches the disk."""
+"""Hydra callbacks: checks that must run before Hydra itself touches the disk, or launches a job."""
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, check_output_dir, exit_on_user_error
+from pipeline.config import ConfigError, check_output_dir, check_sweeper, exit_on_user_error, swept
 from pipeline.report.sweep import sweep_dir
 
 
@@ -15,15 +15,25 @@ class CheckOutputDir(Callback):
     run's files are whole. A sweep's folder may hold earlier jobs: each job's run checks its own."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(Path(config.hydra.run.dir), fresh=not config.get("resume"))
+        _exit_on_error(check_output_dir, Path(config.hydra.run.dir), not config.get("resume"))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _exit_on_error(sweep_dir(config), fresh=False)
+        _exit_on_error(check_output_dir, sweep_dir(config), False)
 
 
-def _exit_on_error(path: Path, fresh: bool) -> None:
+class CheckSweeper(Callback):
+    """A sweeper that optimises the other way than the objective's metric is refused once, before any
+    job starts (under submitit, each would be a Slurm job that fails at once). Each job checks it again
+    (pipeline/__main__.py): the only check where the metric is swept, or a launcher skips callbacks."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not swept(config, "objective.metric"):
+            _exit_on_error(check_sweeper, config.objective, config.hydra.sweeper)
+
+
+def _exit_on_error(check, *args) -> None:
     try:
-        check_output_dir(path, fresh)
+        check(*args)
     except ConfigError as err:
         # Hydra turns a callback's exceptions into warnings and carries on: exit here.
         exit_on_user_error(err)

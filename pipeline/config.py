@@ -435,6 +435,19 @@ def check_sweeper(objective: DictConfig, sweeper: DictConfig | None) -> None:
             f"or objective.metric={suited}")
 
 
+def swept(cfg: DictConfig, key: str) -> bool:
+    """Whether a multirun's jobs may differ at `key`: a sweep of it on the command line (a list, a range,
+    a sweeper's interval or choice) or in the search space the sweeper's own config declares (Optuna's
+    params, Nevergrad's parametrization, Ax's ax_config.params)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides(list(OmegaConf.select(cfg, "hydra.overrides.task") or []))
+    if any(o.get_key_element() == key and o.is_sweep_override() for o in overrides):
+        return True
+    return any(key in (OmegaConf.select(cfg, f"hydra.sweeper.{space}") or {})
+               for space in ("params", "parametrization", "ax_config.params"))
+
+
 def sweeper_direction(sweeper: DictConfig | None) -> tuple[str, str, str] | None:
     """(key, its value, "maximize" or "minimize") of a sweeper that optimises one returned value, where its
     config says which way: Optuna's direction, Nevergrad's optim.maximize, Ax's ax_config.experiment.minimize.

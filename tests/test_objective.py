@@ -5,7 +5,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.config import ConfigError, check_objective, check_sweeper, sweeper_direction
+from pipeline.config import ConfigError, check_objective, check_sweeper, swept, sweeper_direction
 from pipeline.measure.objective import Metric, objective_value
 from tests.conftest import compose_config, member
 
@@ -85,3 +85,16 @@ def test_a_sweeper_that_optimises_the_other_way_than_the_metric_is_refused_sayin
         check_sweeper(compose_config(["objective.metric=val_loss"]).objective,
                       OmegaConf.create({"optim": {"maximize": True}}))
     check_sweeper(compose_config([]).objective, None)  # not a multirun's
+
+
+def test_a_key_is_swept_where_the_command_line_or_the_sweepers_search_space_varies_it():
+    """The multirun-wide direction check (pipeline.callbacks.CheckSweeper) leaves a swept metric to each job."""
+    multirun = lambda task, **sweeper: OmegaConf.create({"hydra": {"overrides": {"task": task}, "sweeper": sweeper}})
+    assert not swept(multirun(["objective.metric=val_loss", "ensemble.models.0.optimizer.lr=0.1,0.2"]),
+                     "objective.metric")
+    assert not swept(multirun([], params={"ensemble.models.0.optimizer.lr": "interval(0.01, 0.2)"}), "objective.metric")
+    for task in ("objective.metric=val_loss,val_accuracy", "objective.metric=choice(val_loss)"):
+        assert swept(multirun([task]), "objective.metric"), task
+    space = {"objective.metric": "choice(val_loss, val_accuracy)"}
+    for sweeper in ({"params": space}, {"parametrization": space}, {"ax_config": {"params": space}}):
+        assert swept(multirun([], **sweeper), "objective.metric"), sweeper

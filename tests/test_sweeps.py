@@ -160,18 +160,25 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
     assert shm_segments(job.pid) == set()
 
 
-def test_a_sweeper_optimising_the_wrong_way_fails_every_trial_before_it_starts(tmp_path):
+def test_a_sweeper_optimising_the_wrong_way_is_refused_before_any_trial_and_where_the_metric_is_swept_by_each(
+        tmp_path):
     """Optuna's default direction (minimize) over the default objective (the ensemble's accuracy) would
-    search for the worst accuracy: under the shared launcher each trial fails at once, saying both fixes,
-    and nothing trains."""
-    job, stdout, stderr = multirun(
-        tmp_path, "hydra/launcher=shared", "ensemble.models.0.optimizer.lr=interval(0.01, 0.2)",
-        "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2")
-    assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    search for the worst accuracy: the multirun stops before its first trial, saying both fixes, and leaves
+    no folder. With the
+    metric in the search space (a choice of one, here) only a job knows its own: under the shared launcher
+    each trial fails at once, and nothing trains."""
+    trials = ("hydra/launcher=shared", "ensemble.models.0.optimizer.lr=interval(0.01, 0.2)", "hydra/sweeper=optuna",
+              "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2")
     said = "error: hydra.sweeper.direction=minimize: the sweeper would minimize what each job returns"
-    assert sum(line.startswith(said) for line in stderr.splitlines()) == 2, stderr[-3000:]  # each trial's own line
+    job, stdout, stderr = multirun(tmp_path / "fixed", *trials)
+    assert job.returncode == 2, stdout[-2000:] + stderr[-3000:]
+    assert stderr.startswith(said) and stderr.count("\n") == 1, stderr[-3000:]
     assert "set hydra.sweeper.direction=maximize, or objective.metric=val_loss" in stderr
-    assert not list((tmp_path / "multirun").rglob("results.json"))
+    assert not (tmp_path / "fixed" / "multirun").exists()
+    job, stdout, stderr = multirun(tmp_path / "swept", *trials, "objective.metric=choice(val_accuracy)")
+    assert job.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    assert sum(line.startswith(said) for line in stderr.splitlines()) == 2, stderr[-3000:]  # each trial's own line
+    assert not list((tmp_path / "swept" / "multirun").rglob("results.json"))
 
 
 def test_optuna_batches_under_the_shared_launcher_are_one_run_each_and_the_study_has_every_trial(tmp_path):
