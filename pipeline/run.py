@@ -81,7 +81,7 @@ class RunInputs:
         source = self.graph.source
         return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
                 "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
-                "val_images": source.num_items(Split.VAL), "split": source.split_source,
+                "val_images": source.num_items(Split.VAL), "split": source.split.summary(),
                 "unread_folders": source.unread,
                 "classes_without_training_images": source.classes_without(Split.TRAIN, skipped)}
 
@@ -622,7 +622,7 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
     dataset, graph, models = inputs.dataset, inputs.graph, len(inputs.models)
     source = graph.source
     size = (f"{len(source.class_names)} classes, {source.num_items(Split.TRAIN)} train / "
-            f"{source.num_items(Split.VAL)} val images by {source.split_source}")
+            f"{source.num_items(Split.VAL)} val images by {source.split}")
     if source.unread:
         shown = ", ".join(source.unread[:3]) + (f" and {len(source.unread) - 3} more" if len(source.unread) > 3 else "")
         size += f"; not read: {len(source.unread)} folder(s) inside class folders ({shown})"

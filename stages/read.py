@@ -5,7 +5,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar, Collection
 
@@ -22,6 +22,27 @@ VAL_FOLDERS = ("val", "valid", "validation")
 # the hidden files of other systems are not (it took a validation place, then was skipped every epoch)
 SYSTEM_FILES = frozenset({"thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini"})
 DEFAULT_VAL_PER_CLASS = 0.1  # the split of a dataset that declares none
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """Which images validate, and where that was chosen: a sentence in the run's first line and in errors
+    (str), an object in results.json's dataset.split (`summary`)."""
+
+    source: str  # "dataset.val_per_class", "default", the dataset's split.json (its path) or "folders"
+    val_per_class: float | None = None  # a fraction if < 1, else a count; None when split in folders
+    folders: tuple[str, str] | None = None  # (train, val)'s names, when split in folders
+
+    def __str__(self) -> str:
+        if self.folders:
+            return f"the dataset's own {self.folders[0]}/ and {self.folders[1]}/ folders"
+        value = f"val_per_class={self.val_per_class:g}"
+        return {"default": f"the default {value}",
+                "dataset.val_per_class": f"{value} (dataset.val_per_class)"}.get(self.source,
+                                                                              f"{value} declared in {self.source}")
+
+    def summary(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
 
 
 @dataclass
@@ -46,8 +67,7 @@ class ImageFolder(Stage):
 
     class_names: list[str] = field(init=False, default_factory=list)
     files: dict[Split, list[tuple[str, int]]] = field(init=False, default_factory=dict)
-    split: float = field(init=False, default=DEFAULT_VAL_PER_CLASS)  # the val_per_class in use (unused when split in folders)
-    split_source: str = field(init=False, default="")  # where it comes from, for messages
+    split: SplitChoice = field(init=False, default=SplitChoice("default", DEFAULT_VAL_PER_CLASS))
     # Folders inside class folders (relative to root; Caltech-256's 056.dog/greg): not read, said at the start
     unread: list[str] = field(init=False, default_factory=list)
 
@@ -88,7 +108,7 @@ class ImageFolder(Stage):
 
     def _scan_classes(self, root: Path) -> None:
         """One folder of classes, split per class by val_per_class."""
-        self.split, self.split_source = self._choose_split(root)
+        self.split = self._choose_split(root)
         classes = self._class_files(root)
         _check_no_empty_class(root, classes)
         self.class_names = list(classes)
@@ -117,7 +137,7 @@ class ImageFolder(Stage):
         if unknown:
             raise StageError(f"{layout}, but class folder(s) {', '.join(unknown)} of {val} have none in {train} "
                              "to train on; add them there or remove them from the validation folder")
-        self.split_source = f"the dataset's own {train.name}/ and {val.name}/ folders"
+        self.split = SplitChoice("folders", folders=(train.name, val.name))
         self.class_names = list(trained)
         labels = {name: label for label, name in enumerate(self.class_names)}
         self.files = {Split.TRAIN: [(path, labels[name]) for name, paths in trained.items() for path in paths],
@@ -137,13 +157,13 @@ class ImageFolder(Stage):
             self.unread += sorted(os.path.relpath(entry.path, self.root) for entry in entries if entry.is_dir())
         return classes
 
-    def _choose_split(self, root: Path) -> tuple[float, str]:
+    def _choose_split(self, root: Path) -> SplitChoice:
         """val_per_class if given, else the one the dataset declares in its SPLIT_FILE, else 0.1."""
         if self.val_per_class is not None:
-            return self.val_per_class, f"val_per_class={self.val_per_class:g} (dataset.val_per_class)"
+            return SplitChoice("dataset.val_per_class", self.val_per_class)
         declared = root / SPLIT_FILE
         if not declared.is_file():
-            return DEFAULT_VAL_PER_CLASS, f"the default val_per_class={DEFAULT_VAL_PER_CLASS:g}"
+            return SplitChoice("default", DEFAULT_VAL_PER_CLASS)
         try:
             value = json.loads(declared.read_text())["val_per_class"]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -152,12 +172,13 @@ class ImageFolder(Stage):
             raise StageError(f"{declared} does not declare a split as {{\"val_per_class\": <fraction or count "
                              f">= 0>}} ({type(err).__name__}: {err}); fix or remove the file, or set "
                              "dataset.val_per_class") from None
-        return value, f"val_per_class={value:g} declared in {declared}"
+        return SplitChoice(str(declared), value)
 
     def _val_count(self, n: int) -> int:
-        if self.split < 1:
-            return int(round(n * self.split))
-        return min(int(self.split), n)
+        share = self.split.val_per_class
+        if share < 1:
+            return int(round(n * share))
+        return min(int(share), n)
 
     def _check_split(self, classes: list[list[str]], counts: list[int]) -> None:
         """A class keeps at least 2 training images and no fewer than it gives to validation."""
@@ -170,7 +191,7 @@ class ImageFolder(Stage):
         largest_count = min(smallest // 2, smallest - 2)
         fix = (f"a count of at most {largest_count}" if largest_count >= 1
                else f"0 (its smallest class has {smallest} images)")
-        raise StageError(f"{self.split_source} takes {n_val} of the {n} images of class {name} for "
+        raise StageError(f"{self.split} takes {n_val} of the {n} images of class {name} for "
                          f"validation, leaving {n - n_val} for training ({len(bad)} of "
                          f"{len(classes)} classes alike); a class needs at least 2 training images and no fewer "
                          f"than it validates on: set dataset.val_per_class to a fraction such as "

@@ -111,7 +111,7 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
     assert set(results["pipeline"]["stages"]) == {"read", "decode", "cache", "crop_main", "crop_alt", "main", "alt"}
     decode = results["pipeline"]["stages"]["decode"]
     files = results["dataset"]["train_images"] + results["dataset"]["val_images"]
-    assert results["dataset"]["split"] == "the default val_per_class=0.1"  # a tree given without a split
+    assert results["dataset"]["split"] == {"source": "default", "val_per_class": 0.1}  # a tree given without one
     assert results["dataset"]["unread_folders"] == []
     usable = files - len(results["skipped"])
     assert decode["items"] == usable  # every usable file decoded once, for all four models; epoch 2 from the cache

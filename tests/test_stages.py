@@ -76,8 +76,9 @@ def test_a_dataset_declares_its_split_and_val_per_class_overrides_it(tiny_datase
     shutil.copytree(tiny_dataset, root)
     (root / SPLIT_FILE).write_text('{"val_per_class": 0.25}')
     declared = ImageFolder(root=str(root), batch_size=8)
-    assert (declared.split, declared.num_items(Split.VAL)) == (0.25, 4 * 4)
-    assert "declared in" in declared.split_source
+    assert declared.num_items(Split.VAL) == 4 * 4
+    assert declared.split.summary() == {"source": str(root / SPLIT_FILE), "val_per_class": 0.25}
+    assert str(declared.split) == f"val_per_class=0.25 declared in {root / SPLIT_FILE}"
     assert ImageFolder(root=str(root), batch_size=8, val_per_class=0.1).num_items(Split.VAL) == 4 * 2
     assert ImageFolder(root=str(root), batch_size=8, val_per_class=0).num_items(Split.VAL) == 0
     (root / SPLIT_FILE).write_text('{"val_per_class": "most"}')
@@ -132,7 +133,8 @@ def test_a_dataset_split_in_folders_trains_on_its_train_folder_and_validates_on_
     source = ImageFolder(root=str(root), batch_size=8)
     names = sorted(p.name for p in tiny_dataset.iterdir() if p.is_dir())
     assert source.class_names == names
-    assert source.split_source == f"the dataset's own train/ and {val_name}/ folders"
+    assert str(source.split) == f"the dataset's own train/ and {val_name}/ folders"
+    assert source.split.summary() == {"source": "folders", "folders": ("train", val_name)}
     for split, folder, count in ((Split.TRAIN, "train", 4 * 12), (Split.VAL, val_name, 3 * 4)):
         files = source.files[split]
         assert len(files) == count  # test/ is not read; the fourth class has no folder in val/

@@ -15,7 +15,9 @@ from pipeline.report.measurements import OPTIONAL, occupancy_stats, recorded, st
 from pipeline.report.summary import no_training_images
 from pipeline.runtime.files import write_whole
 
-SCHEMA_VERSION = 3  # 3: "streams" -> "hubs"; 2: "transport" -> "streams", actions name delivery.ring_depth
+# 4: run.dataset.split an object, not a sentence; 3: "streams" -> "hubs"; 2: "transport" -> "streams",
+# actions name delivery.ring_depth
+SCHEMA_VERSION = 4
 DASK_REPORT = "dask-report.html"  # Dask's performance report, when the run wrote one into its folder
 
 CSS = """
