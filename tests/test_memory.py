@@ -71,7 +71,7 @@ def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():
     slot = 5 * estimate  # x1.5 headroom: 4.5 estimates fit
     check_group_memory([GroupSpec("a", (m,))], sizes, slot)
     fits = with_measured_peaks(sizes, {"a": 3 * estimate})
-    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate + sizes["a"].kept_bytes  # and its epoch's copy
+    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate + sizes["a"].kept_on_slot_bytes  # and its epoch's copy
     check_group_memory([GroupSpec("a", (m,))], fits, slot)
     with pytest.raises(SlotError, match="model a needs about"):
         check_group_memory([GroupSpec("a", (m,))], with_measured_peaks(sizes, {"a": slot}), slot)
@@ -85,7 +85,7 @@ def test_a_fused_array_holds_one_workspace_and_each_members_activations():
     peak of 1600 leaves a workspace of 500. Counting the peak's surplus once per member (k workspaces), the
     activations once, or a copy once, fails."""
     members = (member("a", lr=0.1), member("b", lr=0.01), member("c", lr=0.001))
-    sizes = {m.name: ModelSize(0, 100, 1000, 0.0, kept_bytes=60) for m in members}
+    sizes = {m.name: ModelSize(0, 100, 1000, 0.0, kept_copy_bytes=60) for m in members}
     measured = with_measured_peaks(sizes, {m.name: 1600 for m in members})
     assert group_bytes(GroupSpec("g", members, 3), measured) == 300 + 180 + 3000 + 500
     assert group_bytes(GroupSpec("g", members), measured) == 300 + 180 + 1000 + 500
@@ -101,8 +101,10 @@ def test_a_slot_counts_the_kept_copies_of_a_models_state_it_holds():
 
     m = member("a")
     one = kept_state_bytes(build_module(m, 4, 32), optimizer_state_bytes(m, build_module(m, 4, 32)))
-    assert measure_sizes([m], 4, {"main": 32}, 16, "cuda")["a"].kept_bytes == one
-    assert measure_sizes([m], 4, {"main": 32}, 16, "cpu")["a"].kept_bytes == KEPT_EPOCHS * one == 2 * one
+    on_gpu, on_cpu = (measure_sizes([m], 4, {"main": 32}, 16, kind)["a"] for kind in ("cuda", "cpu"))
+    assert on_gpu.kept_copy_bytes == on_cpu.kept_copy_bytes == one
+    assert (on_gpu.kept_on_slot_bytes, on_cpu.kept_on_slot_bytes) == (one, KEPT_EPOCHS * one) == (one, 2 * one)
+    assert group_bytes(GroupSpec("a", (m,)), {"a": on_cpu}) - group_bytes(GroupSpec("a", (m,)), {"a": on_gpu}) == one
 
 
 def test_a_gpu_hosts_memory_must_hold_the_kept_copies_of_the_groups_that_train_at_once():
@@ -111,8 +113,8 @@ def test_a_gpu_hosts_memory_must_hold_the_kept_copies_of_the_groups_that_train_a
     groups of 1, 2 and 3 members of 100 and one of 10 on 2 slots need 2 x (300 + 200) x 1.5 = 1500 bytes.
     Counting every group, one epoch's copy, or the smallest groups, fails a side."""
     members = [member(f"m{i}") for i in range(7)]
-    sizes = {m.name: ModelSize(0, 0, 0, 0.0, kept_bytes=100) for m in members[:6]} | \
-        {"m6": ModelSize(0, 0, 0, 0.0, kept_bytes=10)}
+    sizes = {m.name: ModelSize(0, 0, 0, 0.0, kept_copy_bytes=100) for m in members[:6]} | \
+        {"m6": ModelSize(0, 0, 0, 0.0, kept_copy_bytes=10)}
     groups = [GroupSpec("one", tuple(members[:1])), GroupSpec("two", tuple(members[1:3])),
               GroupSpec("three", tuple(members[3:6])), GroupSpec("small", tuple(members[6:]))]
     check_host_memory(groups, sizes, 2, 1500)

@@ -40,10 +40,15 @@ class ModelSize:
     # pool, the backward pass's transients), measured on a GPU: a process that steps its models in turn
     # holds it once, one on several CUDA streams once per stream (group_bytes).
     workspace_bytes: int = 0
-    # The copies of its state (no gradients) that its slot holds from epochs' ends (trainer._keep_states): on a
-    # GPU one, until the checkpoint writer has moved it to host memory, which holds KEPT_EPOCHS of them
-    # (check_host_memory); on CPU, whose slots share host memory, KEPT_EPOCHS.
-    kept_bytes: int = 0
+    # One copy of its state (no gradients) kept from an epoch's end (trainer._keep_states), and how many of
+    # them its slot holds: on a GPU one, until the checkpoint writer has moved it to host memory, which holds
+    # KEPT_EPOCHS of them (check_host_memory); on CPU, whose slots share host memory, KEPT_EPOCHS.
+    kept_copy_bytes: int = 0
+    copies_on_slot: int = 1
+
+    @property
+    def kept_on_slot_bytes(self) -> int:
+        return self.kept_copy_bytes * self.copies_on_slot
 
 
 def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[str, int],
@@ -52,7 +57,7 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
     from pipeline.training.models import (count_parameters, estimate_step_flops, estimate_training_bytes,
                                           kept_state_bytes)
 
-    kept_copies = 1 if device_kind == "cuda" else KEPT_EPOCHS
+    copies_on_slot = 1 if device_kind == "cuda" else KEPT_EPOCHS
     nets: dict[str, object] = {}  # a grid's members weigh the same: one build per shape
     sizes: dict[str, ModelSize] = {}  # ...and per kind of optimiser (ModelSpec.optimizer_kind)
     by_name = {}
@@ -66,7 +71,8 @@ def measure_sizes(models: list[ModelSpec], num_classes: int, image_sizes: dict[s
             optimizer_bytes = optimizer_state_bytes(m, net)
             state, activations = estimate_training_bytes(net, side, batch_size, optimizer_bytes)
             sizes[key] = ModelSize(count_parameters(net), state, activations, estimate_step_flops(net, side),
-                                   kept_bytes=kept_copies * kept_state_bytes(net, optimizer_bytes))
+                                   kept_copy_bytes=kept_state_bytes(net, optimizer_bytes),
+                                   copies_on_slot=copies_on_slot)
         by_name[m.name] = sizes[key]
     return by_name
 
@@ -182,13 +188,13 @@ def choose_sub_slots(models: list[ModelSpec], groups: list[GroupSpec], sizes: di
 
 def group_bytes(group: GroupSpec, sizes: dict[str, ModelSize], lanes: int = 1) -> int:
     """A group's memory on one of its slots: every member's state and the copies of it kept from epochs'
-    ends (ModelSize.kept_bytes), the activations of the units
+    ends (ModelSize.kept_on_slot_bytes), the activations of the units
     stepped at once (the largest one, or the largest side by side: on CPU `lanes`, one per thread, on a GPU
     one per stream of the group's; a fused array holds all its members' activations), and as many of the largest
     members' workspaces (once for a process that steps its units in turn; on a GPU each stream has its own
     graph pool and cuBLAS workspace). A data-parallel model holds its 1/g share of the batch's activations."""
     at_once = max(lanes, group.side_by_side)
-    state = sum(sizes[m.name].state_bytes + sizes[m.name].kept_bytes for m in group.members)
+    state = sum(sizes[m.name].state_bytes + sizes[m.name].kept_on_slot_bytes for m in group.members)
     units = sorted((sum(sizes[m.name].activation_bytes for m in unit) for unit in group.units()), reverse=True)
     workspaces = sorted((sizes[m.name].workspace_bytes for m in group.members), reverse=True)
     return state + math.ceil(sum(units[:at_once]) / group.slots) + sum(workspaces[:at_once])
@@ -213,7 +219,7 @@ def check_host_memory(groups: list[GroupSpec], sizes: dict[str, ModelSize], slot
     """On GPU slots each member's states from its KEPT_EPOCHS last epochs' ends are kept in host memory (the
     checkpoints its trainer may be asked for): those of the groups that train at once on this host's `slots`
     (at most the largest `slots` groups) must fit `room`, with headroom."""
-    kept = sorted((sum(sizes[m.name].kept_bytes for m in g.members) for g in groups), reverse=True)
+    kept = sorted((sum(sizes[m.name].kept_copy_bytes for m in g.members) for g in groups), reverse=True)
     need = KEPT_EPOCHS * sum(kept[:slots]) * MEMORY_HEADROOM
     if need > room:
         raise SlotError(
