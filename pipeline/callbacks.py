@@ -12,7 +12,8 @@ from pipeline.report.sweep import sweep_dir
 class CheckOutputDir(Callback):
     """Hydra creates the run's folder and writes its .hydra files there before our code runs: check it first
     so that an unwritable place, or an earlier run's folder, gets our error (the path and the fix) while that
-    run's files are whole. A sweep's folder may hold earlier jobs: each job's run checks its own."""
+    run's files are whole. A sweep's folder may hold earlier jobs: each job's run checks its own. The sweep's
+    folder is held until the multirun's process ends."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _exit_on_error(check_output_dir, Path(config.hydra.run.dir), not config.get("resume"))

@@ -11,6 +11,7 @@ this schema.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import enum
 import fcntl
@@ -46,6 +47,8 @@ STATE_DIR = "state"  # in a run's folder: what resume= continues from
 RUN_OUTPUTS = ("results.json", STATE_DIR, "checkpoints")
 RUN_LOCK = ".run.lock"  # in a run's folder: locked (flock) by the process writing there, whose pid it holds
 _claimed: dict[Path, IO | None] = {}  # the folders this process writes to, with their locks held
+os.register_at_fork(after_in_child=_claimed.clear)  # a forked child holds none of them
+atexit.register(lambda: [release_output_dir(path) for path in list(_claimed)])  # however it ends, but killed
 
 
 class ExitCode(enum.IntEnum):
@@ -512,6 +515,19 @@ def check_output_dir(path: Path, fresh: bool) -> None:
     is this process's (its RUN_LOCK held) until release_output_dir, or the process's end, however it ends."""
     path = path.resolve()
     if path not in _claimed:
+        _claimed[path] = _lock_folder(path)
+    if fresh and (held := earlier_run(path)):
+        release_output_dir(path)  # not this run's: a process that goes on (a launcher's) must not hold it
+        raise ConfigError(f"{path} holds an earlier run ({held}): give this run a folder of its own "
+                          "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
+                          f"continue a stopped run with resume={path}")
+
+
+def _lock_folder(path: Path) -> IO | None:
+    """`path`'s RUN_LOCK, locked by this process and holding its pid (None on a filesystem without locks).
+    A run removes the file as it ends, while it holds it (release_output_dir): the file opened here may be
+    one so removed and then let go, whose lock holds nothing, so it counts only while the path names it."""
+    while True:
         try:
             path.mkdir(parents=True, exist_ok=True)
             lock = open(path / RUN_LOCK, "a+")
@@ -530,24 +546,34 @@ def check_output_dir(path: Path, fresh: bool) -> None:
                               "end") from None
         except OSError:  # a filesystem without locks (some NFS, Lustre without -o flock): nothing to hold
             lock.close()
-            lock = None
-        else:
+            return None
+        if _names(path / RUN_LOCK, lock):
             lock.seek(0)
             lock.truncate()
             lock.write(f"{os.getpid()}\n")
             lock.flush()
-        _claimed[path] = lock
-    if fresh and (held := earlier_run(path)):
-        release_output_dir(path)  # not this run's: a process that goes on (a launcher's) must not hold it
-        raise ConfigError(f"{path} holds an earlier run ({held}): give this run a folder of its own "
-                          "(hydra.run.dir, or hydra.sweep.dir for -m), remove that one to train there anew, or "
-                          f"continue a stopped run with resume={path}")
+            return lock
+        lock.close()  # removed by the run that held it: lock the folder's file as it is now
+
+
+def _names(path: Path, file: IO) -> bool:
+    """Whether `path` is the file `file` has open (not one removed since, or another made in its place)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(file.fileno())
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def release_output_dir(path: Path) -> None:
-    """The run in `path` (check_output_dir) is over: another may write there."""
-    lock = _claimed.pop(path.resolve(), None)
+    """The run in `path` (check_output_dir) is over: another may write there. Its lock file goes, removed
+    while held, so that a folder holds only what its runs made (a run killed leaves it, still free)."""
+    path = path.resolve()
+    lock = _claimed.pop(path, None)
     if lock is not None:
+        if _names(path / RUN_LOCK, lock):
+            (path / RUN_LOCK).unlink()
         lock.close()
 
 

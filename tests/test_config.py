@@ -1,4 +1,5 @@
 """Config composition: the schema catches mistakes with the key's full name."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from pipeline.config import (RUN_OUTPUTS, ConfigError, check, check_output_dir, expand_ensemble,
+from pipeline.config import (RUN_LOCK, RUN_OUTPUTS, ConfigError, check, check_output_dir, expand_ensemble,
                              release_output_dir)
 from tests.conftest import compose_config
 from tests.test_run import REPO
@@ -250,6 +251,40 @@ def test_a_folder_another_run_writes_to_now_is_refused_until_that_run_ends(tmp_p
         holder.wait()
     check_output_dir(folder, fresh=True)  # its holder killed: the kernel let go of the lock
     release_output_dir(folder)
+
+
+def test_a_run_removes_its_lock_file_as_it_ends_and_a_lock_taken_on_a_removed_one_holds_nothing(tmp_path,
+                                                                                                monkeypatch):
+    """A folder keeps only what its runs made: the lock file goes as its run ends. A second run that opened
+    it just before (it was refused while the first ran) and locks it just after holds a file no longer in
+    the folder: it must take the folder's file as it is now, which a third run is then refused. Taken on the
+    removed file, two runs would write one folder."""
+    import fcntl
+
+    from pipeline import config
+
+    folder = tmp_path / "run"
+    check_output_dir(folder, fresh=True)
+    assert (folder / RUN_LOCK).read_text() == f"{os.getpid()}\n"
+    release_output_dir(folder)
+    assert not (folder / RUN_LOCK).exists()
+    check_output_dir(folder, fresh=True)  # the first run, again
+    flock, locked = fcntl.flock, []
+
+    def the_first_run_ends_between_the_open_and_the_lock(file, how):
+        if not locked:
+            release_output_dir(folder)
+        locked.append(file.name)
+        return flock(file, how)
+
+    monkeypatch.setattr(config.fcntl, "flock", the_first_run_ends_between_the_open_and_the_lock)
+    second = config._lock_folder(folder.resolve())
+    monkeypatch.undo()
+    assert len(locked) == 2  # the removed file, then the folder's
+    assert (folder / RUN_LOCK).read_text() == f"{os.getpid()}\n"
+    with pytest.raises(ConfigError, match="is the folder of a run going on now"):
+        config._lock_folder(folder.resolve())
+    second.close()
 
 
 def test_a_job_in_its_own_folder_reads_relative_files_from_where_the_command_ran(tmp_path, monkeypatch):

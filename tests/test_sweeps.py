@@ -69,6 +69,7 @@ def test_basic_launcher_runs_each_job_with_its_own_cluster_and_a_failed_job_fail
     best = 0 if values[0] >= values[1] else 1
     assert f'<tr class="best"><td><a href="{best}/report.html">' in (sweep / "sweep.html").read_text()
     assert shm_segments(job.pid) == set()  # the jobs' rings (named by the driver's pid) are gone
+    assert not list(sweep.rglob(".run.lock"))  # the sweep's folder and its jobs' are let go, their locks removed
 
 
 def test_optuna_sweeper_over_joblib_jobs_records_the_objective_each_trial_returned(tmp_path):
