@@ -1,11 +1,14 @@
 """Hydra callbacks: checks that must run before Hydra itself touches the disk, or launches a job."""
+import os
+import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, check_output_dir, check_sweeper, exit_on_user_error, swept
+from pipeline.config import ConfigError, ExitCode, check_output_dir, check_sweeper, exit_on_user_error, swept
 from pipeline.report.sweep import sweep_dir
 
 
@@ -32,9 +35,13 @@ class CheckSweeper(Callback):
             _exit_on_error(check_sweeper, config.objective, config.hydra.sweeper)
 
 
-def _exit_on_error(check, *args) -> None:
+def _exit_on_error(check: Callable[..., None], *args: Any) -> None:
     try:
         check(*args)
     except ConfigError as err:
-        # Hydra turns a callback's exceptions into warnings and carries on: exit here.
+        # Hydra turns a callback's exceptions into warnings and carries on: exit here (with the traceback
+        # HYDRA_FULL_ERROR=1 asks for, which raising would lose).
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            traceback.print_exception(err)
+            sys.exit(ExitCode.user_error)
         exit_on_user_error(err)

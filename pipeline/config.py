@@ -12,8 +12,10 @@ this schema.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import enum
+import errno
 import fcntl
 import importlib.util
 import itertools
@@ -46,9 +48,9 @@ STATE_DIR = "state"  # in a run's folder: what resume= continues from
 # What a run leaves in its folder: a fresh run refuses a folder holding any (check_output_dir)
 RUN_OUTPUTS = ("results.json", STATE_DIR, "checkpoints")
 RUN_LOCK = ".run.lock"  # in a run's folder: locked (flock) by the process writing there, whose pid it holds
+LOCK_TRIES = 10  # times a run locks RUN_LOCK that its holder removed as it ended, before it gives up
 _claimed: dict[Path, IO | None] = {}  # the folders this process writes to, with their locks held
 os.register_at_fork(after_in_child=_claimed.clear)  # a forked child holds none of them
-atexit.register(lambda: [release_output_dir(path) for path in list(_claimed)])  # however it ends, but killed
 
 
 class ExitCode(enum.IntEnum):
@@ -439,14 +441,19 @@ def check_sweeper(objective: DictConfig, sweeper: DictConfig | None) -> None:
 
 
 def swept(cfg: DictConfig, key: str) -> bool:
-    """Whether a multirun's jobs may differ at `key`: a sweep of it on the command line (a list, a range,
-    a sweeper's interval or choice) or in the search space the sweeper's own config declares (Optuna's
-    params, Nevergrad's parametrization, Ax's ax_config.params)."""
+    """Whether a multirun's jobs may differ at `key`: a sweep on the command line of it, of a node above it,
+    or of what may set it and is not a key of this config (a config group: +experiment=a,b), or a search
+    space the sweeper's own config declares holding it (Optuna's params, Nevergrad's parametrization, Ax's
+    ax_config.params)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = OverridesParser.create().parse_overrides(list(OmegaConf.select(cfg, "hydra.overrides.task") or []))
-    if any(o.get_key_element() == key and o.is_sweep_override() for o in overrides):
-        return True
+    task = OmegaConf.to_container(cfg.hydra.overrides.task, resolve=False)  # as Hydra reads them: ${...} kept
+    groups, absent = set(OmegaConf.select(cfg, "hydra.runtime.choices") or {}), object()
+    for override in OverridesParser.create().parse_overrides(task):
+        name = override.key_or_group
+        if override.is_sweep_override() and (key == name or key.startswith(f"{name}.") or name in groups
+                                             or OmegaConf.select(cfg, name, default=absent) is absent):
+            return True
     return any(key in (OmegaConf.select(cfg, f"hydra.sweeper.{space}") or {})
                for space in ("params", "parametrization", "ax_config.params"))
 
@@ -527,7 +534,7 @@ def _lock_folder(path: Path) -> IO | None:
     """`path`'s RUN_LOCK, locked by this process and holding its pid (None on a filesystem without locks).
     A run removes the file as it ends, while it holds it (release_output_dir): the file opened here may be
     one so removed and then let go, whose lock holds nothing, so it counts only while the path names it."""
-    while True:
+    for _ in range(LOCK_TRIES):
         try:
             path.mkdir(parents=True, exist_ok=True)
             lock = open(path / RUN_LOCK, "a+")
@@ -544,9 +551,11 @@ def _lock_folder(path: Path) -> IO | None:
                               "give each run a folder of its own (hydra.run.dir, or hydra.sweep.dir for -m; runs "
                               "started in the same second get the same default one), or wait for that run to "
                               "end") from None
-        except OSError:  # a filesystem without locks (some NFS, Lustre without -o flock): nothing to hold
+        except OSError as err:
             lock.close()
-            return None
+            if err.errno == errno.ESTALE:  # NFS: the file was removed by the run that held it
+                continue
+            return None  # a filesystem without locks (some NFS, Lustre without -o flock): nothing to hold
         if _names(path / RUN_LOCK, lock):
             lock.seek(0)
             lock.truncate()
@@ -554,6 +563,9 @@ def _lock_folder(path: Path) -> IO | None:
             lock.flush()
             return lock
         lock.close()  # removed by the run that held it: lock the folder's file as it is now
+    raise ConfigError(f"{path / RUN_LOCK} was removed each of {LOCK_TRIES} times this run locked it: runs keep "
+                      "starting and ending in this folder; give this run a folder of its own (hydra.run.dir, or "
+                      "hydra.sweep.dir for -m)")
 
 
 def _names(path: Path, file: IO) -> bool:
@@ -572,9 +584,18 @@ def release_output_dir(path: Path) -> None:
     path = path.resolve()
     lock = _claimed.pop(path, None)
     if lock is not None:
-        if _names(path / RUN_LOCK, lock):
-            (path / RUN_LOCK).unlink()
+        with contextlib.suppress(OSError):  # the folder gone, or made read-only: only the file stays
+            if _names(path / RUN_LOCK, lock):
+                (path / RUN_LOCK).unlink()
         lock.close()
+
+
+@atexit.register
+def _release_all_output_dirs() -> None:
+    """However the process ends, but killed: what it still holds (a multirun's folder, whose on_multirun_end
+    Hydra skips once a job failed) is let go."""
+    for path in list(_claimed):
+        release_output_dir(path)
 
 
 def earlier_run(path: Path) -> str:

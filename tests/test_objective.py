@@ -3,7 +3,7 @@ test writes by hand."""
 import math
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.config import ConfigError, check_objective, check_sweeper, swept, sweeper_direction
 from pipeline.measure.objective import Metric, objective_value
@@ -87,13 +87,27 @@ def test_a_sweeper_that_optimises_the_other_way_than_the_metric_is_refused_sayin
     check_sweeper(compose_config([]).objective, None)  # not a multirun's
 
 
-def test_a_key_is_swept_where_the_command_line_or_the_sweepers_search_space_varies_it():
-    """The multirun-wide direction check (pipeline.callbacks.CheckSweeper) leaves a swept metric to each job."""
-    multirun = lambda task, **sweeper: OmegaConf.create({"hydra": {"overrides": {"task": task}, "sweeper": sweeper}})
-    assert not swept(multirun(["objective.metric=val_loss", "ensemble.models.0.optimizer.lr=0.1,0.2"]),
-                     "objective.metric")
+def multirun(task: list[str], **sweeper) -> DictConfig:
+    """The default ensemble's config as a multirun's first one is: `task`, the command line's overrides,
+    as Hydra records them (a sweep's values not applied)."""
+    cfg = compose_config(["+ensemble=caltech256"], with_hydra=True)
+    with open_dict(cfg):
+        cfg.hydra.overrides.task, cfg.hydra.sweeper = task, sweeper
+    return cfg
+
+
+def test_a_key_is_swept_where_the_command_line_or_the_sweepers_search_space_may_vary_it():
+    """The multirun-wide direction check (pipeline.callbacks.CheckSweeper) leaves a swept metric to each job:
+    swept itself (+ or ++ before it too), above it, by a config group or a key this config lacks (either may
+    set it), or in the sweeper's search space. An override's ${...} is not resolved (an unset variable
+    would raise)."""
+    fixed = ["objective.metric=val_loss", "ensemble.models.0.optimizer.lr=0.1,0.2",
+             "dataset.val_per_class=0.1,0.2", "dataset.root=${oc.env:SURELY_UNSET_VARIABLE}", "~seed"]
+    assert not swept(multirun(fixed), "objective.metric")
     assert not swept(multirun([], params={"ensemble.models.0.optimizer.lr": "interval(0.01, 0.2)"}), "objective.metric")
-    for task in ("objective.metric=val_loss,val_accuracy", "objective.metric=choice(val_loss)"):
+    for task in ("objective.metric=val_loss,val_accuracy", "objective.metric=choice(val_loss)",
+                 "++objective.metric=val_loss,val_accuracy", "objective={of:ensemble,metric:val_loss},{}",
+                 "+experiment=a,b", "ensemble=caltech256,caltech256_paper"):
         assert swept(multirun([task]), "objective.metric"), task
     space = {"objective.metric": "choice(val_loss, val_accuracy)"}
     for sweeper in ({"params": space}, {"parametrization": space}, {"ax_config": {"params": space}}):

@@ -165,9 +165,8 @@ def test_a_sweeper_optimising_the_wrong_way_is_refused_before_any_trial_and_wher
         tmp_path):
     """Optuna's default direction (minimize) over the default objective (the ensemble's accuracy) would
     search for the worst accuracy: the multirun stops before its first trial, saying both fixes, and leaves
-    no folder. With the
-    metric in the search space (a choice of one, here) only a job knows its own: under the shared launcher
-    each trial fails at once, and nothing trains."""
+    no folder. With the metric in the search space (a choice of one, here) only a job knows its own: under
+    the shared launcher each trial fails at once, and nothing trains."""
     trials = ("hydra/launcher=shared", "ensemble.models.0.optimizer.lr=interval(0.01, 0.2)", "hydra/sweeper=optuna",
               "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2")
     said = "error: hydra.sweeper.direction=minimize: the sweeper would minimize what each job returns"
