@@ -71,7 +71,7 @@ def test_the_memory_check_refuses_a_model_whose_measured_step_does_not_fit():
     slot = 5 * estimate  # x1.5 headroom: 4.5 estimates fit
     check_group_memory([GroupSpec("a", (m,))], sizes, slot)
     fits = with_measured_peaks(sizes, {"a": 3 * estimate})
-    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate + sizes["a"].kept_on_slot_bytes  # and its epoch's copy
+    assert group_bytes(GroupSpec("a", (m,)), fits) == 3 * estimate + sizes["a"].kept_on_slot_bytes  # and a copy
     check_group_memory([GroupSpec("a", (m,))], fits, slot)
     with pytest.raises(SlotError, match="model a needs about"):
         check_group_memory([GroupSpec("a", (m,))], with_measured_peaks(sizes, {"a": slot}), slot)
