@@ -1,14 +1,11 @@
 """Hydra callbacks: checks that must run before Hydra itself touches the disk, or launches a job."""
-import os
-import sys
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from pipeline.config import ConfigError, ExitCode, check_output_dir, check_sweeper, exit_on_user_error, swept
+from pipeline.config import ConfigError, check_output_dir, check_sweeper, exit_on_user_error, swept
 from pipeline.report.sweep import sweep_dir
 
 
@@ -39,9 +36,4 @@ def _exit_on_error(check: Callable[..., None], *args: Any) -> None:
     try:
         check(*args)
     except ConfigError as err:
-        # Hydra turns a callback's exceptions into warnings and carries on: exit here (with the traceback
-        # HYDRA_FULL_ERROR=1 asks for, which raising would lose).
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            traceback.print_exception(err)
-            sys.exit(ExitCode.user_error)
-        exit_on_user_error(err)
+        exit_on_user_error(err)  # raised, Hydra would make it a warning and carry on

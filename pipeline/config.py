@@ -21,6 +21,7 @@ import importlib.util
 import itertools
 import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Union
@@ -91,9 +92,11 @@ class ConfigError(UserError):
 
 
 def exit_on_user_error(err: UserError) -> None:
-    """One clean message on stderr and exit code 2, unless the user asked Hydra for full tracebacks."""
+    """One clean message on stderr and exit code 2, after its traceback where the user asked Hydra for full
+    tracebacks (HYDRA_FULL_ERROR=1). It exits rather than raise: Hydra turns a callback's exceptions into
+    warnings and carries on."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        raise err
+        traceback.print_exception(err)
     print(f"error: {err}", file=sys.stderr)
     sys.exit(ExitCode.user_error)
 

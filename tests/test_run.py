@@ -156,7 +156,7 @@ def test_synthetic_stand_in_is_generated_once_and_labelled(tmp_path):
 def test_cli_a_users_mistake_is_one_message_and_exit_code_2(tiny_dataset, bad_dataset, tmp_path):
     """Each kind of mistake through the real command, all started at once: one line on stderr naming
     the key or file and the fix, no traceback, exit code 2; Hydra's own composition errors keep
-    Hydra's message and exit code 1; HYDRA_FULL_ERROR=1 shows the traceback."""
+    Hydra's message and exit code 1; HYDRA_FULL_ERROR=1 adds the traceback, with exit code 2 still."""
     blocker = tmp_path / "file"
     blocker.write_text("")
     cases = {
@@ -203,7 +203,7 @@ def test_cli_a_users_mistake_is_one_message_and_exit_code_2(tiny_dataset, bad_da
     assert job.returncode == 1 and "topology=ring" in stderr and "HYDRA_FULL_ERROR" in stderr
     assert "expected one of [auto, single_broadcast" in stderr
     job, _, stderr = done["full"]
-    assert job.returncode == 1 and "Traceback" in stderr and "ConfigError: no ensemble chosen" in stderr
+    assert job.returncode == 2 and "Traceback" in stderr and "ConfigError: no ensemble chosen" in stderr
 
 
 def test_fleet_g_trains_flotillas_in_sequence_on_cpu_slots(tiny_dataset, tmp_path):
