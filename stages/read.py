@@ -37,9 +37,11 @@ class SplitChoice:
         if self.folders:
             return f"the dataset's own {self.folders[0]}/ and {self.folders[1]}/ folders"
         value = f"val_per_class={self.val_per_class:g}"
-        return {"default": f"the default {value}",
-                "dataset.val_per_class": f"{value} (dataset.val_per_class)"}.get(self.source,
-                                                                              f"{value} declared in {self.source}")
+        if self.source == "default":
+            return f"the default {value}"
+        if self.source == "dataset.val_per_class":
+            return f"{value} (dataset.val_per_class)"
+        return f"{value} declared in {self.source}"
 
     def summary(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}
