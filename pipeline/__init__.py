@@ -7,6 +7,7 @@ this package), `scheduler` (pure FLEET logic), `data` (stage DAG on Dask),
 (the run recorder), `orchestration` (driver, flotillas, node agents,
 devices), `report` (reports, mode=profile). The entry sits on top:
 `__main__.py` (the command), `config.py` (schema), `run.py` (one run wired
-together), `callbacks.py` (Hydra), `node.py` (the node agent's command).
+together), `callbacks.py` (Hydra), `node.py` (the node agent's command),
+`predict.py` (a finished run's ensemble used on any files).
 A layer imports only the layers under it (docs/architecture.md).
 """

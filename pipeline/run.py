@@ -80,8 +80,9 @@ class RunInputs:
         """What results.json says of the dataset, given the files that could not be used (`skipped`, paths)."""
         source = self.graph.source
         return {"name": name, "root": str(self.dataset.root), "synthetic": self.dataset.synthetic,
-                "classes": len(source.class_names), "train_images": source.num_items(Split.TRAIN),
-                "val_images": source.num_items(Split.VAL), "split": source.split.summary(),
+                "classes": len(source.class_names), "class_names": source.class_names,  # in label order
+                "train_images": source.num_items(Split.TRAIN), "val_images": source.num_items(Split.VAL),
+                "split": source.split.summary(),
                 "unread_folders": source.unread,
                 "classes_without_training_images": source.classes_without(Split.TRAIN, skipped)}
 

@@ -228,20 +228,26 @@ class ImageFolder(Stage):
         return [self.files[ctx.split][i] for i in ctx.share(list(picks))]
 
     def __call__(self, batch: Batch | None, ctx: BatchContext) -> Batch:
-        data, labels, paths = [], [], []
-        for path, label in self.items(ctx) if ctx.wanted is None else ctx.wanted:
-            if path in ctx.held:  # a cache stage downstream has its image
-                continue
-            try:
-                data.append(Path(path).read_bytes())
-            except OSError as err:
-                ctx.reject(path, f"a symbolic link to {os.readlink(path)}, which is missing (a git-annex or DVC "
-                                 "file not fetched?)" if os.path.islink(path) and not os.path.exists(path) else
-                           f"cannot read: {err.strerror}")
-                continue
-            labels.append(label)
-            paths.append(path)
-        return Batch(data, np.asarray(labels, dtype=np.int64), paths)
+        return read_files(self.items(ctx) if ctx.wanted is None else ctx.wanted, ctx)
+
+
+def read_files(items: list[tuple[str, int]], ctx: BatchContext) -> Batch:
+    """The (path, label) `items`' files as an encoded batch, but those a cache stage downstream holds
+    (`ctx.held`); a file that cannot be read is rejected (`ctx.reject`)."""
+    data, labels, paths = [], [], []
+    for path, label in items:
+        if path in ctx.held:
+            continue
+        try:
+            data.append(Path(path).read_bytes())
+        except OSError as err:
+            ctx.reject(path, f"a symbolic link to {os.readlink(path)}, which is missing (a git-annex or DVC "
+                             "file not fetched?)" if os.path.islink(path) and not os.path.exists(path) else
+                       f"cannot read: {err.strerror}")
+            continue
+        labels.append(label)
+        paths.append(path)
+    return Batch(data, np.asarray(labels, dtype=np.int64), paths)
 
 
 def _check_no_empty_class(folder: Path, classes: dict[str, list[str]]) -> None:

@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 # contract, the pure scheduler, then the layers in the order data travels; the entry (pipeline/*.py) on top.
 LAYERS = ["pipeline.runtime", "stages", "pipeline.scheduler", "pipeline.data", "pipeline.delivery",
           "pipeline.training", "pipeline.measure", "pipeline.orchestration", "pipeline.report", "pipeline"]
-TOP_MODULES_AT_MOST = 6
+TOP_MODULES_AT_MOST = 7  # what a user calls (the commands, the Hydra callbacks, predict) and a run's wiring
 
 
 def layer_of(module: str) -> str:

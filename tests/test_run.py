@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
@@ -131,6 +132,43 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
            "learn it" in (out / "report.html").read_text()
     converted = {c["path"] for c in results["converted"]}
     assert converted == {str(bad[k]) for k in ("grayscale", "cmyk", "png_named_jpg")}
+
+
+def test_the_ensemble_a_run_leaves_predicts_files_as_the_run_validated_them(full_run, tmp_path):
+    """load_ensemble rebuilds each member from its checkpoint (the best, or the last; the DDP model's too)
+    and preprocesses files as the run's validation did: its softmax of every usable validation file is the
+    one the run recorded for that checkpoint, bit for bit, and the ensemble's accuracy is results.json's. It
+    needs no dataset (the run's folder moved, its dataset root gone), and a file that cannot be used is an
+    error naming it."""
+    from pipeline.predict import load_ensemble
+    from stages.base import BadFileError, Split
+    from stages.read import ImageFolder
+
+    results, out, bad, *_ = full_run
+    skipped = {s["path"] for s in results["skipped"]}
+    files = [(path, label) for path, label in ImageFolder(results["dataset"]["root"], 16).files[Split.VAL]
+             if path not in skipped]
+    paths, labels = [path for path, _ in files], np.array([label for _, label in files])
+    recorded = out / "state" / "recorder"
+    assert np.array_equal(np.load(recorded / "val_labels.npy"), labels)
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved, ignore=shutil.ignore_patterns("state"))
+    saved = json.loads((moved / "results.json").read_text())
+    saved["config"]["pipeline"]["stages"]["read"]["root"] = str(tmp_path / "gone")
+    (moved / "results.json").write_text(json.dumps(saved))
+    for checkpoint in ("best", "last"):
+        ensemble = load_ensemble(moved, checkpoint)
+        assert ensemble.class_names == sorted(path.name for path in Path(results["dataset"]["root"]).iterdir()
+                                              if path.is_dir())
+        probabilities = ensemble.member_probabilities(paths, batch_size=7)  # not the run's batches
+        for name, member in ensemble.members.items():
+            model = next(m for m in results["models"] if m["name"] == name)
+            assert member.epochs == (model["best_checkpoint"]["epochs"] if checkpoint == "best" else 2)
+            assert np.array_equal(probabilities[name], np.load(recorded / f"{checkpoint}-{name}.npy")), name
+    kept = results["ensemble"]["kept"]["val_accuracy"]
+    assert (load_ensemble(moved).predict(paths).argmax(1) == labels).mean() == pytest.approx(kept)
+    with pytest.raises(BadFileError, match=re.escape(f"{bad['truncated']}: corrupt or truncated")):
+        ensemble.predict([paths[0], str(bad["truncated"])])
 
 
 def test_nothing_is_left_behind(full_run):
@@ -299,14 +337,18 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     """4 models on 2 CPU slots with trainer.grouping=fuse: the two of one family fuse, the dearest model
     trains alone, the densenet packs next to the array; every one learns (4 classes: chance is 25%).
     fb converges after 4 epochs (its history is made to look complete): it leaves the array, whose
-    other member trains on in the same process, and its checkpoint loads as a plain model. (fb, at the lower
+    other member trains on in the same process, and its checkpoint loads as a plain model, load_ensemble's
+    softmax the array's. (fb, at the lower
     rate, ended epoch 3 at 62-100% in six runs of the same code while augmentation was keyed by each run's own
     data folder; the runs are reproducible now, and 4 epochs keep it clear of the bar.)"""
     import torch
 
     from pipeline.data.synthetic import generate_imagefolder
     from pipeline.measure.recorder import RunRecorder
+    from pipeline.predict import load_ensemble
     from pipeline.training.members import ModelSpec, build_module
+    from stages.base import Split
+    from stages.read import ImageFolder
 
     root = tmp_path_factory.mktemp("data") / "learnable"
     generate_imagefolder(root, num_classes=4, images_per_class=40, seed=5, image_size=(60, 80), val_per_class=None)
@@ -332,6 +374,11 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     assert models["fb"]["converged"] and models["fa"]["group_mode"] == "fused+packed"
     saved = torch.load(out / "checkpoints" / "fb" / "epoch4.pt", weights_only=True)
     build_module(ModelSpec(**saved["member"]), 4, 32).load_state_dict(saved["model"])  # strict
+    # ...as load_ensemble loads them: the fused members' softmax is the one their array validated with
+    paths = [path for path, _ in ImageFolder(str(root), 16).files[Split.VAL]]
+    loaded = load_ensemble(out).member_probabilities(paths)
+    for name in ("fa", "fb"):
+        np.testing.assert_allclose(loaded[name], np.load(out / "state" / "recorder" / f"best-{name}.npy"), atol=1e-5)
     assert not (out / "checkpoints" / "fb" / "epoch5.pt").exists()
     html = (out / "report.html").read_text()
     assert "<h3>Slot groups</h3>" in html and "fused+packed" in html

@@ -15,7 +15,10 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.io_wrapper import GetLogdirSubdirectories
 
+from pipeline.predict import load_ensemble
 from pipeline.report.sweep import JOB_FILE
+from stages.base import Split
+from stages.read import ImageFolder
 from tests.test_run import REPO, shm_segments
 
 pytestmark = pytest.mark.slow
@@ -114,7 +117,8 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
     the jobs, those the sweep leaves alone trained once). Jobs 1 and 4 hold a member that fails where it
     trains (scheduler.max_failures=0): they fail, and so does the multirun; jobs 0 and 3 complete, each
     with the folder Hydra's basic launcher gives a job (its overrides, results, report, checkpoints and
-    tracking, under its members' own names) and its objective, its ensemble judged on its 4 members alone.
+    tracking, under its members' own names) and its objective, its ensemble judged on its 4 members alone
+    (load_ensemble of its folder predicts that accuracy).
     The jobs run in their folders (hydra.job.chdir=true). Mistakes it catches: a job's ensemble taken as
     the shared run's, the members every job shares trained again, one job's bad declaration or failed
     member failing every job, a job folder that lacks its members' files (the shared run's folder named
@@ -144,6 +148,10 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
         assert outcome(folder) == {"status": "completed", "objective": results["objective"]["value"]}
         assert f"ensemble.models.0.optimizer.lr={lr}" in (folder / ".hydra" / "overrides.yaml").read_text()
         assert all(any((folder / "checkpoints" / name).glob("*.pt")) for name in names)
+        files = ImageFolder(results["dataset"]["root"], 64).files[Split.VAL]  # its split.json's split
+        predicted = load_ensemble(folder).predict([path for path, _ in files]).argmax(1)  # the job's ensemble
+        assert (predicted == [label for _, label in files]).mean() == pytest.approx(
+            results["ensemble"]["kept"]["val_accuracy"])
         with (folder / "tracking" / "metrics.csv").open() as file:
             assert sorted(row["model"] for row in csv.DictReader(file)) == sorted(names)
         assert (folder / "report.html").exists()

@@ -13,7 +13,7 @@ import numpy as np
 from pipeline.runtime.errors import UserError
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
 from stages.cache import Cache, stored_bytes
-from stages.read import ImageFolder
+from stages.read import ImageFolder, read_files
 
 CONFIG_ROOT = "pipeline.stages"
 RESERVED = ("_target_", "inputs")
@@ -210,6 +210,44 @@ def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> St
     _check_cache(stages, inputs)
     _tell_consumer_needs({name: stages[name] for name in reversed(order)}, inputs)
     return StageGraph({name: stages[name] for name in order}, inputs, specs)
+
+
+@dataclass
+class FilePreprocessing:
+    """A run's stages outside the run (pipeline.predict): any image files made into each sink's validation
+    batch as the run made its validation images, the files read in the source's place and passed through a
+    cache (it holds nothing here)."""
+
+    stages: dict[str, Stage]  # the source's consumers and theirs, in topological order
+    inputs: dict[str, str]  # each one's input stage (the source's name for its consumers)
+    source: str
+    sinks: list[str]
+
+    def __call__(self, paths: list[str]) -> dict[str, np.ndarray]:
+        """Each sink's uint8 NHWC images of `paths`, in their order; a file that cannot be used is an error
+        naming each such file and why."""
+        ctx = BatchContext(seed=0, split=Split.VAL, epoch=0, index=0)
+        outputs = {self.source: read_files([(str(path), 0) for path in paths], ctx)}
+        for name, stage in self.stages.items():
+            given = outputs[self.inputs[name]]
+            ctx.stage = name
+            outputs[name] = given if isinstance(stage, Cache) else stage(given, ctx)
+        if ctx.skipped:
+            raise BadFileError("; ".join(f"{path}: {reason}" for path, reason in ctx.skipped)
+                               + ": give image files that decode (JPEG, PNG, ... as the run's stages read them)")
+        return {sink: outputs[sink].data for sink in self.sinks}
+
+
+def file_preprocessing(stages_cfg: dict[str, dict[str, Any]]) -> FilePreprocessing:
+    """`pipeline.stages` of a run that built them (its results.json `config`), but the source, which is
+    not built: its dataset need not be there."""
+    targets = {name: _stage_class(entry["_target_"], f"{CONFIG_ROOT}.{name}") for name, entry in stages_cfg.items()}
+    source = next(name for name, cls in targets.items() if cls.role is Role.SOURCE)
+    inputs = {name: entry["inputs"][0] for name, entry in stages_cfg.items() if name != source}
+    order = [name for name in _topological_order({source: None, **inputs}) if name != source]
+    stages = {name: _instantiate(name, stages_cfg[name]) for name in order}
+    _tell_consumer_needs({name: stages[name] for name in reversed(order)}, inputs)
+    return FilePreprocessing(stages, inputs, source, [name for name in order if targets[name].role is Role.SINK])
 
 
 def _instantiate(name: str, entry: dict[str, Any]) -> Stage:

@@ -468,8 +468,8 @@ class RunRecorder:
         if report.model in models:
             if epoch not in record.recent_probs:  # resumed from before its last checkpoint: the first stands
                 return None
-            total = total - _counted(record.recent_probs[epoch])
-        total, models = total + _counted(report.probs), models | {report.model}
+            total = total - as_counted(record.recent_probs[epoch])
+        total, models = total + as_counted(report.probs), models | {report.model}
         if len(models) < size:
             pending[epoch] = (total, models)
             return False
@@ -482,7 +482,7 @@ class RunRecorder:
         validation accuracy), against the best of those members. None until every member has one."""
         if not records or any(r.best_probs is None for r in records):
             return None
-        total = np.sum([_counted(r.best_probs) for r in records], axis=0)
+        total = np.sum([as_counted(r.best_probs) for r in records], axis=0)
         return {"val_accuracy": self._accuracy(total), "val_loss": self._loss(total, len(records)),
                 "best_model_val_accuracy": max(r.best_checkpoint[1] for r in records),
                 "epochs": {r.model.name: r.best_checkpoint[0] for r in records}}
@@ -507,7 +507,7 @@ class RunRecorder:
         finals = [r.val_accuracy[max(r.val_accuracy)] for r in records if r.val_accuracy]
         last = [r.last_probs for r in records if r.last_probs is not None]
         # every model's last epoch
-        final = np.sum([_counted(p) for p in last], axis=0) if len(last) == len(records) else None
+        final = np.sum([as_counted(p) for p in last], axis=0) if len(last) == len(records) else None
         return {
             "val_accuracy": [accuracy[e] for e in sorted(accuracy)],
             "val_loss": [loss[e] for e in sorted(loss)],
@@ -567,7 +567,7 @@ def _json(content) -> str:
     return json.dumps(content, indent=2, default=str)
 
 
-def _counted(probs: np.ndarray) -> np.ndarray:
+def as_counted(probs: np.ndarray) -> np.ndarray:
     """A member's validation softmax as an ensemble counts it: a row that is not finite (a diverged member's
     NaN logits) as the uniform one, which predicts nothing, so the other members decide that image (a NaN
     in the sum made every image's argmax class 0). The member's own accuracy and loss keep what it made."""

@@ -194,6 +194,21 @@ def training_memory_format(device):
     return torch.channels_last if torch.device(device).type == "cuda" else torch.contiguous_format
 
 
+def normalise(images, device, memory_format):
+    """uint8 NHWC (numpy, or a tensor on the device) -> normalised float NCHW on `device`, in
+    `memory_format`: the float batch is the only copy made. What every model of a run is given."""
+    import torch
+
+    if isinstance(images, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
+            images = torch.from_numpy(images)
+    x = images.to(device, non_blocking=True).permute(0, 3, 1, 2)  # NHWC memory: channels_last
+    x = x.to(torch.float32, memory_format=memory_format)
+    mean, std = _statistics(x.device)
+    return x.sub_(mean).div_(std)
+
+
 @functools.cache
 def _statistics(device):
     """MEAN and STD on `device`, made once (making them is a copy from the host)."""
@@ -661,17 +676,8 @@ class GroupStep:
         return [name for unit in self.units for name in unit.names]
 
     def normalise(self, images):
-        """uint8 NHWC (numpy, or a tensor on the device) -> normalised float NCHW on the group's device, in
-        its memory format: the float batch is the only copy made."""
-        torch = self.torch
-        if isinstance(images, np.ndarray):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # only read
-                images = torch.from_numpy(images)
-        x = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2)  # NHWC memory: channels_last
-        x = x.to(torch.float32, memory_format=self.memory_format)
-        mean, std = _statistics(x.device)
-        return x.sub_(mean).div_(std)
+        """`normalise` on the group's device, in its memory format."""
+        return normalise(images, self.device, self.memory_format)
 
     def _autocast(self):
         if self.autocast_dtype is None:
