@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,32 +223,52 @@ class FilePreprocessing:
     inputs: dict[str, str]  # each one's input stage (the source's name for its consumers)
     source: str
     sinks: list[str]
+    seed: int  # the run's, and its dataset's folder: what a stage's ctx.item_rng is keyed by
+    root: str
 
     def __call__(self, paths: list[str]) -> dict[str, np.ndarray]:
         """Each sink's uint8 NHWC images of `paths`, in their order; a file that cannot be used is an error
         naming each such file and why."""
-        ctx = BatchContext(seed=0, split=Split.VAL, epoch=0, index=0)
-        outputs = {self.source: read_files([(str(path), 0) for path in paths], ctx)}
+        items = [(str(path), 0) for path in paths]  # labels unknown: class 0's
+        ctx = BatchContext(seed=self.seed, split=Split.VAL, epoch=0, index=0, root=self.root,
+                           wanted=items if any(isinstance(stage, Cache) for stage in self.stages.values()) else None)
+        outputs = {self.source: read_files(items, ctx)}
         for name, stage in self.stages.items():
             given = outputs[self.inputs[name]]
-            ctx.stage = name
-            outputs[name] = given if isinstance(stage, Cache) else stage(given, ctx)
+            outputs[name] = given if isinstance(stage, Cache) else self._through(name, given, ctx)
         if ctx.skipped:
             raise BadFileError("; ".join(f"{path}: {reason}" for path, reason in ctx.skipped)
                                + ": give image files that decode (JPEG, PNG, ... as the run's stages read them)")
         return {sink: outputs[sink].data for sink in self.sinks}
 
+    def _through(self, name: str, given: Batch, ctx: BatchContext) -> Batch:
+        stage, ctx.stage = self.stages[name], name
+        where = f"{CONFIG_ROOT}.{name} ({_declared(stage)}), making a batch of {len(given.paths)} files to predict"
+        try:
+            return stage(given, ctx)
+        except UserError as err:
+            raise GraphError(f"{where}: {err}") from None
+        except Exception as err:
+            err.add_note(f"in {where}")
+            raise
 
-def file_preprocessing(stages_cfg: dict[str, dict[str, Any]]) -> FilePreprocessing:
+
+def file_preprocessing(stages_cfg: dict[str, dict[str, Any]], seed: int, root: str) -> FilePreprocessing:
     """`pipeline.stages` of a run that built them (its results.json `config`), but the source, which is
-    not built: its dataset need not be there."""
-    targets = {name: _stage_class(entry["_target_"], f"{CONFIG_ROOT}.{name}") for name, entry in stages_cfg.items()}
+    not built: its dataset need not be there. `seed` and `root`: the run's seed and dataset folder."""
+    try:
+        targets = {name: _stage_class(entry["_target_"], f"{CONFIG_ROOT}.{name}")
+                   for name, entry in stages_cfg.items()}
+    except GraphError as err:
+        raise GraphError(f"{err} (the run's stages, as its results.json's config declares them: a module of "
+                         "yours must import here as it did where the run trained)") from None
     source = next(name for name, cls in targets.items() if cls.role is Role.SOURCE)
     inputs = {name: entry["inputs"][0] for name, entry in stages_cfg.items() if name != source}
     order = [name for name in _topological_order({source: None, **inputs}) if name != source]
     stages = {name: _instantiate(name, stages_cfg[name]) for name in order}
     _tell_consumer_needs({name: stages[name] for name in reversed(order)}, inputs)
-    return FilePreprocessing(stages, inputs, source, [name for name in order if targets[name].role is Role.SINK])
+    sinks = [name for name in order if targets[name].role is Role.SINK]
+    return FilePreprocessing(stages, inputs, source, sinks, seed, os.path.join(root, ""))
 
 
 def _instantiate(name: str, entry: dict[str, Any]) -> Stage:

@@ -194,6 +194,13 @@ def training_memory_format(device):
     return torch.channels_last if torch.device(device).type == "cuda" else torch.contiguous_format
 
 
+def autocast_dtype(precision: Precision):
+    """The dtype forward passes autocast to at `precision` (trainer.precision); None for fp32."""
+    import torch
+
+    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(Precision(precision))
+
+
 def normalise(images, device, memory_format):
     """uint8 NHWC (numpy, or a tensor on the device) -> normalised float NCHW on `device`, in
     `memory_format`: the float batch is the only copy made. What every model of a run is given."""
@@ -579,7 +586,7 @@ class GroupStep:
         self.in_hand = in_hand
         # the layout every path trains in; another only where a benchmark compares them
         self.memory_format = training_memory_format(self.device) if memory_format is None else memory_format
-        self.autocast_dtype = {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
+        self.autocast_dtype = autocast_dtype(precision)
         self.units: list[_Solo | _Array | _Stacked] = []
         for unit in group.units():
             nets = [build_module(m, num_classes, image_sizes[m.input]).to(self.device, memory_format=self.memory_format)
