@@ -9,7 +9,6 @@ are judged as the run judged its validation images.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 from pipeline.data.graph import FilePreprocessing, file_preprocessing
 from pipeline.measure.recorder import as_counted
 from pipeline.runtime.errors import UserError
-from pipeline.training.group import Precision, autocast_dtype, normalise, training_memory_format
+from pipeline.training.group import Precision, autocast, autocast_dtype, normalise, training_memory_format
 from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.trainer import checkpoint_path, saved_epochs
 
@@ -51,16 +50,14 @@ class TrainedEnsemble:
             raise PredictError(f"paths={str(paths)!r}: give a list of files, e.g. [{str(paths)!r}]")
         if batch_size < 1:
             raise PredictError(f"batch_size={batch_size}: give 1 or more files a batch")
-        dtype = autocast_dtype(self.precision)
-        autocast = (lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype else contextlib.nullcontext
+        dtype, layout = autocast_dtype(self.precision), training_memory_format(self.device)
         parts: dict[str, list[np.ndarray]] = {name: [] for name in self.members}
         with torch.inference_mode():
             for start in range(0, len(paths), batch_size):
                 images = self.preprocessing(list(paths[start:start + batch_size]))
-                inputs = {sink: normalise(x, self.device, training_memory_format(self.device))
-                          for sink, x in images.items()}
+                inputs = {sink: normalise(x, self.device, layout) for sink, x in images.items()}
                 for name, member in self.members.items():
-                    with autocast():
+                    with autocast(self.device, dtype):
                         logits = member.module(inputs[member.sink])
                     parts[name].append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
         empty = np.zeros((0, len(self.class_names)), np.float32)

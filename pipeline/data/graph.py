@@ -163,32 +163,20 @@ class StageGraph:
         every batch, item by item; the project's own stages' first batch, as a whole (their tests hold
         them to it). A stage's error names the stage and what it was `making`: a user's stage that breaks
         its promise is the user's to mend, one of the project's a bug."""
-        stage, ctx.stage = self.stages[name], name
-        try:
-            made = stage(given, ctx)
-        except BadFileError:
-            raise  # it names the file and the fix
-        except UserError as err:
-            raise GraphError(f"{self._where(name, making)}: {err}") from None
-        except Exception as err:
-            err.add_note(f"in {self._where(name, making)}")
-            raise
+        stage = self.stages[name]
+        made = _made_by(name, stage, given, ctx, making)
         if name in self.proven:
             return made
         spec, own = self.specs[name], type(stage).__module__ in OWN_MODULES
         broken = spec.broken_by(made, most, len(self.source.class_names)) or (not own and spec.items_broken_by(made))
         if broken:
-            broken = f"{self._where(name, making)}: {broken}"
+            broken = f"{_where(name, stage, making)}: {broken}"
             if own:
                 raise RuntimeError(f"{broken} (a bug in the project's own stage)")
             raise GraphError(f"{broken}; make its __call__ return what its output_spec declares")
         if own:
             self.proven.add(name)
         return made
-
-    def _where(self, name: str, making: str) -> str:
-        """Stage `name` and what it was making, for its errors (made only for them: `through` is per batch)."""
-        return f"{CONFIG_ROOT}.{name} ({_declared(self.stages[name])}), making {making}"
 
 
 def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> StageGraph:
@@ -233,24 +221,34 @@ class FilePreprocessing:
         ctx = BatchContext(seed=self.seed, split=Split.VAL, epoch=0, index=0, root=self.root,
                            wanted=items if any(isinstance(stage, Cache) for stage in self.stages.values()) else None)
         outputs = {self.source: read_files(items, ctx)}
+        making = f"a batch of {len(items)} files to predict"
         for name, stage in self.stages.items():
             given = outputs[self.inputs[name]]
-            outputs[name] = given if isinstance(stage, Cache) else self._through(name, given, ctx)
+            outputs[name] = given if isinstance(stage, Cache) else _made_by(name, stage, given, ctx, making)
         if ctx.skipped:
             raise BadFileError("; ".join(f"{path}: {reason}" for path, reason in ctx.skipped)
                                + ": give image files that decode (JPEG, PNG, ... as the run's stages read them)")
         return {sink: outputs[sink].data for sink in self.sinks}
 
-    def _through(self, name: str, given: Batch, ctx: BatchContext) -> Batch:
-        stage, ctx.stage = self.stages[name], name
-        where = f"{CONFIG_ROOT}.{name} ({_declared(stage)}), making a batch of {len(given.paths)} files to predict"
-        try:
-            return stage(given, ctx)
-        except UserError as err:
-            raise GraphError(f"{where}: {err}") from None
-        except Exception as err:
-            err.add_note(f"in {where}")
-            raise
+
+
+def _made_by(name: str, stage: Stage, given: Batch | None, ctx: BatchContext, making: str) -> Batch:
+    """Stage `name`'s output for `given`; its error names the stage and what it was `making`."""
+    ctx.stage = name
+    try:
+        return stage(given, ctx)
+    except BadFileError:
+        raise  # it names the file and the fix
+    except UserError as err:
+        raise GraphError(f"{_where(name, stage, making)}: {err}") from None
+    except Exception as err:
+        err.add_note(f"in {_where(name, stage, making)}")
+        raise
+
+
+def _where(name: str, stage: Stage, making: str) -> str:
+    """Stage `name` and what it was making, for its errors (made only for them: a stage runs per batch)."""
+    return f"{CONFIG_ROOT}.{name} ({_declared(stage)}), making {making}"
 
 
 def file_preprocessing(stages_cfg: dict[str, dict[str, Any]], seed: int, root: str) -> FilePreprocessing:

@@ -198,7 +198,17 @@ def autocast_dtype(precision: Precision):
     """The dtype forward passes autocast to at `precision` (trainer.precision); None for fp32."""
     import torch
 
-    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(Precision(precision))
+    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
+
+
+def autocast(device, dtype):
+    """Where a forward runs at `dtype` (autocast_dtype; None: as it is) on `device`."""
+    import torch
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    # no cast cache: a CUDA graph's capture forbids it, and each weight is cast once a step anyway
+    return torch.autocast(torch.device(device).type, dtype=dtype, cache_enabled=False)
 
 
 def normalise(images, device, memory_format):
@@ -687,10 +697,7 @@ class GroupStep:
         return normalise(images, self.device, self.memory_format)
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        # no cast cache: a CUDA graph's capture forbids it, and each weight is cast once a step anyway
-        return self.torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
+        return autocast(self.device, self.autocast_dtype)
 
     def train(self, batches: dict[str, tuple], weight: float = 1.0) -> dict[str, object]:
         """One step of every member on its sink's (x, y); each member's loss, a 0-d tensor on the device.
