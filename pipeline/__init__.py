@@ -8,6 +8,7 @@ this package), `scheduler` (pure FLEET logic), `data` (stage DAG on Dask),
 devices), `report` (reports, mode=profile). The entry sits on top:
 `__main__.py` (the command), `config.py` (schema), `run.py` (one run wired
 together), `callbacks.py` (Hydra), `node.py` (the node agent's command),
-`predict.py` (a finished run's ensemble used on any files).
+`predict.py` (a finished run's ensemble used on any files: load_ensemble,
+`python -m pipeline.predict`).
 A layer imports only the layers under it (docs/architecture.md).
 """

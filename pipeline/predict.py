@@ -4,23 +4,34 @@ are judged as the run judged its validation images.
 
     from pipeline.predict import load_ensemble
     ensemble = load_ensemble("outputs/2026-12-02/10-19-18")
-    probabilities = ensemble.predict(["cat.jpg", "dog.png"])  # [2, classes]: the members' mean softmax
-    ensemble.class_names[probabilities[0].argmax()]
+    predictions = ensemble.predict(["cat.jpg", "dog.png"])
+    ensemble.class_names[predictions.probabilities[0].argmax()]  # the members' mean softmax
+    ensemble.evaluate("data/test").accuracy  # a held-out folder of class folders
+
+`python -m pipeline.predict RUN FILES_OR_FOLDERS... [--top k]` writes the predictions as CSV;
+`python -m pipeline.predict RUN --evaluate FOLDER` prints the accuracies (`--help`).
 """
 from __future__ import annotations
 
+import argparse
+import csv
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from pipeline.config import ExitCode
 from pipeline.data.graph import FilePreprocessing, file_preprocessing
 from pipeline.measure.recorder import as_counted
 from pipeline.runtime.errors import UserError
 from pipeline.training.group import Precision, autocast, autocast_dtype, normalise, training_memory_format
 from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.trainer import checkpoint_path, saved_epochs
+from stages.base import BadFileError, OnError
+from stages.read import SYSTEM_FILES, class_files
 
 CHECKPOINTS = ("best", "last")
 
@@ -34,40 +45,108 @@ class Member:
 
 
 @dataclass
+class Predictions:
+    """What the ensemble made of some files (TrainedEnsemble.predict)."""
+
+    paths: list[str]  # the files given, in their order, but those skipped (on_error="skip")
+    members: dict[str, np.ndarray]  # each member's softmax of each file, [len(paths), classes] float32
+    skipped: dict[str, str]  # each file that could not be used: why
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        """The ensemble's softmax of each file, as the run measured its accuracy: the members' mean, a member
+        that diverged (NaN) counting as the uniform softmax."""
+        return np.mean([as_counted(p) for p in self.members.values()], axis=0)
+
+
+@dataclass
+class Evaluation:
+    """How the ensemble and each member classify a folder of class folders (TrainedEnsemble.evaluate)."""
+
+    folder: str
+    files: dict[str, int]  # files scored, by class (those skipped not counted)
+    accuracy: float  # the ensemble's: the share of files whose most likely class is their folder's
+    member_accuracy: dict[str, float]
+    skipped: dict[str, str]  # each file that could not be used (on_error="skip"): why
+    unread: list[str]  # folders inside class folders: not read
+
+
+@dataclass
 class TrainedEnsemble:
     class_names: list[str]  # in label order: a softmax's column k is class_names[k]
     members: dict[str, Member]
     left_out: dict[str, str]  # members given up before they had the checkpoint asked for: why each is not here
+    checkpoint: str  # which of each member's checkpoints: "best" or "last"
     preprocessing: FilePreprocessing
     device: object  # torch.device
     precision: Precision  # the run's trainer.precision: its validation's autocast
 
-    def member_probabilities(self, paths: list[str | Path], batch_size: int = 64) -> dict[str, np.ndarray]:
-        """Each member's softmax of each file, [len(paths), classes] float32, in the order of `paths`."""
+    def predict(self, paths: list[str | Path], batch_size: int = 64, on_error: str = "fail") -> Predictions:
+        """Each member's softmax of each file, and the ensemble's. A file that cannot be used is an error
+        naming it (on_error="fail") or is left out, saying why (on_error="skip")."""
         import torch
 
         if isinstance(paths, (str, Path)):
             raise PredictError(f"paths={str(paths)!r}: give a list of files, e.g. [{str(paths)!r}]")
         if batch_size < 1:
             raise PredictError(f"batch_size={batch_size}: give 1 or more files a batch")
+        if on_error not in list(OnError):
+            raise PredictError(f"on_error={on_error!r}: choose fail (a file that cannot be used is an error) or "
+                               "skip (it is left out, in Predictions.skipped)")
         dtype, layout = autocast_dtype(self.precision), training_memory_format(self.device)
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in self.members}
+        kept, skipped, parts = [], {}, {name: [] for name in self.members}
         with torch.inference_mode():
             for start in range(0, len(paths), batch_size):
-                images = self.preprocessing(list(paths[start:start + batch_size]))
-                inputs = {sink: normalise(x, self.device, layout) for sink, x in images.items()}
+                prepared = self.preprocessing([str(path) for path in paths[start:start + batch_size]])
+                if prepared.skipped and on_error == OnError.fail:
+                    raise BadFileError("; ".join(f"{path}: {why}" for path, why in prepared.skipped)
+                                       + ": give image files that decode (JPEG, PNG, ... as the run's stages read "
+                                       "them), or leave them out: on_error='skip' (the command's --on-error skip)")
+                skipped.update(prepared.skipped)
+                kept += prepared.paths
+                inputs = {sink: normalise(x, self.device, layout) for sink, x in prepared.images.items()}
                 for name, member in self.members.items():
                     with autocast(self.device, dtype):
                         logits = member.module(inputs[member.sink])
                     parts[name].append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
         empty = np.zeros((0, len(self.class_names)), np.float32)
-        return {name: np.concatenate(chunks) if chunks else empty for name, chunks in parts.items()}
+        return Predictions(kept, {name: np.concatenate(chunks) if chunks else empty
+                                  for name, chunks in parts.items()}, skipped)
 
-    def predict(self, paths: list[str | Path], batch_size: int = 64) -> np.ndarray:
-        """The ensemble's softmax of each file, as the run measured its accuracy: the members' mean, a
-        member that diverged (NaN) counting as the uniform softmax."""
-        probabilities = self.member_probabilities(paths, batch_size)
-        return np.mean([as_counted(p) for p in probabilities.values()], axis=0)
+    def evaluate(self, folder: str | Path, batch_size: int = 64, on_error: str = "fail") -> Evaluation:
+        """The ensemble's and each member's accuracy on `folder`, a folder of class folders named as the
+        run's classes (`<folder>/<class>/<image>`; all of them or some): a held-out test set the run never
+        read. A file that cannot be used is an error naming it, or is left out (on_error="skip")."""
+        root = Path(folder)
+        if not root.is_dir():
+            raise PredictError(f"{root} is not a folder: give a folder of class folders (<folder>/<class>/<image>)")
+        classes, unread = class_files(root)
+        labels = {name: label for label, name in enumerate(self.class_names)}
+        unknown = [name for name in classes if name not in labels]
+        if unknown:
+            raise PredictError(f"{root}: class folder(s) {', '.join(unknown[:5])}"
+                               + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+                               + f" are none of the run's {len(labels)} classes ({', '.join(self.class_names[:5])}"
+                               + (", ..." if len(labels) > 5 else "") + "): give a folder of class folders named "
+                               "as the run's (<folder>/<class>/<image>)")
+        truth = {path: labels[name] for name, paths in classes.items() for path in paths}
+        if not truth:
+            raise PredictError(f"{root} holds no class folders with files: give a folder of class folders "
+                               "(<folder>/<class>/<image>), named as the run's classes")
+        predictions = self.predict(list(truth), batch_size, on_error)
+        if not predictions.paths:
+            path, why = next(iter(predictions.skipped.items()))
+            raise PredictError(f"{root}: none of its {len(truth)} files could be used (the first, {path}: {why})")
+        expected = np.array([truth[path] for path in predictions.paths])
+
+        def accuracy(probabilities: np.ndarray) -> float:  # a member's as it made them, as the run counts it
+            return float((probabilities.argmax(axis=1) == expected).mean())
+
+        counts = np.bincount(expected, minlength=len(labels))
+        return Evaluation(str(root), {name: int(counts[labels[name]]) for name in classes},
+                          accuracy(predictions.probabilities),
+                          {name: accuracy(p) for name, p in predictions.members.items()},
+                          predictions.skipped, unread)
 
 
 class PredictError(UserError):
@@ -84,6 +163,7 @@ def load_ensemble(run: str | Path, checkpoint: str = "best", device: str = "cpu"
     folder = Path(run)
     if checkpoint not in CHECKPOINTS:
         raise PredictError(f"checkpoint={checkpoint!r}: choose one of {', '.join(CHECKPOINTS)}")
+    where = _device(device)
     results = _read_results(folder)
     classes = results["dataset"]["class_names"]
     members, left_out = {}, {}
@@ -106,13 +186,28 @@ def load_ensemble(run: str | Path, checkpoint: str = "best", device: str = "cpu"
         saved = torch.load(path, map_location="cpu", weights_only=True)
         module = build_module(ModelSpec(**saved["member"]), len(classes), model["image_size"])
         module.load_state_dict(saved["model"])
-        members[name] = Member(name, model["input"], epochs, module.to(device).eval())
+        members[name] = Member(name, model["input"], epochs, module.to(where).eval())
     if not members:
         raise PredictError(f"{folder}: no member has a {checkpoint} checkpoint ({', '.join(left_out)} given up)")
     config = results["config"]
     preprocessing = file_preprocessing(config["pipeline"]["stages"], config["seed"], results["dataset"]["root"])
-    return TrainedEnsemble(classes, members, left_out, preprocessing, torch.device(device),
+    return TrainedEnsemble(classes, members, left_out, checkpoint, preprocessing, where,
                            Precision(config["trainer"]["precision"]))
+
+
+def _device(name: str):
+    """torch.device(name), one this machine has."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise PredictError(f"device={name!r}: {err}; give cpu, cuda or cuda:<index>") from None
+    count = torch.cuda.device_count() if device.type == "cuda" else None
+    if count is not None and (device.index or 0) >= count:
+        raise PredictError(f"device={name!r}: this machine has {count} CUDA device(s) torch can use; give cpu"
+                           + (f" or cuda:0 to cuda:{count - 1}" if count else ""))
+    return device
 
 
 def _read_results(folder: Path) -> dict:
@@ -134,3 +229,98 @@ def _read_results(folder: Path) -> dict:
     if missing:
         raise PredictError(f"{path} lacks {', '.join(missing)}: it is not a training run's results")
     return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.predict", description=(
+        "Use the ensemble a run left, each member at its best (or last) checkpoint, files made as the run made "
+        "its validation images: print each file's most likely classes as CSV, or, with --evaluate, score a "
+        "folder of class folders the run never read (a held-out test set)."))
+    parser.add_argument("run", help="the run's output folder (its results.json and checkpoints/)")
+    parser.add_argument("paths", nargs="*", help="image files, or folders: every file inside, hidden ones aside")
+    parser.add_argument("--evaluate", metavar="FOLDER", help="score FOLDER (<FOLDER>/<class>/<image>, class folders "
+                                                             "named as the run's) instead: the ensemble's and each "
+                                                             "member's accuracy")
+    parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
+                        help="each member's best checkpoint (the highest validation accuracy) or its last")
+    parser.add_argument("--top", type=int, default=1, help="classes given per file, the most likely first")
+    parser.add_argument("--batch-size", type=int, default=64, help="files a batch")
+    parser.add_argument("--device", default="cpu", help="where the members compute: cpu, cuda, cuda:1, ...")
+    parser.add_argument("--on-error", choices=list(OnError), default=OnError.fail,
+                        help="a file that cannot be used: fail stops, naming it; skip leaves it out, named on stderr")
+    args = parser.parse_args(argv)
+    if bool(args.paths) == bool(args.evaluate):
+        parser.error("give the image files or folders to predict, or --evaluate FOLDER (one of the two)")
+    if args.top < 1 or args.batch_size < 1:
+        parser.error("--top and --batch-size must be >= 1")
+    try:
+        ensemble = load_ensemble(args.run, args.checkpoint, args.device)
+        if args.evaluate:
+            _print_evaluation(ensemble, ensemble.evaluate(args.evaluate, args.batch_size, args.on_error))
+        else:
+            _write_predictions(ensemble, image_files(args.paths), args.top, args.batch_size, args.on_error)
+    except UserError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except BrokenPipeError:  # the reader went away (| head): no traceback, the main command's code for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush fails quietly
+        sys.exit(ExitCode.sigpipe)
+
+
+def image_files(paths: list[str]) -> list[str]:
+    """`paths`, each folder among them replaced by the files inside it and its folders (in name order, hidden
+    ones and those the system writes there aside, as a dataset's are)."""
+    files = []
+    for given in paths:
+        if os.path.isdir(given):
+            for folder, subfolders, names in os.walk(given):
+                subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+                files += [os.path.join(folder, name) for name in sorted(names)
+                          if not name.startswith(".") and name.lower() not in SYSTEM_FILES]
+        elif os.path.lexists(given):
+            files.append(given)
+        else:
+            raise PredictError(f"{given}: no such file or folder")
+    if not files:
+        raise PredictError(f"{', '.join(paths)} hold(s) no files to predict")
+    return files
+
+
+def _write_predictions(ensemble: TrainedEnsemble, files: list[str], top: int, batch_size: int,
+                       on_error: str) -> None:
+    """CSV on stdout, a row a file: its path, then its `top` classes and their probabilities, a batch of rows
+    at a time (a million files need no more memory than a batch); each file skipped named on stderr."""
+    k = min(top, len(ensemble.class_names))
+    out = csv.writer(sys.stdout)
+    for start in range(0, len(files), batch_size):
+        predictions = ensemble.predict(files[start:start + batch_size], batch_size, on_error)
+        if not start:  # after the first batch's errors, if any
+            out.writerow(["path"] + [f"{column}_{rank}" for rank in range(1, k + 1)
+                                     for column in ("class", "probability")])
+        for path, why in predictions.skipped.items():
+            print(f"skipped {path}: {why}", file=sys.stderr)
+        probabilities = predictions.probabilities
+        best = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+        for path, classes, row in zip(predictions.paths, best, probabilities):
+            out.writerow([path] + [value for label in classes
+                                   for value in (ensemble.class_names[label], f"{row[label]:.6f}")])
+        sys.stdout.flush()
+
+
+def _print_evaluation(ensemble: TrainedEnsemble, evaluation: Evaluation) -> None:
+    """The ensemble's accuracy, then each member's, on stdout; what was not scored on stderr."""
+    for path, why in evaluation.skipped.items():
+        print(f"skipped {path}: {why}", file=sys.stderr)
+    for folder in evaluation.unread:
+        print(f"not read: {folder} (a folder inside a class folder)", file=sys.stderr)
+    width = max(len("ensemble"), *map(len, ensemble.members))
+    print(f"{evaluation.folder}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, "
+          f"each member's {ensemble.checkpoint} checkpoint")
+    print(f"{'ensemble':<{width}}  {evaluation.accuracy:.4f}")
+    for name, accuracy in evaluation.member_accuracy.items():
+        print(f"{name:<{width}}  {accuracy:.4f}  (epoch {ensemble.members[name].epochs})")
+    for name, why in ensemble.left_out.items():
+        print(f"{name:<{width}}  left out: {why}")
+
+
+if __name__ == "__main__":
+    main()

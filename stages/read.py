@@ -146,17 +146,9 @@ class ImageFolder(Stage):
                       Split.VAL: [(path, labels[name]) for name, paths in validated.items() for path in paths]}
 
     def _class_files(self, folder: Path) -> dict[str, list[str]]:
-        """Each class folder's files (not hidden, nor one the system writes there), by class name, in name
-        order, links to nothing among them (git-annex or DVC files not fetched: a batch skips each, saying
-        so); a folder inside a class folder is not read, but listed in `unread` (nothing is left out unsaid)."""
-        classes = {}
-        for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
-            with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file
-                entries = [entry for entry in entries if not entry.name.startswith(".")
-                           and entry.name.lower() not in SYSTEM_FILES]
-            classes[class_dir.name] = sorted(entry.path for entry in entries if entry.is_file() or (
-                entry.is_symlink() and not entry.is_dir()))  # a link to nothing: neither file nor folder
-            self.unread += sorted(os.path.relpath(entry.path, self.root) for entry in entries if entry.is_dir())
+        """class_files(folder), its folders inside class folders listed in `unread`."""
+        classes, nested = class_files(folder)
+        self.unread += [os.path.relpath(path, self.root) for path in nested]
         return classes
 
     def _choose_split(self, root: Path) -> SplitChoice:
@@ -248,6 +240,21 @@ def read_files(items: list[tuple[str, int]], ctx: BatchContext) -> Batch:
         labels.append(label)
         paths.append(path)
     return Batch(data, np.asarray(labels, dtype=np.int64), paths)
+
+
+def class_files(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
+    """Each class folder's files (not hidden, nor one the system writes there), by class name, in name order,
+    links to nothing among them (git-annex or DVC files not fetched: a batch skips each, saying so); and the
+    folders inside class folders, which are not read (the caller says so: nothing is left out unsaid)."""
+    classes, nested = {}, []
+    for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
+        with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file
+            entries = [entry for entry in entries if not entry.name.startswith(".")
+                       and entry.name.lower() not in SYSTEM_FILES]
+        classes[class_dir.name] = sorted(entry.path for entry in entries if entry.is_file() or (
+            entry.is_symlink() and not entry.is_dir()))  # a link to nothing: neither file nor folder
+        nested += sorted(entry.path for entry in entries if entry.is_dir())
+    return classes, nested
 
 
 def _check_no_empty_class(folder: Path, classes: dict[str, list[str]]) -> None:

@@ -25,7 +25,7 @@ FAULTS = {  # what each fault makes of a batch's (data, labels, paths)
 @dataclass
 class Faulty(Stage):
     fault: str = "short"  # one of FAULTS; "nothing": returns None; "raise": a bug; "refuse": a StageError;
-    #                       "init": a bug as it is made
+    #                       "init": a bug as it is made; "reject": leaves out its batch's first file (ctx.reject)
 
     role: ClassVar[Role] = Role.MAP
     accepts: ClassVar[DataKind | None] = DataKind.TENSOR
@@ -44,6 +44,9 @@ class Faulty(Stage):
             raise StageError("this batch cannot be brightened; lower strength")
         if self.fault == "nothing":
             return None
+        if self.fault == "reject":
+            ctx.reject(batch.paths[0], "rejected by the test's stage")
+            return Batch(batch.data[1:], batch.labels[1:], batch.paths[1:])
         return Batch(*FAULTS[self.fault](batch.data, batch.labels, batch.paths))
 
 

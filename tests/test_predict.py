@@ -1,16 +1,18 @@
 """load_ensemble's refusals and its members left out: a folder no training run finished in, one written
 before runs named their classes, a member without the checkpoint asked for, arguments that are not what a
-prediction takes. (Its predictions are checked against real runs' validation in tests/test_run.py and
-tests/test_sweeps.py.)"""
+prediction or an evaluation takes, files skipped. (Its predictions, evaluations and the command are checked
+against real runs' validation in tests/test_run.py and tests/test_sweeps.py.)"""
 import json
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from pipeline.config import expand_ensemble
-from pipeline.predict import PredictError, load_ensemble
+from pipeline.data.graph import file_preprocessing
+from pipeline.predict import PredictError, image_files, load_ensemble, main
 from pipeline.training.members import build_module
 from pipeline.training.trainer import checkpoint_path
 from stages.base import BadFileError
@@ -69,17 +71,92 @@ def test_a_member_given_up_without_a_checkpoint_is_left_out_and_the_others_predi
     assert list(ensemble.members) == [kept.name]
     assert ensemble.left_out == {lost.name: "given up before it had a best checkpoint"}
     files = [str(bad_dataset[1]["grayscale"]), str(bad_dataset[1]["cmyk"])]
-    images = ensemble.preprocessing(files)[kept.input]
+    images = ensemble.preprocessing(files).images[kept.input]
     assert images.shape == (2, 64, 64, 3)
     x = (torch.from_numpy(images).permute(0, 3, 1, 2).float() - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
          * 255) / (torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the run's trainer.precision
         expected = torch.softmax(module.eval()(x).float(), dim=-1).numpy()
-    assert ensemble.predict(files) == pytest.approx(expected, abs=1e-6)
+    assert ensemble.predict(files).probabilities == pytest.approx(expected, abs=1e-6)
     with pytest.raises(PredictError, match=rf"paths='{files[0]}': give a list of files"):
         ensemble.predict(files[0])
     with pytest.raises(PredictError, match=r"batch_size=0: give 1 or more files a batch"):
         ensemble.predict(files, batch_size=0)
-    with pytest.raises(BadFileError, match=rf"^{bad_dataset[1]['truncated']}: corrupt or truncated JPEG: .*: give "
-                                           r"image files that decode"):
-        ensemble.predict([files[0], str(bad_dataset[1]["truncated"])])
+    truncated = str(bad_dataset[1]["truncated"])
+    with pytest.raises(BadFileError, match=rf"^{truncated}: corrupt or truncated JPEG: .*: give image files that "
+                                           r"decode .*, or leave them out: on_error='skip'"):
+        ensemble.predict([files[0], truncated])
+    skipping = ensemble.predict([files[0], truncated, files[1]], batch_size=2, on_error="skip")  # rows stay aligned
+    assert skipping.paths == files and list(skipping.skipped) == [truncated]
+    assert skipping.skipped[truncated].startswith("corrupt or truncated JPEG")
+    assert skipping.probabilities == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(PredictError, match=r"on_error='ignore': choose fail .* or skip"):
+        ensemble.predict(files, on_error="ignore")
+    with pytest.raises(PredictError, match=r"device='cuda:7': this machine has \d+ CUDA device\(s\) torch can use"):
+        load_ensemble(tmp_path, device="cuda:7")
+    with pytest.raises(PredictError, match=r"device='gpu': .*; give cpu, cuda or cuda:<index>"):
+        load_ensemble(tmp_path, device="gpu")
+
+    # a folder of class folders to evaluate: named as the run's classes, holding files
+    with pytest.raises(PredictError, match=rf"{files[0]} is not a folder: give a folder of class folders"):
+        ensemble.evaluate(files[0])
+    test = tmp_path / "test"
+    (test / "a").mkdir(parents=True)
+    with pytest.raises(PredictError, match=rf"{test} holds no class folders with files"):
+        ensemble.evaluate(test)
+    (test / "zebra").mkdir()
+    with pytest.raises(PredictError, match=rf"{test}: class folder\(s\) zebra are none of the run's 3 classes "
+                                           r"\(a, b, c\): give a folder of class folders named as the run's"):
+        ensemble.evaluate(test)
+    (test / "zebra").rmdir()
+    (test / "a" / "broken.jpg").write_bytes(b"not a JPEG")
+    with pytest.raises(PredictError, match=rf"{test}: none of its 1 files could be used \(the first, "
+                                           rf"{test / 'a' / 'broken.jpg'}: not an image"):
+        ensemble.evaluate(test, on_error="skip")
+
+
+def test_the_command_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
+    """Arguments the command cannot use end it with code 2 and one line naming them (the run's own folder
+    and files are used in tests/test_run.py); folders given are searched for files as a dataset's are."""
+    def error(*argv):
+        with pytest.raises(SystemExit) as ended:
+            main([str(a) for a in argv])
+        assert ended.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert error(tmp_path).endswith("give the image files or folders to predict, or --evaluate FOLDER (one of the two)")
+    assert error(tmp_path, "x.jpg", "--evaluate", tmp_path).endswith("(one of the two)")
+    assert error(tmp_path, "x.jpg", "--top", 0).endswith("--top and --batch-size must be >= 1")
+    assert error(tmp_path, "x.jpg") == (f"python -m pipeline.predict: error: {tmp_path} holds no results.json (No such "
+                                        "file or directory): give the folder of a run that trained (its results.json, "
+                                        "checkpoints/)")
+    (tmp_path / "photos" / "b" / ".hidden").mkdir(parents=True)
+    for name in ("photos/2.jpg", "photos/1.jpg", "photos/.DS_Store", "photos/b/3.png", "photos/b/.hidden/4.jpg",
+                 "photos/b/Thumbs.db", "one.jpg"):
+        (tmp_path / name).write_bytes(b"")
+    assert image_files([str(tmp_path / "photos"), str(tmp_path / "one.jpg")]) == [
+        str(tmp_path / name) for name in ("photos/1.jpg", "photos/2.jpg", "photos/b/3.png", "one.jpg")]
+    with pytest.raises(PredictError, match=rf"^{tmp_path / 'nowhere'}: no such file or folder$"):
+        image_files([str(tmp_path / "photos"), str(tmp_path / "nowhere")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PredictError, match=rf"^{tmp_path / 'empty'} hold\(s\) no files to predict$"):
+        image_files([str(tmp_path / "empty")])
+
+
+def test_a_file_one_branch_rejects_is_left_out_of_every_branchs_images(bad_dataset):
+    """A stage of the user's on one branch rejects a file the other branch keeps: a prediction needs every
+    member's row of a file, so the file is left out of both sinks' images, which stay aligned with `paths`."""
+    def stages(*overrides):
+        cfg = compose_config(["+ensemble=caltech256", f"dataset.root={bad_dataset[0]}", *overrides])
+        return OmegaConf.to_container(cfg.pipeline.stages, resolve=True)
+
+    files = sorted(str(path) for path in bad_dataset[0].glob("*/*.jpg"))[:4]
+    plain = file_preprocessing(stages(), 0, str(bad_dataset[0]))(files)
+    rejecting = file_preprocessing(stages("pipeline.stages.alt.inputs=[faulty]", "+pipeline.stages.faulty={_target_: "
+                                          "tests.faulty_stage.Faulty, inputs: [crop_alt], fault: reject}"),
+                                   0, str(bad_dataset[0]))(files)
+    assert plain.paths == files and not plain.skipped
+    assert rejecting.paths == files[1:] and rejecting.skipped == [(files[0], "rejected by the test's stage")]
+    assert sorted(rejecting.images) == sorted(plain.images) == ["alt", "main"]
+    for sink, images in rejecting.images.items():
+        assert np.array_equal(images, plain.images[sink][1:]), sink

@@ -160,15 +160,76 @@ def test_the_ensemble_a_run_leaves_predicts_files_as_the_run_validated_them(full
         ensemble = load_ensemble(moved, checkpoint)
         assert ensemble.class_names == sorted(path.name for path in Path(results["dataset"]["root"]).iterdir()
                                               if path.is_dir())
-        probabilities = ensemble.member_probabilities(paths, batch_size=7)  # not the run's batches
+        probabilities = ensemble.predict(paths, batch_size=7).members  # not the run's batches
         for name, member in ensemble.members.items():
             model = next(m for m in results["models"] if m["name"] == name)
             assert member.epochs == (model["best_checkpoint"]["epochs"] if checkpoint == "best" else 2)
             assert np.array_equal(probabilities[name], np.load(recorded / f"{checkpoint}-{name}.npy")), name
     kept = results["ensemble"]["kept"]["val_accuracy"]
-    assert (load_ensemble(moved).predict(paths).argmax(1) == labels).mean() == pytest.approx(kept)
+    assert (load_ensemble(moved).predict(paths).probabilities.argmax(1) == labels).mean() == pytest.approx(kept)
     with pytest.raises(BadFileError, match=re.escape(f"{bad['truncated']}: corrupt or truncated")):
         ensemble.predict([paths[0], str(bad["truncated"])])
+
+
+def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folders(full_run, tmp_path):
+    """`python -m pipeline.predict`, as a user runs it: a held-out tree of class folders (the run's validation
+    files, its bad ones with them) scores what the run measured, the ensemble's and each member's accuracy, and
+    skips the files the run skipped; files and folders given are predicted as CSV, the top classes first; a
+    file it cannot use, without --on-error skip, is one line naming it and exit code 2."""
+    import csv
+    from pipeline.predict import load_ensemble
+    from stages.base import Split
+    from stages.read import ImageFolder
+
+    results, out, bad, *_ = full_run
+    dataset = ImageFolder(results["dataset"]["root"], 16)
+    test, run_skipped = tmp_path / "test", {s["path"] for s in results["skipped"]}
+    skipped = set()  # the validation files the run skipped, in the tree
+    for path, label in dataset.files[Split.VAL]:
+        (test / dataset.class_names[label]).mkdir(parents=True, exist_ok=True)
+        (test / dataset.class_names[label] / Path(path).name).symlink_to(path)
+        if path in run_skipped:
+            skipped.add(str(test / dataset.class_names[label] / Path(path).name))
+    assert skipped, "the run skipped some validation files"
+    (test / dataset.class_names[0] / "more").mkdir()  # a folder inside a class folder: not read, said so
+
+    def command(*argv):
+        return subprocess.run([sys.executable, "-m", "pipeline.predict", str(out), *map(str, argv)],
+                              capture_output=True, text=True, timeout=120)
+
+    evaluation = load_ensemble(out).evaluate(test, batch_size=5, on_error="skip")
+    assert set(evaluation.skipped) == skipped and evaluation.unread == [str(test / dataset.class_names[0] / "more")]
+    assert sum(evaluation.files.values()) == results["dataset"]["val_images"] - len(skipped)
+    assert evaluation.accuracy == pytest.approx(results["ensemble"]["kept"]["val_accuracy"])
+    assert evaluation.member_accuracy == pytest.approx({m["name"]: m["best_checkpoint"]["val_accuracy"]
+                                                        for m in results["models"]})
+    scored = command("--evaluate", test, "--on-error", "skip")
+    assert scored.returncode == 0, scored.stderr
+    lines = scored.stdout.splitlines()
+    assert lines[0] == (f"{test}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, each "
+                        "member's best checkpoint")
+    assert lines[1].split() == ["ensemble", f"{evaluation.accuracy:.4f}"]
+    assert {line.split()[0]: line.split()[1] for line in lines[2:]} == {
+        name: f"{accuracy:.4f}" for name, accuracy in evaluation.member_accuracy.items()}
+    assert {line.split(": ")[0].removeprefix("skipped ") for line in scored.stderr.splitlines()
+            if line.startswith("skipped ")} == skipped
+    assert f"not read: {test / dataset.class_names[0] / 'more'}" in scored.stderr
+
+    refused = command("--evaluate", test)
+    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1
+    assert re.match(r"python -m pipeline.predict: error: .*: .*--on-error skip\)$", refused.stderr)
+    one_class = test / dataset.class_names[1]
+    predicted = command(one_class, bad["grayscale"], "--top", 2, "--checkpoint", "last", "--on-error", "skip")
+    assert predicted.returncode == 0, predicted.stderr
+    rows = list(csv.reader(predicted.stdout.splitlines()))
+    assert rows[0] == ["path", "class_1", "probability_1", "class_2", "probability_2"]
+    files = sorted(str(path) for path in one_class.iterdir() if path.is_symlink()) + [str(bad["grayscale"])]
+    expected = load_ensemble(out, "last").predict(files, on_error="skip")
+    assert [row[0] for row in rows[1:]] == expected.paths
+    for row, probabilities in zip(rows[1:], expected.probabilities):
+        top = np.argsort(-probabilities)[:2]
+        assert row[1::2] == [dataset.class_names[k] for k in top]
+        assert [float(p) for p in row[2::2]] == pytest.approx(probabilities[top], abs=1e-6)
 
 
 def test_nothing_is_left_behind(full_run):
@@ -376,7 +437,7 @@ def test_models_alone_fused_and_packed_learn_and_a_converged_member_leaves_its_g
     build_module(ModelSpec(**saved["member"]), 4, 32).load_state_dict(saved["model"])  # strict
     # ...as load_ensemble loads them: the fused members' softmax is the one their array validated with
     paths = [path for path, _ in ImageFolder(str(root), 16).files[Split.VAL]]
-    loaded = load_ensemble(out).member_probabilities(paths)
+    loaded = load_ensemble(out).predict(paths).members
     for name in ("fa", "fb"):
         np.testing.assert_allclose(loaded[name], np.load(out / "state" / "recorder" / f"best-{name}.npy"), atol=1e-5)
     assert not (out / "checkpoints" / "fb" / "epoch5.pt").exists()

@@ -149,7 +149,7 @@ def test_shared_launcher_trains_the_jobs_as_one_run_and_fails_only_those_whose_m
         assert f"ensemble.models.0.optimizer.lr={lr}" in (folder / ".hydra" / "overrides.yaml").read_text()
         assert all(any((folder / "checkpoints" / name).glob("*.pt")) for name in names)
         files = ImageFolder(results["dataset"]["root"], 64).files[Split.VAL]  # its split.json's split
-        predicted = load_ensemble(folder).predict([path for path, _ in files]).argmax(1)  # the job's ensemble
+        predicted = load_ensemble(folder).predict([path for path, _ in files]).probabilities.argmax(1)  # the job's
         assert (predicted == [label for _, label in files]).mean() == pytest.approx(
             results["ensemble"]["kept"]["val_accuracy"])
         with (folder / "tracking" / "metrics.csv").open() as file:

@@ -202,6 +202,15 @@ def build_graph(stages_cfg: dict[str, dict[str, Any]], consumed: set[str]) -> St
 
 
 @dataclass
+class Prepared:
+    """Files made into each sink's images (FilePreprocessing): row i of every sink's array is `paths[i]`."""
+
+    images: dict[str, np.ndarray]  # each sink's uint8 NHWC images
+    paths: list[str]  # the files given, in their order, but those that could not be used
+    skipped: list[tuple[str, str]]  # (path, why) of each of those
+
+
+@dataclass
 class FilePreprocessing:
     """A run's stages outside the run (pipeline.predict): any image files made into each sink's validation
     batch as the run made its validation images, the files read in the source's place and passed through a
@@ -214,9 +223,8 @@ class FilePreprocessing:
     seed: int  # the run's, and its dataset's folder: what a stage's ctx.item_rng is keyed by
     root: str
 
-    def __call__(self, paths: list[str]) -> dict[str, np.ndarray]:
-        """Each sink's uint8 NHWC images of `paths`, in their order; a file that cannot be used is an error
-        naming each such file and why."""
+    def __call__(self, paths: list[str]) -> Prepared:
+        """Each sink's images of `paths`; a file that cannot be used is left out of every sink's, saying why."""
         items = [(str(path), 0) for path in paths]  # labels unknown: class 0's
         ctx = BatchContext(seed=self.seed, split=Split.VAL, epoch=0, index=0, root=self.root,
                            wanted=items if any(isinstance(stage, Cache) for stage in self.stages.values()) else None)
@@ -225,11 +233,12 @@ class FilePreprocessing:
         for name, stage in self.stages.items():
             given = outputs[self.inputs[name]]
             outputs[name] = given if isinstance(stage, Cache) else _made_by(name, stage, given, ctx, making)
-        if ctx.skipped:
-            raise BadFileError("; ".join(f"{path}: {reason}" for path, reason in ctx.skipped)
-                               + ": give image files that decode (JPEG, PNG, ... as the run's stages read them)")
-        return {sink: outputs[sink].data for sink in self.sinks}
-
+        bad = {path for path, _ in ctx.skipped}
+        images = {sink: outputs[sink].data for sink in self.sinks}
+        if bad:  # a file one branch rejected is left out of the others' too
+            images = {sink: data[[i for i, path in enumerate(outputs[sink].paths) if path not in bad]]
+                      for sink, data in images.items()}
+        return Prepared(images, [path for path, _ in items if path not in bad], ctx.skipped)
 
 
 def _made_by(name: str, stage: Stage, given: Batch | None, ctx: BatchContext, making: str) -> Batch:
