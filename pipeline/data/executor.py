@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -304,12 +305,16 @@ class Executor:
             self._submit(then[0], then[1], ahead)
 
     def _result(self, future) -> BatchOutput:
+        """The batch task's output, waited for by a callback as it is done, not by future.result(timeout=):
+        that timeout, racing a worker's death, once raised Dask's own UnboundLocalError in place of the batch
+        (sync() leaves its result unset; dask/distributed#8514) and stopped a run a killed worker costs a
+        recomputation only."""
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
         stall = Stall(self.patience)
-        while True:
-            try:
-                return future.result(timeout=min(1.0, self.patience.warn_s))
-            except TimeoutError:
-                stall.check(lambda: self._whereabouts(future.key), self.on_wait)
+        while not done.wait(min(1.0, self.patience.warn_s)):
+            stall.check(lambda: self._whereabouts(future.key), self.on_wait)
+        return future.result()
 
     def _whereabouts(self, key: str) -> str:
         """What the batch task `key` waits for, as the scheduler sees it, and the likely fix."""
