@@ -19,6 +19,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from pipeline.training.group import Precision, autocast, autocast_dtype, normali
 from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.trainer import checkpoint_path, saved_epochs
 from stages.base import BadFileError, OnError
-from stages.read import SYSTEM_FILES, class_files
+from stages.read import class_files, hidden
 
 CHECKPOINTS = ("best", "last")
 
@@ -52,7 +53,7 @@ class Predictions:
     members: dict[str, np.ndarray]  # each member's softmax of each file, [len(paths), classes] float32
     skipped: dict[str, str]  # each file that could not be used: why
 
-    @property
+    @cached_property
     def probabilities(self) -> np.ndarray:
         """The ensemble's softmax of each file, as the run measured its accuracy: the members' mean, a member
         that diverged (NaN) counting as the uniform softmax."""
@@ -64,11 +65,11 @@ class Evaluation:
     """How the ensemble and each member classify a folder of class folders (TrainedEnsemble.evaluate)."""
 
     folder: str
-    files: dict[str, int]  # files scored, by class (those skipped not counted)
+    files: dict[str, int]  # files scored, by class (those skipped not counted; a class without any not named)
     accuracy: float  # the ensemble's: the share of files whose most likely class is their folder's
     member_accuracy: dict[str, float]
     skipped: dict[str, str]  # each file that could not be used (on_error="skip"): why
-    unread: list[str]  # folders inside class folders: not read
+    unread: list[str]  # files beside the class folders, folders inside them: not read
 
 
 @dataclass
@@ -99,7 +100,7 @@ class TrainedEnsemble:
             for start in range(0, len(paths), batch_size):
                 prepared = self.preprocessing([str(path) for path in paths[start:start + batch_size]])
                 if prepared.skipped and on_error == OnError.fail:
-                    raise BadFileError("; ".join(f"{path}: {why}" for path, why in prepared.skipped)
+                    raise BadFileError("; ".join(f"{path}: {why}" for path, why in prepared.skipped.items())
                                        + ": give image files that decode (JPEG, PNG, ... as the run's stages read "
                                        "them), or leave them out: on_error='skip' (the command's --on-error skip)")
                 skipped.update(prepared.skipped)
@@ -123,6 +124,10 @@ class TrainedEnsemble:
         classes, unread = class_files(root)
         labels = {name: label for label, name in enumerate(self.class_names)}
         unknown = [name for name in classes if name not in labels]
+        holding_folders = {os.path.relpath(path, root).split(os.sep)[0] for path in unread}
+        if unknown and all(not classes[name] and name in holding_folders for name in unknown):  # a split dataset's
+            raise PredictError(f"{root} holds folders of folders ({', '.join(unknown[:5])}): give the one of class "
+                               f"folders to score, e.g. {root / unknown[-1]}")
         if unknown:
             raise PredictError(f"{root}: class folder(s) {', '.join(unknown[:5])}"
                                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
@@ -143,10 +148,12 @@ class TrainedEnsemble:
             return float((probabilities.argmax(axis=1) == expected).mean())
 
         counts = np.bincount(expected, minlength=len(labels))
-        return Evaluation(str(root), {name: int(counts[labels[name]]) for name in classes},
+        with os.scandir(root) as entries:
+            beside = sorted(entry.path for entry in entries if not entry.is_dir() and not hidden(entry.name))
+        return Evaluation(str(root), {name: int(counts[labels[name]]) for name in classes if counts[labels[name]]},
                           accuracy(predictions.probabilities),
                           {name: accuracy(p) for name, p in predictions.members.items()},
-                          predictions.skipped, unread)
+                          predictions.skipped, beside + unread)
 
 
 class PredictError(UserError):
@@ -203,6 +210,8 @@ def _device(name: str):
         device = torch.device(name)
     except RuntimeError as err:
         raise PredictError(f"device={name!r}: {err}; give cpu, cuda or cuda:<index>") from None
+    if device.type not in ("cpu", "cuda"):  # what runs train on
+        raise PredictError(f"device={name!r}: members compute on cpu or cuda; give cpu, cuda or cuda:<index>")
     count = torch.cuda.device_count() if device.type == "cuda" else None
     if count is not None and (device.index or 0) >= count:
         raise PredictError(f"device={name!r}: this machine has {count} CUDA device(s) torch can use; give cpu"
@@ -235,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.predict", description=(
         "Use the ensemble a run left, each member at its best (or last) checkpoint, files made as the run made "
         "its validation images: print each file's most likely classes as CSV, or, with --evaluate, score a "
-        "folder of class folders the run never read (a held-out test set)."))
+        "folder of class folders the run never read (a held-out test set). A reader that goes away (| head) "
+        "ends it with code 141; the rows written before a file it cannot use stay."))
     parser.add_argument("run", help="the run's output folder (its results.json and checkpoints/)")
     parser.add_argument("paths", nargs="*", help="image files, or folders: every file inside, hidden ones aside")
     parser.add_argument("--evaluate", metavar="FOLDER", help="score FOLDER (<FOLDER>/<class>/<image>, class folders "
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                                                              "member's accuracy")
     parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
                         help="each member's best checkpoint (the highest validation accuracy) or its last")
-    parser.add_argument("--top", type=int, default=1, help="classes given per file, the most likely first")
+    parser.add_argument("--top", type=int, help="classes given per file, the most likely first (default 1)")
     parser.add_argument("--batch-size", type=int, default=64, help="files a batch")
     parser.add_argument("--device", default="cpu", help="where the members compute: cpu, cuda, cuda:1, ...")
     parser.add_argument("--on-error", choices=list(OnError), default=OnError.fail,
@@ -251,14 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if bool(args.paths) == bool(args.evaluate):
         parser.error("give the image files or folders to predict, or --evaluate FOLDER (one of the two)")
-    if args.top < 1 or args.batch_size < 1:
+    if args.evaluate and args.top is not None:
+        parser.error("--top is for predictions: --evaluate scores each file's most likely class")
+    if (args.top is not None and args.top < 1) or args.batch_size < 1:
         parser.error("--top and --batch-size must be >= 1")
     try:
         ensemble = load_ensemble(args.run, args.checkpoint, args.device)
         if args.evaluate:
             _print_evaluation(ensemble, ensemble.evaluate(args.evaluate, args.batch_size, args.on_error))
         else:
-            _write_predictions(ensemble, image_files(args.paths), args.top, args.batch_size, args.on_error)
+            _write_predictions(ensemble, image_files(args.paths), args.top or 1, args.batch_size, args.on_error)
     except UserError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     except BrokenPipeError:  # the reader went away (| head): no traceback, the main command's code for it
@@ -267,15 +279,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def image_files(paths: list[str]) -> list[str]:
-    """`paths`, each folder among them replaced by the files inside it and its folders (in name order, hidden
-    ones and those the system writes there aside, as a dataset's are)."""
+    """`paths`, each folder among them replaced by the files inside it and its folders, links to folders
+    followed (in name order, hidden ones and those the system writes there aside, as a dataset's are)."""
     files = []
     for given in paths:
         if os.path.isdir(given):
-            for folder, subfolders, names in os.walk(given):
-                subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-                files += [os.path.join(folder, name) for name in sorted(names)
-                          if not name.startswith(".") and name.lower() not in SYSTEM_FILES]
+            seen = {os.path.realpath(given)}  # a link to a folder above it would be walked forever
+            for folder, subfolders, names in os.walk(given, followlinks=True):
+                subfolders[:] = [name for name in sorted(subfolders) if not hidden(name)
+                                 and os.path.realpath(os.path.join(folder, name)) not in seen]
+                seen.update(os.path.realpath(os.path.join(folder, name)) for name in subfolders)
+                files += [os.path.join(folder, name) for name in sorted(names) if not hidden(name)]
         elif os.path.lexists(given):
             files.append(given)
         else:
@@ -289,29 +303,39 @@ def _write_predictions(ensemble: TrainedEnsemble, files: list[str], top: int, ba
                        on_error: str) -> None:
     """CSV on stdout, a row a file: its path, then its `top` classes and their probabilities, a batch of rows
     at a time (a million files need no more memory than a batch); each file skipped named on stderr."""
-    k = min(top, len(ensemble.class_names))
-    out = csv.writer(sys.stdout)
+    if top > len(ensemble.class_names):
+        raise PredictError(f"--top {top}: the run has {len(ensemble.class_names)} classes; give at most that")
+    out, written, skipped = csv.writer(sys.stdout), 0, {}
     for start in range(0, len(files), batch_size):
         predictions = ensemble.predict(files[start:start + batch_size], batch_size, on_error)
         if not start:  # after the first batch's errors, if any
-            out.writerow(["path"] + [f"{column}_{rank}" for rank in range(1, k + 1)
+            out.writerow(["path"] + [f"{column}_{rank}" for rank in range(1, top + 1)
                                      for column in ("class", "probability")])
         for path, why in predictions.skipped.items():
             print(f"skipped {path}: {why}", file=sys.stderr)
+        skipped.update(predictions.skipped)
         probabilities = predictions.probabilities
-        best = np.argsort(-probabilities, axis=1, kind="stable")[:, :k]
+        best = np.argsort(-probabilities, axis=1, kind="stable")[:, :top]
         for path, classes, row in zip(predictions.paths, best, probabilities):
             out.writerow([path] + [value for label in classes
                                    for value in (ensemble.class_names[label], f"{row[label]:.6f}")])
+        written += len(predictions.paths)
         sys.stdout.flush()
+    if not written:
+        path, why = next(iter(skipped.items()))
+        raise PredictError(f"none of the {len(files)} files could be used (the first, {path}: {why})")
 
 
 def _print_evaluation(ensemble: TrainedEnsemble, evaluation: Evaluation) -> None:
     """The ensemble's accuracy, then each member's, on stdout; what was not scored on stderr."""
     for path, why in evaluation.skipped.items():
         print(f"skipped {path}: {why}", file=sys.stderr)
-    for folder in evaluation.unread:
-        print(f"not read: {folder} (a folder inside a class folder)", file=sys.stderr)
+    for path in evaluation.unread:
+        print(f"not read: {path} (only the files in class folders are)", file=sys.stderr)
+    dataset = os.path.realpath(ensemble.preprocessing.root)
+    if os.path.join(os.path.realpath(evaluation.folder), "").startswith(os.path.join(dataset, "")):
+        print(f"note: {evaluation.folder} lies in the run's dataset ({dataset}), whose files it trained or "
+              "validated on: these accuracies are not a held-out set's", file=sys.stderr)
     width = max(len("ensemble"), *map(len, ensemble.members))
     print(f"{evaluation.folder}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, "
           f"each member's {ensemble.checkpoint} checkpoint")

@@ -249,12 +249,16 @@ def class_files(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
     classes, nested = {}, []
     for class_dir in sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")):
         with os.scandir(class_dir) as entries:  # each entry's kind from the listing, not a stat a file
-            entries = [entry for entry in entries if not entry.name.startswith(".")
-                       and entry.name.lower() not in SYSTEM_FILES]
+            entries = [entry for entry in entries if not hidden(entry.name)]
         classes[class_dir.name] = sorted(entry.path for entry in entries if entry.is_file() or (
             entry.is_symlink() and not entry.is_dir()))  # a link to nothing: neither file nor folder
         nested += sorted(entry.path for entry in entries if entry.is_dir())
     return classes, nested
+
+
+def hidden(name: str) -> bool:
+    """A file a dataset's listing leaves out: a hidden one, or one the system writes into folders of pictures."""
+    return name.startswith(".") or name.lower() in SYSTEM_FILES
 
 
 def _check_no_empty_class(folder: Path, classes: dict[str, list[str]]) -> None:

@@ -3,6 +3,7 @@ before runs named their classes, a member without the checkpoint asked for, argu
 prediction or an evaluation takes, files skipped. (Its predictions, evaluations and the command are checked
 against real runs' validation in tests/test_run.py and tests/test_sweeps.py.)"""
 import json
+import shutil
 from dataclasses import asdict
 
 import numpy as np
@@ -92,10 +93,13 @@ def test_a_member_given_up_without_a_checkpoint_is_left_out_and_the_others_predi
     assert skipping.probabilities == pytest.approx(expected, abs=1e-6)
     with pytest.raises(PredictError, match=r"on_error='ignore': choose fail .* or skip"):
         ensemble.predict(files, on_error="ignore")
-    with pytest.raises(PredictError, match=r"device='cuda:7': this machine has \d+ CUDA device\(s\) torch can use"):
-        load_ensemble(tmp_path, device="cuda:7")
+    absent = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(PredictError, match=rf"device='{absent}': this machine has \d+ CUDA device\(s\) torch can use"):
+        load_ensemble(tmp_path, device=absent)
     with pytest.raises(PredictError, match=r"device='gpu': .*; give cpu, cuda or cuda:<index>"):
         load_ensemble(tmp_path, device="gpu")
+    with pytest.raises(PredictError, match=r"device='meta': members compute on cpu or cuda"):
+        load_ensemble(tmp_path, device="meta")
 
     # a folder of class folders to evaluate: named as the run's classes, holding files
     with pytest.raises(PredictError, match=rf"{files[0]} is not a folder: give a folder of class folders"):
@@ -113,6 +117,23 @@ def test_a_member_given_up_without_a_checkpoint_is_left_out_and_the_others_predi
     with pytest.raises(PredictError, match=rf"{test}: none of its 1 files could be used \(the first, "
                                            rf"{test / 'a' / 'broken.jpg'}: not an image"):
         ensemble.evaluate(test, on_error="skip")
+    split = tmp_path / "split"
+    for folder in ("train/a", "val/a"):
+        (split / folder).mkdir(parents=True)
+    with pytest.raises(PredictError, match=rf"^{split} holds folders of folders \(train, val\): give the one of "
+                                           rf"class folders to score, e.g. {split / 'val'}$"):
+        ensemble.evaluate(split)
+    # scored: the classes with files counted, what lies beside or inside the class folders named as not read
+    for name, path in zip("ab", files):
+        (test / name).mkdir(exist_ok=True)
+        shutil.copy(path, test / name)
+    (test / "c").mkdir()
+    (test / "a" / "more").mkdir()
+    (test / "notes.txt").write_text("")
+    evaluation = ensemble.evaluate(test, on_error="skip")
+    assert evaluation.files == {"a": 1, "b": 1} and list(evaluation.skipped) == [str(test / "a" / "broken.jpg")]
+    assert evaluation.unread == [str(test / "notes.txt"), str(test / "a" / "more")]
+    assert evaluation.accuracy == evaluation.member_accuracy[kept.name] == np.mean(expected.argmax(1) == [0, 1])
 
 
 def test_the_command_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
@@ -127,6 +148,8 @@ def test_the_command_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
     assert error(tmp_path).endswith("give the image files or folders to predict, or --evaluate FOLDER (one of the two)")
     assert error(tmp_path, "x.jpg", "--evaluate", tmp_path).endswith("(one of the two)")
     assert error(tmp_path, "x.jpg", "--top", 0).endswith("--top and --batch-size must be >= 1")
+    assert error(tmp_path, "--evaluate", tmp_path, "--top", 2).endswith("--top is for predictions: --evaluate "
+                                                                        "scores each file's most likely class")
     assert error(tmp_path, "x.jpg") == (f"python -m pipeline.predict: error: {tmp_path} holds no results.json (No such "
                                         "file or directory): give the folder of a run that trained (its results.json, "
                                         "checkpoints/)")
@@ -156,7 +179,7 @@ def test_a_file_one_branch_rejects_is_left_out_of_every_branchs_images(bad_datas
                                           "tests.faulty_stage.Faulty, inputs: [crop_alt], fault: reject}"),
                                    0, str(bad_dataset[0]))(files)
     assert plain.paths == files and not plain.skipped
-    assert rejecting.paths == files[1:] and rejecting.skipped == [(files[0], "rejected by the test's stage")]
+    assert rejecting.paths == files[1:] and rejecting.skipped == {files[0]: "rejected by the test's stage"}
     assert sorted(rejecting.images) == sorted(plain.images) == ["alt", "main"]
     for sink, images in rejecting.images.items():
         assert np.array_equal(images, plain.images[sink][1:]), sink

@@ -177,7 +177,7 @@ def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folder
     skips the files the run skipped; files and folders given are predicted as CSV, the top classes first; a
     file it cannot use, without --on-error skip, is one line naming it and exit code 2."""
     import csv
-    from pipeline.predict import load_ensemble
+    from pipeline.predict import image_files, load_ensemble
     from stages.base import Split
     from stages.read import ImageFolder
 
@@ -218,18 +218,35 @@ def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folder
     refused = command("--evaluate", test)
     assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1
     assert re.match(r"python -m pipeline.predict: error: .*: .*--on-error skip\)$", refused.stderr)
-    one_class = test / dataset.class_names[1]
-    predicted = command(one_class, bad["grayscale"], "--top", 2, "--checkpoint", "last", "--on-error", "skip")
+    predicted = command(test, bad["truncated"], "--top", 2, "--checkpoint", "last", "--on-error", "skip",
+                        "--batch-size", 3)  # a batch of rows at a time
     assert predicted.returncode == 0, predicted.stderr
     rows = list(csv.reader(predicted.stdout.splitlines()))
     assert rows[0] == ["path", "class_1", "probability_1", "class_2", "probability_2"]
-    files = sorted(str(path) for path in one_class.iterdir() if path.is_symlink()) + [str(bad["grayscale"])]
+    files = image_files([str(test), str(bad["truncated"])])  # the tree's files, then the one given
+    assert len(files) == len(dataset.files[Split.VAL]) + 1
     expected = load_ensemble(out, "last").predict(files, on_error="skip")
-    assert [row[0] for row in rows[1:]] == expected.paths
+    assert [row[0] for row in rows[1:]] == expected.paths and len(expected.paths) > 3
     for row, probabilities in zip(rows[1:], expected.probabilities):
         top = np.argsort(-probabilities)[:2]
         assert row[1::2] == [dataset.class_names[k] for k in top]
         assert [float(p) for p in row[2::2]] == pytest.approx(probabilities[top], abs=1e-6)
+    assert predicted.stderr.splitlines() == [f"skipped {path}: {why}" for path, why in expected.skipped.items()]
+    assert set(expected.skipped) == skipped | {str(bad["truncated"])}
+    classes = len(dataset.class_names)
+    too_many = command(test, "--top", classes + 1)
+    assert too_many.returncode == 2 and too_many.stderr == (f"python -m pipeline.predict: error: --top {classes + 1}: "
+                                                            f"the run has {classes} classes; give at most that\n")
+    unusable = command(bad["truncated"], bad["empty"], "--on-error", "skip")
+    assert unusable.returncode == 2 and unusable.stderr.splitlines()[-1].startswith(
+        f"python -m pipeline.predict: error: none of the 2 files could be used (the first, {bad['truncated']}: ")
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone before the first row (| head -0): the command ends quietly, code 141
+    good = test / dataset.class_names[1]  # (the bad files are in the first class and the last)
+    with subprocess.Popen([sys.executable, "-m", "pipeline.predict", str(out), str(good)], stdout=writer,
+                          stderr=subprocess.PIPE, text=True) as gone:
+        os.close(writer)
+        assert gone.wait(120) == 141 and gone.stderr.read() == ""
 
 
 def test_nothing_is_left_behind(full_run):

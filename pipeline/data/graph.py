@@ -207,7 +207,7 @@ class Prepared:
 
     images: dict[str, np.ndarray]  # each sink's uint8 NHWC images
     paths: list[str]  # the files given, in their order, but those that could not be used
-    skipped: list[tuple[str, str]]  # (path, why) of each of those
+    skipped: dict[str, str]  # each of those: why
 
 
 @dataclass
@@ -233,12 +233,17 @@ class FilePreprocessing:
         for name, stage in self.stages.items():
             given = outputs[self.inputs[name]]
             outputs[name] = given if isinstance(stage, Cache) else _made_by(name, stage, given, ctx, making)
-        bad = {path for path, _ in ctx.skipped}
-        images = {sink: outputs[sink].data for sink in self.sinks}
-        if bad:  # a file one branch rejected is left out of the others' too
-            images = {sink: data[[i for i, path in enumerate(outputs[sink].paths) if path not in bad]]
-                      for sink, data in images.items()}
-        return Prepared(images, [path for path, _ in items if path not in bad], ctx.skipped)
+        bad = dict(ctx.skipped)
+        kept = [path for path, _ in items if path not in bad]
+        images = {}
+        for sink in self.sinks:  # a file one branch rejected is left out of the others' too
+            rows = [i for i, path in enumerate(outputs[sink].paths) if path not in bad]
+            if [outputs[sink].paths[i] for i in rows] != kept:  # rows would be given to the wrong files
+                raise GraphError(f"{CONFIG_ROOT}.{sink}: its batch of {len(items)} files to predict holds other files"
+                                 " or another order than it was given: a stage on its branch leaves a file out "
+                                 "without ctx.reject, or reorders them; make it keep its batch's order")
+            images[sink] = outputs[sink].data if len(rows) == len(outputs[sink].paths) else outputs[sink].data[rows]
+        return Prepared(images, kept, bad)
 
 
 def _made_by(name: str, stage: Stage, given: Batch | None, ctx: BatchContext, making: str) -> Batch:
