@@ -161,7 +161,8 @@ class HalvingConf:
 
 @dataclass
 class SchedulerConf:
-    policy: PolicyName = PolicyName.shared  # shared (all models at once) | fleet_e | fleet_g | fleet_l | baseline | homogeneous
+    # shared (all models at once) | fleet_e | fleet_g | fleet_l | baseline | homogeneous
+    policy: PolicyName = PolicyName.shared
     min_active_fraction: float = 0.8  # fleet_g/fleet_l: a flotilla stops when fewer of its slots are active
     phase_threshold: float = 0.0  # fleet_e: a model whose training loss fell less than this fraction in an epoch
     # is on its plateau and gives its slots above one to models still improving (0: off)

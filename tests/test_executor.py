@@ -224,7 +224,8 @@ def test_a_batch_task_no_worker_can_run_says_what_it_waits_for_then_fails(tiny_d
         assert len(said) == 1 and said[0].startswith("waiting ")
         for message in (said[0], str(hang.value)):
             assert re.search(r"batch task batch-\w+-train-0-0-0 needs a Dask worker with the resource node-1 and "
-                             r"none of the 1 worker\(s\) has it \(n0-w0 \['node-0'\]\); start node 1's workers", message)
+                             r"none of the 1 worker\(s\) has it \(n0-w0 \['node-0'\]\); start node 1's workers",
+                             message)
         assert "timeouts.stall_s=2" in str(hang.value)
         with Executor(client, build_graph(stages(tiny_dataset, slow=30), {"out"}), 0, "skip", 1, node=0,
                       patience=patience, on_wait=said.append, drain_s=0.1) as executor, \

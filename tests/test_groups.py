@@ -237,7 +237,8 @@ def test_fleet_measures_models_on_one_sub_slot_of_distinct_gpus(plan):
             asked.append((group.name, tuple(slot_counts), tuple(how.devices)))
             return Measured({k: Pace(100.0, 0.0) for k in slot_counts}, MeasuredBy("agent", 1))
 
-    planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.slots_per_device=2"], 2, where=RecordingHost())
+    planned = plan(["+ensemble=caltech256", "scheduler=fleet_g", "trainer.slots_per_device=2"], 2,
+                   where=RecordingHost())
     assert len(planned.slots) == 4
     names = sorted(m.name for g in planned.groups for m in g.members)
     assert sorted(asked) == [(name, (1,), ("cuda:0", "cuda:1")) for name in names]

@@ -55,7 +55,8 @@ def test_a_peak_sits_beside_the_rates_of_the_same_model(trials, tmp_path, monkey
     cache = tmp_path / "rates.json"
     m = member("a")
     memory.measure_peaks([m], HOW, cache)
-    monkeypatch.setattr(rates, "measure_rates", lambda group, counts, how, abandon=None: {k: Pace(50.0, 0.0) for k in counts})
+    monkeypatch.setattr(rates, "measure_rates",
+                        lambda group, counts, how, abandon=None: {k: Pace(50.0, 0.0) for k in counts})
     measure_rate_table([GroupSpec("a", (m,))], 1, HOW, cache)
     [entry] = json.loads(cache.read_text())
     assert entry["images_per_s"] == {"1": 50.0} and entry["peak_allocated_bytes"] == 8 * 2**20

@@ -106,7 +106,8 @@ class Parent:
         return timeout is None or len(self.looks) > self.polls
 
 
-@pytest.mark.parametrize("stop_after, steps_after_report", [(3, 3), (10_000, 4 * rate_measurement.BUSY_STEPS_FACTOR - 4)])
+@pytest.mark.parametrize("stop_after, steps_after_report",
+                         [(3, 3), (10_000, 4 * rate_measurement.BUSY_STEPS_FACTOR - 4)])
 def test_a_process_measured_side_by_side_reports_then_steps_on_until_told(monkeypatch, stop_after, steps_after_report):
     """Side by side, a process reports its timed steps, then keeps training (its device stays shared for the
     others still timing) until its parent says stop: 3 steps when told after 3 looks. Told never, it steps

@@ -393,7 +393,8 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tiny_dataset, tmp_path, mo
     results = run(compose_config(small(tiny_dataset, "trainer.epochs=3")), tmp_path / "out")
     model = next(m for m in results["models"] if m["name"] == victim)
     assert model["failures"] == [f"trainer-{victim}-0 (training {victim} (densenet(depth=40, growth_rate=8, "
-                                 "width=16))) was killed (SIGKILL): usually the kernel's out-of-memory killer (`dmesg` says), or someone's kill -9; "
+                                 "width=16))) was killed (SIGKILL): usually the kernel's out-of-memory killer "
+                                 "(`dmesg` says), or someone's kill -9; "
                                  "give it more memory or train fewer or smaller models on a slot"]
     assert [stint["start_epoch"] for stint in model["flotillas"]] == [0, 1]
     assert model["epochs"] == 3 and model["converged"] == "reached trainer.epochs=3"

@@ -55,7 +55,8 @@ def test_every_decision_names_the_event_that_caused_it():
     scheduler = Scheduler(["a", "b"], Cluster(1, 2), FleetG(lookahead=0))
     assert scheduler.handle(RatesMeasured(0.0, "a", (10, 15))) == []  # b's rates still to come
     decisions = scheduler.handle(RatesMeasured(0.5, "b", (20, 30)))
-    assert decisions and {d.cause for d in decisions} == {"RatesMeasured(group=b, rates=(20, 30), start_s=0.0) at 0.500 s"}
+    assert decisions and {d.cause for d in decisions} == {
+        "RatesMeasured(group=b, rates=(20, 30), start_s=0.0) at 0.500 s"}
     stops = scheduler.handle(GroupConverged(2.25, "b"))  # b runs on both slots (a waits)
     assert of(Stop, stops) and {d.cause for d in stops} == {"GroupConverged(group=b, reason=converged) at 2.250 s"}
     fresh = Scheduler(["a"], Cluster(1, 1), Shared({"a": 1}))  # plans without rates

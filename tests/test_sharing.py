@@ -33,9 +33,11 @@ def test_jobs_share_a_run_when_only_their_ensembles_and_objectives_differ():
     by anything less than the whole config but the ensemble, objective and hydra node (a trainer setting,
     the seed, the environment), or split by the rest of the hydra node, fail."""
     jobs = numbered({0: job("ensemble.models.0.optimizer.lr=0.1"), 1: job("trainer.epochs=20"),
-                     2: job("objective.of=best_member"), 3: job("seed=1"), 4: job("ensemble.models.0.optimizer.lr=0.01"),
+                     2: job("objective.of=best_member"), 3: job("seed=1"),
+                     4: job("ensemble.models.0.optimizer.lr=0.01"),
                      5: job("seed=1", "mode=profile"), 6: job("seed=1", "resume=/somewhere"),
-                     7: job("objective.of=nobody"), 8: job("scheduler.halving.eta=2"), 9: job("scheduler.halving.eta=2"),
+                     7: job("objective.of=nobody"), 8: job("scheduler.halving.eta=2"),
+                     9: job("scheduler.halving.eta=2"),
                      10: job("ensemble.models.0.optimizer.lr=0.2"), 11: job("ensemble.models.0.optimizer.lr=0.3")})
     for number in (10, 11):
         with open_dict(jobs[number]):

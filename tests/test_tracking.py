@@ -192,7 +192,8 @@ def test_mlflow_asked_for_where_it_is_not_installed_is_one_line_naming_the_key(m
     from tests.conftest import compose_config
 
     found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "mlflow" else found(name, *rest))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "mlflow" else found(name, *rest))
     with pytest.raises(ConfigError, match="tracking.mlflow=file:./mlruns: MLflow is not installed here; pip install "
                                           "mlflow-skinny, or set tracking.mlflow=null"):
         check(compose_config(["+ensemble=caltech256", "tracking.mlflow=file:./mlruns"]))

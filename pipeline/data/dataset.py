@@ -73,7 +73,8 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
     except PermissionError as err:
         raise DatasetError(f"dataset.root {path} holds no dataset, and the synthetic stand-in cannot be written "
                            f"there ({err.strerror}: {err.filename}); set dataset.root to a folder this user can "
-                           "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)") from None
+                           "write, or to a real dataset (dataset.synthetic=never makes a missing one an error)"
+                           ) from None
     return DatasetInfo(path, True, generated_now=read_marker(path) != marker, in_use=in_use)
 
 

@@ -369,7 +369,8 @@ class RunRecorder:
                 record.compile_s = saved["compile_s"]
                 record.last_probs = array(f"last-{name}")
                 best = saved.get("best_checkpoint")  # (absent from older runs' state)
-                record.best_checkpoint, record.best_probs = (tuple(best), array(f"best-{name}")) if best else (None, None)
+                record.best_checkpoint, record.best_probs = ((tuple(best), array(f"best-{name}")) if best
+                                                             else (None, None))
                 record.recent_probs = {epoch: array(f"recent-{name}-{epoch}") for epoch in saved["recent"]}
             self.epoch_probs = {int(epoch): (array(f"sum-{epoch}"), set(models))
                                 for epoch, models in state["epoch_models"].items()}
