@@ -70,6 +70,7 @@ class Evaluation:
     member_accuracy: dict[str, float]
     skipped: dict[str, str]  # each file that could not be used (on_error="skip"): why
     unread: list[str]  # files beside the class folders, folders inside them: not read
+    in_dataset: bool  # the folder lies in the run's dataset, whose files trained or validated it: not held out
 
 
 @dataclass
@@ -150,10 +151,12 @@ class TrainedEnsemble:
         counts = np.bincount(expected, minlength=len(labels))
         with os.scandir(root) as entries:
             beside = sorted(entry.path for entry in entries if not entry.is_dir() and not hidden(entry.name))
+        dataset = os.path.join(os.path.realpath(self.preprocessing.root), "")
         return Evaluation(str(root), {name: int(counts[labels[name]]) for name in classes if counts[labels[name]]},
                           accuracy(predictions.probabilities),
                           {name: accuracy(p) for name, p in predictions.members.items()},
-                          predictions.skipped, beside + unread)
+                          predictions.skipped, beside + unread,
+                          os.path.join(os.path.realpath(root), "").startswith(dataset))
 
 
 class PredictError(UserError):
@@ -332,10 +335,9 @@ def _print_evaluation(ensemble: TrainedEnsemble, evaluation: Evaluation) -> None
         print(f"skipped {path}: {why}", file=sys.stderr)
     for path in evaluation.unread:
         print(f"not read: {path} (only the files in class folders are)", file=sys.stderr)
-    dataset = os.path.realpath(ensemble.preprocessing.root)
-    if os.path.join(os.path.realpath(evaluation.folder), "").startswith(os.path.join(dataset, "")):
-        print(f"note: {evaluation.folder} lies in the run's dataset ({dataset}), whose files it trained or "
-              "validated on: these accuracies are not a held-out set's", file=sys.stderr)
+    if evaluation.in_dataset:
+        print(f"note: {evaluation.folder} lies in the run's dataset ({ensemble.preprocessing.root}), whose files "
+              "it trained or validated on: these accuracies are not a held-out set's", file=sys.stderr)
     width = max(len("ensemble"), *map(len, ensemble.members))
     print(f"{evaluation.folder}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, "
           f"each member's {ensemble.checkpoint} checkpoint")

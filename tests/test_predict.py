@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.config import expand_ensemble
-from pipeline.data.graph import file_preprocessing
+from pipeline.data.graph import GraphError, file_preprocessing
 from pipeline.predict import PredictError, image_files, load_ensemble, main
 from pipeline.training.members import build_module
 from pipeline.training.trainer import checkpoint_path
@@ -157,8 +157,13 @@ def test_the_command_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
     for name in ("photos/2.jpg", "photos/1.jpg", "photos/.DS_Store", "photos/b/3.png", "photos/b/.hidden/4.jpg",
                  "photos/b/Thumbs.db", "one.jpg"):
         (tmp_path / name).write_bytes(b"")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "5.jpg").write_bytes(b"")
+    (tmp_path / "photos" / "c").symlink_to(tmp_path / "elsewhere")  # a link to a folder: followed
+    (tmp_path / "photos" / "b" / "up").symlink_to(tmp_path / "photos")  # a link above itself: walked once
     assert image_files([str(tmp_path / "photos"), str(tmp_path / "one.jpg")]) == [
-        str(tmp_path / name) for name in ("photos/1.jpg", "photos/2.jpg", "photos/b/3.png", "one.jpg")]
+        str(tmp_path / name) for name in ("photos/1.jpg", "photos/2.jpg", "photos/b/3.png", "photos/c/5.jpg",
+                                          "one.jpg")]
     with pytest.raises(PredictError, match=rf"^{tmp_path / 'nowhere'}: no such file or folder$"):
         image_files([str(tmp_path / "photos"), str(tmp_path / "nowhere")])
     (tmp_path / "empty").mkdir()
@@ -183,3 +188,9 @@ def test_a_file_one_branch_rejects_is_left_out_of_every_branchs_images(bad_datas
     assert sorted(rejecting.images) == sorted(plain.images) == ["alt", "main"]
     for sink, images in rejecting.images.items():
         assert np.array_equal(images, plain.images[sink][1:]), sink
+    doubling = file_preprocessing(stages("pipeline.stages.alt.inputs=[faulty]", "+pipeline.stages.faulty={_target_: "
+                                         "tests.faulty_stage.Faulty, inputs: [crop_alt], fault: twice}"),
+                                  0, str(bad_dataset[0]))
+    with pytest.raises(GraphError, match=r"^pipeline.stages.alt: its batch of 4 files to predict holds other files "
+                                         r"or another order than it was given: a stage on its branch"):
+        doubling(files)  # rows that would go to the wrong files

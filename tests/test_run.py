@@ -171,13 +171,13 @@ def test_the_ensemble_a_run_leaves_predicts_files_as_the_run_validated_them(full
         ensemble.predict([paths[0], str(bad["truncated"])])
 
 
-def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folders(full_run, tmp_path):
+def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folders(full_run, tmp_path, capsys):
     """`python -m pipeline.predict`, as a user runs it: a held-out tree of class folders (the run's validation
     files, its bad ones with them) scores what the run measured, the ensemble's and each member's accuracy, and
     skips the files the run skipped; files and folders given are predicted as CSV, the top classes first; a
     file it cannot use, without --on-error skip, is one line naming it and exit code 2."""
     import csv
-    from pipeline.predict import image_files, load_ensemble
+    from pipeline.predict import image_files, load_ensemble, main
     from stages.base import Split
     from stages.read import ImageFolder
 
@@ -199,6 +199,7 @@ def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folder
 
     evaluation = load_ensemble(out).evaluate(test, batch_size=5, on_error="skip")
     assert set(evaluation.skipped) == skipped and evaluation.unread == [str(test / dataset.class_names[0] / "more")]
+    assert not evaluation.in_dataset  # (links into it, in a folder of its own)
     assert sum(evaluation.files.values()) == results["dataset"]["val_images"] - len(skipped)
     assert evaluation.accuracy == pytest.approx(results["ensemble"]["kept"]["val_accuracy"])
     assert evaluation.member_accuracy == pytest.approx({m["name"]: m["best_checkpoint"]["val_accuracy"]
@@ -213,7 +214,13 @@ def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folder
         name: f"{accuracy:.4f}" for name, accuracy in evaluation.member_accuracy.items()}
     assert {line.split(": ")[0].removeprefix("skipped ") for line in scored.stderr.splitlines()
             if line.startswith("skipped ")} == skipped
-    assert f"not read: {test / dataset.class_names[0] / 'more'}" in scored.stderr
+    assert f"not read: {test / dataset.class_names[0] / 'more'}" in scored.stderr and "note:" not in scored.stderr
+    own = Path(dataset.root) / ".." / Path(dataset.root).name  # the run's own dataset: said not to be held out
+    main([str(out), "--evaluate", str(own), "--on-error", "skip"])
+    printed = capsys.readouterr()
+    assert printed.out.startswith(f"{own}: ")
+    assert f"lies in the run's dataset ({os.path.join(dataset.root, '')}), whose files it trained or validated" in (
+        printed.err)
 
     refused = command("--evaluate", test)
     assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1
