@@ -74,6 +74,13 @@ class BrokenSchedule(torch.optim.lr_scheduler.LRScheduler):
         return self.base_lrs
 
 
+class TwoMetrics(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """A user's schedule that steps on two figures, where a member's is given one."""
+
+    def step(self, accuracy, loss):
+        super().step(loss)
+
+
 def declared(name="u", model=None, **keys) -> ModelSpec:
     """A user's member: SmallNet unless `model` says otherwise, the shipped defaults unless `keys` do."""
     spec = replace(member(name), model=model or {"_target_": "tests.test_members.SmallNet", "channels": 4})
@@ -96,9 +103,12 @@ def declared(name="u", model=None, **keys) -> ModelSpec:
     (declared(optimizer={"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1, "nesterov": True}),
      r"optimizer .*Nesterov momentum requires a momentum"),
     (declared(lr_scheduler={"_target_": "torch.optim.SGD"}), r"lr_scheduler \(torch.optim.SGD\): "),
-    (declared(lr_scheduler={"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau"}),
-     r"lr_scheduler \(torch.optim.lr_scheduler.ReduceLROnPlateau\): its step\(\) needs metrics, but a member's "
-     r"schedule is stepped after every training step with no argument; declare one that counts steps"),
+    (declared(lr_scheduler={"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "mode": "max"}),
+     r"lr_scheduler \(torch.optim.lr_scheduler.ReduceLROnPlateau\): mode='max', but it is stepped on the member's "
+     r"validation loss, which falls as the member improves: give mode: min \(the default\)"),
+    (declared(lr_scheduler={"_target_": "tests.test_members.TwoMetrics"}),
+     r"lr_scheduler \(tests.test_members.TwoMetrics\): its step\(\) needs accuracy, loss, but a member's schedule "
+     r"is stepped after every training step with no argument, or once an epoch with the member's validation loss"),
     (declared(lr_scheduler={"_target_": "tests.test_members.BrokenSchedule"}),
      r"lr_scheduler \(tests.test_members.BrokenSchedule\): no rate for step 1"),
     (declared(lr_scheduler={"_target_": "pipeline.training.members.cosine", "warmup_fraction": 1}),
@@ -340,3 +350,39 @@ def test_a_graph_safe_adamws_checkpoint_is_plain_and_resumes_with_the_loading_op
         step(*resumed)
         for key, tensor in reference[0].state_dict().items():
             torch.testing.assert_close(net.state_dict()[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_schedule_on_a_metric_steps_once_an_epoch_on_its_members_validation_loss_and_resumes():
+    """ReduceLROnPlateau on two members of a vmap array, beside a cosine member: training steps leave their
+    rates alone (the cosine's moves), each steps on its own validation loss, a loss that is not a number
+    steps none, and a checkpoint keeps the rate and the plateau's count."""
+    plateau = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True, "factor": 0.5,
+               "patience": 1}
+    p, q = (declared(name, lr_scheduler=plateau, seed=seed) for name, seed in (("p", 1), ("q", 2)))
+    group = GroupSpec("g", (p, q, member("r")), array_size=2)
+    step = GroupStep(group, CLASSES, {"main": 16}, "cpu", total_steps=STEPS)
+    assert [unit.names for unit in step.units] == [("p", "q"), ("r",)]
+    assert step.stepped_on_validation == ["p", "q"]
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, CLASSES, (8,))
+    r_before = step.rate("r")
+    for _ in range(3):
+        step.train({"main": (x, y)})
+    assert (step.rate("p"), step.rate("q")) == (0.1, 0.1)  # the preset SGD's rate, not stepped by training
+    assert step.rate("r") < r_before
+    for p_loss, q_loss in ((1.0, 1.0), (0.5, math.nan), (0.4, math.nan)):  # NaN: no loss to judge, no step
+        step.step_schedules({"p": p_loss, "q": q_loss})
+    assert (step.rate("p"), step.rate("q")) == (0.1, 0.1)
+    for p_loss, q_loss in ((0.3, 1.5), (0.2, 1.2)):  # q: worse than its best twice, over patience 1
+        step.step_schedules({"p": p_loss, "q": q_loss})
+    assert step.rate("p") == 0.1 and step.rate("q") == pytest.approx(0.05)
+    saved = io.BytesIO()
+    torch.save(step.state("q"), saved)
+    saved.seek(0)
+    resumed = GroupStep(group, CLASSES, {"main": 16}, "cpu", total_steps=STEPS)
+    resumed.load("q", torch.load(saved, weights_only=True))
+    assert resumed.rate("q") == pytest.approx(0.05)
+    for group_step in (step, resumed):  # the plateau's best (1.0) and count (0, after the cut) came back
+        group_step.step_schedules({"p": 1.0, "q": 1.2})
+        group_step.step_schedules({"p": 1.0, "q": 1.2})
+    assert step.rate("q") == resumed.rate("q") == pytest.approx(0.025)

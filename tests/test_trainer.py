@@ -666,3 +666,53 @@ def test_a_data_parallel_step_on_an_uneven_batch_weighs_every_image_as_one_proce
     for key, tensor in expected.items():
         np.testing.assert_allclose(got[True][key], tensor, rtol=1e-5, atol=1e-6, err_msg=key)
     assert not all(np.allclose(got[False][key], tensor, rtol=1e-5, atol=1e-6) for key, tensor in expected.items())
+
+
+def _plateau_rank(rank: int, address: str, checkpoints, results) -> None:
+    """One rank of a model on 2 slots whose schedule steps on its validation loss: two epochs' validation
+    (rank 0's probabilities, the second epoch's worse); each rank puts its rate after each."""
+    from dataclasses import replace
+
+    try:
+        plateau = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True, "factor": 0.5,
+                   "patience": 0}
+        group = GroupSpec("m", (replace(_plain(2), lr_scheduler=plateau),))
+        spec = replace(trainer_spec(group, checkpoints), rank=rank, rendezvous=address)
+        trainer = Trainer(spec, Reports())
+        labels = torch.tensor([0, 1, 2, 0])
+        rates = []
+        for right in (0.9, 0.4):  # the true class's probability: the loss rises in the second epoch
+            if rank == 0:
+                probs = torch.full((4, 3), (1 - right) / 2)
+                probs[torch.arange(4), labels] = right
+                trainer.val_probs["m"], trainer.val_labels["main"] = [probs], [labels]
+            trainer._finish_validation()
+            rates.append(trainer.step.rate("m"))
+        trainer.writer.shutdown()
+        results.put((rank, rates))
+    except BaseException as err:
+        results.put((rank, repr(err)))
+
+
+@pytest.mark.slow
+def test_a_data_parallel_models_schedule_on_a_metric_steps_alike_on_every_rank(tmp_path):
+    """ReduceLROnPlateau on a model on 2 slots: only rank 0 validates, and every rank steps its schedule on
+    rank 0's validation loss, so the ranks keep one rate (rank 1 stepping on no loss kept the first)."""
+    from pipeline.delivery.collective import LocalRendezvous
+
+    context = mp.get_context("spawn")
+    rendezvous, results = LocalRendezvous(), context.Queue()
+    address = rendezvous.next()
+    ranks = [context.Process(target=_plateau_rank, args=(rank, address, tmp_path, results), daemon=True)
+             for rank in (0, 1)]
+    try:
+        for process in ranks:
+            process.start()
+        got = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        rendezvous.close()
+    assert got == {0: [0.5, 0.25], 1: [0.5, 0.25]}

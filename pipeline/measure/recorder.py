@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline.data.graph import BatchOutput, StageTiming
 from pipeline.runtime.files import write_whole, written_whole
-from pipeline.training.reports import TrainerDone, TrainReport, ValReport
+from pipeline.training.reports import TrainerDone, TrainReport, ValReport, validation_loss
 from pipeline.training.group import GroupSpec
 from pipeline.training.members import ModelSpec
 from pipeline.training.trainer import better_checkpoint
@@ -22,7 +22,6 @@ from pipeline.training.trainer import better_checkpoint
 
 MAX_TIMELINE_SPANS = 50_000  # batch tasks and trainer steps kept for the timeline
 RECENT_BATCHES = 32  # batch tasks the preprocessing cost per image is measured over
-PROBABILITY_FLOOR = 1e-12  # a softmax rounded to 0 for the true class costs -log of this, not infinity
 
 
 @dataclass
@@ -495,13 +494,9 @@ class RunRecorder:
             else float("nan")
 
     def _loss(self, summed_probs: np.ndarray, count: int) -> float:
-        """Cross-entropy of the mean of `count` softmaxes: whatever loss the members trained with, the
-        validation loss compares them on one scale."""
+        """validation_loss of the mean of `count` softmaxes."""
         labels = self.val_labels
-        if labels is None or not len(labels):
-            return float("nan")
-        chosen = summed_probs[np.arange(len(labels)), labels].astype(np.float64) / count
-        return float(-np.log(np.maximum(chosen, PROBABILITY_FLOOR)).mean())
+        return validation_loss(summed_probs, labels, count) if labels is not None else float("nan")
 
     def _ensemble(self, records: list[ModelRecord], accuracy: dict[int, float], loss: dict[int, float]) -> dict:
         """What the ensemble of `records` measured: by epoch, at its members' last epochs, and kept."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import math
 import operator
 import time
 import warnings
@@ -27,7 +28,7 @@ import numpy as np
 
 from pipeline.training.graphs import EAGER_STEPS, StaticInputs, StepGraph, stage
 from pipeline.training.members import (ModelSpec, array_fusion, build_loss, build_module, build_optimizer,
-                                       build_schedule, canonical, grouped, target_of)
+                                       build_schedule, canonical, grouped, steps_on_metric, target_of)
 
 # ImageNet statistics: batches arrive as uint8 and are normalised on the device.
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
@@ -435,7 +436,8 @@ def _plain_checkpoint(model: dict, optimizer, schedule) -> dict:
             group.pop(device_setting, None)
     schedule = schedule.state_dict()
     for key in ("base_lrs", "_last_lr"):
-        schedule[key] = [float(rate) for rate in schedule[key]]
+        if key in schedule:  # (ReduceLROnPlateau keeps no base_lrs)
+            schedule[key] = [float(rate) for rate in schedule[key]]
     return {"model": model, "optimizer": optimizer, "lr_scheduler": schedule}
 
 
@@ -758,7 +760,8 @@ class GroupStep:
         with self.in_hand.stepping(unit.names) if self.in_hand else contextlib.nullcontext():
             losses = unit.graph(x, y) if static and unit.graph else self._step(unit, x, y, weight)
             for schedule in unit.schedules:
-                schedule.step()  # fills the rate tensor a graph reads
+                if not steps_on_metric(schedule):  # (those step once an epoch: `step_schedules`)
+                    schedule.step()  # fills the rate tensor a graph reads
         return unit.names, losses
 
     def _step(self, unit, x, y, weight: float = 1.0):
@@ -810,6 +813,25 @@ class GroupStep:
         """Every member's state now, copied, each member's checkpoint (as `state`) built from the copy when it
         is wanted (KeptStates)."""
         return KeptStates(self.units, self.device, self.copy_stream)
+
+    @property
+    def stepped_on_validation(self) -> list[str]:
+        """The members whose schedule steps on a metric (`steps_on_metric`), which `step_schedules` steps."""
+        return [name for name, _ in self._metric_schedules()]
+
+    def step_schedules(self, losses: dict[str, float]) -> None:
+        """After an epoch's validation: each `stepped_on_validation` member's schedule, on its validation loss.
+        Where that is not a number (no validation images, or a diverged member), its schedule does not step: a
+        plateau is judged on losses only."""
+        for name, schedule in self._metric_schedules():
+            if math.isfinite(losses[name]):
+                schedule.step(losses[name])
+
+    def _metric_schedules(self) -> list[tuple[str, object]]:
+        """(member, schedule) where the schedule steps on a metric. Only a model alone and a vmap array's members
+        have schedules of their own (an HFTA array's one is the cosine)."""
+        return [(name, schedule) for unit in self.units if not isinstance(unit, _Array)
+                for name, schedule in zip(unit.names, unit.schedules, strict=True) if steps_on_metric(schedule)]
 
     def rate(self, name: str) -> float:
         """A member's learning rate now (a host sync on a GPU: once an epoch, not a step)."""

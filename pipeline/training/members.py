@@ -10,7 +10,8 @@ each with what only it knows:
 - optimizer: the module's parameters, first (`_partial_` is optional);
 - lr_scheduler: the optimiser, first, and `total_steps=` the steps of the
   whole run where the callable names such a parameter; it steps after every
-  training step;
+  training step, or, one whose step() takes a metric (ReduceLROnPlateau),
+  once an epoch after validation, on the member's validation loss;
 - loss: nothing; the module it makes is called with (logits, labels).
 
 Each member's initial weights come from its own `seed`, so members that
@@ -248,18 +249,35 @@ def build_schedule(m: ModelSpec, optimizer, total_steps: int):
     return schedule
 
 
+def steps_on_metric(schedule) -> bool:
+    """Whether `schedule` steps on a metric (ReduceLROnPlateau's step(metrics)): such a schedule is stepped
+    once an epoch, after validation, on its member's validation loss; every other one after every training
+    step, with no argument."""
+    return bool(_needs(type(schedule)))
+
+
+@functools.cache
+def _needs(schedule_type) -> tuple[str, ...]:
+    """The arguments a schedule's step() cannot do without (once per class: it is asked every step)."""
+    return tuple(p.name for p in list(inspect.signature(schedule_type.step).parameters.values())[1:]
+                 if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def _step_as_training_does(schedule) -> None:
-    """One step of `schedule` as training steps it: after every training step, with no argument. A schedule
-    that steps on a metric (ReduceLROnPlateau's step(metrics)) is refused, saying what to declare instead."""
-    needs = [p.name for p in inspect.signature(schedule.step).parameters.values()
-             if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if needs:
+    """One step of `schedule` as training steps it: with no argument, or with a validation loss where it steps
+    on a metric. One that needs more, or that takes its metric as one to maximise, is refused, saying why."""
+    needs = _needs(type(schedule))
+    if len(needs) > 1:
         raise TypeError(f"its step() needs {', '.join(needs)}, but a member's schedule is stepped after every "
-                        "training step with no argument; declare one that counts steps (torch.optim.lr_scheduler."
-                        "StepLR, OneCycleLR, or the built-in cosine)")
+                        "training step with no argument, or once an epoch with the member's validation loss; "
+                        "declare one that counts steps (torch.optim.lr_scheduler.StepLR, OneCycleLR, the "
+                        "built-in cosine) or one that steps on a metric (ReduceLROnPlateau)")
+    if needs and getattr(schedule, "mode", "min") != "min":
+        raise ValueError(f"mode={schedule.mode!r}, but it is stepped on the member's validation loss, which falls "
+                         "as the member improves: give mode: min (the default)")
     with warnings.catch_warnings():  # (no optimiser step comes first here, as one does in training)
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
-        schedule.step()
+        schedule.step(*[1.0] * len(needs))
 
 
 def build_loss(m: ModelSpec):

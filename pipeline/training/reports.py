@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 Checksum = tuple[int, int, int, int, int]  # (message kind, split, epoch, index, CRC of images and labels)
+PROBABILITY_FLOOR = 1e-12  # a softmax rounded to 0 for the true class costs -log of this, not infinity
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,15 @@ class ValReport:
     accuracy: float
     probs: np.ndarray  # softmax of every validation image, in delivery order
     labels: np.ndarray
+
+
+def validation_loss(summed_probs: np.ndarray, labels: np.ndarray, count: int = 1) -> float:
+    """Cross-entropy of the mean of `count` softmaxes (summed) against `labels`, NaN without labels: whatever
+    loss the members trained with, validation compares them, and ensembles of them, on one scale."""
+    if not len(labels):
+        return float("nan")
+    chosen = summed_probs[np.arange(len(labels)), labels].astype(np.float64) / count
+    return float(-np.log(np.maximum(chosen, PROBABILITY_FLOOR)).mean())
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import functools
 import json
+import math
 import threading
 import time
 import traceback
@@ -37,7 +38,7 @@ from pipeline.runtime.lifetime import child_started
 from pipeline.training.group import (GroupSpec, GroupStep, Precision, StepInHand, join_process_group, least_batch,
                                      rank_rows, shard_weight)
 from pipeline.training.reports import (CheckpointSaved, ResumedEarlier, TrainerDone, TrainerError, TrainReport,
-                                      ValReport)
+                                      ValReport, validation_loss)
 
 MAX_SPANS_PER_EPOCH = 500  # steps of an epoch kept for the timeline (bounded report size)
 STAGING_BUFFERS = 2  # pinned buffers per sink: one being copied to the GPU while the next fills
@@ -378,8 +379,16 @@ class Trainer:
         self._reset_epoch()
 
     def _finish_validation(self) -> None:
+        reports = self._validation() if self.spec.rank == 0 else []
+        self._step_schedules({report.model: validation_loss(report.probs, report.labels) for report in reports})
         if self.spec.rank != 0:
             return
+        self._keep_states({report.model: report.accuracy for report in reports})
+        for report in reports:  # after the states: the driver may ask for a checkpoint at once
+            self.reports.send(report)
+
+    def _validation(self) -> list[ValReport]:
+        """Rank 0: each member's validation of the epoch, from its softmax batch by batch."""
         torch = self.torch
         labels = {sink: torch.cat(ys).cpu().numpy() if ys else np.zeros(0, np.int64)
                   for sink, ys in self.val_labels.items()}
@@ -393,9 +402,22 @@ class Trainer:
             reports.append(ValReport(name, self.epoch, accuracy, probs, truth))
             self.val_probs[name] = []
         self.val_labels = {sink: [] for sink in self.val_labels}
-        self._keep_states({report.model: report.accuracy for report in reports})
-        for report in reports:  # after the states: the driver may ask for a checkpoint at once
-            self.reports.send(report)
+        return reports
+
+    def _step_schedules(self, losses: dict[str, float]) -> None:
+        """The schedules that step on a metric, on their members' validation losses (rank 0's), before the
+        states after the epoch are kept: a checkpoint holds the rate its next epoch trains at."""
+        names = self.step.stepped_on_validation
+        if not names or self.spec.setup.consume_only:
+            return
+        if self.world > 1:  # a model alone on its slots: every rank steps on rank 0's loss, or their rates part
+            torch = self.torch
+            sent = torch.tensor([losses.get(name, math.nan) for name in names], dtype=torch.float64,
+                                device=self.device)
+            with self.collectives():
+                torch.distributed.broadcast(sent, src=0)
+            losses = dict(zip(names, sent.tolist()))
+        self.step.step_schedules(losses)
 
     def _keep_states(self, accuracies: dict[str, float]) -> None:
         """A copy of every member's state after this epoch: the checkpoints the driver may ask for, while the
