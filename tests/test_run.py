@@ -2,6 +2,7 @@
 shared-memory streams, DDP over gloo, results; and its errors."""
 import ast
 import contextlib
+import csv
 import json
 import math
 import os
@@ -37,11 +38,16 @@ def shm_segments(pid=None):
     return {name for name in os.listdir("/dev/shm") if name.startswith(prefixes)}
 
 
+# No epoch after the first counts as better (by 100 or more): the second epoch's validation halves the rate.
+PLATEAU = ("{_target_: torch.optim.lr_scheduler.ReduceLROnPlateau, factor: 0.5, patience: 0, threshold_mode: abs, "
+           "threshold: 100}")
+
+
 @pytest.fixture(scope="module")
 def full_run(bad_dataset, tmp_path_factory):
     """Two epochs over a dataset with bad files, and a class whose one file is corrupt (last: 005.unreadable,
     which makes 64 training files: 4 batches, each with enough rows for both DDP ranks whichever files are
-    skipped); one model on 2 slots (DDP)."""
+    skipped); one model on 2 slots (DDP), whose schedule steps on its validation loss (PLATEAU)."""
     root = tmp_path_factory.mktemp("data") / "bad"
     shutil.copytree(bad_dataset[0], root)
     (root / "005.unreadable").mkdir()
@@ -50,7 +56,8 @@ def full_run(bad_dataset, tmp_path_factory):
         unreadable.pop(kind).unlink()
     before = shm_segments(os.getpid())
     out = tmp_path_factory.mktemp("run")
-    cfg = compose_config(small(root, "trainer.epochs=2", "trainer.record_checksums=true", "ensemble.models.0.slots=2"))
+    cfg = compose_config(small(root, "trainer.epochs=2", "trainer.record_checksums=true", "ensemble.models.0.slots=2",
+                               f"+ensemble.models.0.lr_scheduler={PLATEAU}"))
     results = run(cfg, out)
     bad = {kind: root / path.relative_to(bad_dataset[0]) for kind, path in bad_dataset[1].items()}
     return results, out, bad, unreadable, before
@@ -132,6 +139,27 @@ def test_results_report_models_ensemble_stages_and_bad_files(full_run):
            "learn it" in (out / "report.html").read_text()
     converted = {c["path"] for c in results["converted"]}
     assert converted == {str(bad[k]) for k in ("grayscale", "cmyk", "png_named_jpg")}
+
+
+def test_a_data_parallel_members_schedule_steps_on_its_validation_loss_once_an_epoch(full_run):
+    """The DDP model's ReduceLROnPlateau: no training step moves its rate (both epochs train at the declared
+    one), and its schedule stepped after each validation on the loss results.json records, so that the last
+    checkpoint holds the halved rate its next epoch would train at and the first epoch's loss as the best."""
+    import torch
+
+    results, out, *_ = full_run
+    m = results["models"][0]
+    assert m["slots"] == 2 and m["lr_scheduler"]["_target_"] == "torch.optim.lr_scheduler.ReduceLROnPlateau"
+    lr = m["optimizer"]["lr"]
+    rows = [r for r in csv.DictReader((out / "tracking" / "metrics.csv").open()) if r["model"] == m["name"]]
+    assert [(r["epoch"], float(r["lr"])) for r in rows] == [("1", lr), ("2", lr)]
+    saved = torch.load(out / "checkpoints" / m["name"] / "epoch2.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(lr / 2)
+    assert saved["lr_scheduler"]["best"] == m["val_loss"][0] and saved["lr_scheduler"]["last_epoch"] == 2
+    cosine = results["models"][1]  # beside it, the default schedule stepped every training step
+    assert cosine["lr_scheduler"]["_target_"] == "pipeline.training.members.cosine"
+    assert float(next(r for r in csv.DictReader((out / "tracking" / "metrics.csv").open())
+                      if r["model"] == cosine["name"] and r["epoch"] == "2")["lr"]) < cosine["optimizer"]["lr"]
 
 
 def test_the_ensemble_a_run_leaves_predicts_files_as_the_run_validated_them(full_run, tmp_path):
