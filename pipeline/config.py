@@ -242,7 +242,7 @@ class MemberConf:
 class EnsembleConf:
     models: List[MemberConf] = field(default_factory=list)  # the ensemble's members
     optimizer: Any = None  # every member's, unless its own says otherwise: pipeline/conf/optimizer/ (sgd by default)
-    lr_scheduler: Any = None  # stepped after every training step: pipeline/conf/lr_scheduler/ (cosine by default)
+    lr_scheduler: Any = None  # stepped each training step, or each epoch on a metric: pipeline/conf/lr_scheduler/
     loss: Any = None  # pipeline/conf/loss/ (cross_entropy by default)
     grid: Dict[str, Any] = field(default_factory=dict)  # member keys -> lists of values, e.g.
     # {optimizer: {lr: [0.1, 0.01]}}: every member that has the keys trains once per combination
