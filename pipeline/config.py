@@ -220,7 +220,7 @@ class TimeoutsConf:
     stop_s: float = 10  # a stop (Ctrl-C, SIGTERM, ...): the last epochs' checkpoints and the close take at most this
     warn_s: float = 60  # a wait without progress this long says what it waits for (once)
     stall_s: float = 600  # ...and fails this long without progress: no batch task result, no batch published
-    collective_s: float = 900  # an exchange between hubs or a DDP all-reduce not done in this long fails
+    collective_s: float = 900  # an exchange between hubs or a DDP collective not done in this long fails
     host_s: float = 30  # a node agent's host (or the driver's, seen from an agent) silent this long is lost
 
 

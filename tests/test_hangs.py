@@ -85,7 +85,7 @@ def test_a_collective_a_peer_never_joins_fails_naming_it_and_the_timeout_key():
                               "not complete in 2 s (timeouts.collective_s)"), message
     assert COLLECTIVE_S <= waited < COLLECTIVE_S + 5
     message, waited = outcome["ddp"]
-    assert message.startswith("HangError: a DDP all-reduce of group m's data-parallel process group (rank 0 of 2) "
+    assert message.startswith("HangError: a DDP collective of group m's data-parallel process group (rank 0 of 2) "
                               "did not complete in 2 s (timeouts.collective_s)"), message
     assert COLLECTIVE_S <= waited < COLLECTIVE_S + 5
 

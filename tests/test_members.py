@@ -171,6 +171,7 @@ def warmup_cosine(optimizer, total_steps: int, warmup: int = 2):
     {"_target_": "tests.test_members.warmup_cosine", "_partial_": True, "warmup": 1},
     {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "_partial_": True, "max_lr": 0.1},
     {"_target_": "torch.optim.lr_scheduler.CosineAnnealingWarmRestarts", "_partial_": True, "T_0": 10},
+    {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True},  # stepped on a loss
 ])
 def test_a_schedule_is_stepped_dry_over_the_run_s_steps_and_says_nothing(schedule):
     """The dry step builds a schedule over the run's steps (at 1 step, the warm-up's cosine would have none and

@@ -668,6 +668,44 @@ def test_a_data_parallel_step_on_an_uneven_batch_weighs_every_image_as_one_proce
     assert not all(np.allclose(got[False][key], tensor, rtol=1e-5, atol=1e-6) for key, tensor in expected.items())
 
 
+def test_a_schedule_on_a_metric_steps_after_validation_before_the_epochs_state_is_kept(tmp_path):
+    """A ReduceLROnPlateau member beside a cosine one, in one process: each validation steps its schedule on
+    its loss, before the epoch's state is kept, so the checkpoint of the epoch whose loss did not improve
+    holds the cut rate, which a trainer resumed from it trains at; the cosine member's rate is training's."""
+    from dataclasses import replace
+
+    plateau = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True, "factor": 0.5,
+               "patience": 0}
+    group = GroupSpec("g", (replace(model("p"), lr_scheduler=plateau), model("c")))
+    pipe, reports = Pipe(), Reports()
+    trainer = Trainer(trainer_spec(group, tmp_path), reports, pipe)
+    images, labels = batch()
+    cosine_rates = []
+    for right in (0.9, 0.4):  # the true class's probability: the loss rises in the second epoch
+        trainer.step.train({"main": (trainer.step.normalise(images), torch.from_numpy(labels))})
+        cosine_rates.append(trainer.step.rate("c"))
+        probs = torch.full((8, 3), (1 - right) / 2)
+        probs[torch.arange(8), torch.from_numpy(labels)] = right
+        for name in trainer.members:
+            trainer.val_probs[name] = [probs]
+        trainer.val_labels["main"] = [torch.from_numpy(labels)]
+        trainer._finish_validation()
+        trainer.epoch += 1
+    assert [type(r).__name__ for r in drain(reports)] == ["ValReport"] * 4
+    assert trainer.step.rate("p") == pytest.approx(0.05)
+    assert cosine_rates[0] < 0.1 and cosine_rates[1] < cosine_rates[0]  # stepped by training, not validation
+    pipe.sent.append(SaveCheckpoint(("p", "c"), 2))
+    trainer._obey()
+    trainer.written(wait=True)
+    saved = torch.load(tmp_path / "p" / "epoch2.pt", weights_only=True)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05)
+    resumed = Trainer(trainer_spec(group, tmp_path, start=2), Reports())
+    assert resumed.step.rate("p") == pytest.approx(0.05)
+    assert resumed.step.rate("c") == pytest.approx(cosine_rates[1])
+    trainer.writer.shutdown()
+    resumed.writer.shutdown()
+
+
 def _plateau_rank(rank: int, address: str, checkpoints, results) -> None:
     """One rank of a model on 2 slots whose schedule steps on its validation loss: two epochs' validation
     (rank 0's probabilities, the second epoch's worse); each rank puts its rate after each."""

@@ -255,7 +255,7 @@ def join_process_group(rendezvous: str, rank: int, world: int, device, timeout_s
 
     what = f"group {name}'s data-parallel process group"
     init_process_group(rendezvous, rank, world, str(device), timeout_s, what)
-    return functools.partial(completes, f"a DDP all-reduce of {what} (rank {rank} of {world})", timeout_s)
+    return functools.partial(completes, f"a DDP collective of {what} (rank {rank} of {world})", timeout_s)
 
 
 class _OneOptimizer:

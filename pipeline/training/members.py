@@ -272,7 +272,9 @@ def _step_as_training_does(schedule) -> None:
                         "training step with no argument, or once an epoch with the member's validation loss; "
                         "declare one that counts steps (torch.optim.lr_scheduler.StepLR, OneCycleLR, the "
                         "built-in cosine) or one that steps on a metric (ReduceLROnPlateau)")
-    if needs and getattr(schedule, "mode", "min") != "min":
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+
+    if isinstance(schedule, ReduceLROnPlateau) and schedule.mode != "min":
         raise ValueError(f"mode={schedule.mode!r}, but it is stepped on the member's validation loss, which falls "
                          "as the member improves: give mode: min (the default)")
     with warnings.catch_warnings():  # (no optimiser step comes first here, as one does in training)

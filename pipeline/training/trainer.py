@@ -61,7 +61,7 @@ class TrainingSetup:
     checkpoint_dir: Path
     record_checksums: bool
     consume_only: bool  # take each batch (one copy, as a real step's device transfer) and train nothing
-    collective_s: float  # timeouts.collective_s: a DDP all-reduce not done in this long fails, naming it
+    collective_s: float  # timeouts.collective_s: a DDP collective not done in this long fails, naming it
 
 
 @dataclass(frozen=True, kw_only=True)
