@@ -615,6 +615,27 @@ def _odd_batch():
     return torch.randn(5, 3, 8, 8, generator=generator), torch.tensor([0, 1, 2, 0, 1])
 
 
+def _on_two_ranks(target, *args, replies: int = 1) -> list:
+    """`target(rank, address, *args, results)` in two spawned processes that meet at one address: the first
+    `replies` things they put in `results`."""
+    from pipeline.delivery.collective import LocalRendezvous
+
+    context = mp.get_context("spawn")
+    rendezvous, results = LocalRendezvous(), context.Queue()
+    address = rendezvous.next()
+    ranks = [context.Process(target=target, args=(rank, address, *args, results), daemon=True) for rank in (0, 1)]
+    try:
+        for process in ranks:
+            process.start()
+        return [results.get(timeout=120) for _ in range(replies)]
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+        rendezvous.close()
+
+
 def _ddp_rank(rank: int, address: str, weighted: bool, results) -> None:
     """One rank of a model on 2 slots: one step on its rows of a batch of 5 (3 and 2), as the trainer
     weighs them (or not); rank 0 puts the weights it ends with."""
@@ -640,28 +661,12 @@ def test_a_data_parallel_step_on_an_uneven_batch_weighs_every_image_as_one_proce
     over an even share, DDP's average of the ranks' gradients is one process's gradient on the 5: the
     weights after a step are the same. DDP's plain average weighed rank 1's images 1/4 each and rank 0's
     1/6 (and every batch of 64 on 3 slots so)."""
-    from pipeline.delivery.collective import LocalRendezvous
-
     alone = GroupStep(GroupSpec("m", (_plain(1),)), 3, {"main": 8}, "cpu", 10)
     alone.train({"main": _odd_batch()})
     expected = {key: tensor.numpy() for key, tensor in alone.state("m")["model"].items()}
-    context = mp.get_context("spawn")
     got = {}
     for weighted in (True, False):
-        rendezvous, results = LocalRendezvous(), context.Queue()
-        address = rendezvous.next()
-        ranks = [context.Process(target=_ddp_rank, args=(rank, address, weighted, results), daemon=True)
-                 for rank in (0, 1)]
-        try:
-            for process in ranks:
-                process.start()
-            got[weighted] = results.get(timeout=120)
-        finally:
-            for process in ranks:
-                process.join(30)
-                if process.is_alive():
-                    process.kill()
-            rendezvous.close()
+        (got[weighted],) = _on_two_ranks(_ddp_rank, weighted)
         assert isinstance(got[weighted], dict), got[weighted]
     for key, tensor in expected.items():
         np.testing.assert_allclose(got[True][key], tensor, rtol=1e-5, atol=1e-6, err_msg=key)
@@ -736,21 +741,5 @@ def _plateau_rank(rank: int, address: str, checkpoints, results) -> None:
 def test_a_data_parallel_models_schedule_on_a_metric_steps_alike_on_every_rank(tmp_path):
     """ReduceLROnPlateau on a model on 2 slots: only rank 0 validates, and every rank steps its schedule on
     rank 0's validation loss, so the ranks keep one rate (rank 1 stepping on no loss kept the first)."""
-    from pipeline.delivery.collective import LocalRendezvous
-
-    context = mp.get_context("spawn")
-    rendezvous, results = LocalRendezvous(), context.Queue()
-    address = rendezvous.next()
-    ranks = [context.Process(target=_plateau_rank, args=(rank, address, tmp_path, results), daemon=True)
-             for rank in (0, 1)]
-    try:
-        for process in ranks:
-            process.start()
-        got = dict(results.get(timeout=120) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
-        rendezvous.close()
+    got = dict(_on_two_ranks(_plateau_rank, tmp_path, replies=2))
     assert got == {0: [0.5, 0.25], 1: [0.5, 0.25]}
