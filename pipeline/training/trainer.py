@@ -380,7 +380,7 @@ class Trainer:
 
     def _finish_validation(self) -> None:
         reports = self._validation() if self.spec.rank == 0 else []
-        self._step_schedules({report.model: validation_loss(report.probs, report.labels) for report in reports})
+        self._step_schedules(reports)
         if self.spec.rank != 0:
             return
         self._keep_states({report.model: report.accuracy for report in reports})
@@ -404,12 +404,13 @@ class Trainer:
         self.val_labels = {sink: [] for sink in self.val_labels}
         return reports
 
-    def _step_schedules(self, losses: dict[str, float]) -> None:
-        """The schedules that step on a metric, on their members' validation losses (rank 0's), before the
-        states after the epoch are kept: a checkpoint holds the rate its next epoch trains at."""
+    def _step_schedules(self, reports: list[ValReport]) -> None:
+        """The schedules that step on a metric, on their members' validation losses (from rank 0's `reports`),
+        before the states after the epoch are kept: a checkpoint holds the rate its next epoch trains at."""
         names = self.step.stepped_on_validation
         if not names or self.spec.setup.consume_only:
             return
+        losses = {r.model: validation_loss(r.probs, r.labels) for r in reports if r.model in names}
         if self.world > 1:  # a model alone on its slots: every rank steps on rank 0's loss, or their rates part
             torch = self.torch
             sent = torch.tensor([losses.get(name, math.nan) for name in names], dtype=torch.float64,
