@@ -1,6 +1,7 @@
-"""Source stage: an ImageFolder tree (Caltech256 layout) read batch by batch."""
+"""Source stage: an ImageFolder tree (Caltech256 layout), or a CSV file listing images, read batch by batch."""
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import math
@@ -22,6 +23,10 @@ VAL_FOLDERS = ("val", "valid", "validation")
 # the hidden files of other systems are not (it took a validation place, then was skipped every epoch)
 SYSTEM_FILES = frozenset({"thumbs.db", "ehthumbs.db", "ehthumbs_vista.db", "desktop.ini"})
 DEFAULT_VAL_PER_CLASS = 0.1  # the split of a dataset that declares none
+# A dataset listed in a CSV file (dataset.root=<file>.csv): the columns its header names; others are not read
+MANIFEST_SUFFIX = ".csv"
+MANIFEST_COLUMNS = ("path", "label")  # the image (relative to the file's folder, or absolute), its class's name
+SPLIT_COLUMN = "split"  # optional: train or val (as the folders of a split dataset are named); other rows not read
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,16 @@ class SplitChoice:
     """Which images validate, and where that was chosen: a sentence in the run's first line and in errors
     (str), an object in results.json's dataset.split (`summary`)."""
 
-    source: str  # "dataset.val_per_class", "default", the dataset's split.json (its path) or "folders"
-    val_per_class: float | None = None  # a fraction if < 1, else a count; None when split in folders
+    source: str  # "dataset.val_per_class", "default", the dataset's split.json (its path), "folders" or "column"
+    val_per_class: float | None = None  # a fraction if < 1, else a count; None when split in folders or a column
     folders: tuple[str, str] | None = None  # (train, val)'s names, when split in folders
+    manifest: str | None = None  # the CSV file whose split column chose
 
     def __str__(self) -> str:
         if self.folders:
             return f"the dataset's own {self.folders[0]}/ and {self.folders[1]}/ folders"
+        if self.manifest:
+            return f"the {SPLIT_COLUMN} column of {self.manifest}"
         value = f"val_per_class={self.val_per_class:g}"
         if self.source == "default":
             return f"the default {value}"
@@ -50,13 +58,15 @@ class SplitChoice:
 @dataclass
 class ImageFolder(Stage):
     """Class folders of images (`001.ak47/001_0001.jpg`) with a fixed per-class
-    train/val split, or a dataset split in folders (`train/n01440764/...`,
-    `val/n01440764/...`); training batches reshuffled every epoch by seed.
+    train/val split, a dataset split in folders (`train/n01440764/...`,
+    `val/n01440764/...`), or a CSV file listing its images (`path,label[,split]`:
+    split per class as class folders are, or by its split column as folders);
+    training batches reshuffled every epoch by seed.
 
     A split that leaves a class fewer than 2 training images, or fewer training
     than validation images, is an error naming the class and the fix."""
 
-    root: str  # dataset folder holding one sub-folder per class, or train/ and val/ folders of them
+    root: str  # dataset folder holding one sub-folder per class, or train/ and val/ folders of them; or a CSV file
     batch_size: int  # images per batch (the last batch of a split may be smaller)
     val_per_class: float | None = None  # validation images per class: a fraction if < 1, else a count;
     # None: the dataset's own split, its train/ and val/ folders or <root>/split.json (the synthetic stand-in
@@ -72,6 +82,8 @@ class ImageFolder(Stage):
     split: SplitChoice = field(init=False, default=SplitChoice("default", DEFAULT_VAL_PER_CLASS))
     # Folders inside class folders (relative to root; Caltech-256's 056.dog/greg): not read, said at the start
     unread: list[str] = field(init=False, default_factory=list)
+    # A CSV file's rows of other splits (test), by split: not read, said at the start
+    unread_rows: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -83,15 +95,18 @@ class ImageFolder(Stage):
 
     @property
     def prefix(self) -> str:
-        """How every file path of the dataset begins (its folder and a separator): what a path inside it is
-        relative to."""
-        return os.path.join(str(Path(self.root)), "")
+        """How every file path of the dataset begins: what a path inside it is relative to."""
+        return dataset_folder(self.root)
 
     def _scan(self) -> None:
         root = Path(self.root)
+        if is_manifest(root):
+            self._scan_manifest(root)
+            return
         if not root.is_dir():
             raise StageError(f"dataset root {root} does not exist; set dataset.root to an ImageFolder tree "
-                             "(one sub-folder per class) or dataset.synthetic=auto to generate a stand-in")
+                             "(one sub-folder per class) or a CSV file listing the images, or "
+                             "dataset.synthetic=auto to generate a stand-in")
         try:
             folders = _split_folders(root)
             if folders:
@@ -113,6 +128,10 @@ class ImageFolder(Stage):
         self.split = self._choose_split(root)
         classes = self._class_files(root)
         _check_no_empty_class(root, classes)
+        self._split_per_class(classes)
+
+    def _split_per_class(self, classes: dict[str, list[str]]) -> None:
+        """`classes`' files (by class, in label order; each class's paths sorted) split by self.split."""
         self.class_names = list(classes)
         counts = [self._val_count(len(paths)) for paths in classes.values()]
         self._check_split(list(classes.values()), counts)
@@ -145,18 +164,51 @@ class ImageFolder(Stage):
         self.files = {Split.TRAIN: [(path, labels[name]) for name, paths in trained.items() for path in paths],
                       Split.VAL: [(path, labels[name]) for name, paths in validated.items() for path in paths]}
 
+    def _scan_manifest(self, manifest: Path) -> None:
+        """A CSV file listing the images (MANIFEST_COLUMNS, and SPLIT_COLUMN if the file splits them itself):
+        without a split column, split per class as a folder of classes is (by val_per_class, else 0.1); with
+        one, as a dataset split in folders (its classes are the training rows')."""
+        rows, has_split = manifest_rows(manifest)
+        by_split: dict[str, dict[str, list[str]]] = {}
+        for path, label, split in rows:
+            by_split.setdefault(split, {}).setdefault(label, []).append(path)
+        if not has_split:
+            self.split = self._choose_split(None)
+            self._split_per_class(_in_label_order(by_split[""]))
+            return
+        if self.val_per_class is not None:
+            raise StageError(f"dataset.root {manifest}: splits its images in its {SPLIT_COLUMN} column; remove "
+                             f"dataset.val_per_class={self.val_per_class:g}, or remove that column to split each "
+                             "class by it instead")
+        train, val = by_split.pop(Split.TRAIN.value, {}), by_split.pop(Split.VAL.value, {})
+        if not train:
+            raise StageError(f"dataset.root {manifest}: lists no image whose {SPLIT_COLUMN} is {' or '.join(TRAIN_FOLDERS)}: "
+                             "nothing to train on; mark the training rows so")
+        unknown = sorted(set(val) - set(train))
+        if unknown:
+            raise StageError(f"dataset.root {manifest}: class(es) {', '.join(unknown[:5])} have validation rows but none to "
+                             "train on; add their training rows or remove their validation rows")
+        self.split = SplitChoice("column", manifest=str(manifest))
+        train = _in_label_order(train)
+        self.class_names = list(train)
+        self.files = {Split.TRAIN: [(path, label) for label, paths in enumerate(train.values()) for path in paths],
+                      Split.VAL: [(path, label) for label, name in enumerate(self.class_names)
+                                  for path in sorted(val.get(name, []))]}
+        self.unread_rows = {split: sum(map(len, classes.values())) for split, classes in sorted(by_split.items())}
+
     def _class_files(self, folder: Path) -> dict[str, list[str]]:
         """class_files(folder), its folders inside class folders listed in `unread`."""
         classes, nested = class_files(folder)
         self.unread += [os.path.relpath(path, self.root) for path in nested]
         return classes
 
-    def _choose_split(self, root: Path) -> SplitChoice:
-        """val_per_class if given, else the one the dataset declares in its SPLIT_FILE, else 0.1."""
+    def _choose_split(self, root: Path | None) -> SplitChoice:
+        """val_per_class if given, else the one the dataset's folder `root` declares in its SPLIT_FILE (none
+        for a CSV file), else 0.1."""
         if self.val_per_class is not None:
             return SplitChoice("dataset.val_per_class", self.val_per_class)
-        declared = root / SPLIT_FILE
-        if not declared.is_file():
+        declared = root / SPLIT_FILE if root else None
+        if declared is None or not declared.is_file():
             return SplitChoice("default", DEFAULT_VAL_PER_CLASS)
         try:
             value = json.loads(declared.read_text())["val_per_class"]
@@ -254,6 +306,87 @@ def class_files(folder: Path) -> tuple[dict[str, list[str]], list[str]]:
             entry.is_symlink() and not entry.is_dir()))  # a link to nothing: neither file nor folder
         nested += sorted(entry.path for entry in entries if entry.is_dir())
     return classes, nested
+
+
+def is_manifest(root: Path) -> bool:
+    """A dataset.root that names a CSV file listing the images (rather than a folder of them)."""
+    return root.suffix.lower() == MANIFEST_SUFFIX and not root.is_dir()
+
+
+def dataset_folder(root: str) -> str:
+    """The folder of a dataset.root (a CSV file's own folder) and a separator: what the paths of its images
+    are relative to (ctx.root: a stage's per-image randomness does not depend on where the dataset lies)."""
+    path = Path(root)
+    return os.path.join(str(path.parent if is_manifest(path) else path), "")
+
+
+def manifest_rows(manifest: Path) -> tuple[list[tuple[str, str, str]], bool]:
+    """A dataset CSV file's (path, label, split) rows, paths made absolute from the file's folder, split
+    Split.TRAIN's or Split.VAL's value for the names of TRAIN_FOLDERS and VAL_FOLDERS, "" without a split
+    column, else the name given, lowercased; and whether it has one. A UTF-8 file (Excel's byte-order mark
+    allowed), its first line the header. A row it cannot use (a field missing or empty, more fields than
+    the header, a path listed twice, no such file) is an error naming its line: no image is dropped unsaid."""
+    def error(why: str) -> StageError:
+        return StageError(f"dataset.root {manifest}: {why}")
+
+    folder = manifest.parent
+    rows, lines = [], {}
+    try:
+        with open(manifest, newline="", encoding="utf-8-sig") as file:
+            reader = csv.reader(file)
+            header = [name.strip().lower() for name in next(reader, [])]
+            missing = [name for name in MANIFEST_COLUMNS if name not in header]
+            if missing:
+                raise error(f"its header ({','.join(header) or 'an empty first line'}) names no "
+                            f"{' or '.join(missing)} column; its first line must name the columns path (the "
+                            f"image file, relative to the CSV file's folder), label (its class) and optionally "
+                            f"{SPLIT_COLUMN} ({TRAIN_FOLDERS[0]} or {VAL_FOLDERS[0]})")
+            has_split = SPLIT_COLUMN in header
+            columns = [header.index(name) for name in (*MANIFEST_COLUMNS, SPLIT_COLUMN) if name in header]
+            for fields in reader:
+                line = reader.line_num
+                if not any(field.strip() for field in fields):
+                    continue  # a blank line (an editor's last one)
+                if len(fields) > len(header):
+                    raise error(f"line {line} has {len(fields)} fields, its header {len(header)}; quote a field "
+                                'that holds a comma ("a,b.jpg")')
+                values = [fields[i].strip() if i < len(fields) else "" for i in columns]
+                empty = [name for name, value in zip((*MANIFEST_COLUMNS, SPLIT_COLUMN), values) if not value]
+                if empty:
+                    raise error(f"line {line} gives no {' or '.join(empty)}; give every image its "
+                                f"{', '.join(name for name in header if name in (*MANIFEST_COLUMNS, SPLIT_COLUMN))}"
+                                " or remove the line")
+                path = os.path.normpath(os.path.join(folder, values[0]))
+                if path in lines:
+                    raise error(f"lines {lines[path]} and {line} both list {values[0]}; list each image once")
+                lines[path] = line
+                split = values[2].lower() if has_split else ""
+                split = (Split.TRAIN.value if split in TRAIN_FOLDERS else Split.VAL.value if split in VAL_FOLDERS
+                         else split)
+                rows.append((path, values[1], split))
+    except FileNotFoundError:
+        raise error("no such file; set dataset.root to the CSV file listing the images, or to a folder of "
+                    "class folders") from None
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise error(f"not a UTF-8 CSV file ({type(err).__name__}: {err}); save it as CSV (UTF-8)") from None
+    except PermissionError as err:
+        raise error(f"this user may not read it ({err.strerror}); give it read access (chmod a+r)") from None
+    if not rows:
+        raise error("lists no images below its header; add a line per image (path,label)")
+    absent = [path for path, _, _ in rows if not os.path.isfile(path)]
+    if absent:  # found now, not as a read fails mid-epoch
+        named = ", ".join(f"{os.path.relpath(path, folder)} (line {lines[path]})" for path in absent[:3])
+        raise error(f"{len(absent)} of its {len(rows)} images are not there: {named}; paths are relative to "
+                    f"{folder}: fix them, or remove their lines")
+    return rows, has_split
+
+
+def _in_label_order(classes: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Classes in label order, each one's paths sorted: by name, or by number where every name is a whole
+    number (labels 0, 1, ..., 10 stay the outputs they name)."""
+    numbered = all(name.isdecimal() for name in classes)
+    return {name: sorted(classes[name]) for name in sorted(classes, key=lambda name: (int(name), name) if numbered
+                                                             else name)}
 
 
 def hidden(name: str) -> bool:

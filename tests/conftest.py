@@ -36,6 +36,20 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_manifest(tiny_dataset, tmp_path_factory) -> Path:
+    """tiny_dataset's images listed in a CSV file elsewhere (paths relative to its folder), split by its
+    split column: of each class, 1 test, 3 val and 12 train images."""
+    manifest = tmp_path_factory.mktemp("listed") / "images.csv"
+    lines = ["path,label,split"]
+    for folder in sorted(path for path in tiny_dataset.iterdir() if path.is_dir()):
+        for index, image in enumerate(sorted(folder.iterdir())):
+            split = "test" if index == 0 else "val" if index <= 3 else "train"
+            lines.append(f"{os.path.relpath(image, manifest.parent)},{folder.name},{split}")
+    manifest.write_text("\n".join(lines) + "\n")
+    return manifest
+
+
+@pytest.fixture(scope="session")
 def bad_dataset(tiny_dataset, tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     """The tiny dataset plus one troublesome file of each kind in class 1."""
     root = tmp_path_factory.mktemp("data") / "bad"

@@ -252,6 +252,105 @@ def test_classes_called_train_and_val_are_one_folder_of_classes(tmp_path):
     assert source.class_names == ["train", "val"] and source.num_items(Split.VAL) == 2
 
 
+def _listed(tiny_dataset, manifest: Path, header="path,label", extra=lambda path: "") -> None:
+    """tiny_dataset's images in the CSV file `manifest`, paths relative to its folder, labels their folders'."""
+    lines = [header] + [f"{os.path.relpath(path, manifest.parent)},{path.parent.name}{extra(path)}"
+                        for path in sorted(tiny_dataset.glob("*/*.jpg"))]
+    manifest.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("val_per_class", [None, 0.25])
+def test_a_csv_file_without_a_split_column_splits_and_reads_its_images_as_their_folder_does(
+        tiny_dataset, tmp_path, val_per_class):
+    """dataset.root=<file>.csv listing a folder of classes' images: the same classes, split and batches."""
+    manifest = tmp_path / "images.csv"
+    _listed(tiny_dataset, manifest)
+    listed = ImageFolder(root=str(manifest), batch_size=8, val_per_class=val_per_class)
+    folder = ImageFolder(root=str(tiny_dataset), batch_size=8, val_per_class=val_per_class)
+    assert listed.class_names == folder.class_names and listed.files == folder.files
+    assert listed.split == folder.split and listed.unread_rows == {}
+    assert listed.prefix == f"{tmp_path}/"  # what its paths are relative to
+    batch = folder(None, ctx())
+    assert listed(None, ctx()).paths == batch.paths and len(batch.data) == 8
+
+
+def test_a_csv_file_with_a_split_column_trains_and_validates_on_its_rows(tiny_manifest):
+    source = ImageFolder(root=str(tiny_manifest), batch_size=8)
+    assert str(source.split) == f"the split column of {tiny_manifest}"
+    assert source.split.summary() == {"source": "column", "manifest": str(tiny_manifest)}
+    assert source.num_items(Split.TRAIN) == 4 * 12 and source.num_items(Split.VAL) == 4 * 3
+    assert source.unread_rows == {"test": 4}
+    rows = [line.split(",") for line in tiny_manifest.read_text().splitlines()[1:]]
+    for split in Split:
+        expected = sorted((os.path.normpath(tiny_manifest.parent / path), source.class_names.index(label))
+                          for path, label, given in rows if given == split.value)
+        assert sorted(source.files[split]) == expected
+    batch = source(None, ctx(split=Split.VAL))
+    assert batch.paths == [path for path, _ in source.files[Split.VAL][:8]] and len(batch.data) == 8
+    with pytest.raises(StageError, match=rf"^dataset.root {tiny_manifest}: splits its images in its split column; remove "
+                                         r"dataset.val_per_class=0.2, or remove that column"):
+        ImageFolder(root=str(tiny_manifest), batch_size=8, val_per_class=0.2)
+
+
+def test_a_csv_file_as_spreadsheets_save_it_is_read(tiny_dataset, tmp_path):
+    """Excel's "CSV UTF-8": a byte-order mark, CRLF line ends, its own capitalisation of the header, columns
+    the run does not read (one quoted, holding commas), Validation and Train as split names, a blank last
+    line; labels that are numbers are ordered as numbers (class 10 after class 2)."""
+    folders = sorted(path.name for path in tiny_dataset.iterdir() if path.is_dir())
+    labels = dict(zip(folders, ("2", "10", "1", "3")))
+    lines = ["Notes,Label,Path,Split"]
+    for index, path in enumerate(sorted(tiny_dataset.glob("*/*.jpg"))):
+        lines.append(f'"seen, once",{labels[path.parent.name]},{path},{"Validation" if index % 4 == 0 else "Train"}')
+    manifest = tmp_path / "Export.CSV"
+    manifest.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines + ["", ""]).encode())
+    source = ImageFolder(root=str(manifest), batch_size=8)
+    assert source.class_names == ["1", "2", "3", "10"]
+    assert source.num_items(Split.TRAIN) == 48 and source.num_items(Split.VAL) == 16
+    for split in Split:  # absolute paths as given, each with its folder's label
+        assert all(source.class_names[label] == labels[Path(path).parent.name] for path, label in source.files[split])
+
+
+@pytest.mark.parametrize("text, error", [
+    ("path,class\na.jpg,x\n", r"its header \(path,class\) names no label column; its first line must name the "
+                              r"columns path \(the image file, relative to the CSV file's folder\), label"),
+    ("", r"its header \(an empty first line\) names no path or label column"),
+    ("path,label\n", r"lists no images below its header; add a line per image \(path,label\)"),
+    ("path,label\n{a},x\n{b},\n", r"line 3 gives no label; give every image its path, label or remove the line"),
+    ("path,label\n{a},x,y\n", r"line 2 has 3 fields, its header 2; quote a field that holds a comma"),
+    ("path,label\n{a},x\n\n./{a},y\n", r"lines 2 and 4 both list ./a.jpg; list each image once"),
+    ("path,label\n{a},x\n{b},x\nmissing.jpg,x\n", r"1 of its 3 images are not there: missing.jpg \(line 4\); paths "
+                                                  r"are relative to {folder}: fix them, or remove their lines"),
+    ("path,label,split\n{a},x,val\n{b},y,train\n", r"class\(es\) x have validation rows but none to train on"),
+    ("path,label,split\n{a},x,val\n{b},x,test\n", r"lists no image whose split is train or training: nothing to "
+                                                  r"train on"),
+    (b"path,label\n{a},caf\xe9\n", r"not a UTF-8 CSV file \(UnicodeDecodeError: .*\); save it as CSV \(UTF-8\)"),
+])
+def test_a_csv_file_the_run_cannot_use_is_an_error_naming_it_its_line_and_the_fix(tmp_path, text, error):
+    for name in ("a.jpg", "b.jpg"):
+        (tmp_path / name).write_bytes(b"x")
+    manifest = tmp_path / "images.csv"
+    fill = dict(a="a.jpg", b="b.jpg")
+    if isinstance(text, bytes):
+        manifest.write_bytes(text.replace(b"{a}", b"a.jpg"))
+    else:
+        manifest.write_text(text.format(**fill))
+    with pytest.raises(StageError, match=rf"^dataset.root {re.escape(str(manifest))}: "
+                                         rf"{error.format(folder=re.escape(str(tmp_path)))}"):
+        ImageFolder(root=str(manifest), batch_size=8)
+
+
+def test_a_csv_root_that_is_not_there_is_an_error_and_no_stand_in_is_made_there(tmp_path):
+    from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
+
+    manifest = tmp_path / "images.csv"
+    with pytest.raises(StageError, match=rf"^dataset.root {manifest}: no such file; set dataset.root to the CSV"):
+        ImageFolder(root=str(manifest), batch_size=8)
+    with pytest.raises(DatasetError, match=rf"^dataset.root {manifest}: no such file; set dataset.root to the "
+                                           r"CSV file listing the images \(path,label\[,split\]\)"):
+        prepare_dataset(str(manifest), Synthetic.auto, 3, 4, 0.0)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_training_order_changes_with_epoch_and_seed_but_not_otherwise(source):
     order = lambda epoch, seed: source.order(Split.TRAIN, epoch, seed).tolist()
     assert order(0, 0) == order(0, 0)

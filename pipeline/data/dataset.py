@@ -1,5 +1,6 @@
 """Finds the dataset a run trains on, generating the synthetic stand-in when
-the configured root holds nothing (dataset.synthetic=auto)."""
+the configured root holds nothing (dataset.synthetic=auto); a root that names
+a CSV file listing the images is read as it is."""
 from __future__ import annotations
 
 import enum
@@ -17,6 +18,7 @@ from hydra.utils import to_absolute_path
 
 from pipeline.data.synthetic import generate_imagefolder, read_marker
 from pipeline.runtime.errors import UserError
+from stages.read import is_manifest
 
 
 class Synthetic(enum.StrEnum):
@@ -50,6 +52,11 @@ STAND_IN_SEED = 0  # the stand-in is one dataset per dataset.synthetic_* values,
 def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_class: int,
                     difficulty: float) -> DatasetInfo:
     path = Path(to_absolute_path(root))
+    if is_manifest(path):  # a file the user wrote: never a stand-in's place
+        if not path.is_file():
+            raise DatasetError(f"dataset.root {path}: no such file; set dataset.root to the CSV file listing the "
+                               "images (path,label[,split]), or to a folder of class folders")
+        return DatasetInfo(path, False, False)
     try:
         empty = not path.exists() or (path.is_dir() and not any(path.iterdir()))
         marker = read_marker(path) if path.is_dir() else None
@@ -59,7 +66,8 @@ def prepare_dataset(root: str, synthetic: Synthetic, classes: int, images_per_cl
     if synthetic == Synthetic.never:
         if empty:
             raise DatasetError(f"dataset.root {path} is missing or empty; point dataset.root at an ImageFolder "
-                               "tree (one sub-folder per class, e.g. 256_ObjectCategories) or set "
+                               "tree (one sub-folder per class, e.g. 256_ObjectCategories) or a CSV file listing "
+                               "the images, or set "
                                "dataset.synthetic=auto to generate a stand-in there")
     if not empty and marker is None:
         return DatasetInfo(path, False, False)  # real data

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,7 @@ import numpy as np
 from pipeline.runtime.errors import UserError
 from stages.base import BadFileError, Batch, BatchContext, DataKind, Role, Spec, Split, Stage, StageError
 from stages.cache import Cache, stored_bytes
-from stages.read import ImageFolder, read_files
+from stages.read import ImageFolder, dataset_folder, read_files
 
 CONFIG_ROOT = "pipeline.stages"
 RESERVED = ("_target_", "inputs")
@@ -267,7 +266,7 @@ def _where(name: str, stage: Stage, making: str) -> str:
 
 def file_preprocessing(stages_cfg: dict[str, dict[str, Any]], seed: int, root: str) -> FilePreprocessing:
     """`pipeline.stages` of a run that built them (its results.json `config`), but the source, which is
-    not built: its dataset need not be there. `seed` and `root`: the run's seed and dataset folder."""
+    not built: its dataset need not be there. `seed` and `root`: the run's seed and dataset.root."""
     try:
         targets = {name: _stage_class(entry["_target_"], f"{CONFIG_ROOT}.{name}")
                    for name, entry in stages_cfg.items()}
@@ -280,7 +279,7 @@ def file_preprocessing(stages_cfg: dict[str, dict[str, Any]], seed: int, root: s
     stages = {name: _instantiate(name, stages_cfg[name]) for name in order}
     _tell_consumer_needs({name: stages[name] for name in reversed(order)}, inputs)
     sinks = [name for name in order if targets[name].role is Role.SINK]
-    return FilePreprocessing(stages, inputs, source, sinks, seed, os.path.join(root, ""))
+    return FilePreprocessing(stages, inputs, source, sinks, seed, dataset_folder(root))
 
 
 def _instantiate(name: str, entry: dict[str, Any]) -> Stage:
