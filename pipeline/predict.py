@@ -31,8 +31,8 @@ from pipeline.runtime.errors import UserError
 from pipeline.training.group import Precision, autocast, autocast_dtype, normalise, training_memory_format
 from pipeline.training.members import ModelSpec, build_module
 from pipeline.training.trainer import checkpoint_path, saved_epochs
-from stages.base import BadFileError, OnError
-from stages.read import class_files, hidden
+from stages.base import BadFileError, OnError, Split, StageError
+from stages.read import class_files, hidden, is_manifest, manifest_rows
 
 CHECKPOINTS = ("best", "last")
 
@@ -70,7 +70,7 @@ class Evaluation:
     member_accuracy: dict[str, float]
     skipped: dict[str, str]  # each file that could not be used (on_error="skip"): why
     unread: list[str]  # files beside the class folders, folders inside them: not read
-    in_dataset: bool  # the folder lies in the run's dataset, whose files trained or validated it: not held out
+    in_dataset: bool  # the folder holds files the run trained or validated on (_read_by_run): not held out
 
 
 @dataclass
@@ -80,6 +80,7 @@ class TrainedEnsemble:
     left_out: dict[str, str]  # members given up before they had the checkpoint asked for: why each is not here
     checkpoint: str  # which of each member's checkpoints: "best" or "last"
     preprocessing: FilePreprocessing
+    dataset: str  # the run's dataset.root: a folder, or a CSV file listing its images
     device: object  # torch.device
     precision: Precision  # the run's trainer.precision: its validation's autocast
 
@@ -151,12 +152,25 @@ class TrainedEnsemble:
         counts = np.bincount(expected, minlength=len(labels))
         with os.scandir(root) as entries:
             beside = sorted(entry.path for entry in entries if not entry.is_dir() and not hidden(entry.name))
-        dataset = os.path.join(os.path.realpath(self.preprocessing.root), "")
         return Evaluation(str(root), {name: int(counts[labels[name]]) for name in classes if counts[labels[name]]},
                           accuracy(predictions.probabilities),
                           {name: accuracy(p) for name, p in predictions.members.items()},
                           predictions.skipped, beside + unread,
-                          os.path.join(os.path.realpath(root), "").startswith(dataset))
+                          _read_by_run(self.dataset, root, predictions.paths))
+
+
+def _read_by_run(dataset: str, folder: Path, paths: list[str]) -> bool:
+    """Whether a run whose dataset.root was `dataset` read `folder`'s files `paths` to train or validate: the
+    folder lies in its dataset's, or its CSV file (where it is still there) lists one of them for either."""
+    root = Path(dataset)
+    if not is_manifest(root):
+        return os.path.join(os.path.realpath(folder), "").startswith(os.path.join(os.path.realpath(root), ""))
+    try:
+        rows, _ = manifest_rows(root)
+    except StageError:  # moved or changed since: nothing to tell
+        return False
+    read = {path for path, _, split in rows if split in ("", Split.TRAIN.value, Split.VAL.value)}
+    return any(os.path.abspath(path) in read for path in paths)
 
 
 class PredictError(UserError):
@@ -201,7 +215,7 @@ def load_ensemble(run: str | Path, checkpoint: str = "best", device: str = "cpu"
         raise PredictError(f"{folder}: no member has a {checkpoint} checkpoint ({', '.join(left_out)} given up)")
     config = results["config"]
     preprocessing = file_preprocessing(config["pipeline"]["stages"], config["seed"], results["dataset"]["root"])
-    return TrainedEnsemble(classes, members, left_out, checkpoint, preprocessing, where,
+    return TrainedEnsemble(classes, members, left_out, checkpoint, preprocessing, results["dataset"]["root"], where,
                            Precision(config["trainer"]["precision"]))
 
 
@@ -336,8 +350,8 @@ def _print_evaluation(ensemble: TrainedEnsemble, evaluation: Evaluation) -> None
     for path in evaluation.unread:
         print(f"not read: {path} (only the files in class folders are)", file=sys.stderr)
     if evaluation.in_dataset:
-        print(f"note: {evaluation.folder} lies in the run's dataset ({ensemble.preprocessing.root}), whose files "
-              "it trained or validated on: these accuracies are not a held-out set's", file=sys.stderr)
+        print(f"note: {evaluation.folder} holds files the run trained or validated on (its dataset, "
+              f"{ensemble.dataset}): these accuracies are not a held-out set's", file=sys.stderr)
     width = max(len("ensemble"), *map(len, ensemble.members))
     print(f"{evaluation.folder}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, "
           f"each member's {ensemble.checkpoint} checkpoint")

@@ -84,6 +84,7 @@ class RunInputs:
                 "train_images": source.num_items(Split.TRAIN), "val_images": source.num_items(Split.VAL),
                 "split": source.split.summary(),
                 "unread_folders": source.unread,
+                "unread_rows": source.unread_rows,
                 "classes_without_training_images": source.classes_without(Split.TRAIN, skipped)}
 
 
@@ -627,11 +628,13 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
     if source.unread:
         shown = ", ".join(source.unread[:3]) + (f" and {len(source.unread) - 3} more" if len(source.unread) > 3 else "")
         size += f"; not read: {len(source.unread)} folder(s) inside class folders ({shown})"
+    if source.unread_rows:
+        size += "; not read: " + ", ".join(f"{count} rows of split {split}" for split, count in source.unread_rows.items())
     if dataset.synthetic:
         made = "generated now" if dataset.generated_now else "generated earlier"
         console.print(f"[bold yellow]dataset[/]  SYNTHETIC stand-in for {cfg.dataset.name} ({made}) at "
                       f"{dataset.root}: {size}. No {cfg.dataset.name} was found there; to train on real data "
-                      "set dataset.root=/path/to/256_ObjectCategories (any ImageFolder tree)")
+                      "set dataset.root=/path/to/256_ObjectCategories (any ImageFolder tree, or a CSV file listing images)")
     else:
         console.print(f"[bold]dataset[/]  {cfg.dataset.name} at {dataset.root}: {size}")
     sinks = ", ".join(f"{name} {spec.item_shape[0]}px" for name, spec in graph.sinks.items())

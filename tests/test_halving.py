@@ -83,16 +83,21 @@ def test_a_member_alone_in_its_group_leaves_culled_not_converged(tmp_path, monke
 
 
 @pytest.mark.slow
-def test_a_real_run_culls_at_each_rung_and_culled_members_train_no_further_epoch(tiny_dataset, tmp_path):
+def test_a_real_run_culls_at_each_rung_and_culled_members_train_no_further_epoch(tiny_manifest, tmp_path):
     """The default ensemble's 4 models, eta 2 from epoch 1, 3 epochs at most: 2 culled after epoch 1, 1 after
-    epoch 2, 1 trains all 3; each culled member keeps its last checkpoint and its tracking stops there."""
+    epoch 2, 1 trains all 3; each culled member keeps its last checkpoint and its tracking stops there. (The
+    dataset a CSV file with a split column: the run reads its train and val rows, and says what it left.)"""
     from pipeline.run import run
     from tests.conftest import compose_config
 
-    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_dataset}", "dataset.synthetic=never",
+    cfg = compose_config(["+ensemble=caltech256", f"dataset.root={tiny_manifest}", "dataset.synthetic=never",
                           "pipeline.batch_size=16", "pipeline.image_size=32", "pipeline.alt_image_size=24",
                           "cluster.workers=2", "trainer.epochs=3", "scheduler.halving.eta=2"])
     results = json.loads(json.dumps(run(cfg, tmp_path), default=str))
+    dataset = results["dataset"]
+    assert (dataset["root"], dataset["train_images"], dataset["val_images"]) == (str(tiny_manifest), 4 * 12, 4 * 3)
+    assert dataset["split"] == {"source": "column", "manifest": str(tiny_manifest)}
+    assert dataset["unread_rows"] == {"test": 4}
     models = {m["name"]: m for m in results["models"]}
     assert sorted(m["epochs"] for m in models.values()) == [1, 1, 2, 3]
     assert [m["culled"] for m in models.values()] == [m["epochs"] < 3 for m in models.values()]

@@ -194,3 +194,36 @@ def test_a_file_one_branch_rejects_is_left_out_of_every_branchs_images(bad_datas
     with pytest.raises(GraphError, match=r"^pipeline.stages.alt: its batch of 4 files to predict holds other files "
                                          r"or another order than it was given: a stage on its branch"):
         doubling(files)  # rows that would go to the wrong files
+
+
+def test_a_run_on_a_csv_file_evaluates_as_it_read_and_knows_the_images_it_listed(tmp_path, tiny_manifest,
+                                                                               tiny_dataset):
+    """A run's dataset.root a CSV file: its stages see paths relative to the file's folder, as the run's did;
+    a folder holding images it listed for training or validation is noted as not held out, one holding only
+    those of its test rows is not."""
+    cfg = compose_config(["+ensemble=caltech256"])
+    member = expand_ensemble(cfg.ensemble, 0)[0]
+    classes = sorted(path.name for path in tiny_dataset.iterdir() if path.is_dir())
+    checkpoint_path(tmp_path / "checkpoints", member.name, 1).parent.mkdir(parents=True)
+    torch.save({"model": build_module(member, len(classes), 64).state_dict(), "member": asdict(member)},
+               checkpoint_path(tmp_path / "checkpoints", member.name, 1))
+    write(tmp_path, {"config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                     "dataset": {"class_names": classes, "root": str(tiny_manifest)},
+                     "models": [{"name": member.name, "input": member.input, "image_size": 64,
+                                 "best_checkpoint": {"epochs": 1}}]})
+    ensemble = load_ensemble(tmp_path)
+    assert ensemble.preprocessing.root == f"{tiny_manifest.parent}/"
+    assert ensemble.evaluate(tiny_dataset).in_dataset
+    test = tmp_path / "test"
+    for line in tiny_manifest.read_text().splitlines()[1:]:
+        path, label, split = line.split(",")
+        if split == "test":
+            (test / label).mkdir(parents=True)
+            shutil.copy(tiny_manifest.parent / path, test / label)
+    evaluation = ensemble.evaluate(test)
+    assert sum(evaluation.files.values()) == 4 and not evaluation.in_dataset
+    tiny_manifest.rename(tmp_path / "moved.csv")  # gone since the run: nothing to tell
+    try:
+        assert not ensemble.evaluate(tiny_dataset).in_dataset
+    finally:
+        (tmp_path / "moved.csv").rename(tiny_manifest)

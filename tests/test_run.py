@@ -247,7 +247,7 @@ def test_the_command_predicts_files_and_scores_a_held_out_folder_of_class_folder
     main([str(out), "--evaluate", str(own), "--on-error", "skip"])
     printed = capsys.readouterr()
     assert printed.out.startswith(f"{own}: ")
-    assert f"lies in the run's dataset ({os.path.join(dataset.root, '')}), whose files it trained or validated" in (
+    assert f"holds files the run trained or validated on (its dataset, {dataset.root}): these accuracies" in (
         printed.err)
 
     refused = command("--evaluate", test)
