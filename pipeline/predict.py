@@ -6,10 +6,10 @@ are judged as the run judged its validation images.
     ensemble = load_ensemble("outputs/2026-12-02/10-19-18")
     predictions = ensemble.predict(["cat.jpg", "dog.png"])
     ensemble.class_names[predictions.probabilities[0].argmax()]  # the members' mean softmax
-    ensemble.evaluate("data/test").accuracy  # a held-out folder of class folders
+    ensemble.evaluate("data/test").accuracy  # a held-out folder of class folders, or a CSV file listing images
 
 `python -m pipeline.predict RUN FILES_OR_FOLDERS... [--top k]` writes the predictions as CSV;
-`python -m pipeline.predict RUN --evaluate FOLDER` prints the accuracies (`--help`).
+`python -m pipeline.predict RUN --evaluate FOLDER_OR_CSV` prints the accuracies (`--help`).
 """
 from __future__ import annotations
 
@@ -62,15 +62,17 @@ class Predictions:
 
 @dataclass
 class Evaluation:
-    """How the ensemble and each member classify a folder of class folders (TrainedEnsemble.evaluate)."""
+    """How the ensemble and each member classify a folder of class folders or the images a CSV file lists
+    (TrainedEnsemble.evaluate)."""
 
-    folder: str
+    source: str  # the folder or the CSV file
     files: dict[str, int]  # files scored, by class (those skipped not counted; a class without any not named)
-    accuracy: float  # the ensemble's: the share of files whose most likely class is their folder's
+    accuracy: float  # the ensemble's: the share of files whose most likely class is their label
     member_accuracy: dict[str, float]
     skipped: dict[str, str]  # each file that could not be used (on_error="skip"): why
     unread: list[str]  # files beside the class folders, folders inside them: not read
-    in_dataset: bool  # the folder holds files the run trained or validated on (_read_by_run): not held out
+    unread_rows: dict[str, int]  # a CSV file's rows of the splits a run on it read (train, val), by split
+    in_dataset: bool  # it holds files the run trained or validated on (_read_by_run): not held out
 
 
 @dataclass
@@ -116,30 +118,23 @@ class TrainedEnsemble:
         return Predictions(kept, {name: np.concatenate(chunks) if chunks else empty
                                   for name, chunks in parts.items()}, skipped)
 
-    def evaluate(self, folder: str | Path, batch_size: int = 64, on_error: str = "fail") -> Evaluation:
-        """The ensemble's and each member's accuracy on `folder`, a folder of class folders named as the
-        run's classes (`<folder>/<class>/<image>`; all of them or some): a held-out test set the run never
-        read. A file that cannot be used is an error naming it, or is left out (on_error="skip")."""
-        root = Path(folder)
-        if not root.is_dir():
-            raise PredictError(f"{root} is not a folder: give a folder of class folders (<folder>/<class>/<image>)")
-        classes, unread = class_files(root)
+    def evaluate(self, source: str | Path, batch_size: int = 64, on_error: str = "fail") -> Evaluation:
+        """The ensemble's and each member's accuracy on `source`, a held-out test set the run never read: a
+        folder of class folders named as the run's classes (`<folder>/<class>/<image>`; all of them or some),
+        or a CSV file listing labelled images as a dataset.root does (`path,label[,split]`; with a split
+        column, its rows of other splits than train and val: those a run on it did not read). A file that
+        cannot be used is an error naming it, or is left out (on_error="skip")."""
+        root = Path(source)
         labels = {name: label for label, name in enumerate(self.class_names)}
-        unknown = [name for name in classes if name not in labels]
-        holding_folders = {os.path.relpath(path, root).split(os.sep)[0] for path in unread}
-        if unknown and all(not classes[name] and name in holding_folders for name in unknown):  # a split dataset's
-            raise PredictError(f"{root} holds folders of folders ({', '.join(unknown[:5])}): give the one of class "
-                               f"folders to score, e.g. {root / unknown[-1]}")
-        if unknown:
-            raise PredictError(f"{root}: class folder(s) {', '.join(unknown[:5])}"
-                               + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-                               + f" are none of the run's {len(labels)} classes ({', '.join(self.class_names[:5])}"
-                               + (", ..." if len(labels) > 5 else "") + "): give a folder of class folders named "
-                               "as the run's (<folder>/<class>/<image>)")
+        if is_manifest(root):
+            (classes, unread_rows), unread = self._listed(root, labels), []
+        elif root.is_dir():
+            classes, unread = self._class_folders(root, labels)
+            unread_rows = {}
+        else:
+            raise PredictError(f"{root} is not a folder: give a folder of class folders (<folder>/<class>/<image>) "
+                               "or a CSV file listing labelled images (path,label)")
         truth = {path: labels[name] for name, paths in classes.items() for path in paths}
-        if not truth:
-            raise PredictError(f"{root} holds no class folders with files: give a folder of class folders "
-                               "(<folder>/<class>/<image>), named as the run's classes")
         predictions = self.predict(list(truth), batch_size, on_error)
         if not predictions.paths:
             path, why = next(iter(predictions.skipped.items()))
@@ -150,27 +145,76 @@ class TrainedEnsemble:
             return float((probabilities.argmax(axis=1) == expected).mean())
 
         counts = np.bincount(expected, minlength=len(labels))
-        with os.scandir(root) as entries:
-            beside = sorted(entry.path for entry in entries if not entry.is_dir() and not hidden(entry.name))
         return Evaluation(str(root), {name: int(counts[labels[name]]) for name in classes if counts[labels[name]]},
                           accuracy(predictions.probabilities),
                           {name: accuracy(p) for name, p in predictions.members.items()},
-                          predictions.skipped, beside + unread,
-                          _read_by_run(self.dataset, root, predictions.paths))
+                          predictions.skipped, unread, unread_rows, _read_by_run(self.dataset, predictions.paths))
+
+    def _class_folders(self, root: Path, labels: dict[str, int]) -> tuple[dict[str, list[str]], list[str]]:
+        """`root`'s class folders' files, by class, all of them the run's classes; the files beside the
+        class folders and the folders inside them, not read."""
+        classes, unread = class_files(root)
+        unknown = [name for name in classes if name not in labels]
+        holding_folders = {os.path.relpath(path, root).split(os.sep)[0] for path in unread}
+        if unknown and all(not classes[name] and name in holding_folders for name in unknown):  # a split dataset's
+            raise PredictError(f"{root} holds folders of folders ({', '.join(unknown[:5])}): give the one of class "
+                               f"folders to score, e.g. {root / unknown[-1]}")
+        if unknown:
+            raise PredictError(f"{root}: class folder(s) {self._none_of_the_runs(unknown)}: give a folder of class "
+                               "folders named as the run's (<folder>/<class>/<image>)")
+        if not any(classes.values()):
+            raise PredictError(f"{root} holds no class folders with files: give a folder of class folders "
+                               "(<folder>/<class>/<image>), named as the run's classes")
+        with os.scandir(root) as entries:
+            beside = sorted(entry.path for entry in entries if not entry.is_dir() and not hidden(entry.name))
+        return classes, beside + unread
+
+    def _listed(self, manifest: Path, labels: dict[str, int]) -> tuple[dict[str, list[str]], dict[str, int]]:
+        """A CSV file's images to score, by class, all of them the run's classes: its rows, or with a split
+        column those of other splits than train and val; the rows left, by split."""
+        try:
+            rows, has_split = manifest_rows(manifest, "--evaluate")
+        except StageError as err:
+            raise PredictError(str(err)) from None
+        classes, left = {}, {}
+        for path, label, split in rows:
+            if has_split and split in (Split.TRAIN.value, Split.VAL.value):
+                left[split] = left.get(split, 0) + 1
+            else:
+                classes.setdefault(label, []).append(path)
+        if not classes:
+            raise PredictError(f"{manifest}: its rows are all train or val ones, which a run on it reads; mark the "
+                               "held-out ones test in its split column, or give a file that lists them")
+        unknown = sorted(set(classes) - set(labels))
+        if unknown:
+            raise PredictError(f"{manifest}: label(s) {self._none_of_the_runs(unknown)}: give images of the run's "
+                               "classes, labelled with their names")
+        return classes, dict(sorted(left.items()))
+
+    def _none_of_the_runs(self, unknown: list[str]) -> str:
+        """`unknown` names (the first five) and that they are none of the run's classes (its first five)."""
+        return (f"{', '.join(unknown[:5])}" + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+                + f" are none of the run's {len(self.class_names)} classes ({', '.join(self.class_names[:5])}"
+                + (", ..." if len(self.class_names) > 5 else "") + ")")
 
 
-def _read_by_run(dataset: str, folder: Path, paths: list[str]) -> bool:
-    """Whether a run whose dataset.root was `dataset` read `folder`'s files `paths` to train or validate: the
-    folder lies in its dataset's, or its CSV file (where it is still there) lists one of them for either."""
+def _read_by_run(dataset: str, paths: list[str]) -> bool:
+    """Whether a run whose dataset.root was `dataset` trained or validated on any of the files `paths`: one
+    lies in its folder, or its CSV file (where it is still there) lists one for either. Links to folders are
+    followed, links to files are not (a folder of links into the dataset is a test set of its own)."""
+    def where(path: str) -> str:
+        return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+
     root = Path(dataset)
     if not is_manifest(root):
-        return os.path.join(os.path.realpath(folder), "").startswith(os.path.join(os.path.realpath(root), ""))
+        folder = os.path.join(os.path.realpath(root), "")
+        return any(where(path).startswith(folder) for path in paths)
     try:
-        rows, _ = manifest_rows(root)
+        rows, _ = manifest_rows(root, "dataset.root")
     except StageError:  # moved or changed since: nothing to tell
         return False
-    read = {path for path, _, split in rows if split in ("", Split.TRAIN.value, Split.VAL.value)}
-    return any(os.path.abspath(path) in read for path in paths)
+    read = {where(path) for path, _, split in rows if split in ("", Split.TRAIN.value, Split.VAL.value)}
+    return any(where(path) in read for path in paths)
 
 
 class PredictError(UserError):
@@ -261,13 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.predict", description=(
         "Use the ensemble a run left, each member at its best (or last) checkpoint, files made as the run made "
         "its validation images: print each file's most likely classes as CSV, or, with --evaluate, score a "
-        "folder of class folders the run never read (a held-out test set). A reader that goes away (| head) "
+        "folder of class folders or a CSV file of labelled images the run never read (a held-out test set). A reader that goes away (| head) "
         "ends it with code 141; the rows written before a file it cannot use stay."))
     parser.add_argument("run", help="the run's output folder (its results.json and checkpoints/)")
     parser.add_argument("paths", nargs="*", help="image files, or folders: every file inside, hidden ones aside")
-    parser.add_argument("--evaluate", metavar="FOLDER", help="score FOLDER (<FOLDER>/<class>/<image>, class folders "
-                                                             "named as the run's) instead: the ensemble's and each "
-                                                             "member's accuracy")
+    parser.add_argument("--evaluate", metavar="FOLDER_OR_CSV",
+                        help="score FOLDER (<FOLDER>/<class>/<image>, class folders named as the run's) or the images "
+                             "a CSV file lists (path,label; with a split column, its rows but train and val) "
+                             "instead: the ensemble's and each member's accuracy")
     parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
                         help="each member's best checkpoint (the highest validation accuracy) or its last")
     parser.add_argument("--top", type=int, help="classes given per file, the most likely first (default 1)")
@@ -277,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a file that cannot be used: fail stops, naming it; skip leaves it out, named on stderr")
     args = parser.parse_args(argv)
     if bool(args.paths) == bool(args.evaluate):
-        parser.error("give the image files or folders to predict, or --evaluate FOLDER (one of the two)")
+        parser.error("give the image files or folders to predict, or --evaluate FOLDER_OR_CSV (one of the two)")
     if args.evaluate and args.top is not None:
         parser.error("--top is for predictions: --evaluate scores each file's most likely class")
     if (args.top is not None and args.top < 1) or args.batch_size < 1:
@@ -349,11 +394,15 @@ def _print_evaluation(ensemble: TrainedEnsemble, evaluation: Evaluation) -> None
         print(f"skipped {path}: {why}", file=sys.stderr)
     for path in evaluation.unread:
         print(f"not read: {path} (only the files in class folders are)", file=sys.stderr)
+    if evaluation.unread_rows:
+        print("not read: " + ", ".join(f"{count} rows of split {split}" for split, count in
+                                      evaluation.unread_rows.items()) + " (a run on the file reads them)",
+              file=sys.stderr)
     if evaluation.in_dataset:
-        print(f"note: {evaluation.folder} holds files the run trained or validated on (its dataset, "
+        print(f"note: {evaluation.source} holds files the run trained or validated on (its dataset, "
               f"{ensemble.dataset}): these accuracies are not a held-out set's", file=sys.stderr)
     width = max(len("ensemble"), *map(len, ensemble.members))
-    print(f"{evaluation.folder}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, "
+    print(f"{evaluation.source}: {sum(evaluation.files.values())} files of {len(evaluation.files)} classes, "
           f"each member's {ensemble.checkpoint} checkpoint")
     print(f"{'ensemble':<{width}}  {evaluation.accuracy:.4f}")
     for name, accuracy in evaluation.member_accuracy.items():

@@ -168,7 +168,7 @@ class ImageFolder(Stage):
         """A CSV file listing the images (MANIFEST_COLUMNS, and SPLIT_COLUMN if the file splits them itself):
         without a split column, split per class as a folder of classes is (by val_per_class, else 0.1); with
         one, as a dataset split in folders (its classes are the training rows')."""
-        rows, has_split = manifest_rows(manifest)
+        rows, has_split = manifest_rows(manifest, "dataset.root")
         by_split: dict[str, dict[str, list[str]]] = {}
         for path, label, split in rows:
             by_split.setdefault(split, {}).setdefault(label, []).append(path)
@@ -320,14 +320,15 @@ def dataset_folder(root: str) -> str:
     return os.path.join(str(path.parent if is_manifest(path) else path), "")
 
 
-def manifest_rows(manifest: Path) -> tuple[list[tuple[str, str, str]], bool]:
+def manifest_rows(manifest: Path, key: str) -> tuple[list[tuple[str, str, str]], bool]:
     """A dataset CSV file's (path, label, split) rows, paths made absolute from the file's folder, split
     Split.TRAIN's or Split.VAL's value for the names of TRAIN_FOLDERS and VAL_FOLDERS, "" without a split
     column, else the name given, lowercased; and whether it has one. A UTF-8 file (Excel's byte-order mark
     allowed), its first line the header. A row it cannot use (a field missing or empty, more fields than
-    the header, a path listed twice, no such file) is an error naming its line: no image is dropped unsaid."""
+    the header, a path listed twice, no such file) is an error naming its line: no image is dropped unsaid.
+    `key`: where the file was given (dataset.root), as errors name it."""
     def error(why: str) -> StageError:
-        return StageError(f"dataset.root {manifest}: {why}")
+        return StageError(f"{key} {manifest}: {why}")
 
     folder = manifest.parent
     rows, lines = [], {}
@@ -365,8 +366,7 @@ def manifest_rows(manifest: Path) -> tuple[list[tuple[str, str, str]], bool]:
                          else split)
                 rows.append((path, values[1], split))
     except FileNotFoundError:
-        raise error("no such file; set dataset.root to the CSV file listing the images, or to a folder of "
-                    "class folders") from None
+        raise error("no such file; give the CSV file listing the images, or a folder of class folders") from None
     except (UnicodeDecodeError, csv.Error) as err:
         raise error(f"not a UTF-8 CSV file ({type(err).__name__}: {err}); save it as CSV (UTF-8)") from None
     except PermissionError as err:

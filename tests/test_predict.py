@@ -145,7 +145,7 @@ def test_the_command_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
         assert ended.value.code == 2
         return capsys.readouterr().err.strip().splitlines()[-1]
 
-    assert error(tmp_path).endswith("give the image files or folders to predict, or --evaluate FOLDER (one of the two)")
+    assert error(tmp_path).endswith("give the image files or folders to predict, or --evaluate FOLDER_OR_CSV (one of the two)")
     assert error(tmp_path, "x.jpg", "--evaluate", tmp_path).endswith("(one of the two)")
     assert error(tmp_path, "x.jpg", "--top", 0).endswith("--top and --batch-size must be >= 1")
     assert error(tmp_path, "--evaluate", tmp_path, "--top", 2).endswith("--top is for predictions: --evaluate "
@@ -197,10 +197,10 @@ def test_a_file_one_branch_rejects_is_left_out_of_every_branchs_images(bad_datas
 
 
 def test_a_run_on_a_csv_file_evaluates_as_it_read_and_knows_the_images_it_listed(tmp_path, tiny_manifest,
-                                                                               tiny_dataset):
+                                                                               tiny_dataset, capsys):
     """A run's dataset.root a CSV file: its stages see paths relative to the file's folder, as the run's did;
-    a folder holding images it listed for training or validation is noted as not held out, one holding only
-    those of its test rows is not."""
+    evaluated on that file, the ensemble scores its test rows; a folder or file holding images it listed for
+    training or validation is noted as not held out, one holding only those of its test rows is not."""
     cfg = compose_config(["+ensemble=caltech256"])
     member = expand_ensemble(cfg.ensemble, 0)[0]
     classes = sorted(path.name for path in tiny_dataset.iterdir() if path.is_dir())
@@ -214,14 +214,35 @@ def test_a_run_on_a_csv_file_evaluates_as_it_read_and_knows_the_images_it_listed
     ensemble = load_ensemble(tmp_path)
     assert ensemble.preprocessing.root == f"{tiny_manifest.parent}/"
     assert ensemble.evaluate(tiny_dataset).in_dataset
-    test = tmp_path / "test"
-    for line in tiny_manifest.read_text().splitlines()[1:]:
-        path, label, split = line.split(",")
+    held_out = ensemble.evaluate(tiny_manifest)  # its test rows
+    assert held_out.files == dict.fromkeys(classes, 1) and held_out.unread_rows == {"train": 48, "val": 12}
+    assert not held_out.in_dataset
+    main([str(tmp_path), "--evaluate", str(tiny_manifest)])
+    printed = capsys.readouterr()
+    assert printed.err == "not read: 48 rows of split train, 12 rows of split val (a run on the file reads them)\n"
+    assert printed.out.startswith(f"{tiny_manifest}: 4 files of 4 classes, each member's best checkpoint\n")
+
+    test, rows = tmp_path / "test", [line.split(",") for line in tiny_manifest.read_text().splitlines()[1:]]
+    for path, label, split in rows:
         if split == "test":
             (test / label).mkdir(parents=True)
             shutil.copy(tiny_manifest.parent / path, test / label)
-    evaluation = ensemble.evaluate(test)
-    assert sum(evaluation.files.values()) == 4 and not evaluation.in_dataset
+    copied = ensemble.evaluate(test)
+    assert sum(copied.files.values()) == 4 and not copied.in_dataset
+    assert copied.accuracy == held_out.accuracy  # the same images, judged alike
+    listed = tmp_path / "listed.csv"  # no split column: every row scored
+    listed.write_text("path,label\n" + "".join(f"{tiny_manifest.parent / path},{label}\n" for path, label, split
+                                               in rows if split != "train"))
+    evaluation = ensemble.evaluate(listed)
+    assert sum(evaluation.files.values()) == 16 and evaluation.unread_rows == {} and evaluation.in_dataset
+    for text, error in [("path,label\n{a},zebra\n", r"label\(s\) zebra are none of the run's 4 classes \(.*\): "
+                                                     r"give images of the run's classes"),
+                        ("path,label,split\n{a},{c},val\n", r"its rows are all train or val ones, which a run on it "
+                                                           r"reads; mark the held-out ones test"),
+                        ("path,label\n{a}\n", r"line 2 gives no label")]:
+        listed.write_text(text.format(a=tiny_manifest.parent / rows[0][0], c=classes[0]))
+        with pytest.raises(PredictError, match=rf"^(--evaluate )?{listed}: {error}"):
+            ensemble.evaluate(listed)
     tiny_manifest.rename(tmp_path / "moved.csv")  # gone since the run: nothing to tell
     try:
         assert not ensemble.evaluate(tiny_dataset).in_dataset

@@ -343,7 +343,7 @@ def test_a_csv_root_that_is_not_there_is_an_error_and_no_stand_in_is_made_there(
     from pipeline.data.dataset import DatasetError, Synthetic, prepare_dataset
 
     manifest = tmp_path / "images.csv"
-    with pytest.raises(StageError, match=rf"^dataset.root {manifest}: no such file; set dataset.root to the CSV"):
+    with pytest.raises(StageError, match=rf"^dataset.root {manifest}: no such file; give the CSV file listing"):
         ImageFolder(root=str(manifest), batch_size=8)
     with pytest.raises(DatasetError, match=rf"^dataset.root {manifest}: no such file; set dataset.root to the "
                                            r"CSV file listing the images \(path,label\[,split\]\)"):
