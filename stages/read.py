@@ -342,6 +342,10 @@ def manifest_rows(manifest: Path, key: str) -> tuple[list[tuple[str, str, str]],
                             f"{' or '.join(missing)} column; its first line must name the columns path (the "
                             f"image file, relative to the CSV file's folder), label (its class) and optionally "
                             f"{SPLIT_COLUMN} ({TRAIN_FOLDERS[0]} or {VAL_FOLDERS[0]})")
+            twice = sorted({name for name in header if name in (*MANIFEST_COLUMNS, SPLIT_COLUMN)
+                            and header.count(name) > 1})
+            if twice:
+                raise error(f"its header names the {' and '.join(twice)} column twice; rename or remove one")
             has_split = SPLIT_COLUMN in header
             columns = [header.index(name) for name in (*MANIFEST_COLUMNS, SPLIT_COLUMN) if name in header]
             for fields in reader:

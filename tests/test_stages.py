@@ -315,6 +315,7 @@ def test_a_csv_file_as_spreadsheets_save_it_is_read(tiny_dataset, tmp_path):
                               r"columns path \(the image file, relative to the CSV file's folder\), label"),
     ("", r"its header \(an empty first line\) names no path or label column"),
     ("path,label\n", r"lists no images below its header; add a line per image \(path,label\)"),
+    ("path,label,Path\n{a},x,{b}\n", r"its header names the path column twice; rename or remove one"),
     ("path,label\n{a},x\n{b},\n", r"line 3 gives no label; give every image its path, label or remove the line"),
     ("path,label\n{a},x,y\n", r"line 2 has 3 fields, its header 2; quote a field that holds a comma"),
     ("path,label\n{a},x\n\n./{a},y\n", r"lines 2 and 4 both list ./a.jpg; list each image once"),
