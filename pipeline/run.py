@@ -629,7 +629,8 @@ def _print_header(console: Console, cfg: DictConfig, inputs: RunInputs, device_k
         shown = ", ".join(source.unread[:3]) + (f" and {len(source.unread) - 3} more" if len(source.unread) > 3 else "")
         size += f"; not read: {len(source.unread)} folder(s) inside class folders ({shown})"
     if source.unread_rows:
-        size += "; not read: " + ", ".join(f"{count} rows of split {split}" for split, count in source.unread_rows.items())
+        size += "; not read: " + ", ".join(f"{count} rows of split {split}"
+                                           for split, count in source.unread_rows.items())
     if dataset.synthetic:
         made = "generated now" if dataset.generated_now else "generated earlier"
         console.print(f"[bold yellow]dataset[/]  SYNTHETIC stand-in for {cfg.dataset.name} ({made}) at "

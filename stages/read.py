@@ -182,12 +182,12 @@ class ImageFolder(Stage):
                              "class by it instead")
         train, val = by_split.pop(Split.TRAIN.value, {}), by_split.pop(Split.VAL.value, {})
         if not train:
-            raise StageError(f"dataset.root {manifest}: lists no image whose {SPLIT_COLUMN} is {' or '.join(TRAIN_FOLDERS)}: "
-                             "nothing to train on; mark the training rows so")
+            raise StageError(f"dataset.root {manifest}: lists no image whose {SPLIT_COLUMN} is "
+                             f"{' or '.join(TRAIN_FOLDERS)}: nothing to train on; mark the training rows so")
         unknown = sorted(set(val) - set(train))
         if unknown:
-            raise StageError(f"dataset.root {manifest}: class(es) {', '.join(unknown[:5])} have validation rows but none to "
-                             "train on; add their training rows or remove their validation rows")
+            raise StageError(f"dataset.root {manifest}: class(es) {', '.join(unknown[:5])} have validation rows but "
+                             "none to train on; add their training rows or remove their validation rows")
         self.split = SplitChoice("column", manifest=str(manifest))
         train = _in_label_order(train)
         self.class_names = list(train)
